@@ -1,0 +1,170 @@
+"""The ``fxstream`` command line (``./fx`` runs it): up, down, status, test, bench."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fxstream.ops.config import ConfigError, PlatformConfig, repo_root
+from fxstream.ops.install import InstallError, ensure_requirements
+from fxstream.ops.platform import Platform, PlatformError, PlatformStatus
+from fxstream.ops.process import ProcessStartError
+from fxstream.topics import ProvisionError
+
+__all__ = ["app", "main"]
+
+app = typer.Typer(
+    help="fxstream: a federated function-as-a-service on Apache Kafka.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+bench_app = typer.Typer(help="Benchmarks: each prints a table and, last, one JSON line.")
+app.add_typer(bench_app, name="bench")
+
+console = Console()
+err = Console(stderr=True)
+
+# The Python packages whose style and types `fxstream test` checks before the tests run.
+PACKAGE_DIRS = ("topics", "service", "endpoint-agent", "stream-sdk", "connectors", "ops")
+
+
+def _config() -> PlatformConfig:
+    try:
+        return PlatformConfig.load()
+    except ConfigError as exc:
+        err.print(f"[red]configuration error:[/red] {exc}")
+        raise typer.Exit(2) from exc
+
+
+def _print_status(status: PlatformStatus) -> None:
+    table = Table(title=f"fxstream platform ({status.mode or 'stopped'})")
+    for column in ("component", "address", "pid", "health"):
+        table.add_column(column)
+    for c in status.components:
+        health = "[green]healthy[/green]" if c.healthy else f"[red]{c.detail or 'unhealthy'}[/red]"
+        table.add_row(c.name, c.address, str(c.pid or "-"), health)
+    console.print(table)
+    if status.topics is not None:
+        present = len(status.topics.unchanged) + len(status.topics.created)
+        console.print(f"topics: {present} as specified", end="")
+        if status.topics.missing:
+            console.print(f", [red]missing: {', '.join(status.topics.missing)}[/red]", end="")
+        console.print()
+        for drift in status.topics.drifted:
+            console.print(f"[yellow]drift:[/yellow] {drift}")
+    if status.topics_error:
+        console.print(f"[red]{status.topics_error}[/red]")
+
+
+@app.command()
+def up(
+    cluster: Annotated[
+        bool, typer.Option("--cluster", help="Start the 3-broker KRaft cluster instead.")
+    ] = False,
+) -> None:
+    """Install what is missing, start Kafka and Redis in the background, provision topics."""
+    config = _config()
+    platform = Platform(config)
+    try:
+        with console.status("starting fxstream") as spinner:
+            connection = platform.up(
+                cluster=cluster, step=lambda text: spinner.update(f"[bold]{text}")
+            )
+    except (InstallError, PlatformError, ProcessStartError, ProvisionError, TimeoutError) as exc:
+        err.print(f"[red]fxstream up failed:[/red] {exc}")
+        err.print(f"logs: {config.home / 'logs'}")
+        raise typer.Exit(1) from exc
+    _print_status(platform.status())
+    console.print(f"Kafka bootstrap servers: [bold]{connection.bootstrap_servers}[/bold]")
+    console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
+    console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")
+    console.print("stop everything with [bold]./fx down[/bold]")
+
+
+@app.command()
+def down() -> None:
+    """Stop every process the platform started (by PID) and wait for each to exit."""
+    stopped = Platform(_config()).down()
+    if stopped:
+        for what in stopped:
+            console.print(f"stopped {what}")
+    else:
+        console.print("nothing was running")
+
+
+@app.command()
+def status(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """Say what runs and whether it is healthy; exit 1 unless everything is healthy."""
+    result = Platform(_config()).status()
+    if as_json:
+        print(result.to_json())
+    else:
+        _print_status(result)
+    if not result.healthy:
+        raise typer.Exit(1)
+
+
+def _run(step: str, argv: list[str]) -> None:
+    console.rule(f"[bold]{step}")
+    done = subprocess.run(argv, cwd=repo_root())
+    if done.returncode != 0:
+        err.print(f"[red]{step} failed (exit {done.returncode})[/red]")
+        raise typer.Exit(done.returncode)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def test(ctx: typer.Context) -> None:
+    """Install what is missing, check style (ruff) and types (mypy), then run pytest.
+
+    Extra arguments go to pytest, e.g. ``./fx test -k topics -x``.
+    """
+    python = sys.executable
+    sources = [f"{d}/src" for d in PACKAGE_DIRS]
+    _run("ruff format --check", [python, "-m", "ruff", "format", "--check", *PACKAGE_DIRS, "tests"])
+    _run("ruff check", [python, "-m", "ruff", "check", *PACKAGE_DIRS, "tests"])
+    _run("mypy", [python, "-m", "mypy", *sources])
+    console.rule("[bold]requirements (Java, Apache Kafka, Redis)")
+    try:
+        for name, where in ensure_requirements(_config()).items():
+            console.print(f"{name}: {where}")
+    except InstallError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from exc
+    console.rule("[bold]pytest")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    done = subprocess.run([python, "-m", "pytest", *ctx.args], cwd=repo_root(), env=env)
+    raise typer.Exit(done.returncode)
+
+
+@bench_app.command("kafka")
+def bench_kafka(
+    records: Annotated[int, typer.Option(help="Records per throughput phase.")] = 200_000,
+    latency_samples: Annotated[int, typer.Option(help="Round trips timed for latency.")] = 2_000,
+    bootstrap: Annotated[
+        str | None,
+        typer.Option(help="Measure this broker instead of starting a private one."),
+    ] = None,
+) -> None:
+    """Raw Kafka limits on this machine: produce, consume, round trip, 3-hop relay."""
+    from fxstream.ops.bench.kafka import run_kafka_bench
+
+    run_kafka_bench(
+        console=console, records=records, latency_samples=latency_samples, bootstrap=bootstrap
+    )
+
+
+def main() -> None:
+    """Entry point of the ``fxstream`` script."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Where the local platform lives and listens: one config from defaults, a TOML file and env vars.
+
+Precedence, lowest first: built-in defaults, the TOML file
+(``$FXSTREAM_CONFIG``, else ``<home>/fxstream.toml``), then ``FXSTREAM_*``
+environment variables. The default home is a per-user state dir, so a test run
+(which points ``home`` at a temp dir and picks free ports) never touches the
+platform a user started.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, ClassVar
+
+__all__ = ["ConfigError", "PlatformConfig", "kafka_version", "repo_root"]
+
+_POM_NS = "{http://maven.apache.org/POM/4.0.0}"
+
+
+class ConfigError(ValueError):
+    """The platform configuration is invalid; the message names the setting to fix."""
+
+
+def repo_root() -> Path:
+    """The checkout this package runs from (it is installed editable by the uv workspace)."""
+    return Path(__file__).resolve().parents[4]
+
+
+def _default_home(env: Mapping[str, str]) -> Path:
+    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "fxstream"
+
+
+def _default_cache(env: Mapping[str, str]) -> Path:
+    cache = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache) / "fxstream"
+
+
+def kafka_version(broker_config_dir: Path) -> str:
+    """The Apache Kafka version pinned in ``broker-config/pom.xml`` (the one place it is set)."""
+    pom = broker_config_dir / "pom.xml"
+    root = ET.parse(pom).getroot()
+    node = root.find(f"{_POM_NS}properties/{_POM_NS}kafka.version")
+    if node is None or not (node.text or "").strip():
+        raise ConfigError(f"{pom} does not set <kafka.version>")
+    return (node.text or "").strip()
+
+
+@dataclass(frozen=True)
+class PlatformConfig:
+    """Ports, directories and names of one local platform."""
+
+    home: Path
+    cache_dir: Path
+    broker_config_dir: Path
+    kafka_port: int = 19092
+    controller_port: int = 19093
+    cluster_base_port: int = 19110
+    redis_port: int = 16379
+    kafka_heap_mb: int = 1024
+    topic_prefix: str = "fx."
+
+    # setting name -> environment variable; the TOML file uses the setting names.
+    ENV_VARS: ClassVar[dict[str, str]] = {
+        "home": "FXSTREAM_HOME",
+        "cache_dir": "FXSTREAM_CACHE_DIR",
+        "broker_config_dir": "FXSTREAM_BROKER_CONFIG_DIR",
+        "kafka_port": "FXSTREAM_KAFKA_PORT",
+        "controller_port": "FXSTREAM_CONTROLLER_PORT",
+        "cluster_base_port": "FXSTREAM_CLUSTER_BASE_PORT",
+        "redis_port": "FXSTREAM_REDIS_PORT",
+        "kafka_heap_mb": "FXSTREAM_KAFKA_HEAP_MB",
+        "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
+    }
+
+    @classmethod
+    def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PlatformConfig:
+        """Build the config from defaults, the TOML file, the environment and ``overrides``."""
+        env = os.environ if env is None else env
+        home = Path(overrides.get("home") or env.get("FXSTREAM_HOME") or _default_home(env))
+        values: dict[str, Any] = {
+            "home": home,
+            "cache_dir": _default_cache(env),
+            "broker_config_dir": repo_root() / "broker-config",
+        }
+        config_file = Path(env.get("FXSTREAM_CONFIG") or home / "fxstream.toml")
+        if config_file.is_file():
+            try:
+                file_values = tomllib.loads(config_file.read_text())
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"{config_file} is not valid TOML: {exc}") from exc
+            unknown = set(file_values) - {f.name for f in fields(cls)}
+            if unknown:
+                raise ConfigError(
+                    f"{config_file}: unknown setting(s) {sorted(unknown)}; "
+                    f"known: {sorted(cls.ENV_VARS)}"
+                )
+            values.update(file_values)
+        for name, var in cls.ENV_VARS.items():
+            if var in env and name != "home":
+                values[name] = env[var]
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls._coerce(values)
+
+    @classmethod
+    def _coerce(cls, values: dict[str, Any]) -> PlatformConfig:
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):
+            if f.name not in values:
+                continue
+            raw = values[f.name]
+            source = cls.ENV_VARS.get(f.name, f.name)
+            if f.name in {"home", "cache_dir", "broker_config_dir"}:
+                kwargs[f.name] = Path(raw).expanduser()
+            elif f.name == "topic_prefix":
+                kwargs[f.name] = str(raw)
+            else:
+                try:
+                    kwargs[f.name] = int(raw)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"{source} must be an integer, got {raw!r}") from exc
+        config = cls(**kwargs)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the setting when a value cannot work."""
+        ports = {
+            "kafka_port": self.kafka_port,
+            "controller_port": self.controller_port,
+            "redis_port": self.redis_port,
+        }
+        for name, port in ports.items():
+            if not 1024 <= port <= 65535:
+                raise ConfigError(f"{self.ENV_VARS[name]} must be a port in 1024-65535: {port}")
+        if len(set(ports.values())) != len(ports):
+            raise ConfigError(f"ports must differ: {ports}")
+        if self.kafka_heap_mb < 256:
+            raise ConfigError("FXSTREAM_KAFKA_HEAP_MB must be at least 256")
+
+    def with_overrides(self, **changes: Any) -> PlatformConfig:
+        """A copy with some settings changed (validated)."""
+        config = replace(self, **changes)
+        config.validate()
+        return config
+
+    @property
+    def kafka_version(self) -> str:
+        """The pinned Apache Kafka version."""
+        return kafka_version(self.broker_config_dir)
+
+    @property
+    def kafka_libs(self) -> Path:
+        """Where the broker's jars are cached (outside the repo, shared by checkouts)."""
+        return self.cache_dir / f"kafka-{self.kafka_version}" / "libs"
+
+    def cluster_ports(self, node_id: int) -> tuple[int, int]:
+        """(broker port, controller port) of node ``node_id`` (1-based) of the 3-node cluster."""
+        base = self.cluster_base_port + 2 * (node_id - 1)
+        return base, base + 1

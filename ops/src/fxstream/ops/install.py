@@ -1,0 +1,152 @@
+"""Install what the platform needs and is missing: Apache Kafka's jars, Redis, and checks for Java.
+
+Kafka is fetched by Maven from Maven Central with ``broker-config/pom.xml``
+into a cache outside the repo; Redis comes from Debian's ``redis-server``
+package. Each step is idempotent and cheap when there is nothing to do.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from fxstream.ops.config import PlatformConfig
+
+__all__ = [
+    "MIN_JAVA",
+    "InstallError",
+    "ensure_java",
+    "ensure_kafka",
+    "ensure_redis",
+    "ensure_requirements",
+]
+
+MIN_JAVA = 17
+_COMPLETE = ".complete"
+
+
+class InstallError(RuntimeError):
+    """A requirement is missing and could not be installed; the message says what to do."""
+
+
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
+def _apt_install(package: str, binary: str) -> str:
+    if not _is_root():
+        raise InstallError(
+            f"{binary} is not installed: install the Debian package {package!r} "
+            f"(sudo apt-get install -y {package}) and run again"
+        )
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", package]
+    done = subprocess.run(install, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        # A fresh machine has no package lists yet.
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
+        done = subprocess.run(install, env=env, capture_output=True, text=True)
+    path = shutil.which(binary) or (
+        f"/usr/bin/{binary}" if Path(f"/usr/bin/{binary}").exists() else None
+    )
+    if done.returncode != 0 or path is None:
+        raise InstallError(
+            f"apt-get could not install {package!r} (exit {done.returncode}):\n{done.stderr[-2000:]}"
+        )
+    return path
+
+
+def ensure_java() -> str:
+    """Return the ``java`` binary, checking it is Java 17 or newer."""
+    java = shutil.which("java")
+    if java is None:
+        raise InstallError(
+            f"Java {MIN_JAVA}+ is required to run Apache Kafka and none was found on PATH: "
+            "install a JDK or JRE (e.g. apt-get install -y openjdk-17-jre-headless)"
+        )
+    out = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', out)
+    if match is None:
+        raise InstallError(f"cannot tell the Java version from `java -version`: {out.strip()}")
+    major = int(match.group(1))
+    if major == 1 and match.group(2):  # "1.8" style
+        major = int(match.group(2))
+    if major < MIN_JAVA:
+        raise InstallError(
+            f"Java {MIN_JAVA}+ is required to run Apache Kafka; {java} is Java {major}: "
+            "install openjdk-17-jre-headless or newer and put it first on PATH"
+        )
+    return java
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def ensure_kafka(config: PlatformConfig) -> Path:
+    """Fetch the pinned Kafka broker jars with Maven unless cached; return the libs dir."""
+    libs = config.kafka_libs
+    if (libs / _COMPLETE).exists():
+        return libs
+    mvn = shutil.which("mvn") or _apt_install("maven", "mvn")
+    # Two processes (a test run and `fx up`) may fetch at once: one fetches, the other waits.
+    with _locked(libs.parent / ".fetch.lock"):
+        if (libs / _COMPLETE).exists():
+            return libs
+        staging = libs.parent / "libs.partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        done = subprocess.run(
+            [
+                mvn,
+                "-B",
+                "-q",
+                "-f",
+                str(config.broker_config_dir / "pom.xml"),
+                "dependency:copy-dependencies",
+                f"-DoutputDirectory={staging}",
+                "-DincludeScope=runtime",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
+            raise InstallError(
+                f"Maven could not fetch Apache Kafka {config.kafka_version} from Maven Central "
+                f"(exit {done.returncode}); its output ends:\n{(done.stdout + done.stderr)[-3000:]}"
+            )
+        (staging / _COMPLETE).write_text(config.kafka_version + "\n")
+        shutil.rmtree(libs, ignore_errors=True)
+        staging.rename(libs)
+    return libs
+
+
+def ensure_redis() -> str:
+    """Return the ``redis-server`` binary, installing Debian's package when missing (as root)."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    if Path("/usr/bin/redis-server").exists():
+        return "/usr/bin/redis-server"
+    return _apt_install("redis-server", "redis-server")
+
+
+def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
+    """Everything the platform needs, installed; returns what was found where."""
+    return {
+        "java": ensure_java(),
+        "kafka": str(ensure_kafka(config)),
+        "redis-server": ensure_redis(),
+    }

@@ -1,0 +1,284 @@
+"""The local platform: Kafka (one node or a 3-node cluster) and Redis, with the catalogue's topics.
+
+``up`` installs what is missing, starts everything in the background and
+provisions topics; ``down`` stops by PID and waits; ``status`` reports what
+runs and whether it answers. Where to connect is written to
+``<home>/platform.json`` for the other parts (SDK, agent, service) to read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from fxstream.ops.config import PlatformConfig
+from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
+from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
+from fxstream.ops.process import ProcessStartError
+from fxstream.ops.redis_server import RedisServer
+from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
+
+__all__ = [
+    "ComponentStatus",
+    "ConnectionInfo",
+    "Platform",
+    "PlatformError",
+    "PlatformStatus",
+]
+
+Step = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
+
+
+class PlatformError(RuntimeError):
+    """The platform cannot be started or stopped as asked; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ConnectionInfo:
+    """Where a running platform listens (written to ``<home>/platform.json``)."""
+
+    mode: str
+    bootstrap_servers: str
+    redis_url: str
+    topic_prefix: str
+    replication_factor: int
+    min_insync_replicas: int
+
+    def catalogue(self) -> Catalogue:
+        """The topic catalogue of this platform."""
+        return Catalogue(
+            prefix=self.topic_prefix,
+            replication_factor=self.replication_factor,
+            min_insync_replicas=self.min_insync_replicas,
+        )
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    """One process of the platform as seen by ``status``."""
+
+    name: str
+    address: str
+    pid: int | None
+    healthy: bool
+    detail: str = ""
+
+
+@dataclass
+class PlatformStatus:
+    """Everything ``status`` knows."""
+
+    mode: str | None
+    components: list[ComponentStatus] = field(default_factory=list)
+    topics: ProvisionReport | None = None
+    topics_error: str = ""
+
+    @property
+    def running(self) -> bool:
+        """True if any component runs."""
+        return any(c.pid is not None for c in self.components)
+
+    @property
+    def healthy(self) -> bool:
+        """True when every component answers and every catalogue topic exists as specified."""
+        return (
+            bool(self.components)
+            and all(c.healthy for c in self.components)
+            and self.topics is not None
+            and self.topics.ok
+        )
+
+    def to_json(self) -> str:
+        """Machine-readable form (``fxstream status --json``)."""
+        return json.dumps(
+            {
+                "mode": self.mode,
+                "healthy": self.healthy,
+                "components": [asdict(c) for c in self.components],
+                "topics": None
+                if self.topics is None
+                else {
+                    "present": sorted(self.topics.unchanged + self.topics.created),
+                    "missing": sorted(self.topics.missing),
+                    "drifted": [str(d) for d in self.topics.drifted],
+                },
+                "topics_error": self.topics_error,
+            },
+            indent=2,
+        )
+
+
+class Platform:
+    """One local platform, rooted at ``config.home``."""
+
+    def __init__(self, config: PlatformConfig) -> None:
+        self.config = config
+
+    # --- what is where -----------------------------------------------------------------
+
+    @property
+    def info_file(self) -> Path:
+        """The connection file clients read."""
+        return self.config.home / "platform.json"
+
+    def redis(self, binary: str = "redis-server") -> RedisServer:
+        """The Redis server of this platform."""
+        return RedisServer(self.config, binary)
+
+    def nodes(self, *, cluster: bool, java: str = "java") -> list[KafkaNode]:
+        """The Kafka node(s) of this platform in the given mode."""
+        return kafka_nodes(self.config, java, cluster=cluster)
+
+    def running_mode(self) -> str | None:
+        """ "single" or "cluster" if Kafka nodes of that mode run, else None."""
+        for cluster in (False, True):
+            if any(node.process.is_running() for node in self.nodes(cluster=cluster)):
+                return "cluster" if cluster else "single"
+        return None
+
+    def connection(self, *, cluster: bool) -> ConnectionInfo:
+        """How clients reach this platform in the given mode."""
+        nodes = self.nodes(cluster=cluster)
+        catalogue = Catalogue(prefix=self.config.topic_prefix)
+        if cluster:
+            catalogue = catalogue.for_cluster(len(nodes))
+        return ConnectionInfo(
+            mode="cluster" if cluster else "single",
+            bootstrap_servers=",".join(node.bootstrap for node in nodes),
+            redis_url=self.redis().url,
+            topic_prefix=catalogue.prefix,
+            replication_factor=catalogue.replication_factor,
+            min_insync_replicas=catalogue.min_insync_replicas,
+        )
+
+    @staticmethod
+    def read_connection(home: Path) -> ConnectionInfo:
+        """The connection file of a running platform in ``home``."""
+        path = home / "platform.json"
+        try:
+            return ConnectionInfo(**json.loads(path.read_text()))
+        except FileNotFoundError as exc:
+            raise PlatformError(
+                f"no platform is running in {home}: start one with ./fx up"
+            ) from exc
+
+    # --- up / down / status ------------------------------------------------------------
+
+    def up(self, *, cluster: bool = False, step: Step = _quiet) -> ConnectionInfo:
+        """Install what is missing, start Redis and Kafka, provision topics. Safe to repeat."""
+        running = self.running_mode()
+        wanted = "cluster" if cluster else "single"
+        if running is not None and running != wanted:
+            raise PlatformError(
+                f"a {running} platform already runs in {self.config.home}: "
+                f"stop it with ./fx down before starting a {wanted} one"
+            )
+        step("checking Java")
+        java = ensure_java()
+        step(f"fetching Apache Kafka {self.config.kafka_version} (cached after the first time)")
+        ensure_kafka(self.config)
+        step("checking Redis")
+        redis_binary = ensure_redis()
+
+        redis = self.redis(redis_binary)
+        step(f"starting Redis on port {self.config.redis_port}")
+        redis.start()
+        nodes = self.nodes(cluster=cluster, java=java)
+        cluster_id = cluster_id_for(nodes[0].directory.parent if cluster else nodes[0].directory)
+        for node in nodes:
+            step(f"starting Kafka node {node.node_id} on port {node.broker_port}")
+            node.start(cluster_id)
+        try:
+            redis.wait_ready()
+            step("waiting for Kafka to elect a controller and register brokers")
+            wait_for_cluster(nodes)
+        except (ProcessStartError, TimeoutError):
+            self.down()
+            raise
+        connection = self.connection(cluster=cluster)
+        step("provisioning topics")
+        report = ensure_topics(self._admin(connection), connection.catalogue())
+        if report.drifted:
+            step("topic drift: " + "; ".join(str(d) for d in report.drifted))
+        self.info_file.write_text(json.dumps(asdict(connection), indent=2) + "\n")
+        return connection
+
+    def down(self, timeout_s: float = 60.0) -> list[str]:
+        """Stop every process of this platform by PID and wait for each; returns what stopped."""
+        stopped: list[str] = []
+        # Brokers first, so none of them logs a lost Redis or peer as an error it must act on.
+        for cluster in (True, False):
+            nodes = self.nodes(cluster=cluster)
+            pids = {node.node_id: node.process.pid() for node in nodes}
+            for node in nodes:
+                if pids[node.node_id] is not None and node.process.stop(timeout_s):
+                    stopped.append(f"{node.process.name} (pid {pids[node.node_id]})")
+        redis = self.redis()
+        pid = redis.process.pid()
+        if pid is not None and redis.process.stop(timeout_s):
+            stopped.append(f"redis (pid {pid})")
+        self.info_file.unlink(missing_ok=True)
+        return stopped
+
+    def status(self) -> PlatformStatus:
+        """What runs, whether it answers, and whether the catalogue's topics are in place."""
+        mode = self.running_mode()
+        result = PlatformStatus(mode=mode)
+        redis = self.redis()
+        redis_pid = redis.process.pid()
+        result.components.append(
+            ComponentStatus(
+                name="redis",
+                address=redis.url,
+                pid=redis_pid,
+                healthy=redis_pid is not None and redis.ping(),
+                detail="" if redis_pid is not None else "not running",
+            )
+        )
+        cluster = mode == "cluster"
+        nodes = self.nodes(cluster=cluster)
+        connection = self.connection(cluster=cluster)
+        registered: set[int] = set()
+        admin = self._admin(connection)
+        if mode is not None:
+            try:
+                described = admin.describe_cluster(request_timeout=3).result(timeout=5)
+                registered = {n.id for n in described.nodes}
+            except KafkaException as exc:
+                result.topics_error = f"Kafka does not answer: {exc}"
+        for node in nodes:
+            pid = node.process.pid()
+            healthy = pid is not None and node.node_id in registered
+            detail = "not running" if pid is None else ("" if healthy else "not registered")
+            result.components.append(
+                ComponentStatus(f"kafka node {node.node_id}", node.bootstrap, pid, healthy, detail)
+            )
+        if registered:
+            try:
+                result.topics = ensure_topics(
+                    admin, connection.catalogue(), create=False, timeout_s=10
+                )
+            except ProvisionError as exc:
+                result.topics_error = str(exc)
+        return result
+
+    @staticmethod
+    def _admin(connection: ConnectionInfo) -> AdminClient:
+        return AdminClient(
+            {
+                "bootstrap.servers": connection.bootstrap_servers,
+                "socket.timeout.ms": 5000,
+                # Failures surface as exceptions with reasons; librdkafka's own log would
+                # repeat them on stderr.
+                "log_level": 2,
+            }
+        )

@@ -1,0 +1,156 @@
+"""A background process the platform owns: started detached, tracked by a PID file, stopped by PID.
+
+The PID alone is not trusted (PIDs are reused): the PID file also records the
+process's start time, and a process counts as ours only while a process with
+that PID and that start time exists.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+__all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free"]
+
+
+class ProcessStartError(RuntimeError):
+    """A process exited during start-up; the message carries the tail of its log."""
+
+
+def ensure_port_free(port: int, setting: str) -> None:
+    """Raise :class:`ProcessStartError` naming ``setting`` if another program holds ``port``."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise ProcessStartError(
+                f"port {port} is already in use by another program: choose another port "
+                f"with {setting} (environment or fxstream.toml)"
+            ) from exc
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+@dataclass
+class ManagedProcess:
+    """One long-running process of the platform."""
+
+    name: str
+    argv: Sequence[str]
+    pid_file: Path
+    log_file: Path
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+
+    def pid(self) -> int | None:
+        """The PID if our process is running, else None (a stale PID file is removed)."""
+        try:
+            pid_text, started_text = self.pid_file.read_text().split()
+            pid, started = int(pid_text), float(started_text)
+        except (OSError, ValueError):
+            return None
+        try:
+            proc = psutil.Process(pid)
+            if proc.create_time() == started and proc.status() != psutil.STATUS_ZOMBIE:
+                return pid
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                self._reap(pid)
+        except psutil.NoSuchProcess:
+            self._reap(pid)
+        except psutil.AccessDenied:
+            return None
+        self.pid_file.unlink(missing_ok=True)
+        return None
+
+    def is_running(self) -> bool:
+        """True while our process is alive."""
+        return self.pid() is not None
+
+    def start(self) -> int:
+        """Start the process unless it already runs; return its PID."""
+        existing = self.pid()
+        if existing is not None:
+            return existing
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        with self.log_file.open("ab") as log:
+            log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {self.name}\n".encode())
+            log.flush()
+            popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.cwd,
+                env=env,
+                # Its own session: a Ctrl-C in the terminal that ran `up` must not stop it.
+                start_new_session=True,
+            )
+        started = psutil.Process(popen.pid).create_time()
+        self.pid_file.write_text(f"{popen.pid} {started!r}\n")
+        return popen.pid
+
+    def check_alive(self) -> None:
+        """Raise :class:`ProcessStartError` with the log's tail if the process has exited."""
+        if self.pid() is None:
+            raise ProcessStartError(
+                f"{self.name} exited during start-up; last lines of {self.log_file}:\n"
+                f"{_tail(self.log_file)}"
+            )
+
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop by PID: SIGTERM, wait up to ``timeout_s``, then SIGKILL. True if it was running."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        try:
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout_s)
+            except psutil.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        except psutil.NoSuchProcess:
+            pass
+        self._reap(pid)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    def kill(self) -> bool:
+        """SIGKILL without grace (fault injection); True if it was running."""
+        pid = self.pid()
+        if pid is None:
+            return False
+        try:
+            proc = psutil.Process(pid)
+            proc.kill()
+            proc.wait(timeout=10)
+        except psutil.NoSuchProcess:
+            pass
+        self._reap(pid)
+        self.pid_file.unlink(missing_ok=True)
+        return True
+
+    @staticmethod
+    def _reap(pid: int) -> None:
+        # Only our own children can be reaped; for anything else this is a no-op.
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)

@@ -1,0 +1,351 @@
+"""The topic catalogue: every fxstream topic, its key, and its Kafka settings.
+
+This module is the single source of truth for topic names and settings. The
+launcher provisions the static topics from it, the service creates per-endpoint
+and per-user topics from its templates, and docs/topics.md is rendered from it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+__all__ = [
+    "DAY_MS",
+    "HOUR_MS",
+    "Catalogue",
+    "CleanupPolicy",
+    "InvalidTopicName",
+    "TopicSpec",
+]
+
+HOUR_MS = 3_600_000
+DAY_MS = 24 * HOUR_MS
+
+# Kafka accepts [A-Za-z0-9._-]; we leave '_' out of ids because Kafka's metric
+# names treat '.' and '_' as the same character and warn about collisions.
+_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
+_PREFIX_PATTERN = re.compile(r"^[A-Za-z0-9.-]{0,64}$")
+_KAFKA_TOPIC_MAX_LEN = 249
+
+
+class InvalidTopicName(ValueError):
+    """A topic prefix or a templated id (endpoint, user, event source) is not usable in a name."""
+
+
+class CleanupPolicy(StrEnum):
+    """Kafka's ``cleanup.policy``: delete old segments, or keep the latest record per key."""
+
+    DELETE = "delete"
+    COMPACT = "compact"
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """One topic (or one family of topics, when ``template_field`` is set) and its settings.
+
+    ``name`` is the name without the deployment prefix; for a template it holds
+    a ``{placeholder}``, e.g. ``tasks.ep.{endpoint_id}``.
+    """
+
+    name: str
+    key: str
+    summary: str
+    written_by: str
+    read_by: str
+    cleanup_policy: CleanupPolicy
+    partitions: int
+    retention_ms: int
+    max_message_bytes: int = 1_048_576
+    template_field: str | None = None
+
+    @property
+    def is_template(self) -> bool:
+        """True for a per-endpoint, per-user or per-source family of topics."""
+        return self.template_field is not None
+
+    def kafka_configs(self, *, min_insync_replicas: int) -> dict[str, str]:
+        """The topic-level configs fxstream sets (and checks for drift) on this topic."""
+        return {
+            "cleanup.policy": self.cleanup_policy.value,
+            "retention.ms": str(self.retention_ms),
+            "max.message.bytes": str(self.max_message_bytes),
+            "min.insync.replicas": str(min_insync_replicas),
+        }
+
+
+FUNCTIONS = TopicSpec(
+    name="functions",
+    key="function id",
+    summary="Registered functions (code, owner, sharing); the latest record per id is the truth, "
+    "a tombstone deletes.",
+    written_by="service",
+    read_by="router; agents (on a cache miss, through the API)",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=4,
+    retention_ms=-1,
+    max_message_bytes=4 * 1_048_576,
+)
+ENDPOINTS = TopicSpec(
+    name="endpoints",
+    key="endpoint id",
+    summary="Registered endpoints (owner, name, who may use them).",
+    written_by="service",
+    read_by="router",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=4,
+    retention_ms=-1,
+)
+TASKS_SUBMITTED = TopicSpec(
+    name="tasks.submitted",
+    key="task id",
+    summary="Every task as submitted, before authorisation and routing.",
+    written_by="SDK, triggers",
+    read_by="router",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=8,
+    retention_ms=7 * DAY_MS,
+)
+ENDPOINT_QUEUE = TopicSpec(
+    name="tasks.ep.{endpoint_id}",
+    key="task id",
+    summary="One endpoint's durable queue of routed tasks; it waits here while the endpoint is "
+    "offline.",
+    written_by="router",
+    read_by="that endpoint's agent only",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=14 * DAY_MS,
+    template_field="endpoint_id",
+)
+HEARTBEATS = TopicSpec(
+    name="heartbeats",
+    key="endpoint id",
+    summary="Periodic liveness and load reports from agents.",
+    written_by="agents",
+    read_by="liveness processor",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=6 * HOUR_MS,
+    max_message_bytes=262_144,
+)
+WARM = TopicSpec(
+    name="warm",
+    key="endpoint id / manager id",
+    summary="Which functions and containers each endpoint manager holds warm.",
+    written_by="agents",
+    read_by="router",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=4,
+    retention_ms=-1,
+)
+DATA_LOCATIONS = TopicSpec(
+    name="data-locations",
+    key="object key",
+    summary="Where a proxied object lives (store, site), for locality-aware routing.",
+    written_by="agents, connectors",
+    read_by="router (locality)",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=4,
+    retention_ms=-1,
+)
+RESULTS = TopicSpec(
+    name="results.{user_id}",
+    key="task id",
+    summary="Result metadata (value inline or by proxy, or the error) for one user's tasks.",
+    written_by="agents (and the router, for rejected tasks)",
+    read_by="that user's SDK; task-state processor",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    template_field="user_id",
+)
+TASK_STATE = TopicSpec(
+    name="task-state",
+    key="task id",
+    summary="The latest known state of every task, for status queries and de-duplication.",
+    written_by="processors",
+    read_by="API, SDK status",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=8,
+    retention_ms=-1,
+)
+EVENTS = TopicSpec(
+    name="events.{source}",
+    key="event key",
+    summary="Events from one source (a file watcher, an instrument) that may trigger tasks.",
+    written_by="event sources",
+    read_by="trigger processor, analytics",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    template_field="source",
+)
+DEAD_LETTER = TopicSpec(
+    name="dead-letter",
+    key="original key",
+    summary="Records that could not be processed, with the reason, the component and the "
+    "original bytes.",
+    written_by="everyone",
+    read_by="operators",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=1,
+    retention_ms=30 * DAY_MS,
+    # A dead letter wraps an original record plus its reason, so it needs headroom above
+    # the largest record any other topic accepts.
+    max_message_bytes=5 * 1_048_576,
+)
+
+_ALL_SPECS: tuple[TopicSpec, ...] = (
+    FUNCTIONS,
+    ENDPOINTS,
+    TASKS_SUBMITTED,
+    ENDPOINT_QUEUE,
+    HEARTBEATS,
+    WARM,
+    DATA_LOCATIONS,
+    RESULTS,
+    TASK_STATE,
+    EVENTS,
+    DEAD_LETTER,
+)
+
+
+def _check_id(kind: str, value: str) -> str:
+    if not _ID_PATTERN.match(value):
+        raise InvalidTopicName(
+            f"{kind} {value!r} cannot be used in a topic name: use 1-128 characters of "
+            "letters, digits and '-', starting with a letter or digit"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    """The catalogue for one deployment: a name prefix and the replication settings.
+
+    On one broker use the defaults; on the 3-broker cluster use
+    ``replication_factor=3, min_insync_replicas=2`` (see ``for_cluster``).
+    """
+
+    prefix: str = "fx."
+    replication_factor: int = 1
+    min_insync_replicas: int = 1
+    specs: tuple[TopicSpec, ...] = field(default=_ALL_SPECS)
+
+    def __post_init__(self) -> None:
+        if not _PREFIX_PATTERN.match(self.prefix):
+            raise InvalidTopicName(
+                f"topic prefix {self.prefix!r} is not usable: use up to 64 characters of "
+                "letters, digits, '.' and '-' (set FXSTREAM_TOPIC_PREFIX)"
+            )
+        if self.min_insync_replicas > self.replication_factor:
+            raise ValueError(
+                f"min_insync_replicas ({self.min_insync_replicas}) cannot exceed "
+                f"replication_factor ({self.replication_factor})"
+            )
+
+    def for_cluster(self, brokers: int) -> Catalogue:
+        """The same catalogue with replication sized for ``brokers`` brokers (3 -> RF 3, ISR 2)."""
+        replication = min(3, brokers)
+        return replace(
+            self,
+            replication_factor=replication,
+            min_insync_replicas=max(1, replication - 1),
+        )
+
+    def spec(self, name: str) -> TopicSpec:
+        """The spec whose unprefixed name (or template) is ``name``."""
+        for spec in self.specs:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no topic {name!r} in the catalogue")
+
+    def topic(self, spec: TopicSpec, **template_values: str) -> str:
+        """The full topic name of ``spec``, filling its template from ``template_values``."""
+        if spec.template_field is None:
+            if template_values:
+                raise TypeError(f"topic {spec.name!r} is not a template")
+            name = spec.name
+        else:
+            value = template_values.get(spec.template_field)
+            if value is None or len(template_values) != 1:
+                raise TypeError(f"topic {spec.name!r} needs exactly {spec.template_field}=...")
+            name = spec.name.format(**{spec.template_field: _check_id(spec.template_field, value)})
+        full = self.prefix + name
+        if len(full) > _KAFKA_TOPIC_MAX_LEN:
+            raise InvalidTopicName(f"topic name {full!r} is longer than Kafka's 249 characters")
+        return full
+
+    def spec_for_topic(self, topic: str) -> TopicSpec | None:
+        """The spec a full topic name belongs to (templates matched by their fixed part)."""
+        if not topic.startswith(self.prefix):
+            return None
+        bare = topic[len(self.prefix) :]
+        for spec in self.specs:
+            if spec.template_field is None:
+                if bare == spec.name:
+                    return spec
+            else:
+                head = spec.name.split("{", 1)[0]
+                if bare.startswith(head) and _ID_PATTERN.match(bare[len(head) :]):
+                    return spec
+        return None
+
+    def static_topics(self) -> dict[str, TopicSpec]:
+        """Every non-template topic by full name: what a deployment provisions at start."""
+        return {self.topic(spec): spec for spec in self.specs if not spec.is_template}
+
+    # Named accessors, so callers never spell a topic name by hand.
+    @property
+    def functions(self) -> str:
+        """The compacted function registry."""
+        return self.topic(FUNCTIONS)
+
+    @property
+    def endpoints(self) -> str:
+        """The compacted endpoint registry."""
+        return self.topic(ENDPOINTS)
+
+    @property
+    def tasks_submitted(self) -> str:
+        """Where the SDK and triggers submit tasks."""
+        return self.topic(TASKS_SUBMITTED)
+
+    @property
+    def heartbeats(self) -> str:
+        """Agent heartbeats."""
+        return self.topic(HEARTBEATS)
+
+    @property
+    def warm(self) -> str:
+        """Warm-container adverts (compacted)."""
+        return self.topic(WARM)
+
+    @property
+    def data_locations(self) -> str:
+        """Where proxied objects live (compacted)."""
+        return self.topic(DATA_LOCATIONS)
+
+    @property
+    def task_state(self) -> str:
+        """The compacted task-state view."""
+        return self.topic(TASK_STATE)
+
+    @property
+    def dead_letter(self) -> str:
+        """Records nobody could process, with reasons."""
+        return self.topic(DEAD_LETTER)
+
+    def endpoint_queue(self, endpoint_id: str) -> str:
+        """The queue topic of one endpoint."""
+        return self.topic(ENDPOINT_QUEUE, endpoint_id=endpoint_id)
+
+    def results(self, user_id: str) -> str:
+        """The results topic of one user."""
+        return self.topic(RESULTS, user_id=user_id)
+
+    def events(self, source: str) -> str:
+        """The event topic of one event source."""
+        return self.topic(EVENTS, source=source)

@@ -1,0 +1,418 @@
+"""Record schemas: every kind of record fxstream writes to Kafka.
+
+Each record value is one MessagePack map. Two fields are in every record:
+``kind`` (which schema, e.g. ``"submission"``) and ``v`` (that schema's
+version). Readers ignore fields they do not know, so adding an optional field
+keeps ``v``; any other change bumps it, and a reader refuses a version newer
+than it knows rather than misreading it. Payloads (code, arguments, results)
+are opaque ``bytes`` here: their encoding is the serialization strategy's job,
+and the router forwards them without reading them.
+
+All encoding and decoding goes through :func:`encode`, :func:`decode` and
+:func:`decode_any`; bad bytes raise :class:`RecordDecodeError` and nothing else.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Final, Literal, TypeVar
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "SCHEMA_VERSIONS",
+    "Attempt",
+    "ClientInfo",
+    "DataLocation",
+    "DeadLetter",
+    "EndpointRecord",
+    "Event",
+    "FunctionRecord",
+    "Heartbeat",
+    "Record",
+    "RecordDecodeError",
+    "TaskDispatch",
+    "TaskError",
+    "TaskResult",
+    "TaskState",
+    "TaskStateName",
+    "TaskSubmission",
+    "TaskTimings",
+    "WarmAdvert",
+    "WarmWorker",
+    "decode",
+    "decode_any",
+    "encode",
+]
+
+_ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
+
+Id = Annotated[
+    str,
+    Meta(
+        pattern=_ID_RE,
+        description="an identifier: 1-128 letters, digits and '-' (fxstream issues UUIDs)",
+    ),
+]
+Timestamp = Annotated[float, Meta(ge=0, description="seconds since the Unix epoch, UTC")]
+Count = Annotated[int, Meta(ge=0)]
+Text = Annotated[str, Meta(max_length=65_536)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+SchemaVersion = Annotated[int, Meta(ge=1, description="schema version of this record kind")]
+
+
+class RecordDecodeError(ValueError):
+    """Bytes that are not a valid fxstream record of the expected kind.
+
+    ``reason`` says what is wrong, in words fit for a dead-letter record.
+    """
+
+    def __init__(self, reason: str, *, expected: str | None = None) -> None:
+        self.reason = reason
+        self.expected = expected
+        what = f"not a valid {expected} record" if expected else "not a valid fxstream record"
+        super().__init__(f"{what}: {reason}")
+
+
+class Record(msgspec.Struct, tag_field="kind", kw_only=True, frozen=True):
+    """Base of every record: the ``kind`` tag and the schema version ``v``."""
+
+    v: SchemaVersion = 1
+
+
+# --- task path -----------------------------------------------------------------------------
+
+
+class ClientInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What produced a payload, so a worker that cannot load it can say why."""
+
+    python_version: Annotated[str, Meta(max_length=64, description="e.g. '3.11.7'")]
+    fxstream_version: Annotated[str, Meta(max_length=64)]
+    serializers: Annotated[
+        dict[str, str],
+        Meta(description="serializer library name -> version, e.g. {'dill': '0.3.9'}"),
+    ] = {}
+
+
+class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
+    """A task as submitted (topic ``tasks.submitted``, key: task id)."""
+
+    task_id: Id
+    function_id: Id
+    endpoint_id: Annotated[Id, Meta(description="the endpoint the task should run on")]
+    user_id: Id
+    auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
+    payload: Annotated[
+        bytes,
+        Meta(description="serialized (args, kwargs), strategy header first; opaque to the router"),
+    ]
+    client: ClientInfo
+    submitted_at: Timestamp
+    task_group_id: Id | None = None
+    max_retries: Annotated[int, Meta(ge=0, le=100)] = 0
+    walltime_s: Annotated[float, Meta(gt=0)] | None = None
+
+
+class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
+    """A routed task (topic ``tasks.ep.<endpoint_id>``, key: task id).
+
+    ``submission`` holds the submission record's bytes exactly as the router read
+    them: the router adds routing facts around them and never re-encodes arguments.
+    """
+
+    task_id: Id
+    endpoint_id: Id
+    routed_at: Timestamp
+    attempt: Annotated[int, Meta(ge=1, description="1 for the first delivery")] = 1
+    submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
+
+
+class TaskTimings(msgspec.Struct, kw_only=True, frozen=True):
+    """When a task passed each hop; a hop it has not reached is null."""
+
+    submitted_at: Timestamp | None = None
+    routed_at: Timestamp | None = None
+    dequeued_at: Annotated[
+        Timestamp | None, Meta(description="when the agent took it off its queue")
+    ] = None
+    started_at: Timestamp | None = None
+    finished_at: Timestamp | None = None
+    result_published_at: Timestamp | None = None
+
+
+class TaskError(msgspec.Struct, kw_only=True, frozen=True):
+    """Why a task failed: the remote exception, or the platform's reason."""
+
+    type: Annotated[str, Meta(max_length=256, description="e.g. 'ZeroDivisionError', 'WorkerLost'")]
+    message: Text
+    traceback: Annotated[str, Meta(max_length=262_144)] = ""
+    retryable: Annotated[
+        bool, Meta(description="true for infrastructure failures a retry may cure")
+    ] = False
+
+
+class TaskResult(Record, tag="result", kw_only=True, frozen=True):
+    """The outcome of one attempt of a task (topic ``results.<user_id>``, key: task id)."""
+
+    task_id: Id
+    user_id: Id
+    function_id: Id
+    endpoint_id: Id
+    task_group_id: Id | None = None
+    outcome: Literal["success", "error"]
+    value: Annotated[
+        bytes | None,
+        Meta(description="serialized return value (inline, or a serialized proxy) on success"),
+    ] = None
+    error: TaskError | None = None
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    worker: Annotated[str, Meta(max_length=256, description="host:pid of the worker")] = ""
+    timings: TaskTimings = TaskTimings()
+
+
+class TaskStateName(enum.StrEnum):
+    """The states of a task's lifecycle."""
+
+    SUBMITTED = "submitted"
+    REJECTED = "rejected"
+    ROUTED = "routed"
+    WAITING_FOR_ENDPOINT = "waiting-for-endpoint"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class Attempt(msgspec.Struct, kw_only=True, frozen=True):
+    """One attempt at running a task."""
+
+    attempt: Annotated[int, Meta(ge=1)]
+    worker: Annotated[str, Meta(max_length=256)] = ""
+    started_at: Timestamp | None = None
+    finished_at: Timestamp | None = None
+    error: TaskError | None = None
+
+
+class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
+    """The latest known state of a task (topic ``task-state``, compacted, key: task id)."""
+
+    task_id: Id
+    user_id: Id
+    function_id: Id
+    endpoint_id: Id
+    task_group_id: Id | None = None
+    state: TaskStateName
+    updated_at: Timestamp
+    timings: TaskTimings = TaskTimings()
+    attempts: list[Attempt] = []
+    error: TaskError | None = None
+
+
+# --- registry ------------------------------------------------------------------------------
+
+
+class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
+    """A registered function (topic ``functions``, compacted, key: function id)."""
+
+    function_id: Id
+    name: Name
+    owner_id: Id
+    code: Annotated[bytes, Meta(description="serialized function, strategy header first")]
+    code_sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+    created_at: Timestamp
+    container: Annotated[str, Meta(max_length=1024)] | None = None
+    public: bool = False
+    allowed_users: list[Id] = []
+    description: Text = ""
+
+
+class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):
+    """A registered endpoint (topic ``endpoints``, compacted, key: endpoint id)."""
+
+    endpoint_id: Id
+    name: Name
+    owner_id: Id
+    created_at: Timestamp
+    public: bool = False
+    allowed_users: list[Id] = []
+    description: Text = ""
+    metadata: dict[str, str] = {}
+
+
+# --- endpoint telemetry --------------------------------------------------------------------
+
+
+class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
+    """An agent's periodic liveness and load report (topic ``heartbeats``, key: endpoint id)."""
+
+    endpoint_id: Id
+    agent_id: Annotated[Id, Meta(description="this agent process's instance id")]
+    sent_at: Timestamp
+    sequence: Count
+    period_s: Annotated[float, Meta(gt=0, description="seconds until the next heartbeat")]
+    hostname: Annotated[str, Meta(max_length=256)]
+    pid: Count
+    workers_total: Count
+    workers_idle: Count
+    workers_busy: Count
+    queue_depth: Annotated[int, Meta(ge=0, description="tasks fetched but not yet started")]
+    held_task_ids: Annotated[
+        list[Id], Meta(description="tasks this agent holds (its lease renewal)")
+    ] = []
+    agent_version: Annotated[str, Meta(max_length=64)] = ""
+
+
+class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
+    """One warm worker: the container it runs in and the functions it has loaded."""
+
+    worker_id: Annotated[str, Meta(max_length=128)]
+    container: Annotated[str, Meta(max_length=1024)] | None = None
+    function_ids: list[Id] = []
+
+
+class WarmAdvert(Record, tag="warm", kw_only=True, frozen=True):
+    """What an endpoint manager holds warm (topic ``warm``, compacted)."""
+
+    endpoint_id: Id
+    manager_id: Annotated[str, Meta(max_length=128)]
+    advertised_at: Timestamp
+    workers: list[WarmWorker] = []
+
+
+class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):
+    """Where a proxied object lives (topic ``data-locations``, compacted, key: object key)."""
+
+    object_key: Annotated[str, Meta(min_length=1, max_length=1024)]
+    store: Annotated[str, Meta(max_length=256, description="the store's name, e.g. 'redis'")]
+    site: Annotated[str, Meta(max_length=256, description="where the store is (an endpoint id)")]
+    size_bytes: Count
+    updated_at: Timestamp
+
+
+# --- events and failures -------------------------------------------------------------------
+
+AttributeValue = str | int | float | bool | None
+
+
+class Event(Record, tag="event", kw_only=True, frozen=True):
+    """An event from a source such as a file watcher (topic ``events.<source>``)."""
+
+    source: Id
+    event_key: Annotated[str, Meta(min_length=1, max_length=1024)]
+    event_type: Annotated[str, Meta(min_length=1, max_length=128, description="e.g. 'created'")]
+    occurred_at: Timestamp
+    attributes: dict[str, AttributeValue] = {}
+    data: Annotated[
+        bytes | None, Meta(description="small inline data or a serialized proxy to bulk data")
+    ] = None
+
+
+class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
+    """A record that could not be processed (topic ``dead-letter``, key: the original key)."""
+
+    original_topic: Annotated[str, Meta(max_length=249)]
+    original_partition: int
+    original_offset: int
+    original_key: bytes | None
+    original_value: bytes | None
+    original_headers: list[tuple[str, bytes | None]] = []
+    reason: Text
+    error_type: Annotated[str, Meta(max_length=256)]
+    component: Annotated[str, Meta(max_length=128, description="who gave up, e.g. 'router'")]
+    failed_at: Timestamp
+    task_id: Id | None = None
+
+
+AnyRecord = (
+    TaskSubmission
+    | TaskDispatch
+    | TaskResult
+    | TaskState
+    | FunctionRecord
+    | EndpointRecord
+    | Heartbeat
+    | WarmAdvert
+    | DataLocation
+    | Event
+    | DeadLetter
+)
+
+RECORD_TYPES: Final[tuple[type[Record], ...]] = (
+    TaskSubmission,
+    TaskDispatch,
+    TaskResult,
+    TaskState,
+    FunctionRecord,
+    EndpointRecord,
+    Heartbeat,
+    WarmAdvert,
+    DataLocation,
+    Event,
+    DeadLetter,
+)
+
+# The newest schema version this code reads and writes, per record kind.
+SCHEMA_VERSIONS: Final[dict[str, int]] = {
+    str(msgspec.inspect.type_info(t).tag): 1  # type: ignore[attr-defined]
+    for t in RECORD_TYPES
+}
+
+R = TypeVar("R", bound=Record)
+
+_encoder = msgspec.msgpack.Encoder()
+_any_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(AnyRecord)
+_decoders: dict[type[Record], msgspec.msgpack.Decoder[Any]] = {
+    t: msgspec.msgpack.Decoder(t) for t in RECORD_TYPES
+}
+_kind_of: dict[type[Record], str] = {
+    t: str(msgspec.inspect.type_info(t).tag)  # type: ignore[attr-defined]
+    for t in RECORD_TYPES
+}
+
+
+def encode(record: Record) -> bytes:
+    """Encode a record to the bytes written as a Kafka record value."""
+    return _encoder.encode(record)
+
+
+def _check_version(record: Record) -> None:
+    kind = _kind_of[type(record)]
+    newest = SCHEMA_VERSIONS[kind]
+    if record.v > newest:
+        raise RecordDecodeError(
+            f"schema version {record.v} of {kind!r} is newer than this reader knows "
+            f"({newest}); upgrade fxstream on this side",
+            expected=kind,
+        )
+
+
+def decode(data: bytes | None, expected: type[R]) -> R:
+    """Decode bytes that must hold a record of kind ``expected``.
+
+    Raises :class:`RecordDecodeError` with the reason for anything else:
+    empty or tombstone values, malformed or truncated bytes, another kind,
+    missing or mistyped fields, or a schema version newer than this code.
+    """
+    kind = _kind_of[expected]
+    if not data:
+        raise RecordDecodeError("the value is empty (a tombstone?)", expected=kind)
+    try:
+        record: R = _decoders[expected].decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RecordDecodeError(str(exc), expected=kind) from exc
+    _check_version(record)
+    return record
+
+
+def decode_any(data: bytes | None) -> AnyRecord:
+    """Decode bytes holding any fxstream record; raises :class:`RecordDecodeError`."""
+    if not data:
+        raise RecordDecodeError("the value is empty (a tombstone?)")
+    try:
+        record: AnyRecord = _any_decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RecordDecodeError(str(exc)) from exc
+    _check_version(record)
+    return record
