@@ -27,8 +27,8 @@ app = typer.Typer(
 bench_app = typer.Typer(help="Benchmarks: each prints a table and, last, one JSON line.")
 app.add_typer(bench_app, name="bench")
 
-console = Console()
-err = Console(stderr=True)
+console = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 # The Python packages whose style and types `fxstream test` checks before the tests run.
 PACKAGE_DIRS = ("topics", "service", "endpoint-agent", "stream-sdk", "connectors", "ops")

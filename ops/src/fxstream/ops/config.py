@@ -114,7 +114,7 @@ class PlatformConfig:
             if f.name not in values:
                 continue
             raw = values[f.name]
-            source = cls.ENV_VARS.get(f.name, f.name)
+            source = f"{f.name} ({cls.ENV_VARS[f.name]})"
             if f.name in {"home", "cache_dir", "broker_config_dir"}:
                 kwargs[f.name] = Path(raw).expanduser()
             elif f.name == "topic_prefix":
@@ -137,11 +137,13 @@ class PlatformConfig:
         }
         for name, port in ports.items():
             if not 1024 <= port <= 65535:
-                raise ConfigError(f"{self.ENV_VARS[name]} must be a port in 1024-65535: {port}")
+                raise ConfigError(
+                    f"{name} ({self.ENV_VARS[name]}) must be a port in 1024-65535: {port}"
+                )
         if len(set(ports.values())) != len(ports):
             raise ConfigError(f"ports must differ: {ports}")
         if self.kafka_heap_mb < 256:
-            raise ConfigError("FXSTREAM_KAFKA_HEAP_MB must be at least 256")
+            raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")
 
     def with_overrides(self, **changes: Any) -> PlatformConfig:
         """A copy with some settings changed (validated)."""

@@ -57,7 +57,8 @@ def _apt_install(package: str, binary: str) -> str:
     )
     if done.returncode != 0 or path is None:
         raise InstallError(
-            f"apt-get could not install {package!r} (exit {done.returncode}):\n{done.stderr[-2000:]}"
+            f"apt-get could not install {package!r} (exit {done.returncode}):\n"
+            f"{done.stderr[-2000:]}"
         )
     return path
 

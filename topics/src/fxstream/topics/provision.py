@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from confluent_kafka import KafkaError, KafkaException
-from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from confluent_kafka.admin import AdminClient, ClusterMetadata, ConfigResource, NewTopic
 
 from fxstream.topics.catalogue import Catalogue, TopicSpec
 
@@ -47,6 +48,22 @@ class ProvisionReport:
 
 def _expected(catalogue: Catalogue, spec: TopicSpec) -> dict[str, str]:
     return spec.kafka_configs(min_insync_replicas=catalogue.min_insync_replicas)
+
+
+def _wait_visible(admin: AdminClient, names: list[str], timeout_s: float) -> ClusterMetadata:
+    # A created topic reaches the brokers' metadata caches a moment after CreateTopics
+    # returns; checking it before then would misreport it as missing.
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metadata = admin.list_topics(timeout=timeout_s)
+        pending = [
+            n for n in names if n not in metadata.topics or not metadata.topics[n].partitions
+        ]
+        if not pending:
+            return metadata
+        if time.monotonic() > deadline:
+            raise ProvisionError(f"created topics not visible after {timeout_s}s: {pending}")
+        time.sleep(0.05)
 
 
 def ensure_topics(
@@ -99,7 +116,7 @@ def ensure_topics(
                 ):
                     continue
                 raise ProvisionError(f"cannot create topic {name}: {exc}") from exc
-        metadata = admin.list_topics(timeout=timeout_s)
+        metadata = _wait_visible(admin, missing, timeout_s)
 
     existing = [name for name in wanted if name in metadata.topics and name not in report.created]
     if not existing:

@@ -1,0 +1,737 @@
+"""Raw Kafka limits on this machine, measured with plain confluent-kafka and 200-byte records.
+
+Four phases, each on fresh topics that are created here and deleted afterwards:
+
+1. produce: one idempotent ``acks=all`` producer writes ``records`` records to a topic of
+   4 partitions, timed until ``flush()`` returns;
+2. consume: one consumer of a fresh group reads them back, timed from its first poll (so
+   the group join counts) to the last record;
+3. round trip: producer -> topic -> consumer with one record in flight at a time; a
+   record's latency is its receipt time minus the send time it carries;
+4. relay3, the shape of a task path: producer -> t1 -> relay A -> t2 -> relay B -> t3 ->
+   consumer. End-to-end latency with one record in flight (``relay3_p50_ms``), then a
+   flood of ``records // 4`` records: throughput from first send to last receipt, and
+   the latency under that flood (``relay3_loaded_*``, mostly queueing).
+
+Without a bootstrap address a private single-node platform is started in a temporary
+directory on free ports and stopped at the end.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import multiprocessing
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from rich.console import Console
+from rich.table import Table
+
+from fxstream.ops.config import PlatformConfig
+from fxstream.ops.platform import Platform
+
+__all__ = ["BenchError", "run_kafka_bench"]
+
+RECORD_BYTES = 200
+PARTITIONS = 4
+# Round trips before the timed ones: the first pay for connections and metadata lookups.
+WARMUP_ROUND_TRIPS = 20
+CONSUME_BATCH = 1_000
+RELAY_BATCH = 500
+# A phase that sees no record for this long has lost one (or a relay died): fail, don't hang.
+IDLE_TIMEOUT_S = 30.0
+STARTUP_TIMEOUT_S = 60.0
+# The throughput producer may wait a little to fill batches, as a bulk writer would.
+THROUGHPUT_LINGER_MS = 5.0
+# Task-path hops forward as soon as they can: a task waits for every hop's linger.
+RELAY_LINGER_MS = 0.0
+# librdkafka's quietest useful level (critical only): its chatter would garble the table.
+LOG_LEVEL = 2
+
+# Every record starts with its send time from perf_counter_ns, which on Linux is
+# CLOCK_MONOTONIC: one clock for the whole machine, so ages are valid across processes.
+_STAMP = struct.Struct(">q")
+
+Figures = dict[str, float | int | str]
+
+
+class BenchError(RuntimeError):
+    """A benchmark phase could not complete; the message says which and why."""
+
+
+class _Flag(Protocol):
+    """What the relays need of an event: threading's and multiprocessing's both fit."""
+
+    def set(self) -> None: ...
+    def is_set(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
+class _Worker(Protocol):
+    """A thread or a process."""
+
+    def start(self) -> None: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
+# --- records -------------------------------------------------------------------------------
+
+
+def _stamped(padding: bytes) -> bytes:
+    """A record value: the send time, then ``padding`` up to the record size."""
+    return _STAMP.pack(time.perf_counter_ns()) + padding
+
+
+def _age_ms(value: bytes | None, now_ns: int) -> float:
+    """How long ago (ms) the record carrying ``value`` was sent."""
+    if value is None or len(value) < _STAMP.size:
+        raise BenchError("a record arrived without its send timestamp")
+    (sent_ns,) = _STAMP.unpack_from(value)
+    return float(now_ns - sent_ns) / 1e6
+
+
+def _percentile(samples: Sequence[float], pct: float) -> float:
+    """The nearest-rank percentile of ``samples``, rounded to microseconds."""
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return round(ordered[rank - 1], 3)
+
+
+# --- clients -------------------------------------------------------------------------------
+
+
+class _Producer:
+    """A producer set up like the platform's (idempotent, ``acks=all``).
+
+    It remembers failed deliveries and waits when its local queue is full.
+    """
+
+    def __init__(self, bootstrap: str, *, linger_ms: float) -> None:
+        self.failures: list[str] = []
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap,
+                "acks": "all",
+                "enable.idempotence": True,
+                "linger.ms": linger_ms,
+                # librdkafka's defaults, stated so that a change of defaults cannot change
+                # the figures unnoticed: batches of up to 1 MB or 10 000 records.
+                "batch.size": 1_000_000,
+                "batch.num.messages": 10_000,
+                "compression.type": "none",
+                # Only failures call back: a Python call per delivered record would cost
+                # about as much as producing it.
+                "delivery.report.only.error": True,
+                "on_delivery": self._on_delivery,
+                "log_level": LOG_LEVEL,
+            }
+        )
+
+    def _on_delivery(self, error: KafkaError | None, _message: Message) -> None:
+        if error is not None:
+            self.failures.append(str(error))
+
+    def connect(self, topic: str) -> None:
+        """Connect and learn ``topic``'s leaders now, so no clock times the first connection."""
+        self._producer.list_topics(topic, timeout=STARTUP_TIMEOUT_S)
+
+    def send(self, topic: str, value: bytes | None) -> None:
+        """Queue one record, waiting for room when the local queue is full."""
+        while True:
+            try:
+                self._producer.produce(topic, value)
+                return
+            except BufferError:
+                self._producer.poll(0.005)
+
+    def serve(self) -> None:
+        """Run pending delivery callbacks (only failures call back)."""
+        self._producer.poll(0)
+
+    def flush(self) -> None:
+        """Wait until every queued record is acknowledged; raise if any was not."""
+        left = self._producer.flush(IDLE_TIMEOUT_S)
+        if left or self.failures:
+            raise BenchError(
+                f"{left} record(s) unacknowledged after {IDLE_TIMEOUT_S:.0f} s, "
+                f"{len(self.failures)} failed: {self.failures[:3]}"
+            )
+
+
+def _consumer(bootstrap: str, topic: str) -> Consumer:
+    """A consumer of a fresh group, subscribed to ``topic``."""
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench.kafka.{uuid.uuid4().hex}",
+            # The topics are new, so "earliest" loses nothing, and it keeps a record written
+            # between assignment and the first fetch, which "latest" could skip.
+            "auto.offset.reset": "earliest",
+            "log_level": LOG_LEVEL,
+        }
+    )
+    consumer.subscribe([topic])
+    return consumer
+
+
+def _check(message: Message) -> None:
+    """Raise if ``message`` is an error event rather than a record."""
+    error = message.error()
+    if error is not None:
+        raise BenchError(f"consumer error: {error}")
+
+
+def _await_assignment(consumer: Consumer) -> None:
+    """Poll until the group has given ``consumer`` its partitions."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not consumer.assignment():
+        if time.monotonic() > deadline:
+            raise BenchError(f"no partitions assigned within {STARTUP_TIMEOUT_S:.0f} s")
+        message = consumer.poll(0.05)
+        if message is not None:
+            _check(message)
+            raise BenchError("a fresh topic already held a record")
+
+
+def _receive(consumer: Consumer, max_records: int, timeout_s: float) -> list[Message]:
+    """Wait up to ``timeout_s`` for one record, then take what else is there without waiting.
+
+    ``consume(n, timeout)`` alone would hold the first record until ``n`` arrived or the
+    timeout passed, which is throughput-friendly but ruins latency.
+    """
+    first = consumer.poll(timeout_s)
+    if first is None:
+        return []
+    batch = [first, *consumer.consume(max_records - 1, 0)] if max_records > 1 else [first]
+    for message in batch:
+        _check(message)
+    return batch
+
+
+class _Watchdog:
+    """Turns a phase that stopped making progress into a :class:`BenchError`."""
+
+    def __init__(self, what: str, failed: _Flag | None = None) -> None:
+        self.what = what
+        self.failed = failed
+        self.last_progress = time.monotonic()
+
+    def progress(self) -> None:
+        """Something arrived."""
+        self.last_progress = time.monotonic()
+
+    def check(self) -> None:
+        """Raise if a relay failed or nothing arrived for too long."""
+        if self.failed is not None and self.failed.is_set():
+            raise BenchError(f"{self.what}: a relay failed (its traceback is above)")
+        if time.monotonic() - self.last_progress > IDLE_TIMEOUT_S:
+            raise BenchError(f"{self.what}: no record arrived for {IDLE_TIMEOUT_S:.0f} s")
+
+
+# --- topics and broker ---------------------------------------------------------------------
+
+
+def _create_topics(admin: AdminClient, names: Sequence[str]) -> None:
+    """Create ``names`` with the broker's default replication; return once all have leaders."""
+    futures = admin.create_topics(
+        [NewTopic(name, num_partitions=PARTITIONS) for name in names],
+        request_timeout=STARTUP_TIMEOUT_S,
+    )
+    for future in futures.values():
+        future.result(timeout=STARTUP_TIMEOUT_S)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _have_leaders(admin, names):
+        if time.monotonic() > deadline:
+            raise BenchError(f"topics {list(names)} have no leaders after creation")
+        time.sleep(0.05)
+
+
+def _have_leaders(admin: AdminClient, names: Sequence[str]) -> bool:
+    """True when every partition of every topic in ``names`` has a leader."""
+    topics = admin.list_topics(timeout=STARTUP_TIMEOUT_S).topics
+    return all(
+        name in topics
+        and len(topics[name].partitions) == PARTITIONS
+        and all(p.leader >= 0 for p in topics[name].partitions.values())
+        for name in names
+    )
+
+
+def _delete_topics(admin: AdminClient, names: Sequence[str]) -> list[str]:
+    """Delete ``names``; return a description of each that could not be deleted."""
+    problems = []
+    futures = admin.delete_topics(list(names), operation_timeout=STARTUP_TIMEOUT_S)
+    for name, future in futures.items():
+        try:
+            future.result(timeout=STARTUP_TIMEOUT_S)
+        except (KafkaException, TimeoutError) as exc:
+            problems.append(f"{name}: {exc}")
+    return problems
+
+
+@contextmanager
+def _fresh_topics(console: Console, admin: AdminClient, names: list[str]) -> Iterator[list[str]]:
+    """Topics that exist for the duration of the block."""
+    _create_topics(admin, names)
+    try:
+        yield names
+    finally:
+        for problem in _delete_topics(admin, names):
+            console.print(f"[yellow]could not delete topic {problem}[/yellow]")
+
+
+@dataclass(frozen=True)
+class _Broker:
+    """The broker under test."""
+
+    bootstrap: str
+    label: str
+    kafka_version: str
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free right now (all held open at once, so they differ)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+@contextmanager
+def _private_broker(console: Console) -> Iterator[_Broker]:
+    """A single-node platform of our own in a temporary home, stopped when the block ends."""
+    with tempfile.TemporaryDirectory(prefix="fxstream-bench-") as home:
+        kafka_port, controller_port, redis_port = _free_ports(3)
+        config = PlatformConfig.load(
+            home=Path(home),
+            kafka_port=kafka_port,
+            controller_port=controller_port,
+            redis_port=redis_port,
+        )
+        platform = Platform(config)
+        try:
+            with console.status("[bold]starting a private broker") as status:
+                connection = platform.up(step=lambda text: status.update(f"[bold]{text}"))
+            console.print(f"private broker at {connection.bootstrap_servers} (home {home})")
+            yield _Broker(connection.bootstrap_servers, "private", config.kafka_version)
+        finally:
+            with console.status("[bold]stopping the private broker"):
+                platform.down()
+
+
+@contextmanager
+def _broker(console: Console, bootstrap: str | None) -> Iterator[_Broker]:
+    """The broker at ``bootstrap``, or a private one when it is None."""
+    if bootstrap is None:
+        with _private_broker(console) as broker:
+            yield broker
+    else:
+        yield _Broker(bootstrap, bootstrap, PlatformConfig.load().kafka_version)
+
+
+# --- relays --------------------------------------------------------------------------------
+
+
+def _relay(
+    bootstrap: str, source: str, target: str, ready: _Flag, stop: _Flag, failed: _Flag
+) -> None:
+    """One task-path hop, run in a thread or process: forward ``source`` to ``target``."""
+    try:
+        _forward(bootstrap, source, target, ready, stop)
+    except BaseException:
+        failed.set()
+        raise
+
+
+def _forward(bootstrap: str, source: str, target: str, ready: _Flag, stop: _Flag) -> None:
+    """Copy every record of ``source`` to ``target`` until ``stop`` is set."""
+    producer = _Producer(bootstrap, linger_ms=RELAY_LINGER_MS)
+    producer.connect(target)
+    consumer = _consumer(bootstrap, source)
+    try:
+        _await_assignment(consumer)
+        ready.set()
+        while not stop.is_set():
+            for message in _receive(consumer, RELAY_BATCH, 0.1):
+                producer.send(target, message.value())
+            producer.serve()
+        producer.flush()
+    finally:
+        consumer.close()
+
+
+@dataclass(frozen=True)
+class _Runtime:
+    """Where relays run: threads of this process, or processes of their own."""
+
+    name: str
+    event: Callable[[], _Flag]
+    worker: Callable[[Callable[..., None], tuple[Any, ...]], _Worker]
+
+
+def _thread(target: Callable[..., None], args: tuple[Any, ...]) -> _Worker:
+    return threading.Thread(target=target, args=args, daemon=True)
+
+
+# "spawn", not fork: a forked child would inherit librdkafka clients without their threads.
+_SPAWN = multiprocessing.get_context("spawn")
+
+
+def _process(target: Callable[..., None], args: tuple[Any, ...]) -> _Worker:
+    return _SPAWN.Process(target=target, args=args, daemon=True)
+
+
+THREADS = _Runtime("thread", threading.Event, _thread)
+PROCESSES = _Runtime("process", _SPAWN.Event, _process)
+RELAY_RUNTIME = PROCESSES
+
+
+@contextmanager
+def _relays(runtime: _Runtime, bootstrap: str, topics: Sequence[str]) -> Iterator[_Flag]:
+    """A relay between each pair of consecutive ``topics``, all assigned before the block.
+
+    Yields the flag a failing relay sets.
+    """
+    stop, failed = runtime.event(), runtime.event()
+    workers: list[_Worker] = []
+    readies: list[_Flag] = []
+    try:
+        for source, target in itertools.pairwise(topics):
+            readies.append(runtime.event())
+            workers.append(
+                runtime.worker(_relay, (bootstrap, source, target, readies[-1], stop, failed))
+            )
+            workers[-1].start()
+        _await_ready(readies, failed)
+        yield failed
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(IDLE_TIMEOUT_S)
+    if failed.is_set() or any(worker.is_alive() for worker in workers):
+        raise BenchError("a relay failed or did not stop (see above)")
+
+
+def _await_ready(readies: Sequence[_Flag], failed: _Flag) -> None:
+    """Wait until every relay has its partitions."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    for ready in readies:
+        while not ready.wait(0.1):
+            if failed.is_set() or time.monotonic() > deadline:
+                raise BenchError("a relay did not start (see above)")
+
+
+# --- phases --------------------------------------------------------------------------------
+
+
+def _warm_group_coordinator(bootstrap: str, topic: str) -> None:
+    """Join and leave a throwaway group on the empty ``topic``.
+
+    A new broker creates its offsets topic on the first group lookup, which takes seconds;
+    without this the consume phase would time that once-per-broker cost as a group join.
+    """
+    consumer = _consumer(bootstrap, topic)
+    try:
+        _await_assignment(consumer)
+    finally:
+        consumer.close()
+
+
+def _send_many(producer: _Producer, topic: str, count: int, padding: bytes) -> None:
+    """Queue ``count`` stamped records as fast as the producer takes them."""
+    for i in range(count):
+        producer.send(topic, _stamped(padding))
+        if i % 1_000 == 0:
+            producer.serve()
+
+
+def _bench_produce(bootstrap: str, topic: str, records: int, padding: bytes) -> Figures:
+    """Records per second one producer writes, until ``flush()`` has them all acknowledged."""
+    producer = _Producer(bootstrap, linger_ms=THROUGHPUT_LINGER_MS)
+    producer.connect(topic)
+    start = time.perf_counter()
+    _send_many(producer, topic, records, padding)
+    producer.flush()
+    rate = records / (time.perf_counter() - start)
+    return {
+        "produce_msgs_per_s": round(rate),
+        "produce_mb_per_s": round(rate * RECORD_BYTES / 1e6, 1),
+    }
+
+
+def _bench_consume(bootstrap: str, topic: str, records: int) -> Figures:
+    """Records per second one fresh consumer reads, from its first poll to the last record."""
+    consumer = _consumer(bootstrap, topic)
+    watchdog = _Watchdog("consume")
+    try:
+        start = time.perf_counter()
+        first, last = _consume_all(consumer, records, watchdog)
+    finally:
+        consumer.close()
+    return {
+        "consume_msgs_per_s": round(records / (last - start)),
+        "consume_first_record_ms": round((first - start) * 1e3, 1),
+    }
+
+
+def _consume_all(consumer: Consumer, records: int, watchdog: _Watchdog) -> tuple[float, float]:
+    """Read ``records`` records in batches; when the first and the last arrived."""
+    received = 0
+    first = 0.0
+    while received < records:
+        # Asking for no more than what is left: a larger batch would wait out the timeout.
+        batch = consumer.consume(min(CONSUME_BATCH, records - received), timeout=1.0)
+        if not batch:
+            watchdog.check()
+            continue
+        for message in batch:
+            _check(message)
+        if received == 0:
+            first = time.perf_counter()
+        received += len(batch)
+        watchdog.progress()
+    return first, time.perf_counter()
+
+
+def _await_one(consumer: Consumer, watchdog: _Watchdog) -> float:
+    """Wait for the next record; its age in ms."""
+    while True:
+        message = consumer.poll(0.1)
+        now_ns = time.perf_counter_ns()
+        if message is None:
+            watchdog.check()
+            continue
+        _check(message)
+        watchdog.progress()
+        return _age_ms(message.value(), now_ns)
+
+
+def _round_trips(
+    producer: _Producer,
+    topic: str,
+    consumer: Consumer,
+    count: int,
+    padding: bytes,
+    watchdog: _Watchdog,
+) -> list[float]:
+    """Send a record to ``topic``, wait until ``consumer`` has it, repeat; each trip in ms."""
+    trips = []
+    for _ in range(count):
+        producer.send(topic, _stamped(padding))
+        trips.append(_await_one(consumer, watchdog))
+        producer.serve()
+    return trips
+
+
+def _bench_rtt(bootstrap: str, topic: str, samples: int, padding: bytes) -> Figures:
+    """Single-hop round trip, one record in flight, producer without linger."""
+    producer = _Producer(bootstrap, linger_ms=0)
+    producer.connect(topic)
+    consumer = _consumer(bootstrap, topic)
+    try:
+        _await_assignment(consumer)
+        watchdog = _Watchdog("round trip")
+        trips = _round_trips(
+            producer, topic, consumer, WARMUP_ROUND_TRIPS + samples, padding, watchdog
+        )
+        producer.flush()
+    finally:
+        consumer.close()
+    timed = trips[WARMUP_ROUND_TRIPS:]
+    return {"rtt_p50_ms": _percentile(timed, 50), "rtt_p99_ms": _percentile(timed, 99)}
+
+
+def _drain(consumer: Consumer, count: int, watchdog: _Watchdog) -> tuple[list[float], float]:
+    """Receive ``count`` stamped records; their ages in ms and when the last arrived."""
+    ages: list[float] = []
+    last = 0.0
+    while len(ages) < count:
+        batch = _receive(consumer, RELAY_BATCH, 0.1)
+        now_ns = time.perf_counter_ns()
+        if not batch:
+            watchdog.check()
+            continue
+        ages.extend(_age_ms(message.value(), now_ns) for message in batch)
+        last = now_ns / 1e9
+        watchdog.progress()
+    return ages, last
+
+
+def _flood(
+    producer: _Producer,
+    topic: str,
+    sink: Consumer,
+    count: int,
+    padding: bytes,
+    watchdog: _Watchdog,
+) -> tuple[float, list[float]]:
+    """Push ``count`` records while ``sink`` receives them.
+
+    Returns records per second from the first send to the last receipt, and each
+    record's age (ms) on arrival.
+    """
+    driver = threading.Thread(
+        target=_send_many, args=(producer, topic, count, padding), daemon=True
+    )
+    start = time.perf_counter()
+    driver.start()
+    try:
+        ages, last = _drain(sink, count, watchdog)
+    finally:
+        driver.join()
+    return count / (last - start), ages
+
+
+def _bench_relay3(
+    runtime: _Runtime, bootstrap: str, topics: Sequence[str], records: int, samples: int
+) -> Figures:
+    """End-to-end through two relays: latency one record in flight, then a flood."""
+    padding = os.urandom(RECORD_BYTES - _STAMP.size)
+    with _relays(runtime, bootstrap, topics) as failed:
+        producer = _Producer(bootstrap, linger_ms=RELAY_LINGER_MS)
+        producer.connect(topics[0])
+        sink = _consumer(bootstrap, topics[-1])
+        try:
+            _await_assignment(sink)
+            watchdog = _Watchdog("relay3", failed)
+            trips = _round_trips(
+                producer, topics[0], sink, WARMUP_ROUND_TRIPS + samples, padding, watchdog
+            )[WARMUP_ROUND_TRIPS:]
+            rate, ages = _flood(producer, topics[0], sink, records, padding, watchdog)
+            producer.flush()
+        finally:
+            sink.close()
+    return {
+        "relay3_msgs_per_s": round(rate),
+        "relay3_p50_ms": _percentile(trips, 50),
+        "relay3_p99_ms": _percentile(trips, 99),
+        "relay3_loaded_p50_ms": _percentile(ages, 50),
+        "relay3_loaded_p99_ms": _percentile(ages, 99),
+    }
+
+
+# --- report --------------------------------------------------------------------------------
+
+# (figure, what it is, unit), in the order the table shows them.
+_ROWS = (
+    ("produce_msgs_per_s", "produce (1 producer, acks=all, idempotent)", "records/s"),
+    ("produce_mb_per_s", "produce", "MB/s"),
+    ("consume_msgs_per_s", "consume (1 consumer, from first poll)", "records/s"),
+    ("consume_first_record_ms", "consume: first poll to first record (group join)", "ms"),
+    ("rtt_p50_ms", "round trip p50 (1 hop, 1 in flight)", "ms"),
+    ("rtt_p99_ms", "round trip p99", "ms"),
+    ("relay3_msgs_per_s", "3-hop relay throughput", "records/s"),
+    ("relay3_p50_ms", "3-hop relay p50 (1 in flight)", "ms"),
+    ("relay3_p99_ms", "3-hop relay p99 (1 in flight)", "ms"),
+    ("relay3_loaded_p50_ms", "3-hop relay p50 under the flood", "ms"),
+    ("relay3_loaded_p99_ms", "3-hop relay p99 under the flood", "ms"),
+    ("wall_s", "wall time of the whole benchmark", "s"),
+)
+
+
+def _print_table(console: Console, figures: Figures) -> None:
+    """The figures as a table."""
+    table = Table(
+        title=f"Kafka {figures['kafka_version']} on {os.cpu_count()} cores, "
+        f"broker {figures['broker']}, {RECORD_BYTES}-byte records, "
+        f"relays as {figures['relay3_mode']}es"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    for key, label, unit in _ROWS:
+        value = figures[key]
+        table.add_row(label, f"{value:,}" if isinstance(value, int) else str(value), unit)
+    console.print(table)
+
+
+def _phase(console: Console, title: str, measure: Callable[[], Figures]) -> Figures:
+    """Run one phase under a spinner and say what it found."""
+    with console.status(f"[bold]{title}"):
+        figures = measure()
+    summary = ", ".join(f"{key} {value:,}" for key, value in figures.items())
+    console.print(f"[green]done[/green] {title}: {summary}")
+    return figures
+
+
+def _measure(console: Console, broker: _Broker, records: int, samples: int) -> Figures:
+    """Every phase against ``broker``, each on topics of its own."""
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap, "log_level": LOG_LEVEL})
+    run = uuid.uuid4().hex[:12]
+    padding = os.urandom(RECORD_BYTES - _STAMP.size)
+    relay_records = max(records // 4, 1)
+    bootstrap = broker.bootstrap
+    figures: Figures = {
+        "bench": "kafka",
+        "broker": broker.label,
+        "kafka_version": broker.kafka_version,
+        "record_bytes": RECORD_BYTES,
+        "records": records,
+        "latency_samples": samples,
+        "relay3_records": relay_records,
+        "relay3_mode": RELAY_RUNTIME.name,
+        "cpu_count": os.cpu_count() or 0,
+    }
+    with _fresh_topics(console, admin, [f"bench.kafka.{run}.produce"]) as (topic,):
+        with console.status("[bold]warming up the group coordinator"):
+            _warm_group_coordinator(bootstrap, topic)
+        figures |= _phase(
+            console,
+            f"producing {records:,} records",
+            lambda: _bench_produce(bootstrap, topic, records, padding),
+        )
+        figures |= _phase(
+            console,
+            f"consuming {records:,} records",
+            lambda: _bench_consume(bootstrap, topic, records),
+        )
+    with _fresh_topics(console, admin, [f"bench.kafka.{run}.rtt"]) as (topic,):
+        figures |= _phase(
+            console,
+            f"timing {samples:,} round trips",
+            lambda: _bench_rtt(bootstrap, topic, samples, padding),
+        )
+    hops = [f"bench.kafka.{run}.relay3.t{i}" for i in (1, 2, 3)]
+    with _fresh_topics(console, admin, hops) as topics:
+        figures |= _phase(
+            console,
+            f"3-hop relay: {samples:,} round trips, then {relay_records:,} records",
+            lambda: _bench_relay3(RELAY_RUNTIME, bootstrap, topics, relay_records, samples),
+        )
+    return figures
+
+
+def run_kafka_bench(
+    *, console: Console, records: int, latency_samples: int, bootstrap: str | None
+) -> dict[str, float | int | str]:
+    """Measure raw Kafka on this machine: produce, consume, round trip and a 3-hop relay.
+
+    Against the broker at ``bootstrap``, or a private single-node platform started (and
+    stopped) here when it is None. Prints a table and, as the last line of stdout, the
+    figures as one JSON object, which is also returned.
+    """
+    if records < 1 or latency_samples < 1:
+        raise ValueError("records and latency_samples must be at least 1")
+    started = time.perf_counter()
+    with _broker(console, bootstrap) as broker:
+        figures = _measure(console, broker, records, latency_samples)
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    _print_table(console, figures)
+    print(json.dumps(figures), flush=True)
+    return figures

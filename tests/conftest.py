@@ -1,0 +1,119 @@
+"""Shared fixtures: one private Kafka broker + Redis per test session, on free ports in a temp dir.
+
+The platform is started with the project's own launcher (fxstream.ops), so the
+tests exercise exactly what `./fx up` runs, and stopped by PID at the end.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from confluent_kafka.admin import AdminClient
+
+from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports that are free right now on 127.0.0.1."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:
+    """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.
+
+    The TOML file lets a subprocess (the real CLI) find the same platform with
+    only ``FXSTREAM_HOME`` set.
+    """
+    kafka, controller, redis = free_ports(3)
+    home.mkdir(parents=True, exist_ok=True)
+    lines = [f"kafka_port = {kafka}", f"controller_port = {controller}", f"redis_port = {redis}"]
+    if cluster_base_port is not None:
+        lines.append(f"cluster_base_port = {cluster_base_port}")
+    (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
+    return PlatformConfig.load(env={}, home=home)
+
+
+def free_port_block(size: int) -> int:
+    """The first port of ``size`` consecutive free ports (for the cluster's port layout)."""
+    for _ in range(50):
+        base = free_ports(1)[0]
+        if base + size > 65535:
+            continue
+        block = []
+        try:
+            for port in range(base, base + size):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                block.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in block:
+                sock.close()
+    raise RuntimeError(f"no block of {size} free ports found")
+
+
+@dataclass(frozen=True)
+class RunningPlatform:
+    """The session's platform: its config, launcher and connection."""
+
+    config: PlatformConfig
+    platform: Platform
+    connection: ConnectionInfo
+
+    def admin(self) -> AdminClient:
+        """A fresh admin client on the session broker."""
+        return AdminClient({"bootstrap.servers": self.connection.bootstrap_servers, "log_level": 2})
+
+
+@pytest.fixture(scope="session")
+def kafka_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPlatform]:
+    """One private broker + Redis for the whole session (started once, ~10 s)."""
+    config = private_config(tmp_path_factory.mktemp("platform"))
+    platform = Platform(config)
+    try:
+        connection = platform.up()
+        yield RunningPlatform(config, platform, connection)
+    finally:
+        platform.down()
+
+
+@pytest.fixture
+def bootstrap(kafka_platform: RunningPlatform) -> str:
+    """The session broker's bootstrap servers."""
+    return kafka_platform.connection.bootstrap_servers
+
+
+@pytest.fixture
+def unique_prefix() -> str:
+    """A topic prefix no other test (or earlier run) uses."""
+    return f"t{uuid.uuid4().hex[:10]}."
+
+
+@pytest.fixture
+def topic_cleanup(kafka_platform: RunningPlatform) -> Iterator[list[str]]:
+    """Append topic names to the yielded list; they are deleted after the test."""
+    created: list[str] = []
+    yield created
+    if created:
+        admin = kafka_platform.admin()
+        for future in admin.delete_topics(created, operation_timeout=30).values():
+            try:
+                future.result(timeout=30)
+            except Exception:  # already gone: nothing to clean
+                continue

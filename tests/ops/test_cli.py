@@ -1,0 +1,67 @@
+"""The real `fxstream` CLI (what ./fx runs) against the session platform."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import RunningPlatform, private_config
+
+FXSTREAM = Path(sys.executable).parent / "fxstream"
+
+
+def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FXSTREAM_")}
+    env["FXSTREAM_HOME"] = str(home)
+    return subprocess.run(
+        [str(FXSTREAM), *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_status_json_reports_a_healthy_platform(kafka_platform: RunningPlatform) -> None:
+    done = _cli(kafka_platform.config.home, "status", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    status = json.loads(done.stdout)
+    assert status["healthy"] is True
+    assert status["mode"] == "single"
+    assert {c["name"] for c in status["components"]} == {"redis", "kafka node 1"}
+    assert sorted(status["topics"]["present"]) == sorted(
+        kafka_platform.connection.catalogue().static_topics()
+    )
+
+
+def test_status_of_a_stopped_platform_exits_nonzero(tmp_path: Path) -> None:
+    home = tmp_path / "stopped"
+    private_config(home)
+    done = _cli(home, "status")
+    assert done.returncode == 1
+    assert "not running" in done.stdout
+
+
+def test_bad_configuration_is_reported_without_a_traceback(tmp_path: Path) -> None:
+    home = tmp_path / "bad"
+    home.mkdir()
+    (home / "fxstream.toml").write_text("redis_port = 'x'\n")
+    done = _cli(home, "status")
+    assert done.returncode == 2
+    assert "redis_port (FXSTREAM_REDIS_PORT) must be an integer" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_up_and_down_through_the_cli(tmp_path: Path) -> None:
+    home = tmp_path / "cli"
+    private_config(home)
+    try:
+        up = _cli(home, "up")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "./fx down" in up.stdout
+        assert "healthy" in up.stdout
+    finally:
+        down = _cli(home, "down")
+    assert down.returncode == 0
+    assert "stopped kafka node 1" in down.stdout
+    assert "stopped redis" in down.stdout
+    assert _cli(home, "status").returncode == 1

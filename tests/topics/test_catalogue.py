@@ -1,0 +1,74 @@
+"""The topic catalogue: names, templates, validation and cluster sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxstream.topics import Catalogue, CleanupPolicy, InvalidTopicName
+
+DESIGN_TOPICS = {
+    "functions": CleanupPolicy.COMPACT,
+    "endpoints": CleanupPolicy.COMPACT,
+    "tasks.submitted": CleanupPolicy.DELETE,
+    "tasks.ep.{endpoint_id}": CleanupPolicy.DELETE,
+    "heartbeats": CleanupPolicy.DELETE,
+    "warm": CleanupPolicy.COMPACT,
+    "data-locations": CleanupPolicy.COMPACT,
+    "results.{user_id}": CleanupPolicy.DELETE,
+    "task-state": CleanupPolicy.COMPACT,
+    "events.{source}": CleanupPolicy.DELETE,
+    "dead-letter": CleanupPolicy.DELETE,
+}
+
+
+def test_catalogue_holds_every_topic_of_the_design_with_its_policy() -> None:
+    catalogue = Catalogue()
+    assert {spec.name: spec.cleanup_policy for spec in catalogue.specs} == DESIGN_TOPICS
+
+
+def test_static_topics_are_prefixed_and_exclude_templates() -> None:
+    topics = Catalogue(prefix="prod.").static_topics()
+    assert "prod.tasks.submitted" in topics
+    assert all(name.startswith("prod.") for name in topics)
+    assert not any("{" in name for name in topics)
+    assert len(topics) == 8
+
+
+def test_templates_fill_ids() -> None:
+    catalogue = Catalogue()
+    assert catalogue.endpoint_queue("3f2c-ep") == "fx.tasks.ep.3f2c-ep"
+    assert catalogue.results("alice") == "fx.results.alice"
+    assert catalogue.events("detector-7") == "fx.events.detector-7"
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "under_score", "dot.ted", "-lead", "x" * 129])
+def test_ids_unusable_in_topic_names_are_refused_clearly(bad: str) -> None:
+    with pytest.raises(InvalidTopicName, match="letters, digits and '-'"):
+        Catalogue().endpoint_queue(bad)
+
+
+def test_bad_prefix_names_the_setting() -> None:
+    with pytest.raises(InvalidTopicName, match="FXSTREAM_TOPIC_PREFIX"):
+        Catalogue(prefix="bad prefix/")
+
+
+def test_spec_for_topic_recognises_templates() -> None:
+    catalogue = Catalogue()
+    assert catalogue.spec_for_topic("fx.tasks.ep.abc") is catalogue.spec("tasks.ep.{endpoint_id}")
+    assert catalogue.spec_for_topic("fx.tasks.submitted") is catalogue.spec("tasks.submitted")
+    assert catalogue.spec_for_topic("other.tasks.submitted") is None
+    assert catalogue.spec_for_topic("fx.unknown") is None
+
+
+def test_cluster_catalogue_replicates_three_ways_with_two_in_sync() -> None:
+    cluster = Catalogue().for_cluster(3)
+    assert (cluster.replication_factor, cluster.min_insync_replicas) == (3, 2)
+    configs = cluster.spec("tasks.submitted").kafka_configs(
+        min_insync_replicas=cluster.min_insync_replicas
+    )
+    assert configs["min.insync.replicas"] == "2"
+
+
+def test_min_insync_cannot_exceed_replication() -> None:
+    with pytest.raises(ValueError, match="cannot exceed"):
+        Catalogue(replication_factor=1, min_insync_replicas=2)

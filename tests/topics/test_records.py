@@ -1,0 +1,271 @@
+"""Record schemas: round trips for every kind, and bad bytes always raise RecordDecodeError."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxstream.topics import (
+    SCHEMA_VERSIONS,
+    Attempt,
+    ClientInfo,
+    DataLocation,
+    DeadLetter,
+    EndpointRecord,
+    Event,
+    FunctionRecord,
+    Heartbeat,
+    Record,
+    RecordDecodeError,
+    TaskDispatch,
+    TaskError,
+    TaskResult,
+    TaskState,
+    TaskStateName,
+    TaskSubmission,
+    TaskTimings,
+    WarmAdvert,
+    WarmWorker,
+    decode,
+    decode_any,
+    encode,
+)
+
+NOW = time.time()
+CLIENT = ClientInfo(python_version="3.11.7", fxstream_version="0.1.0", serializers={"dill": "0.3.9"})
+SUBMISSION = TaskSubmission(
+    task_id="0b9c6a36-2f52-4c1e-9a0e-3f2c1d4e5f60",
+    function_id="fn-1",
+    endpoint_id="ep-1",
+    user_id="alice",
+    auth_token="secret-token",
+    payload=b"\x00\x01payload",
+    client=CLIENT,
+    submitted_at=NOW,
+    task_group_id="group-1",
+    max_retries=2,
+    walltime_s=30.0,
+)
+ERROR = TaskError(type="ZeroDivisionError", message="division by zero", traceback="Traceback...")
+TIMINGS = TaskTimings(submitted_at=NOW, routed_at=NOW + 0.001, started_at=NOW + 0.002)
+
+SAMPLES: list[Record] = [
+    SUBMISSION,
+    TaskDispatch(task_id="t-1", endpoint_id="ep-1", routed_at=NOW, submission=encode(SUBMISSION)),
+    TaskResult(
+        task_id="t-1",
+        user_id="alice",
+        function_id="fn-1",
+        endpoint_id="ep-1",
+        outcome="success",
+        value=b"result",
+        worker="host:123",
+        timings=TIMINGS,
+    ),
+    TaskResult(
+        task_id="t-2",
+        user_id="alice",
+        function_id="fn-1",
+        endpoint_id="ep-1",
+        outcome="error",
+        error=ERROR,
+        attempt=2,
+    ),
+    TaskState(
+        task_id="t-1",
+        user_id="alice",
+        function_id="fn-1",
+        endpoint_id="ep-1",
+        state=TaskStateName.WAITING_FOR_ENDPOINT,
+        updated_at=NOW,
+        attempts=[Attempt(attempt=1, worker="h:1", error=ERROR)],
+        error=ERROR,
+    ),
+    FunctionRecord(
+        function_id="fn-1",
+        name="double",
+        owner_id="alice",
+        code=b"code",
+        code_sha256="a" * 64,
+        created_at=NOW,
+        container="docker://python:3.11",
+        public=True,
+        allowed_users=["bob"],
+    ),
+    EndpointRecord(
+        endpoint_id="ep-1", name="laptop", owner_id="alice", created_at=NOW, metadata={"k": "v"}
+    ),
+    Heartbeat(
+        endpoint_id="ep-1",
+        agent_id="agent-1",
+        sent_at=NOW,
+        sequence=7,
+        period_s=5.0,
+        hostname="node1",
+        pid=4242,
+        workers_total=4,
+        workers_idle=3,
+        workers_busy=1,
+        queue_depth=2,
+        held_task_ids=["t-1"],
+    ),
+    WarmAdvert(
+        endpoint_id="ep-1",
+        manager_id="m-1",
+        advertised_at=NOW,
+        workers=[WarmWorker(worker_id="w-1", container=None, function_ids=["fn-1"])],
+    ),
+    DataLocation(object_key="obj-1", store="redis", site="ep-1", size_bytes=10, updated_at=NOW),
+    Event(
+        source="detector-1",
+        event_key="/data/run1/f001.h5",
+        event_type="created",
+        occurred_at=NOW,
+        attributes={"size": 1024, "ok": True, "label": "x", "ratio": 0.5, "none": None},
+    ),
+    DeadLetter(
+        original_topic="fx.tasks.submitted",
+        original_partition=3,
+        original_offset=42,
+        original_key=b"k",
+        original_value=b"\xff\xfe",
+        original_headers=[("h", b"v"), ("empty", None)],
+        reason="not a valid submission record: truncated",
+        error_type="RecordDecodeError",
+        component="router",
+        failed_at=NOW,
+    ),
+]
+
+
+def test_every_record_kind_has_a_sample() -> None:
+    kinds = {msgspec.inspect.type_info(type(r)).tag for r in SAMPLES}  # type: ignore[attr-defined]
+    assert kinds == set(SCHEMA_VERSIONS)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+def test_round_trip(record: Record) -> None:
+    data = encode(record)
+    assert decode(data, type(record)) == record
+    assert decode_any(data) == record
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+def test_every_record_carries_kind_and_version(record: Record) -> None:
+    raw = msgspec.msgpack.decode(encode(record))
+    assert raw["v"] == 1
+    assert raw["kind"] == msgspec.inspect.type_info(type(record)).tag  # type: ignore[attr-defined]
+
+
+def test_wrong_kind_is_refused_with_reason() -> None:
+    with pytest.raises(RecordDecodeError, match="heartbeat") as info:
+        decode(encode(SUBMISSION), Heartbeat)
+    assert info.value.expected == "heartbeat"
+    assert "submission" in info.value.reason
+
+
+def test_newer_schema_version_is_refused() -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    raw["v"] = SCHEMA_VERSIONS["submission"] + 1
+    with pytest.raises(RecordDecodeError, match="newer than this reader"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+    with pytest.raises(RecordDecodeError, match="upgrade fxstream"):
+        decode_any(msgspec.msgpack.encode(raw))
+
+
+def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    raw["added_in_a_later_minor_release"] = [1, 2, 3]
+    assert decode(msgspec.msgpack.encode(raw), TaskSubmission) == SUBMISSION
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [
+        ("task_id", "has space", "task_id"),
+        ("task_id", "", "task_id"),
+        ("submitted_at", -1.0, "submitted_at"),
+        ("payload", "not bytes", "payload"),
+        ("max_retries", 1000, "max_retries"),
+        ("client", None, "client"),
+    ],
+)
+def test_bad_field_values_name_the_field(field: str, value: object, reason: str) -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    raw[field] = value
+    with pytest.raises(RecordDecodeError, match=reason):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+
+
+def test_missing_field_is_named() -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    del raw["function_id"]
+    with pytest.raises(RecordDecodeError, match="function_id"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+
+
+@pytest.mark.parametrize("value", [None, b""])
+def test_empty_value_is_refused(value: bytes | None) -> None:
+    with pytest.raises(RecordDecodeError, match="empty"):
+        decode(value, TaskSubmission)
+    with pytest.raises(RecordDecodeError, match="empty"):
+        decode_any(value)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=512))
+def test_arbitrary_bytes_always_raise_the_typed_error(data: bytes) -> None:
+    # Random bytes are never a complete record (a record needs ~10 typed fields), so every
+    # input must be refused, and refused with RecordDecodeError, never another exception.
+    with pytest.raises(RecordDecodeError):
+        decode_any(data)
+    with pytest.raises(RecordDecodeError):
+        decode(data, TaskSubmission)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(SAMPLES), st.data())
+def test_truncated_records_always_raise(record: Record, data: st.DataObject) -> None:
+    encoded = encode(record)
+    cut = data.draw(st.integers(min_value=0, max_value=len(encoded) - 1))
+    with pytest.raises(RecordDecodeError):
+        decode(encoded[:cut], type(record))
+
+
+msgpack_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.binary(max_size=12),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.sampled_from(SAMPLES),
+    st.dictionaries(
+        st.sampled_from(["kind", "v", "task_id", "payload", "x"]), msgpack_values, max_size=3
+    ),
+)
+def test_well_formed_msgpack_with_wrong_fields_is_refused_or_valid(
+    record: Record, changes: dict[str, object]
+) -> None:
+    # Structurally valid MessagePack with fields overwritten by arbitrary values: the
+    # decoder either refuses it with the typed error or yields a fully valid record.
+    raw = msgspec.msgpack.decode(encode(record))
+    raw.update(changes)
+    try:
+        decoded = decode_any(msgspec.msgpack.encode(raw))
+    except RecordDecodeError:
+        return
+    assert isinstance(decoded, Record)
+    assert decode_any(encode(decoded)) == decoded
