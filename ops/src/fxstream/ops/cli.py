@@ -144,6 +144,28 @@ def test(ctx: typer.Context) -> None:
     raise typer.Exit(done.returncode)
 
 
+@app.command()
+def docs(
+    check: Annotated[
+        bool, typer.Option("--check", help="Only check docs/topics.md is current; exit 1 if not.")
+    ] = False,
+) -> None:
+    """Render docs/topics.md from the topic catalogue and record schemas."""
+    from fxstream.ops.topic_docs import render_topics_md
+
+    target = repo_root() / "docs" / "topics.md"
+    text = render_topics_md()
+    if check:
+        if not target.exists() or target.read_text() != text:
+            err.print(f"{target} is out of date: run ./fx docs")
+            raise typer.Exit(1)
+        console.print(f"{target} is current")
+        return
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(text)
+    console.print(f"wrote {target}")
+
+
 @bench_app.command("kafka")
 def bench_kafka(
     records: Annotated[int, typer.Option(help="Records per throughput phase.")] = 200_000,
