@@ -1,4 +1,4 @@
-"""The 3-node KRaft cluster starts, elects a controller and partition leaders, takes acks=all writes."""
+"""The 3-node KRaft cluster starts, elects leaders, and takes acks=all writes."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_single_and_cluster_cannot_run_at_once_in_one_home(
     platform = Platform(private_config(home, cluster_base_port=free_port_block(6)))
     try:
         platform.up()
-        with pytest.raises(PlatformError, match="stop it with ./fx down"):
+        with pytest.raises(PlatformError, match=r"stop it with \./fx down"):
             platform.up(cluster=True)
     finally:
         platform.down()

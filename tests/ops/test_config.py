@@ -32,7 +32,9 @@ def test_environment_beats_file_beats_defaults(tmp_path: Path) -> None:
 def test_explicit_config_file_and_overrides(tmp_path: Path) -> None:
     file = tmp_path / "elsewhere.toml"
     file.write_text('topic_prefix = "lab."\n')
-    config = PlatformConfig.load(env={"FXSTREAM_CONFIG": str(file)}, home=tmp_path, kafka_port=21000)
+    config = PlatformConfig.load(
+        env={"FXSTREAM_CONFIG": str(file)}, home=tmp_path, kafka_port=21000
+    )
     assert config.topic_prefix == "lab."
     assert config.kafka_port == 21000
 

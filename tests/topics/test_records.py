@@ -36,7 +36,9 @@ from fxstream.topics import (
 )
 
 NOW = time.time()
-CLIENT = ClientInfo(python_version="3.11.7", fxstream_version="0.1.0", serializers={"dill": "0.3.9"})
+CLIENT = ClientInfo(
+    python_version="3.11.7", fxstream_version="0.1.0", serializers={"dill": "0.3.9"}
+)
 SUBMISSION = TaskSubmission(
     task_id="0b9c6a36-2f52-4c1e-9a0e-3f2c1d4e5f60",
     function_id="fn-1",
@@ -243,8 +245,9 @@ msgpack_values = st.recursive(
     | st.floats()
     | st.text(max_size=12)
     | st.binary(max_size=12),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=8,
 )
 

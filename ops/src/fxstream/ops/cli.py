@@ -176,11 +176,15 @@ def bench_kafka(
     ] = None,
 ) -> None:
     """Raw Kafka limits on this machine: produce, consume, round trip, 3-hop relay."""
-    from fxstream.ops.bench.kafka import run_kafka_bench
+    from fxstream.ops.bench.kafka import BenchError, run_kafka_bench
 
-    run_kafka_bench(
-        console=console, records=records, latency_samples=latency_samples, bootstrap=bootstrap
-    )
+    try:
+        run_kafka_bench(
+            console=console, records=records, latency_samples=latency_samples, bootstrap=bootstrap
+        )
+    except (BenchError, InstallError, PlatformError, ProcessStartError, TimeoutError) as exc:
+        err.print(f"[red]bench kafka failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
 
 
 def main() -> None:

@@ -25,8 +25,12 @@ def _render(template: Path, values: dict[str, str]) -> str:
 
 
 def _new_cluster_id() -> str:
-    # Kafka's cluster id is a UUID in unpadded URL-safe base64.
-    return base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+    # Kafka's cluster id is a UUID in unpadded URL-safe base64; like Kafka's own generator we
+    # avoid a leading '-', which command lines would read as an option.
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).rstrip(b"=").decode()
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 @dataclass
@@ -117,10 +121,8 @@ class KafkaNode:
                 f"{self.config.kafka_libs}/*",
                 "kafka.tools.StorageTool",
                 "format",
-                "--cluster-id",
-                cluster_id,
-                "--config",
-                str(self.properties_file),
+                f"--cluster-id={cluster_id}",
+                f"--config={self.properties_file}",
                 "--ignore-formatted",
             ],
             capture_output=True,

@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,6 +50,8 @@ RECORD_BYTES = 200
 PARTITIONS = 4
 # Round trips before the timed ones: the first pay for connections and metadata lookups.
 WARMUP_ROUND_TRIPS = 20
+# Records of the untimed flood that warms the broker up before the first phase.
+MAX_WARMUP_RECORDS = 200_000
 CONSUME_BATCH = 1_000
 RELAY_BATCH = 500
 # A phase that sees no record for this long has lost one (or a relay died): fail, don't hang.
@@ -399,6 +401,10 @@ def _process(target: Callable[..., None], args: tuple[Any, ...]) -> _Worker:
 
 THREADS = _Runtime("thread", threading.Event, _thread)
 PROCESSES = _Runtime("process", _SPAWN.Event, _process)
+# Relays run as processes. Measured here (2 cores, 50 000 records, 4 alternating runs each):
+# threads 42-59k records/s, processes 54-83k, p50 one in flight about equal. As threads, the
+# driver, the sink and both relays share one GIL and spend their Python time (a produce()
+# and a Message per record per hop) one after another; as processes they use both cores.
 RELAY_RUNTIME = PROCESSES
 
 
@@ -440,15 +446,20 @@ def _await_ready(readies: Sequence[_Flag], failed: _Flag) -> None:
 # --- phases --------------------------------------------------------------------------------
 
 
-def _warm_group_coordinator(bootstrap: str, topic: str) -> None:
-    """Join and leave a throwaway group on the empty ``topic``.
+def _warm_up(bootstrap: str, topic: str, records: int, padding: bytes) -> None:
+    """One untimed produce and consume of ``records`` records on the empty ``topic``.
 
-    A new broker creates its offsets topic on the first group lookup, which takes seconds;
-    without this the consume phase would time that once-per-broker cost as a group join.
+    A new broker's JVM is cold (a first flood ran at a third of the later rate here) and it
+    creates its offsets topic on the first group lookup, which takes seconds; the phases
+    should time neither.
     """
     consumer = _consumer(bootstrap, topic)
     try:
         _await_assignment(consumer)
+        producer = _Producer(bootstrap, linger_ms=THROUGHPUT_LINGER_MS)
+        _send_many(producer, topic, records, padding)
+        producer.flush()
+        _consume_all(consumer, records, _Watchdog("warm-up"))
     finally:
         consumer.close()
 
@@ -599,10 +610,14 @@ def _flood(
 
 
 def _bench_relay3(
-    runtime: _Runtime, bootstrap: str, topics: Sequence[str], records: int, samples: int
+    runtime: _Runtime,
+    bootstrap: str,
+    topics: Sequence[str],
+    records: int,
+    samples: int,
+    padding: bytes,
 ) -> Figures:
     """End-to-end through two relays: latency one record in flight, then a flood."""
-    padding = os.urandom(RECORD_BYTES - _STAMP.size)
     with _relays(runtime, bootstrap, topics) as failed:
         producer = _Producer(bootstrap, linger_ms=RELAY_LINGER_MS)
         producer.connect(topics[0])
@@ -670,50 +685,97 @@ def _phase(console: Console, title: str, measure: Callable[[], Figures]) -> Figu
     return figures
 
 
-def _measure(console: Console, broker: _Broker, records: int, samples: int) -> Figures:
-    """Every phase against ``broker``, each on topics of its own."""
-    admin = AdminClient({"bootstrap.servers": broker.bootstrap, "log_level": LOG_LEVEL})
-    run = uuid.uuid4().hex[:12]
-    padding = os.urandom(RECORD_BYTES - _STAMP.size)
-    relay_records = max(records // 4, 1)
-    bootstrap = broker.bootstrap
-    figures: Figures = {
+@dataclass(frozen=True)
+class _Run:
+    """What the phases of one benchmark run share."""
+
+    console: Console
+    admin: AdminClient
+    bootstrap: str
+    run_id: str
+    padding: bytes
+
+    def topics(self, *phases: str) -> AbstractContextManager[list[str]]:
+        """Fresh topics named after this run and ``phases``, deleted after the block."""
+        names = [f"bench.kafka.{self.run_id}.{phase}" for phase in phases]
+        return _fresh_topics(self.console, self.admin, names)
+
+
+def _settings(broker: _Broker, records: int, samples: int) -> Figures:
+    """What was measured, and how, for the report."""
+    return {
         "bench": "kafka",
         "broker": broker.label,
         "kafka_version": broker.kafka_version,
         "record_bytes": RECORD_BYTES,
         "records": records,
         "latency_samples": samples,
-        "relay3_records": relay_records,
+        "warmup_records": min(records, MAX_WARMUP_RECORDS),
+        "relay3_records": max(records // 4, 1),
         "relay3_mode": RELAY_RUNTIME.name,
         "cpu_count": os.cpu_count() or 0,
     }
-    with _fresh_topics(console, admin, [f"bench.kafka.{run}.produce"]) as (topic,):
-        with console.status("[bold]warming up the group coordinator"):
-            _warm_group_coordinator(bootstrap, topic)
-        figures |= _phase(
-            console,
+
+
+def _warm_phase(run: _Run, records: int) -> None:
+    """The untimed warm-up, under a spinner."""
+    with (
+        run.topics("warmup") as (topic,),
+        run.console.status(f"[bold]warming the broker up with {records:,} records"),
+    ):
+        _warm_up(run.bootstrap, topic, records, run.padding)
+
+
+def _throughput_phases(run: _Run, records: int) -> Figures:
+    """Produce ``records`` records, then consume them."""
+    with run.topics("produce") as (topic,):
+        return _phase(
+            run.console,
             f"producing {records:,} records",
-            lambda: _bench_produce(bootstrap, topic, records, padding),
-        )
-        figures |= _phase(
-            console,
+            lambda: _bench_produce(run.bootstrap, topic, records, run.padding),
+        ) | _phase(
+            run.console,
             f"consuming {records:,} records",
-            lambda: _bench_consume(bootstrap, topic, records),
+            lambda: _bench_consume(run.bootstrap, topic, records),
         )
-    with _fresh_topics(console, admin, [f"bench.kafka.{run}.rtt"]) as (topic,):
-        figures |= _phase(
-            console,
+
+
+def _rtt_phase(run: _Run, samples: int) -> Figures:
+    """The single-hop round trip."""
+    with run.topics("rtt") as (topic,):
+        return _phase(
+            run.console,
             f"timing {samples:,} round trips",
-            lambda: _bench_rtt(bootstrap, topic, samples, padding),
+            lambda: _bench_rtt(run.bootstrap, topic, samples, run.padding),
         )
-    hops = [f"bench.kafka.{run}.relay3.t{i}" for i in (1, 2, 3)]
-    with _fresh_topics(console, admin, hops) as topics:
-        figures |= _phase(
-            console,
-            f"3-hop relay: {samples:,} round trips, then {relay_records:,} records",
-            lambda: _bench_relay3(RELAY_RUNTIME, bootstrap, topics, relay_records, samples),
+
+
+def _relay3_phase(run: _Run, samples: int, records: int) -> Figures:
+    """The 3-hop relay."""
+    with run.topics("relay3.t1", "relay3.t2", "relay3.t3") as topics:
+        return _phase(
+            run.console,
+            f"3-hop relay: {samples:,} round trips, then {records:,} records",
+            lambda: _bench_relay3(
+                RELAY_RUNTIME, run.bootstrap, topics, records, samples, run.padding
+            ),
         )
+
+
+def _measure(console: Console, broker: _Broker, records: int, samples: int) -> Figures:
+    """Every phase against ``broker``, each on topics of its own."""
+    run = _Run(
+        console=console,
+        admin=AdminClient({"bootstrap.servers": broker.bootstrap, "log_level": LOG_LEVEL}),
+        bootstrap=broker.bootstrap,
+        run_id=uuid.uuid4().hex[:12],
+        padding=os.urandom(RECORD_BYTES - _STAMP.size),
+    )
+    figures = _settings(broker, records, samples)
+    _warm_phase(run, int(figures["warmup_records"]))
+    figures |= _throughput_phases(run, records)
+    figures |= _rtt_phase(run, samples)
+    figures |= _relay3_phase(run, samples, int(figures["relay3_records"]))
     return figures
 
 
