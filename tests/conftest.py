@@ -16,20 +16,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct TCP ports that are free right now on 127.0.0.1."""
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
+from fxstream.ops.process import free_ports
 
 
 def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:

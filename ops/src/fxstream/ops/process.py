@@ -14,12 +14,13 @@ import socket
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
-__all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free"]
+__all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free", "free_ports"]
 
 
 class ProcessStartError(RuntimeError):
@@ -37,6 +38,15 @@ def ensure_port_free(port: int, setting: str) -> None:
                 f"port {port} is already in use by another program: choose another port "
                 f"with {setting} (environment or fxstream.toml)"
             ) from exc
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free now on 127.0.0.1 (held at once, so they differ)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
 
 
 def _tail(path: Path, lines: int = 25) -> str:

@@ -24,14 +24,13 @@ import json
 import math
 import multiprocessing
 import os
-import socket
 import struct
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,6 +42,7 @@ from rich.table import Table
 
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import Platform
+from fxstream.ops.process import free_ports
 
 __all__ = ["BenchError", "run_kafka_bench"]
 
@@ -306,20 +306,11 @@ class _Broker:
     kafka_version: str
 
 
-def _free_ports(count: int) -> list[int]:
-    """``count`` distinct ports free right now (all held open at once, so they differ)."""
-    with ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-
-
 @contextmanager
 def _private_broker(console: Console) -> Iterator[_Broker]:
     """A single-node platform of our own in a temporary home, stopped when the block ends."""
     with tempfile.TemporaryDirectory(prefix="fxstream-bench-") as home:
-        kafka_port, controller_port, redis_port = _free_ports(3)
+        kafka_port, controller_port, redis_port = free_ports(3)
         config = PlatformConfig.load(
             home=Path(home),
             kafka_port=kafka_port,
