@@ -3,6 +3,7 @@
 - :mod:`~fxstream.topics.catalogue`: topic names, keys and Kafka settings.
 - :mod:`~fxstream.topics.records`: the typed record schemas and their codec.
 - :mod:`~fxstream.topics.provision`: idempotent topic creation with drift reports.
+- :mod:`~fxstream.topics.serialize`: how code, arguments and results are encoded in payloads.
 """
 
 from fxstream.topics.catalogue import Catalogue, CleanupPolicy, InvalidTopicName, TopicSpec
@@ -32,8 +33,32 @@ from fxstream.topics.records import (
     decode_any,
     encode,
 )
+from fxstream.topics.serialize import (
+    PAYLOAD_HEADER_LENGTH,
+    PAYLOAD_MAGIC,
+    DeserializationError,
+    DillCode,
+    DillData,
+    JsonData,
+    PayloadError,
+    PickleData,
+    SerializationError,
+    Serializer,
+    Strategy,
+    StrategyKind,
+    client_info,
+    code_sha256,
+    describe_exception,
+    explain_load_failure,
+    get_strategy,
+    register_strategy,
+    registered_strategies,
+    strategy_of,
+)
 
 __all__ = [
+    "PAYLOAD_HEADER_LENGTH",
+    "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",
     "Attempt",
     "Catalogue",
@@ -41,16 +66,26 @@ __all__ = [
     "ClientInfo",
     "DataLocation",
     "DeadLetter",
+    "DeserializationError",
+    "DillCode",
+    "DillData",
     "Drift",
     "EndpointRecord",
     "Event",
     "FunctionRecord",
     "Heartbeat",
     "InvalidTopicName",
+    "JsonData",
+    "PayloadError",
+    "PickleData",
     "ProvisionError",
     "ProvisionReport",
     "Record",
     "RecordDecodeError",
+    "SerializationError",
+    "Serializer",
+    "Strategy",
+    "StrategyKind",
     "TaskDispatch",
     "TaskError",
     "TaskResult",
@@ -61,8 +96,16 @@ __all__ = [
     "TopicSpec",
     "WarmAdvert",
     "WarmWorker",
+    "client_info",
+    "code_sha256",
     "decode",
     "decode_any",
+    "describe_exception",
     "encode",
     "ensure_topics",
+    "explain_load_failure",
+    "get_strategy",
+    "register_strategy",
+    "registered_strategies",
+    "strategy_of",
 ]
