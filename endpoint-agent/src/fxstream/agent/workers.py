@@ -1,0 +1,1206 @@
+"""Warm workers: a fixed number of long-lived processes that load a function once and reuse it.
+
+A :class:`WorkerPool` starts ``size`` worker processes once and keeps them. Each
+worker caches the functions it has loaded, keyed by ``(function_id,
+code_sha256)``, so the second task of a function skips deserialising its code.
+Tasks, code and results cross the process boundary as opaque ``bytes``: a
+*runner* (a loader ``load(code) -> call`` with ``call(payload) -> bytes``) turns
+them into a Python call inside the worker, so the agent can plug in the real
+serialization strategy without this module knowing it.
+
+Design choices the agent relies on:
+
+* **Code shipping.** The pool, not the agent, decides when code travels. It
+  remembers which worker holds which function warm (mirroring each worker's LRU
+  cache) and attaches the code to a work item only for a worker that lacks it.
+  The agent may always pass ``code``; it may also pass ``None`` for a function
+  the pool has already seen (the pool keeps a bounded cache of code by
+  ``(function_id, code_sha256)``). If the code is in neither place the future
+  resolves at once with a ``CodeRequired`` error outcome and nothing runs: the
+  agent resubmits with the code. Should a worker still lack a function (its
+  loader failed, say), it answers "needs code" and the pool resends the item
+  with the code: this never reaches the caller.
+* **Affinity.** An item goes to an idle worker that has its function warm when
+  there is one, else to the idle worker with the fewest warm functions.
+* **Batching.** When work is queued, several items go to one worker in one
+  message, but only for functions observed to be short (mean run time under
+  ``short_task_s``), so a long task never holds another behind it while a
+  worker is idle. Outcomes still come back one by one.
+* **Failures.** A user exception is an error outcome and the worker lives on.
+  A worker that dies (``os._exit``, a signal, a segfault, the OOM killer) is
+  seen at once through a pidfd (or its process sentinel off Linux) and
+  replaced; the task it was running gets a ``WorkerLost`` outcome (with
+  faulthandler's dump as its traceback after a segfault) and the items queued
+  behind it on that worker, which never started, run elsewhere. A task over
+  its walltime gets its worker killed and a ``WalltimeExceeded`` outcome.
+  Walltime covers loading the function too. Each worker leads its own process
+  group, and the pool kills the whole group whenever a worker ends, so
+  programs a task started do not outlive it.
+* **Threads.** Futures are resolved, and their done-callbacks run, on the
+  pool's single collector thread: keep callbacks short.
+* **Processes.** Every worker is started by the collector thread and asks the
+  kernel (Linux) to SIGKILL it when that thread ends, so a crashed agent leaves
+  no worker behind; :meth:`WorkerPool.close` stops and reaps every worker.
+  Workers ignore SIGINT: the agent decides when they stop.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import faulthandler
+import hashlib
+import importlib
+import itertools
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.context import ForkServerContext, SpawnContext
+from multiprocessing.process import BaseProcess
+from typing import IO, Any, Final, Literal
+
+__all__ = [
+    "CODE_HASH_MISMATCH",
+    "CODE_REQUIRED",
+    "DEFAULT_RUNNER",
+    "POOL_CLOSED",
+    "RETRYABLE_ERRORS",
+    "RUNNER_UNAVAILABLE",
+    "WALLTIME_EXCEEDED",
+    "WORKER_LOST",
+    "WORKER_START_FAILED",
+    "Call",
+    "Loader",
+    "RunnerSpec",
+    "WorkItem",
+    "WorkOutcome",
+    "WorkerPool",
+    "load_pickled",
+    "resolve_runner",
+]
+
+log = logging.getLogger(__name__)
+
+Call = Callable[[bytes], bytes]
+"""A loaded function: serialized arguments in, serialized result out."""
+
+Loader = Callable[[bytes], Call]
+"""A runner: turns a function's code bytes into a :data:`Call` (once per worker)."""
+
+RunnerSpec = str | Loader
+"""A runner as ``"package.module:function"`` or as a picklable :data:`Loader`."""
+
+DEFAULT_RUNNER: Final = "fxstream.agent.workers:load_pickled"
+
+# Error types the pool itself produces (user exceptions keep their own type name).
+WORKER_LOST: Final = "WorkerLost"
+WALLTIME_EXCEEDED: Final = "WalltimeExceeded"
+POOL_CLOSED: Final = "PoolClosed"
+CODE_REQUIRED: Final = "CodeRequired"
+CODE_HASH_MISMATCH: Final = "CodeHashMismatch"
+RUNNER_UNAVAILABLE: Final = "RunnerUnavailable"
+WORKER_START_FAILED: Final = "WorkerStartFailed"
+
+RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
+"""Error types caused by the platform rather than the task: a retry may succeed."""
+
+# Limits of TaskError.message / TaskError.traceback in fxstream.topics.records, so an
+# outcome always fits a result record as it is.
+_MAX_MESSAGE_CHARS: Final = 65_536
+_MAX_TRACEBACK_CHARS: Final = 262_144
+_MAX_CRASH_DUMP_BYTES: Final = 65_536
+
+# Message tags on the worker -> pool pipe (the first element of every tuple).
+_READY: Final = -1
+_OK: Final = 0
+_ERROR: Final = 1
+_NEEDS_CODE: Final = 2
+
+# Shared-memory slots per worker: which item runs now (-1: none) and since when.
+_STATE_SEQ: Final = 0
+_STATE_MONOTONIC: Final = 1
+_STATE_EPOCH: Final = 2
+
+_PR_SET_PDEATHSIG: Final = 1
+_START_POLL_S: Final = 0.01
+_EXIT_GRACE_S: Final = 0.5
+_MAX_RESPAWN_DELAY_S: Final = 10.0
+_START_FAILURES_BEFORE_FAILING: Final = 3
+_DURATION_WEIGHT: Final = 0.2
+_MAX_TRACKED_FUNCTIONS: Final = 4096
+
+_Key = tuple[str, str]
+# (seq, function_id, code_sha256, code or None, payload): what a worker receives per item.
+_Entry = tuple[int, str, str, bytes | None, bytes]
+_Resolution = tuple["Future[WorkOutcome]", "WorkOutcome"]
+
+
+# --- public records ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One task for a worker: which function (and its code, if at hand) and its payload.
+
+    ``code`` may be ``None`` when the pool has seen this function's code before
+    (see the module notes); ``walltime_s`` bounds load plus run time.
+    """
+
+    task_id: str
+    function_id: str
+    code_sha256: str
+    code: bytes | None
+    payload: bytes
+    walltime_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkOutcome:
+    """How one work item ended: a value, or an error with its type, message and traceback.
+
+    On success ``error_type`` is ``None`` and the message and traceback are
+    empty; on failure ``value`` is ``None``. ``worker`` is ``"host:pid"`` of
+    the worker that ran it (empty when none did); ``started_at`` and
+    ``finished_at`` are epoch seconds, ``started_at`` is ``None`` when the item
+    never started. Message and traceback fit a ``TaskError`` record as they are.
+    """
+
+    task_id: str
+    ok: bool
+    value: bytes | None
+    error_type: str | None
+    error_message: str
+    traceback: str
+    worker: str
+    started_at: float | None
+    finished_at: float
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the failure came from the platform (a lost worker, say), not the task."""
+        return self.error_type in RETRYABLE_ERRORS
+
+
+# --- runners -------------------------------------------------------------------------------
+
+
+def load_pickled(code: bytes) -> Call:
+    """The default runner, for trusted callers that share this code base (tests, local use).
+
+    ``code`` is a stdlib-pickled reference to an importable callable, a payload
+    is a pickled ``(args, kwargs)`` pair and the result is pickled. Never use it
+    on bytes from an untrusted source: unpickling runs code.
+    """
+    function = pickle.loads(code)
+    if not callable(function):
+        raise TypeError(f"the code unpickles to {type(function).__name__}, not a callable")
+
+    def call(payload: bytes) -> bytes:
+        args, kwargs = pickle.loads(payload)
+        return pickle.dumps(function(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+
+    return call
+
+
+def resolve_runner(runner: RunnerSpec) -> Loader:
+    """The loader a runner spec names; raises ``ValueError`` saying why it cannot be had."""
+    if callable(runner):
+        return runner
+    module_name, sep, attribute_path = runner.partition(":")
+    if not sep or not module_name or not attribute_path:
+        raise ValueError(f"runner {runner!r} is not of the form 'package.module:function'")
+    try:
+        target: Any = importlib.import_module(module_name)
+        for attribute in attribute_path.split("."):
+            target = getattr(target, attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load runner {runner!r}: {exc}") from exc
+    if not callable(target):
+        raise ValueError(f"runner {runner!r} is a {type(target).__name__}, not a callable")
+    loader: Loader = target
+    return loader
+
+
+# --- the worker process --------------------------------------------------------------------
+
+
+class _RunnerUnavailableError(Exception):
+    """The worker could not load its runner, so it cannot load any function."""
+
+
+def _truncate_head(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
+
+
+def _truncate_tail(text: str, limit: int) -> str:
+    # The end of a traceback names the failing line: keep it.
+    return text if len(text) <= limit else "[truncated]... " + text[-(limit - 15) :]
+
+
+def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
+    """Type name, message and traceback text; user exceptions may fail even at ``str()``."""
+    name = type(exc).__name__
+    if isinstance(exc, _RunnerUnavailableError):
+        name = RUNNER_UNAVAILABLE
+    try:
+        message = str(exc)
+    except BaseException:
+        message = f"<{name} whose str() failed>"
+    try:
+        text = "".join(traceback.format_exception(exc))
+    except BaseException:
+        text = ""
+    return (
+        name,
+        _truncate_head(message, _MAX_MESSAGE_CHARS),
+        _truncate_tail(text, _MAX_TRACEBACK_CHARS),
+    )
+
+
+def _as_bytes(value: object) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"the runner returned {type(value).__name__}, expected bytes")
+
+
+class _Worker:
+    """The worker's side: a runner, an LRU cache of loaded functions and the shared state."""
+
+    def __init__(self, runner: RunnerSpec, state: Any, cache_size: int) -> None:
+        self._state = state
+        self._cache_size = cache_size
+        self._cache: OrderedDict[_Key, Call] = OrderedDict()
+        self._loader: Loader | None = None
+        self._runner_problem = ""
+        try:
+            self._loader = resolve_runner(runner)
+        except ValueError as exc:
+            # Failing every item beats dying: the pool would only start another
+            # worker that fails the same way.
+            self._runner_problem = str(exc)
+
+    def run(self, entry: _Entry) -> tuple[Any, ...]:
+        """Run one item and return its reply; user failures become error replies."""
+        seq, function_id, code_sha256, code, payload = entry
+        key = (function_id, code_sha256)
+        state = self._state
+        state[_STATE_MONOTONIC] = time.monotonic()
+        started = state[_STATE_EPOCH] = time.time()
+        state[_STATE_SEQ] = seq
+        reply: tuple[Any, ...]
+        try:
+            call = self._function(key, code)
+            if call is None:
+                reply = (seq, _NEEDS_CODE, None, None, "", "", started, time.time(), False)
+            else:
+                value = _as_bytes(call(payload))
+                reply = (seq, _OK, value, None, "", "", started, time.time(), True)
+        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the worker lives
+            name, message, text = _describe_exception(exc)
+            cached = key in self._cache
+            reply = (seq, _ERROR, None, name, message, text, started, time.time(), cached)
+        state[_STATE_SEQ] = -1
+        return reply
+
+    def _function(self, key: _Key, code: bytes | None) -> Call | None:
+        call = self._cache.get(key)
+        if call is not None:
+            self._cache.move_to_end(key)
+            return call
+        if code is None:
+            return None
+        if self._loader is None:
+            raise _RunnerUnavailableError(self._runner_problem)
+        call = self._loader(code)
+        self._cache[key] = call
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return call
+
+
+def _die_with_parent(parent_pid: int | None) -> None:
+    """Have Linux SIGKILL this worker when the thread that started it ends."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # The parent may have died before prctl took effect.
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _enable_crash_dump(path: str) -> IO[str] | None:
+    """Send faulthandler's dump (segfaults, aborts) to ``path`` for the pool to report."""
+    try:
+        dump = open(path, "w")  # noqa: SIM115 - open for the process's lifetime
+    except OSError:
+        return None
+    faulthandler.enable(file=dump, all_threads=True)
+    return dump
+
+
+def _worker_main(
+    tasks: Connection,
+    results: Connection,
+    state: Any,
+    runner: RunnerSpec,
+    parent_pid: int | None,
+    crash_path: str,
+    cache_size: int,
+) -> None:
+    """A worker process's loop: receive a batch, run each item, send each reply."""
+    _die_with_parent(parent_pid)
+    # Its own process group, so the pool can kill whatever a task started along with it.
+    with contextlib.suppress(OSError):
+        os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    crash_dump = _enable_crash_dump(crash_path)  # kept open: faulthandler writes to its fd
+    worker = _Worker(runner, state, cache_size)
+    dumps = pickle.dumps
+    protocol = pickle.HIGHEST_PROTOCOL
+    try:
+        results.send_bytes(dumps((_READY, os.getpid()), protocol))
+        while True:
+            batch: list[_Entry] | None = pickle.loads(tasks.recv_bytes())
+            if batch is None:  # asked to stop
+                break
+            for entry in batch:
+                results.send_bytes(dumps(worker.run(entry), protocol))
+    except (EOFError, BrokenPipeError):
+        pass  # the pool is gone: nobody is left to serve
+    if crash_dump is not None:
+        faulthandler.disable()
+        crash_dump.close()
+
+
+# --- the pool ------------------------------------------------------------------------------
+
+
+class _Task:
+    """An item inside the pool: its sequence number, code and future."""
+
+    __slots__ = ("claimed", "code", "force_code", "future", "item", "key", "seq")
+
+    def __init__(self, seq: int, item: WorkItem, code: bytes, future: Future[WorkOutcome]) -> None:
+        self.seq = seq
+        self.item = item
+        self.code = code
+        self.future = future
+        self.key: _Key = (item.function_id, item.code_sha256)
+        self.claimed = False  # the future was moved to "running"
+        self.force_code = False  # the worker said it lacks the function
+
+
+class _Slot:
+    """The pool's view of one worker process."""
+
+    __slots__ = (
+        "crash_path",
+        "dead",
+        "exit_fd",
+        "index",
+        "kill_reason",
+        "outstanding",
+        "pid",
+        "process",
+        "ready",
+        "results",
+        "state",
+        "tasks",
+        "warm",
+        "worker_id",
+    )
+
+    def __init__(
+        self,
+        index: int,
+        process: BaseProcess,
+        tasks: Connection,
+        results: Connection,
+        state: Any,
+        crash_path: str,
+        host: str,
+    ) -> None:
+        self.index = index
+        self.process = process
+        self.pid: int = process.pid or 0
+        self.worker_id = f"{host}:{self.pid}"
+        self.tasks = tasks
+        self.results = results
+        self.state = state
+        self.crash_path = crash_path
+        self.exit_fd = _exit_fd(process)
+        self.ready = False
+        self.dead = False
+        # Items sent and not yet answered, in the order the worker runs them.
+        self.outstanding: OrderedDict[int, _Task] = OrderedDict()
+        # The pool's mirror of the worker's function cache (LRU order).
+        self.warm: OrderedDict[_Key, None] = OrderedDict()
+        # Why the pool killed it: ("walltime", seq), ("closed", -1) or ("protocol", -1).
+        self.kill_reason: tuple[str, int] | None = None
+
+    def running_seq(self) -> int:
+        """The item the worker is running now, or -1."""
+        return int(self.state[_STATE_SEQ])
+
+    def started_monotonic(self, seq: int) -> float | None:
+        """When item ``seq`` started (monotonic clock), or None if it is not running."""
+        if self.running_seq() != seq:
+            return None
+        started = float(self.state[_STATE_MONOTONIC])
+        # The worker may have moved on between the two reads.
+        return started if self.running_seq() == seq else None
+
+
+def _exit_fd(process: BaseProcess) -> int:
+    """A descriptor readable once ``process`` has exited.
+
+    A pidfd where Linux has them: multiprocessing's sentinel is a pipe the worker
+    holds open, so it stays silent while a process the task forked lives on.
+    """
+    pid = process.pid
+    if pid is not None and hasattr(os, "pidfd_open"):
+        with contextlib.suppress(OSError):
+            return os.pidfd_open(pid)
+    return process.sentinel
+
+
+def _kill_group(slot: _Slot) -> None:
+    """SIGKILL a worker and every process in its group (what its tasks started)."""
+    with contextlib.suppress(OSError):
+        os.killpg(slot.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        slot.process.kill()
+
+
+def _describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "an unknown status"
+    if exitcode < 0:
+        try:
+            return signal.Signals(-exitcode).name
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _failure(task: _Task, error_type: str, message: str, **fields: Any) -> _Resolution:
+    outcome = WorkOutcome(
+        task_id=task.item.task_id,
+        ok=False,
+        value=None,
+        error_type=error_type,
+        error_message=message,
+        traceback=fields.get("traceback", ""),
+        worker=fields.get("worker", ""),
+        started_at=fields.get("started_at"),
+        finished_at=time.time(),
+    )
+    return task.future, outcome
+
+
+def _check_picklable(runner: RunnerSpec) -> None:
+    # Workers receive the runner pickled; a lambda would only fail on the collector thread.
+    try:
+        pickle.dumps(runner)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise ValueError(
+            f"runner {runner!r} cannot be pickled for the workers: use a module-level "
+            "function or a 'package.module:function' string"
+        ) from exc
+
+
+def _context(start_method: str) -> SpawnContext | ForkServerContext:
+    # Never fork: a forked worker would inherit the agent's threads' locks and its Kafka clients.
+    if start_method == "spawn":
+        return multiprocessing.get_context("spawn")
+    if start_method == "forkserver":
+        return multiprocessing.get_context("forkserver")
+    raise ValueError(f"start_method must be 'spawn' or 'forkserver', not {start_method!r}")
+
+
+def _resolve(resolutions: Iterable[_Resolution]) -> None:
+    """Set outcomes on futures; never called with the pool lock held (callbacks may submit)."""
+    for future, outcome in resolutions:
+        if not future.done():
+            future.set_result(outcome)
+
+
+class WorkerPool:
+    """A fixed-size pool of warm worker processes (see the module notes for the design).
+
+    ``runner`` is a :data:`RunnerSpec`; it is resolved here first so a bad
+    spec fails at once. ``max_batch`` caps the items sent to a worker in one
+    message, ``short_task_s`` is the mean run time under which a function's
+    items may be batched, ``function_cache_size`` is each worker's LRU of
+    loaded functions and ``code_cache_size`` the pool's LRU of code bytes.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        runner: RunnerSpec = DEFAULT_RUNNER,
+        *,
+        start_method: Literal["spawn", "forkserver"] = "spawn",
+        max_batch: int = 16,
+        short_task_s: float = 0.005,
+        function_cache_size: int = 64,
+        code_cache_size: int = 256,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"a pool needs at least one worker, got size={size}")
+        if max_batch < 1 or function_cache_size < 1 or code_cache_size < 1:
+            raise ValueError("max_batch and the cache sizes must be at least 1")
+        resolve_runner(runner)
+        _check_picklable(runner)
+        self._size = size
+        self._runner = runner
+        self._start_method = start_method
+        self._context = _context(start_method)
+        self._max_batch = max_batch
+        self._short_task_s = short_task_s
+        self._function_cache_size = function_cache_size
+        self._code_cache_size = code_cache_size
+        self._host = socket.gethostname()
+
+        self._lock = threading.Lock()
+        self._pending: deque[_Task] = deque()
+        self._slots: list[_Slot | None] = [None] * size
+        self._respawn_at: dict[int, float] = {}
+        self._code_cache: OrderedDict[_Key, bytes] = OrderedDict()
+        self._durations: dict[str, float] = {}
+        self._seq = itertools.count()
+        self._spawn_count = itertools.count()
+        self._start_failures = 0
+        self._walltime_items = 0
+        self._closed = False
+
+        self._crash_dir = tempfile.mkdtemp(prefix="fxstream-workers-")
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+
+        self._started = threading.Event()
+        self._collector = threading.Thread(
+            target=self._collect, name="fxstream-worker-pool", daemon=True
+        )
+        self._collector.start()
+        self._started.wait()
+        atexit.register(self._close_at_exit)
+
+    # --- public API ------------------------------------------------------------------------
+
+    @property
+    def size(self) -> int:
+        """The number of workers the pool keeps."""
+        return self._size
+
+    @property
+    def idle_count(self) -> int:
+        """Live workers with nothing to do (a worker still starting up counts as idle)."""
+        with self._lock:
+            return sum(1 for s in self._live_slots() if not s.outstanding)
+
+    @property
+    def busy_count(self) -> int:
+        """Live workers running or holding at least one item."""
+        with self._lock:
+            return sum(1 for s in self._live_slots() if s.outstanding)
+
+    @property
+    def queued_count(self) -> int:
+        """Items submitted but not yet handed to a worker."""
+        with self._lock:
+            return len(self._pending)
+
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes."""
+        with self._lock:
+            return [s.pid for s in self._live_slots()]
+
+    def warm_functions(self) -> dict[str, list[str]]:
+        """Function ids each live worker (``"host:pid"``) holds loaded, for warm adverts."""
+        with self._lock:
+            return {
+                s.worker_id: list(dict.fromkeys(function_id for function_id, _ in s.warm))
+                for s in self._live_slots()
+            }
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until every worker has started up; False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                live = self._live_slots()
+                if len(live) == self._size and all(s.ready for s in live):
+                    return True
+                if self._closed:
+                    return False
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def submit(self, item: WorkItem) -> Future[WorkOutcome]:
+        """Queue ``item``; the future resolves with its :class:`WorkOutcome`, never raises.
+
+        Raises ``RuntimeError`` if the pool is closed and ``ValueError`` for a
+        non-positive walltime.
+        """
+        if item.walltime_s is not None and not item.walltime_s > 0:
+            raise ValueError(f"walltime_s must be positive, got {item.walltime_s}")
+        future: Future[WorkOutcome] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool is closed")
+            code, problem = self._code_for(item)
+            task = _Task(next(self._seq), item, code or b"", future)
+            if problem is None:
+                self._pending.append(task)
+                self._dispatch()
+        if problem is not None:
+            future.set_running_or_notify_cancel()
+            _resolve([_failure(task, *problem)])
+        return future
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker and reap it; idempotent.
+
+        Items not yet handed to a worker resolve with ``PoolClosed`` at once.
+        Workers finish the items they hold and exit; any still running after
+        ``timeout`` seconds are SIGKILLed and their items resolve with
+        ``PoolClosed``. Must not be called from a future's done-callback.
+        """
+        if threading.current_thread() is self._collector:
+            raise RuntimeError("close() cannot run on the pool's own thread (a done-callback)")
+        dropped: list[_Resolution] = []
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                dropped = self._drop_pending("the pool was closed before the task started")
+                for slot in self._live_slots():
+                    with contextlib.suppress(OSError):
+                        slot.tasks.send_bytes(pickle.dumps(None))
+        _resolve(dropped)
+        self._wake()
+        self._collector.join(timeout)
+        if self._collector.is_alive():
+            self._kill_all(("closed", -1))
+            self._collector.join()
+        self._release()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- submission helpers (lock held) ----------------------------------------------------
+
+    def _live_slots(self) -> list[_Slot]:
+        return [s for s in self._slots if s is not None and not s.dead]
+
+    def _code_for(self, item: WorkItem) -> tuple[bytes | None, tuple[str, str] | None]:
+        """The code to ship for ``item`` and, if it cannot run, the error to answer with."""
+        key = (item.function_id, item.code_sha256)
+        cached = self._code_cache.get(key)
+        if cached is not None:
+            self._code_cache.move_to_end(key)
+            return cached, None
+        if item.code is None:
+            return None, (
+                CODE_REQUIRED,
+                f"function {item.function_id} (sha256 {item.code_sha256}) is not cached "
+                "in the worker pool: submit the item with its code",
+            )
+        digest = hashlib.sha256(item.code).hexdigest()
+        if digest != item.code_sha256:
+            return None, (
+                CODE_HASH_MISMATCH,
+                f"the code of function {item.function_id} hashes to sha256 {digest}, "
+                f"not {item.code_sha256}",
+            )
+        self._code_cache[key] = item.code
+        if len(self._code_cache) > self._code_cache_size:
+            self._code_cache.popitem(last=False)
+        return item.code, None
+
+    def _dispatch(self) -> None:
+        """Hand queued items to idle, started workers, a batch per worker."""
+        while self._pending:
+            idle = [s for s in self._live_slots() if s.ready and not s.outstanding]
+            if not idle:
+                return
+            batch = self._take_batch(math.ceil(len(self._pending) / len(idle)))
+            if batch:
+                self._send(self._choose_worker(idle, batch[0].key), batch)
+
+    def _choose_worker(self, idle: list[_Slot], key: _Key) -> _Slot:
+        for slot in idle:
+            if key in slot.warm:
+                return slot
+        return min(idle, key=lambda s: len(s.warm))
+
+    def _take_batch(self, share: int) -> list[_Task]:
+        """Up to ``share`` queued items (at most max_batch); only short functions batch."""
+        limit = min(share, self._max_batch)
+        batch: list[_Task] = []
+        while self._pending and len(batch) < limit:
+            task = self._pending[0]
+            if batch and not (self._is_short(batch[0]) and self._is_short(task)):
+                break
+            self._pending.popleft()
+            if task.claimed or task.future.set_running_or_notify_cancel():
+                task.claimed = True
+                batch.append(task)
+        return batch
+
+    def _is_short(self, task: _Task) -> bool:
+        return self._durations.get(task.item.function_id, math.inf) < self._short_task_s
+
+    def _send(self, slot: _Slot, batch: list[_Task]) -> None:
+        entries: list[_Entry] = []
+        wake = False
+        for task in batch:
+            item = task.item
+            ship_code = task.force_code or task.key not in slot.warm
+            self._mark_warm(slot, task.key)
+            code = task.code if ship_code else None
+            entries.append((task.seq, item.function_id, item.code_sha256, code, item.payload))
+            task.force_code = False
+            slot.outstanding[task.seq] = task
+            if item.walltime_s is not None:
+                self._walltime_items += 1
+                wake = True
+        # A dead worker cannot take them: its sentinel fires and the collector requeues them.
+        with contextlib.suppress(OSError):
+            slot.tasks.send_bytes(pickle.dumps(entries, pickle.HIGHEST_PROTOCOL))
+        if wake:
+            # The collector may be sleeping with no deadline: it must start timing these.
+            self._wake()
+
+    def _mark_warm(self, slot: _Slot, key: _Key) -> None:
+        # Mirrors the worker's LRU, which sees the same keys in the same order.
+        slot.warm[key] = None
+        slot.warm.move_to_end(key)
+        if len(slot.warm) > self._function_cache_size:
+            slot.warm.popitem(last=False)
+
+    def _drop_pending(self, reason: str) -> list[_Resolution]:
+        dropped: list[_Resolution] = []
+        while self._pending:
+            task = self._pending.popleft()
+            if task.claimed or task.future.set_running_or_notify_cancel():
+                dropped.append(_failure(task, POOL_CLOSED, reason))
+        return dropped
+
+    def _requeue(self, tasks: list[_Task], reason: str) -> list[_Resolution]:
+        """Put items that never started back at the front (or fail them once closed)."""
+        if self._closed:
+            return [_failure(task, POOL_CLOSED, reason) for task in tasks]
+        for task in tasks:
+            # Everything queued was submitted after these were sent: submission order is
+            # restored by sequence number, a short walk from the front.
+            position = 0
+            while position < len(self._pending) and self._pending[position].seq < task.seq:
+                position += 1
+            self._pending.insert(position, task)
+        return []
+
+    def _wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.write(self._wake_w, b"\0")
+
+    # --- the collector thread --------------------------------------------------------------
+
+    def _collect(self) -> None:
+        """The collector thread: start workers, read replies, watch deaths and walltimes."""
+        try:
+            for index in range(self._size):
+                self._start_worker(index)
+            self._started.set()
+            while not self._finished():
+                timeout = self._next_timeout()
+                for key, _ in self._selector.select(timeout):
+                    self._on_event(key.data)
+                self._respawn_due()
+        except BaseException:
+            log.exception("the worker pool's collector failed; failing every task")
+            self._fail_everything()
+        finally:
+            self._started.set()
+
+    def _finished(self) -> bool:
+        with self._lock:
+            return self._closed and not any(self._slots)
+
+    def _next_timeout(self) -> float | None:
+        """How long select may sleep; also kills workers over their walltime."""
+        deadlines = [at - time.monotonic() for at in self._respawn_at.values()]
+        walltime_next = self._check_walltimes()
+        if walltime_next is not None:
+            deadlines.append(walltime_next)
+        return max(0.0, min(deadlines)) if deadlines else None
+
+    def _on_event(self, data: tuple[str, _Slot] | None) -> None:
+        if data is None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_r, 4096)
+            return
+        kind, slot = data
+        if slot.dead:
+            return
+        if kind == "exit":
+            self._on_exit(slot, exited=True)
+            return
+        try:
+            message = slot.results.recv_bytes()
+        except (EOFError, OSError):
+            self._on_exit(slot)
+            return
+        if not self._on_message_checked(slot, message):
+            # Garbage on the pipe (a task wrote to an inherited descriptor?): this worker
+            # cannot be trusted any more, but the pool and the other workers can.
+            self._kill(slot, ("protocol", -1))
+            self._on_exit(slot)
+
+    def _on_message_checked(self, slot: _Slot, message: bytes) -> bool:
+        """Handle a reply; False (and logged) if it is not one."""
+        try:
+            self._on_message(slot, message)
+        except (pickle.UnpicklingError, ValueError, TypeError, EOFError):
+            log.exception("worker %d sent an unreadable reply", slot.pid)
+            return False
+        return True
+
+    def _on_message(self, slot: _Slot, message: bytes) -> None:
+        reply: tuple[Any, ...] = pickle.loads(message)
+        if not isinstance(reply, tuple) or len(reply) not in (2, 9):
+            raise ValueError(f"not a worker reply: {type(reply).__name__}")
+        resolutions: list[_Resolution] = []
+        with self._lock:
+            if reply[0] == _READY:
+                slot.ready = True
+                self._start_failures = 0
+            else:
+                resolutions = self._on_reply(slot, reply)
+            if not slot.dead:
+                self._dispatch()
+        _resolve(resolutions)
+
+    def _on_reply(self, slot: _Slot, reply: tuple[Any, ...]) -> list[_Resolution]:
+        seq, status, value, error_type, message, text, started, finished, cached = reply
+        task = slot.outstanding.pop(seq, None)
+        if task is None:
+            return []
+        if task.item.walltime_s is not None:
+            self._walltime_items -= 1
+        if not cached:
+            slot.warm.pop(task.key, None)
+        if status == _NEEDS_CODE:
+            task.force_code = True
+            return self._requeue([task], "the pool was closed before the task started")
+        self._record_duration(task.item.function_id, finished - started)
+        outcome = WorkOutcome(
+            task_id=task.item.task_id,
+            ok=status == _OK,
+            value=value,
+            error_type=error_type,
+            error_message=message,
+            traceback=text,
+            worker=slot.worker_id,
+            started_at=started,
+            finished_at=finished,
+        )
+        return [(task.future, outcome)]
+
+    def _record_duration(self, function_id: str, seconds: float) -> None:
+        previous = self._durations.pop(function_id, None)
+        if previous is not None:
+            seconds = previous + _DURATION_WEIGHT * (seconds - previous)
+        self._durations[function_id] = seconds  # re-inserted last: the dict is in LRU order
+        if len(self._durations) > _MAX_TRACKED_FUNCTIONS:
+            del self._durations[next(iter(self._durations))]
+
+    # --- walltimes ---------------------------------------------------------------------------
+
+    def _check_walltimes(self) -> float | None:
+        """Kill workers whose running item is over its walltime; seconds until the next check."""
+        next_check: float | None = None
+        with self._lock:
+            if not self._walltime_items:
+                return None
+            now = time.monotonic()
+            for slot in self._live_slots():
+                wait = self._check_walltime(slot, now)
+                if wait is not None:
+                    next_check = wait if next_check is None else min(next_check, wait)
+        return next_check
+
+    def _check_walltime(self, slot: _Slot, now: float) -> float | None:
+        if not slot.outstanding or slot.kill_reason is not None:
+            return None
+        head = next(iter(slot.outstanding.values()))
+        limit = head.item.walltime_s
+        if limit is None:
+            return None
+        started = slot.started_monotonic(head.seq)
+        if started is None:
+            return _START_POLL_S  # about to start: poll until it has
+        if now - started < limit:
+            return started + limit - now
+        self._kill(slot, ("walltime", head.seq))
+        return None
+
+    @staticmethod
+    def _kill(slot: _Slot, reason: tuple[str, int]) -> None:
+        """SIGKILL a worker and remember why, to word the outcome of what it ran."""
+        if slot.kill_reason is None:
+            slot.kill_reason = reason
+        _kill_group(slot)
+
+    # --- worker death and replacement ------------------------------------------------------
+
+    def _on_exit(self, slot: _Slot, *, exited: bool = False) -> None:
+        """A worker died (``exited``) or closed its pipe: reap it, settle its items, replace it."""
+        with self._lock:
+            slot.dead = True
+        self._selector.unregister(slot.results)
+        self._selector.unregister(slot.exit_fd)
+        if not exited:
+            # A pipe closes a moment before its process exits. (Not Process.join(timeout):
+            # it waits on the sentinel pipe, which a task's child may hold open.)
+            multiprocessing.connection.wait([slot.exit_fd], _EXIT_GRACE_S)
+        # Kill what the task left running in the worker's group (or the worker itself, if
+        # it closed its pipe yet lives on: it is of no more use).
+        _kill_group(slot)
+        slot.process.join()
+        if slot.exit_fd != slot.process.sentinel:
+            os.close(slot.exit_fd)
+        for message in self._drain(slot):
+            self._on_message_checked(slot, message)
+        crash_dump = self._read_crash_dump(slot)
+        with self._lock:
+            slot.tasks.close()
+            slot.results.close()
+            self._slots[slot.index] = None
+            resolutions = self._settle(slot, crash_dump)
+            replace = not self._closed
+            if replace and not slot.ready:
+                resolutions += self._note_start_failure(slot)
+            self._dispatch()  # requeued items may fit an idle worker now
+        _resolve(resolutions)
+        if replace:
+            self._schedule_respawn(slot)
+
+    def _drain(self, slot: _Slot) -> list[bytes]:
+        """Replies the worker wrote before it died."""
+        # Non-blocking: a process the task forked may hold the pipe open, so EOF may never come.
+        os.set_blocking(slot.results.fileno(), False)
+        messages: list[bytes] = []
+        while True:
+            try:
+                messages.append(slot.results.recv_bytes())
+            except (EOFError, OSError):
+                return messages
+
+    def _read_crash_dump(self, slot: _Slot) -> str:
+        try:
+            with open(slot.crash_path, "rb") as dump:
+                dump.seek(0, os.SEEK_END)
+                dump.seek(max(0, dump.tell() - _MAX_CRASH_DUMP_BYTES))
+                text = dump.read().decode("utf-8", "replace")
+            os.unlink(slot.crash_path)
+        except OSError:
+            return ""
+        return text
+
+    def _settle(self, slot: _Slot, crash_dump: str) -> list[_Resolution]:
+        """Resolve the item a dead worker was running; requeue those it never started."""
+        tasks = list(slot.outstanding.values())
+        slot.outstanding.clear()
+        self._walltime_items -= sum(1 for t in tasks if t.item.walltime_s is not None)
+        if not tasks:
+            return []
+        head = tasks[0]
+        resolutions: list[_Resolution] = []
+        if slot.running_seq() == head.seq:
+            resolutions.append(self._lost(slot, head, crash_dump))
+            tasks = tasks[1:]
+        return resolutions + self._requeue(tasks, "the pool was closed before the task started")
+
+    def _lost(self, slot: _Slot, task: _Task, crash_dump: str) -> _Resolution:
+        how = _describe_exit(slot.process.exitcode)
+        function_id = task.item.function_id
+        started = float(slot.state[_STATE_EPOCH])
+        fields = {"worker": slot.worker_id, "started_at": started, "traceback": crash_dump}
+        if slot.kill_reason == ("walltime", task.seq):
+            message = (
+                f"task exceeded its walltime of {task.item.walltime_s:g} s running function "
+                f"{function_id}; worker {slot.pid} was killed"
+            )
+            return _failure(task, WALLTIME_EXCEEDED, message, **fields)
+        if slot.kill_reason == ("closed", -1):
+            message = (
+                f"the pool was closed and worker {slot.pid} killed while running "
+                f"function {function_id}"
+            )
+            return _failure(task, POOL_CLOSED, message, **fields)
+        message = f"worker {slot.pid} died with {how} while running function {function_id}"
+        if slot.kill_reason == ("protocol", -1):
+            message = (
+                f"worker {slot.pid} wrote an unreadable reply while running function "
+                f"{function_id} and was killed"
+            )
+        log.warning("%s (task %s)", message, task.item.task_id)
+        return _failure(task, WORKER_LOST, message, **fields)
+
+    def _note_start_failure(self, slot: _Slot) -> list[_Resolution]:
+        """Count workers that die before they are ready; fail queued work if they keep dying."""
+        self._start_failures += 1
+        how = _describe_exit(slot.process.exitcode)
+        log.error("worker %d died during start-up with %s", slot.pid, how)
+        if self._start_failures < _START_FAILURES_BEFORE_FAILING:
+            return []
+        reason = (
+            f"{self._start_failures} workers in a row died during start-up "
+            f"(the last with {how}); see the agent's stderr"
+        )
+        failed: list[_Resolution] = []
+        while self._pending:
+            task = self._pending.popleft()
+            if task.claimed or task.future.set_running_or_notify_cancel():
+                failed.append(_failure(task, WORKER_START_FAILED, reason))
+        return failed
+
+    def _schedule_respawn(self, slot: _Slot) -> None:
+        delay = 0.0
+        if self._start_failures:
+            delay = min(_MAX_RESPAWN_DELAY_S, 0.1 * 2 ** (self._start_failures - 1))
+        if delay == 0.0:
+            self._start_worker(slot.index)
+        else:
+            self._respawn_at[slot.index] = time.monotonic() + delay
+
+    def _respawn_due(self) -> None:
+        now = time.monotonic()
+        for index, at in list(self._respawn_at.items()):
+            if at <= now:
+                del self._respawn_at[index]
+                if not self._closed:
+                    self._start_worker(index)
+
+    def _start_worker(self, index: int) -> None:
+        """Start a worker for slot ``index`` (on the collector thread: see _die_with_parent)."""
+        try:
+            slot = self._spawn(index)
+        except OSError as exc:
+            log.error("cannot start a worker process: %s", exc)
+            with self._lock:
+                self._start_failures += 1
+            self._respawn_at[index] = time.monotonic() + _MAX_RESPAWN_DELAY_S
+            return
+        self._selector.register(slot.results, selectors.EVENT_READ, ("reply", slot))
+        self._selector.register(slot.exit_fd, selectors.EVENT_READ, ("exit", slot))
+        with self._lock:
+            self._slots[index] = slot
+            if self._closed:  # closed while it started: it missed the stop message
+                with contextlib.suppress(OSError):
+                    slot.tasks.send_bytes(pickle.dumps(None))
+
+    def _spawn(self, index: int) -> _Slot:
+        tasks_r, tasks_w = self._context.Pipe(duplex=False)
+        results_r, results_w = self._context.Pipe(duplex=False)
+        state = self._context.RawArray("d", 3)
+        state[_STATE_SEQ] = -1
+        crash_path = os.path.join(self._crash_dir, f"worker-{next(self._spawn_count)}.txt")
+        # Only a spawned worker's parent is this process (a forkserver's is the server).
+        parent_pid = os.getpid() if self._start_method == "spawn" else None
+        process = self._context.Process(
+            target=_worker_main,
+            args=(
+                tasks_r,
+                results_w,
+                state,
+                self._runner,
+                parent_pid,
+                crash_path,
+                self._function_cache_size,
+            ),
+            name=f"fxstream-worker-{index}",
+        )
+        try:
+            process.start()
+        except BaseException:
+            for connection in (tasks_r, tasks_w, results_r, results_w):
+                connection.close()
+            raise
+        finally:
+            # The worker holds its own ends now; closing ours lets EOF mean "it is gone".
+            tasks_r.close()
+            results_w.close()
+        return _Slot(index, process, tasks_w, results_r, state, crash_path, self._host)
+
+    # --- shutdown ----------------------------------------------------------------------------
+
+    def _kill_all(self, reason: tuple[str, int]) -> None:
+        with self._lock:
+            for slot in self._live_slots():
+                self._kill(slot, reason)
+
+    def _fail_everything(self) -> None:
+        """Last resort when the collector itself fails: no future may hang."""
+        with self._lock:
+            self._closed = True
+            resolutions = self._drop_pending("the worker pool failed")
+            for slot in self._live_slots():
+                _kill_group(slot)
+                for task in slot.outstanding.values():
+                    resolutions.append(_failure(task, POOL_CLOSED, "the worker pool failed"))
+                slot.outstanding.clear()
+        _resolve(resolutions)
+
+    def _release(self) -> None:
+        """Reap every process and free the pool's descriptors and files (after the collector)."""
+        for slot in list(self._slots):
+            if slot is not None:
+                _kill_group(slot)
+                slot.process.join()
+                if slot.exit_fd != slot.process.sentinel:
+                    with contextlib.suppress(OSError):
+                        os.close(slot.exit_fd)
+                slot.tasks.close()
+                slot.results.close()
+        self._slots = [None] * self._size
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.close()
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+        shutil.rmtree(self._crash_dir, ignore_errors=True)
+        atexit.unregister(self._close_at_exit)
+
+    def _close_at_exit(self) -> None:
+        self.close(timeout=1.0)
