@@ -25,9 +25,14 @@ def private_config(home: Path, *, cluster_base_port: int | None = None) -> Platf
     The TOML file lets a subprocess (the real CLI) find the same platform with
     only ``FXSTREAM_HOME`` set.
     """
-    kafka, controller, redis = free_ports(3)
+    kafka, controller, redis, service = free_ports(4)
     home.mkdir(parents=True, exist_ok=True)
-    lines = [f"kafka_port = {kafka}", f"controller_port = {controller}", f"redis_port = {redis}"]
+    lines = [
+        f"kafka_port = {kafka}",
+        f"controller_port = {controller}",
+        f"redis_port = {redis}",
+        f"service_port = {service}",
+    ]
     if cluster_base_port is not None:
         lines.append(f"cluster_base_port = {cluster_base_port}")
     (home / "fxstream.toml").write_text("\n".join(lines) + "\n")

@@ -7,6 +7,7 @@ import pytest
 from fxstream.topics import Catalogue, CleanupPolicy, InvalidTopicName
 
 DESIGN_TOPICS = {
+    "users": CleanupPolicy.COMPACT,
     "functions": CleanupPolicy.COMPACT,
     "endpoints": CleanupPolicy.COMPACT,
     "tasks.submitted": CleanupPolicy.DELETE,
@@ -31,7 +32,7 @@ def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     assert "prod.tasks.submitted" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 8
+    assert len(topics) == 9
 
 
 def test_templates_fill_ids() -> None:

@@ -28,6 +28,7 @@ from fxstream.topics import (
     TaskStateName,
     TaskSubmission,
     TaskTimings,
+    UserRecord,
     WarmAdvert,
     WarmWorker,
     decode,
@@ -56,6 +57,7 @@ ERROR = TaskError(type="ZeroDivisionError", message="division by zero", tracebac
 TIMINGS = TaskTimings(submitted_at=NOW, routed_at=NOW + 0.001, started_at=NOW + 0.002)
 
 SAMPLES: list[Record] = [
+    UserRecord(user_id="alice", name="Alice", token_sha256="b" * 64, created_at=NOW),
     SUBMISSION,
     TaskDispatch(task_id="t-1", endpoint_id="ep-1", routed_at=NOW, submission=encode(SUBMISSION)),
     TaskResult(

@@ -62,6 +62,7 @@ class PlatformConfig:
     controller_port: int = 19093
     cluster_base_port: int = 19110
     redis_port: int = 16379
+    service_port: int = 19180
     kafka_heap_mb: int = 1024
     topic_prefix: str = "fx."
 
@@ -74,6 +75,7 @@ class PlatformConfig:
         "controller_port": "FXSTREAM_CONTROLLER_PORT",
         "cluster_base_port": "FXSTREAM_CLUSTER_BASE_PORT",
         "redis_port": "FXSTREAM_REDIS_PORT",
+        "service_port": "FXSTREAM_SERVICE_PORT",
         "kafka_heap_mb": "FXSTREAM_KAFKA_HEAP_MB",
         "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
     }
@@ -134,6 +136,7 @@ class PlatformConfig:
             "kafka_port": self.kafka_port,
             "controller_port": self.controller_port,
             "redis_port": self.redis_port,
+            "service_port": self.service_port,
         }
         for name, port in ports.items():
             if not 1024 <= port <= 65535:

@@ -75,6 +75,16 @@ class TopicSpec:
         }
 
 
+USERS = TopicSpec(
+    name="users",
+    key="user id",
+    summary="Registered users and the SHA-256 of their API token (never the token itself).",
+    written_by="service",
+    read_by="service (API), router",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=1,
+    retention_ms=-1,
+)
 FUNCTIONS = TopicSpec(
     name="functions",
     key="function id",
@@ -198,6 +208,7 @@ DEAD_LETTER = TopicSpec(
 )
 
 _ALL_SPECS: tuple[TopicSpec, ...] = (
+    USERS,
     FUNCTIONS,
     ENDPOINTS,
     TASKS_SUBMITTED,
@@ -298,6 +309,11 @@ class Catalogue:
         return {self.topic(spec): spec for spec in self.specs if not spec.is_template}
 
     # Named accessors, so callers never spell a topic name by hand.
+    @property
+    def users(self) -> str:
+        """The compacted user registry."""
+        return self.topic(USERS)
+
     @property
     def functions(self) -> str:
         """The compacted function registry."""

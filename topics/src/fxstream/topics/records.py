@@ -39,6 +39,7 @@ __all__ = [
     "TaskStateName",
     "TaskSubmission",
     "TaskTimings",
+    "UserRecord",
     "WarmAdvert",
     "WarmWorker",
     "decode",
@@ -208,9 +209,24 @@ class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
     timings: TaskTimings = TaskTimings()
     attempts: list[Attempt] = []
     error: TaskError | None = None
+    value: Annotated[
+        bytes | None,
+        Meta(description="the serialized result once succeeded, for get_result"),
+    ] = None
 
 
 # --- registry ------------------------------------------------------------------------------
+
+
+class UserRecord(Record, tag="user", kw_only=True, frozen=True):
+    """A registered user (topic ``users``, compacted, key: user id)."""
+
+    user_id: Id
+    name: Name
+    token_sha256: Annotated[
+        str, Meta(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the user's API token")
+    ]
+    created_at: Timestamp
 
 
 class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
@@ -326,7 +342,8 @@ class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
 
 
 AnyRecord = (
-    TaskSubmission
+    UserRecord
+    | TaskSubmission
     | TaskDispatch
     | TaskResult
     | TaskState
@@ -340,6 +357,7 @@ AnyRecord = (
 )
 
 RECORD_TYPES: Final[tuple[type[Record], ...]] = (
+    UserRecord,
     TaskSubmission,
     TaskDispatch,
     TaskResult,
