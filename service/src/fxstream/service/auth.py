@@ -1,0 +1,75 @@
+"""Who may do what: API tokens and the sharing rules for functions and endpoints.
+
+This is the seam broker-enforced security (SASL/ACLs) will replace: today a
+user is whoever presents a token whose SHA-256 the ``users`` topic holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from collections.abc import Sequence
+
+from fxstream.topics import EndpointRecord, FunctionRecord, TaskSubmission, UserRecord
+
+__all__ = ["may_use", "new_token", "refusal_reason", "token_matches", "token_sha256"]
+
+
+def new_token() -> str:
+    """A fresh API token (256 random bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_sha256(token: str) -> str:
+    """The hex SHA-256 the service stores instead of the token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def token_matches(token: str, user: UserRecord) -> bool:
+    """True when ``token`` is ``user``'s (compared in constant time)."""
+    return hmac.compare_digest(token_sha256(token), user.token_sha256)
+
+
+def may_use(user_id: str, *, owner_id: str, public: bool, allowed_users: Sequence[str]) -> bool:
+    """The sharing rule for functions and endpoints: owner, public, or allowed."""
+    return user_id == owner_id or public or user_id in allowed_users
+
+
+def refusal_reason(
+    submission: TaskSubmission,
+    user: UserRecord | None,
+    function: FunctionRecord | None,
+    endpoint: EndpointRecord | None,
+) -> str | None:
+    """Why the router must refuse ``submission``, or None when it may run.
+
+    The reasons are written for the submitter: they say what is wrong and what
+    to do, and never reveal whether another user's private object exists.
+    """
+    if user is None or not token_matches(submission.auth_token, user):
+        return (
+            f"user {submission.user_id!r} is unknown or its token is wrong: "
+            "register with POST /v1/users and use the token it returns"
+        )
+    if function is None or not may_use(
+        user.user_id,
+        owner_id=function.owner_id,
+        public=function.public,
+        allowed_users=function.allowed_users,
+    ):
+        return (
+            f"function {submission.function_id!r} does not exist or is not shared with you: "
+            "register it with Client.register_function, or ask its owner to share it"
+        )
+    if endpoint is None or not may_use(
+        user.user_id,
+        owner_id=endpoint.owner_id,
+        public=endpoint.public,
+        allowed_users=endpoint.allowed_users,
+    ):
+        return (
+            f"endpoint {submission.endpoint_id!r} does not exist or is not shared with you: "
+            "list the endpoints you may use with Client.list_endpoints"
+        )
+    return None

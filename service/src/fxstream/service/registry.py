@@ -1,0 +1,251 @@
+"""A live, in-memory view of the registry topics, rebuilt from Kafka at start.
+
+The compacted topics (users, functions, endpoints, task-state) are the
+service's only state: the view reads each from the beginning, folds the latest
+record per key (a tombstone deletes), and keeps following them. Heartbeats
+(a delete-policy topic) are folded to the latest per endpoint, which is the
+liveness processor's output: an endpoint's status is computed from its last
+heartbeat when asked. Kill the service and restart it, and the view is back
+as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+
+from fxstream.topics import (
+    Catalogue,
+    EndpointRecord,
+    FunctionRecord,
+    Heartbeat,
+    Record,
+    RecordDecodeError,
+    TaskState,
+    UserRecord,
+    decode,
+)
+
+__all__ = ["LIVENESS_PERIODS", "EndpointStatus", "RegistryView"]
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=Record)
+
+# An endpoint is lost once this many heartbeat periods pass without one.
+LIVENESS_PERIODS = 3.0
+
+Followed = Literal["users", "functions", "endpoints", "heartbeats", "task-state"]
+ALL_FOLLOWED: tuple[Followed, ...] = ("users", "functions", "endpoints", "heartbeats", "task-state")
+
+
+@dataclass(frozen=True)
+class EndpointStatus:
+    """What the last heartbeat says about an endpoint."""
+
+    state: Literal["online", "lost", "never-seen"]
+    last_seen: float | None = None
+    workers_total: int = 0
+    workers_idle: int = 0
+    workers_busy: int = 0
+    queue_depth: int = 0
+    agent_id: str | None = None
+
+
+BadRecord = Callable[[Message, str], None]
+
+
+class RegistryView:
+    """Follows the registry topics in a background thread; lookups are thread-safe dict reads."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        catalogue: Catalogue,
+        *,
+        follow: Iterable[Followed] = ALL_FOLLOWED,
+        on_bad_record: BadRecord | None = None,
+    ) -> None:
+        self._catalogue = catalogue
+        self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
+        kind_types: dict[Followed, tuple[str, type[Record]]] = {
+            "users": (catalogue.users, UserRecord),
+            "functions": (catalogue.functions, FunctionRecord),
+            "endpoints": (catalogue.endpoints, EndpointRecord),
+            "heartbeats": (catalogue.heartbeats, Heartbeat),
+            "task-state": (catalogue.task_state, TaskState),
+        }
+        for followed in follow:
+            topic, record_type = kind_types[followed]
+            self._kinds[topic] = (followed, record_type)
+        self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in ALL_FOLLOWED}
+        self._token_index: dict[str, UserRecord] = {}
+        self._positions: dict[tuple[str, int], int] = {}
+        self._changed = threading.Condition()
+        self._stop = threading.Event()
+        self._on_bad_record = on_bad_record
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap_servers,
+                # No group: the view assigns every partition itself and never commits.
+                "group.id": "fxstream-registry-view-unused",
+                "enable.auto.commit": False,
+                "enable.partition.eof": False,
+                "log_level": 2,
+            }
+        )
+        self._thread = threading.Thread(target=self._run, name="registry-view", daemon=True)
+        self._targets: dict[tuple[str, int], int] = {}
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Assign every partition from the beginning and start following."""
+        partitions: list[TopicPartition] = []
+        metadata = self._consumer.list_topics(timeout=30)
+        for topic in self._kinds:
+            described = metadata.topics.get(topic)
+            if described is None or described.error is not None:
+                raise RuntimeError(f"registry topic {topic} is missing: run ./fx up first")
+            for partition in described.partitions:
+                partitions.append(TopicPartition(topic, partition, OFFSET_BEGINNING))
+                _, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(topic, partition), timeout=30
+                )
+                self._targets[(topic, partition)] = high
+        self._consumer.assign(partitions)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop following and close the consumer."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._consumer.close()
+
+    def wait_until_current(self, timeout_s: float = 30.0) -> bool:
+        """Wait until everything that existed at ``start`` has been read."""
+        return self._wait(lambda: self._reached(self._targets), timeout_s)
+
+    def wait_for_offset(self, topic: str, partition: int, offset: int, timeout_s: float) -> bool:
+        """Wait until the record at ``offset`` has been folded in (read-your-writes)."""
+        return self._wait(lambda: self._positions.get((topic, partition), 0) > offset, timeout_s)
+
+    # --- lookups -------------------------------------------------------------------------
+
+    def user_by_token_hash(self, token_sha256: str) -> UserRecord | None:
+        """The user whose token hashes to ``token_sha256``."""
+        return self._token_index.get(token_sha256)
+
+    def user(self, user_id: str) -> UserRecord | None:
+        """A user by id."""
+        return _as(self._tables["users"].get(user_id), UserRecord)
+
+    def function(self, function_id: str) -> FunctionRecord | None:
+        """A live (not deleted) function by id."""
+        return _as(self._tables["functions"].get(function_id), FunctionRecord)
+
+    def functions(self) -> list[FunctionRecord]:
+        """Every live function."""
+        return [
+            r for r in self._tables["functions"].copy().values() if isinstance(r, FunctionRecord)
+        ]
+
+    def endpoint(self, endpoint_id: str) -> EndpointRecord | None:
+        """A live endpoint by id."""
+        return _as(self._tables["endpoints"].get(endpoint_id), EndpointRecord)
+
+    def endpoints(self) -> list[EndpointRecord]:
+        """Every live endpoint."""
+        return [
+            r for r in self._tables["endpoints"].copy().values() if isinstance(r, EndpointRecord)
+        ]
+
+    def task(self, task_id: str) -> TaskState | None:
+        """The latest state of a task."""
+        return _as(self._tables["task-state"].get(task_id), TaskState)
+
+    def endpoint_status(self, endpoint_id: str, now: float | None = None) -> EndpointStatus:
+        """Online while the last heartbeat is younger than LIVENESS_PERIODS periods."""
+        beat = _as(self._tables["heartbeats"].get(endpoint_id), Heartbeat)
+        if beat is None:
+            return EndpointStatus(state="never-seen")
+        now = time.time() if now is None else now
+        online = now - beat.sent_at <= LIVENESS_PERIODS * beat.period_s
+        return EndpointStatus(
+            state="online" if online else "lost",
+            last_seen=beat.sent_at,
+            workers_total=beat.workers_total,
+            workers_idle=beat.workers_idle,
+            workers_busy=beat.workers_busy,
+            queue_depth=beat.queue_depth,
+            agent_id=beat.agent_id,
+        )
+
+    # --- the follower thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            messages = self._consumer.consume(num_messages=500, timeout=0.2)
+            if not messages:
+                continue
+            with self._changed:
+                for message in messages:
+                    self._fold(message)
+                self._changed.notify_all()
+
+    def _fold(self, message: Message) -> None:
+        error = message.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                log.warning("registry view: %s", error)
+            return
+        topic, partition, offset = message.topic(), message.partition(), message.offset()
+        if topic is None or partition is None or offset is None:
+            return
+        self._positions[(topic, partition)] = offset + 1
+        followed, record_type = self._kinds[topic]
+        key = (message.key() or b"").decode(errors="replace")
+        value = message.value()
+        table = self._tables[followed]
+        if value is None and followed != "heartbeats":
+            self._remove(followed, key)
+            return
+        try:
+            record = decode(value, record_type)
+        except RecordDecodeError as exc:
+            log.warning("registry view: skipping a bad record on %s: %s", topic, exc.reason)
+            if self._on_bad_record is not None:
+                self._on_bad_record(message, exc.reason)
+            return
+        if isinstance(record, Heartbeat):
+            previous = _as(table.get(record.endpoint_id), Heartbeat)
+            if previous is None or previous.sent_at <= record.sent_at:
+                table[record.endpoint_id] = record
+            return
+        self._remove(followed, key)
+        table[key] = record
+        if isinstance(record, UserRecord):
+            self._token_index[record.token_sha256] = record
+
+    def _remove(self, followed: Followed, key: str) -> None:
+        old = self._tables[followed].pop(key, None)
+        if isinstance(old, UserRecord):
+            self._token_index.pop(old.token_sha256, None)
+
+    def _reached(self, targets: dict[tuple[str, int], int]) -> bool:
+        return all(self._positions.get(tp, 0) >= end for tp, end in targets.items() if end > 0)
+
+    def _wait(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(predicate, timeout=timeout_s)
+
+
+def _as(record: Record | None, kind: type[R]) -> R | None:
+    return record if isinstance(record, kind) else None
