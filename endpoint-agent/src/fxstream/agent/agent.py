@@ -1,0 +1,456 @@
+"""The endpoint agent: pull this endpoint's queue, run tasks in warm workers, publish results.
+
+One thread polls Kafka; tasks run in a :class:`~fxstream.agent.WorkerPool`,
+never in the poll loop. The agent fetches only as many tasks as it can start
+soon (workers + prefetch, funcX's batching) and pauses its queue when full.
+
+Acknowledgement: a task's offset is committed only after its result record is
+durably written (``acks=all``, delivery confirmed), and only up to the
+contiguous prefix of finished tasks per partition (:class:`OffsetTracker`).
+Nothing is acknowledged on dispatch, so an agent killed mid-batch loses
+nothing: its uncommitted tasks are delivered again when it (or a replacement)
+returns. A task may therefore run twice; deduplication and transactions come
+with the reliability work.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import httpx
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+
+from fxstream.agent.config import EndpointConfig
+from fxstream.agent.offsets import OffsetTracker
+from fxstream.agent.runner import RUNNER
+from fxstream.agent.workers import WorkerPool, WorkItem, WorkOutcome
+from fxstream.topics import (
+    Catalogue,
+    DeadLetter,
+    Heartbeat,
+    InvalidTopicName,
+    RecordDecodeError,
+    TaskDispatch,
+    TaskError,
+    TaskResult,
+    TaskSubmission,
+    TaskTimings,
+    WarmAdvert,
+    WarmWorker,
+    code_sha256,
+    decode,
+    encode,
+)
+
+__all__ = ["AGENT_VERSION", "Agent"]
+
+log = logging.getLogger(__name__)
+
+AGENT_VERSION = "0.1.0"
+COMMIT_INTERVAL_S = 0.2
+STOP_GRACE_S = 30.0
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A task taken off the queue and not yet answered durably."""
+
+    partition: int
+    offset: int
+    dispatch: TaskDispatch
+    submission: TaskSubmission
+    dequeued_at: float
+
+
+class FunctionUnavailable(Exception):
+    """The service would not give the function's code (unknown, deleted, forbidden, down)."""
+
+
+class _CodeCache:
+    """Function code by id, fetched from the service's API on a miss."""
+
+    def __init__(self, service_url: str, token: str) -> None:
+        self._http = httpx.Client(
+            base_url=service_url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0
+        )
+        self._code: dict[str, tuple[str, bytes]] = {}
+
+    def get(self, function_id: str) -> tuple[str, bytes]:
+        cached = self._code.get(function_id)
+        if cached is not None:
+            return cached
+        try:
+            response = self._http.get(f"/v1/functions/{function_id}")
+        except httpx.HTTPError as exc:
+            raise FunctionUnavailable(
+                f"cannot reach the service to fetch function {function_id}: {exc}"
+            ) from exc
+        if response.status_code != 200:
+            detail = response.json().get("detail", response.text) if response.content else ""
+            raise FunctionUnavailable(
+                f"the service refused function {function_id} ({response.status_code}): {detail}"
+            )
+        code = base64.b64decode(response.json()["code"])
+        entry = (code_sha256(code), code)
+        self._code[function_id] = entry
+        return entry
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class Agent:
+    """Serves one endpoint until :meth:`stop` (or the ``stop`` event passed to :meth:`run`)."""
+
+    def __init__(self, config: EndpointConfig, *, runner: str = RUNNER) -> None:
+        config.validate()
+        self.config = config
+        self.agent_id = str(uuid.uuid4())
+        self.catalogue = Catalogue(prefix=config.topic_prefix)
+        self.queue_topic = self.catalogue.endpoint_queue(config.endpoint_id)
+        self._runner = runner
+        self._hostname = socket.gethostname()
+        self._stop = threading.Event()
+        self._tracker = OffsetTracker()
+        self._held: dict[str, _Held] = {}
+        self._done: queue.SimpleQueue[tuple[str, WorkOutcome]] = queue.SimpleQueue()
+        self._paused = False
+        self._sequence = 0
+        self._last_warm: list[WarmWorker] | None = None
+        self.results_published = 0
+
+    # --- public ------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to finish the tasks it holds and return."""
+        self._stop.set()
+
+    def run(self, ready: Callable[[], None] | None = None) -> None:
+        """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
+        pool = WorkerPool(self.config.workers, self._runner)
+        codes = _CodeCache(self.config.service_url, self.config.token)
+        producer = Producer(
+            {
+                "bootstrap.servers": self.config.bootstrap_servers,
+                "acks": "all",
+                "enable.idempotence": True,
+                "linger.ms": 1,
+                "log_level": 3,
+            }
+        )
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.config.bootstrap_servers,
+                "group.id": f"fxstream-endpoint-{self.config.endpoint_id}",
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "isolation.level": "read_committed",
+                "fetch.wait.max.ms": 20,
+                "log_level": 3,
+            }
+        )
+        try:
+            pool.wait_ready(timeout=60)
+            consumer.subscribe(
+                [self.queue_topic], on_revoke=lambda c, parts: self._on_revoke(c, parts)
+            )
+            self._heartbeat(producer, pool)
+            if ready is not None:
+                ready()
+            self._serve(consumer, producer, pool, codes)
+        finally:
+            self._shutdown(consumer, producer, pool, codes)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def _serve(
+        self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
+    ) -> None:
+        next_commit = time.monotonic() + COMMIT_INTERVAL_S
+        next_beat = time.monotonic() + self.config.heartbeat_period_s
+        while not self._stop.is_set():
+            room = self.config.workers + self.config.prefetch - len(self._held)
+            self._flow_control(consumer, room > 0)
+            timeout = 0.005 if self._held else 0.1
+            for message in consumer.consume(num_messages=max(room, 1), timeout=timeout):
+                self._take(message, producer, pool, codes)
+            self._publish_finished(producer)
+            producer.poll(0)
+            now = time.monotonic()
+            if now >= next_commit:
+                self._commit(consumer)
+                next_commit = now + COMMIT_INTERVAL_S
+            if now >= next_beat:
+                self._heartbeat(producer, pool)
+                next_beat = now + self.config.heartbeat_period_s
+
+    def _flow_control(self, consumer: Consumer, want_more: bool) -> None:
+        # Paused partitions keep the group membership alive while we do not fetch.
+        if want_more == (not self._paused):
+            return
+        assignment = consumer.assignment()
+        if not assignment:
+            return
+        if want_more:
+            consumer.resume(assignment)
+        else:
+            consumer.pause(assignment)
+        self._paused = not want_more
+
+    def _take(
+        self, message: Message, producer: Producer, pool: WorkerPool, codes: _CodeCache
+    ) -> None:
+        error = message.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                log.warning("queue %s: %s", self.queue_topic, error)
+            return
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        self._tracker.track(partition, offset)
+        dequeued_at = time.time()
+        try:
+            dispatch = decode(message.value(), TaskDispatch)
+            submission = decode(dispatch.submission, TaskSubmission)
+        except RecordDecodeError as exc:
+            self._dead_letter(producer, message, exc.reason)
+            return
+        held = _Held(partition, offset, dispatch, submission, dequeued_at)
+        if submission.task_id in self._held:
+            # The same task twice in one batch (a redelivery): one run answers both.
+            self._tracker.done(partition, offset)
+            return
+        self._held[submission.task_id] = held
+        try:
+            sha, code = codes.get(submission.function_id)
+        except FunctionUnavailable as exc:
+            self._done.put((submission.task_id, _failed(submission, "FunctionUnavailable", exc)))
+            return
+        item = WorkItem(
+            task_id=submission.task_id,
+            function_id=submission.function_id,
+            code_sha256=sha,
+            code=code,
+            payload=dispatch.submission,
+            walltime_s=submission.walltime_s,
+        )
+        future = pool.submit(item)
+        future.add_done_callback(functools.partial(self._finished, submission.task_id))
+
+    def _finished(self, task_id: str, future: Future[WorkOutcome]) -> None:
+        # Runs on the pool's collector thread: hand over and return at once.
+        self._done.put((task_id, future.result()))
+
+    def _publish_finished(self, producer: Producer) -> None:
+        while True:
+            try:
+                task_id, outcome = self._done.get_nowait()
+            except queue.Empty:
+                return
+            held = self._held.get(task_id)
+            if held is not None:
+                self._publish(producer, held, outcome)
+
+    def _publish(self, producer: Producer, held: _Held, outcome: WorkOutcome) -> None:
+        submission = held.submission
+        result = self._result(held, outcome)
+        value = encode(result)
+        if outcome.ok and len(value) > self.config.max_result_bytes:
+            size = len(value)
+            result = self._result(
+                held,
+                _failed(
+                    submission,
+                    "ResultTooLarge",
+                    ValueError(
+                        f"the result is {size:,} bytes, above this endpoint's max_result_bytes "
+                        f"({self.config.max_result_bytes:,}); return a smaller value, or raise "
+                        "max_result_bytes in the endpoint config (up to the results topic's "
+                        "max.message.bytes)"
+                    ),
+                ),
+            )
+            value = encode(result)
+        try:
+            topic = self.catalogue.results(submission.user_id)
+        except InvalidTopicName as exc:
+            self._drop(held, f"no results topic for user {submission.user_id!r}: {exc}")
+            return
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is not None:
+                # Not acknowledged: the task stays uncommitted and is redelivered on restart.
+                log.error("result of task %s not written: %s", submission.task_id, err)
+                return
+            self._tracker.done(held.partition, held.offset)
+            self._held.pop(submission.task_id, None)
+            self.results_published += 1
+
+        producer.produce(topic, key=submission.task_id.encode(), value=value, on_delivery=delivered)
+
+    def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
+        submission = held.submission
+        error = None
+        if not outcome.ok:
+            error = TaskError(
+                type=outcome.error_type or "Error",
+                message=outcome.error_message,
+                traceback=outcome.traceback,
+                retryable=outcome.retryable,
+            )
+        return TaskResult(
+            task_id=submission.task_id,
+            user_id=submission.user_id,
+            function_id=submission.function_id,
+            endpoint_id=self.config.endpoint_id,
+            task_group_id=submission.task_group_id,
+            outcome="success" if outcome.ok else "error",
+            value=outcome.value if outcome.ok else None,
+            error=error,
+            attempt=held.dispatch.attempt,
+            worker=outcome.worker,
+            timings=TaskTimings(
+                submitted_at=submission.submitted_at,
+                routed_at=held.dispatch.routed_at,
+                dequeued_at=held.dequeued_at,
+                started_at=outcome.started_at,
+                finished_at=outcome.finished_at,
+                result_published_at=time.time(),
+            ),
+        )
+
+    def _drop(self, held: _Held, reason: str) -> None:
+        log.error("task %s dropped: %s", held.submission.task_id, reason)
+        self._tracker.done(held.partition, held.offset)
+        self._held.pop(held.submission.task_id, None)
+
+    def _dead_letter(self, producer: Producer, message: Message, reason: str) -> None:
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        record = DeadLetter(
+            original_topic=self.queue_topic,
+            original_partition=partition,
+            original_offset=offset,
+            original_key=message.key(),
+            original_value=message.value(),
+            original_headers=_headers(message),
+            reason=reason,
+            error_type="RecordDecodeError",
+            component=f"agent {self.config.endpoint_id}",
+            failed_at=time.time(),
+        )
+
+        def delivered(err: KafkaError | None, _msg: Message) -> None:
+            if err is None:
+                self._tracker.done(partition, offset)
+            else:
+                log.error("dead letter not written: %s", err)
+
+        producer.produce(
+            self.catalogue.dead_letter,
+            key=message.key(),
+            value=encode(record),
+            on_delivery=delivered,
+        )
+
+    def _commit(self, consumer: Consumer) -> None:
+        offsets = self._tracker.committable()
+        if not offsets:
+            return
+        try:
+            consumer.commit(
+                offsets=[TopicPartition(self.queue_topic, p, o) for p, o in offsets.items()],
+                asynchronous=True,
+            )
+        except KafkaException as exc:
+            log.warning("commit failed (will retry): %s", exc)
+
+    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        self._commit(consumer)
+        self._tracker.forget_partitions([p.partition for p in partitions])
+
+    def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
+        self._sequence += 1
+        beat = Heartbeat(
+            endpoint_id=self.config.endpoint_id,
+            agent_id=self.agent_id,
+            sent_at=time.time(),
+            sequence=self._sequence,
+            period_s=self.config.heartbeat_period_s,
+            hostname=self._hostname,
+            pid=os.getpid(),
+            workers_total=pool.size,
+            workers_idle=pool.idle_count,
+            workers_busy=pool.busy_count,
+            queue_depth=pool.queued_count,
+            held_task_ids=list(self._held)[:1000],
+            agent_version=AGENT_VERSION,
+        )
+        key = self.config.endpoint_id.encode()
+        producer.produce(self.catalogue.heartbeats, key=key, value=encode(beat))
+        warm = [
+            WarmWorker(worker_id=worker, function_ids=functions)
+            for worker, functions in sorted(pool.warm_functions().items())
+        ]
+        if warm != self._last_warm:
+            advert = WarmAdvert(
+                endpoint_id=self.config.endpoint_id,
+                manager_id=self._hostname,
+                advertised_at=time.time(),
+                workers=warm,
+            )
+            warm_key = f"{self.config.endpoint_id}/{self._hostname}".encode()
+            producer.produce(self.catalogue.warm, key=warm_key, value=encode(advert))
+            self._last_warm = warm
+
+    def _shutdown(
+        self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
+    ) -> None:
+        deadline = time.monotonic() + STOP_GRACE_S
+        while self._held and time.monotonic() < deadline:
+            self._publish_finished(producer)
+            producer.poll(0.05)
+        producer.flush(30)
+        offsets = self._tracker.committable()
+        if offsets:
+            try:
+                consumer.commit(
+                    offsets=[TopicPartition(self.queue_topic, p, o) for p, o in offsets.items()],
+                    asynchronous=False,
+                )
+            except KafkaException as exc:
+                log.warning("final commit failed: %s", exc)
+        consumer.close()
+        pool.close()
+        codes.close()
+
+
+def _headers(message: Message) -> list[tuple[str, bytes | None]]:
+    raw = message.headers() or []
+    pairs = raw.items() if isinstance(raw, dict) else raw
+    return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+
+
+def _failed(submission: TaskSubmission, error_type: str, exc: BaseException) -> WorkOutcome:
+    return WorkOutcome(
+        task_id=submission.task_id,
+        ok=False,
+        value=None,
+        error_type=error_type,
+        error_message=str(exc),
+        traceback="",
+        worker="",
+        started_at=None,
+        finished_at=time.time(),
+    )

@@ -1,0 +1,120 @@
+"""An endpoint's configuration: one YAML file per named endpoint.
+
+Files live in ``$FXSTREAM_ENDPOINTS_DIR/<name>/config.yaml`` (default
+``~/.fxstream/endpoints``), beside the endpoint's log and PID file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+__all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """An endpoint config is missing or invalid; the message names the field and the fix."""
+
+
+def endpoints_root() -> Path:
+    """Where endpoint directories live."""
+    return Path(os.environ.get("FXSTREAM_ENDPOINTS_DIR", Path.home() / ".fxstream" / "endpoints"))
+
+
+def endpoint_dir(name: str) -> Path:
+    """The directory of the endpoint called ``name`` (config, log, PID file)."""
+    if not _NAME.match(name):
+        raise ConfigError(
+            f"endpoint name {name!r} is not usable: 1-64 letters, digits, '-' or '_', "
+            "starting with a letter or digit"
+        )
+    return endpoints_root() / name
+
+
+@dataclass(frozen=True)
+class EndpointConfig:
+    """Everything an agent needs to serve one endpoint."""
+
+    name: str
+    endpoint_id: str
+    service_url: str
+    bootstrap_servers: str
+    token: str
+    topic_prefix: str = "fx."
+    workers: int = 2
+    prefetch: int = 16
+    heartbeat_period_s: float = 5.0
+    engine: str = "process"
+    max_result_bytes: int = 1_000_000
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the field when a value cannot work."""
+        if self.workers < 1:
+            raise ConfigError("workers must be at least 1")
+        if self.prefetch < 0:
+            raise ConfigError("prefetch must be 0 or more")
+        if self.heartbeat_period_s <= 0:
+            raise ConfigError("heartbeat_period_s must be positive")
+        if self.engine != "process":
+            raise ConfigError(
+                f"engine {self.engine!r} is not available: only 'process' (warm local worker "
+                "processes) is built; batch-scheduler engines come later"
+            )
+
+    @property
+    def directory(self) -> Path:
+        """This endpoint's directory."""
+        return endpoint_dir(self.name)
+
+    @property
+    def path(self) -> Path:
+        """The YAML file."""
+        return self.directory / "config.yaml"
+
+    def save(self) -> Path:
+        """Write the YAML file (readable only by its owner: it holds a token)."""
+        self.validate()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
+        self.path.chmod(0o600)
+        return self.path
+
+    @classmethod
+    def load(cls, name: str) -> EndpointConfig:
+        """Read the endpoint called ``name``; a clear error if it is not configured."""
+        path = endpoint_dir(name) / "config.yaml"
+        if not path.is_file():
+            raise ConfigError(
+                f"endpoint {name!r} is not configured ({path} is missing): "
+                f"run `fxstream-endpoint configure {name}` first"
+            )
+        try:
+            raw: Any = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path} must hold a mapping of settings")
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ConfigError(f"{path}: unknown setting(s) {sorted(unknown)}")
+        missing = {f.name for f in fields(cls) if f.name in _REQUIRED} - set(raw)
+        if missing:
+            raise ConfigError(f"{path}: missing setting(s) {sorted(missing)}")
+        try:
+            config = msgspec.convert(raw, cls)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
+        config.validate()
+        return config
+
+
+_REQUIRED = {"name", "endpoint_id", "service_url", "bootstrap_servers", "token"}
