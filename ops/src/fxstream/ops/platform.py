@@ -21,6 +21,7 @@ from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
 from fxstream.ops.process import ProcessStartError
 from fxstream.ops.redis_server import RedisServer
+from fxstream.ops.services import ServiceSet
 from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
 
 __all__ = [
@@ -173,8 +174,14 @@ class Platform:
 
     # --- up / down / status ------------------------------------------------------------
 
-    def up(self, *, cluster: bool = False, step: Step = _quiet) -> ConnectionInfo:
-        """Install what is missing, start Redis and Kafka, provision topics. Safe to repeat."""
+    def up(
+        self, *, cluster: bool = False, services: bool = False, step: Step = _quiet
+    ) -> ConnectionInfo:
+        """Install what is missing, start Redis and Kafka, provision topics. Safe to repeat.
+
+        With ``services`` it also starts the REST API, the stream processors and
+        the local endpoint (see :class:`~fxstream.ops.services.ServiceSet`).
+        """
         running = self.running_mode()
         wanted = "cluster" if cluster else "single"
         if running is not None and running != wanted:
@@ -210,12 +217,24 @@ class Platform:
         if report.drifted:
             step("topic drift: " + "; ".join(str(d) for d in report.drifted))
         self.info_file.write_text(json.dumps(asdict(connection), indent=2) + "\n")
+        if services:
+            step("starting the service, the stream processors and the local endpoint")
+            try:
+                self.services().start(connection.bootstrap_servers, connection.topic_prefix)
+            except (ProcessStartError, TimeoutError):
+                self.down()
+                raise
         return connection
+
+    def services(self) -> ServiceSet:
+        """The Python services of this platform."""
+        return ServiceSet(self.config)
 
     def down(self, timeout_s: float = 60.0) -> list[str]:
         """Stop every process of this platform by PID and wait for each; returns what stopped."""
-        stopped: list[str] = []
-        # Brokers first, so none of them logs a lost Redis or peer as an error it must act on.
+        # The endpoint first (it finishes what it holds), then the service, then the brokers.
+        stopped: list[str] = self.services().stop(timeout_s)
+        # Then brokers, and Redis last.
         for cluster in (True, False):
             nodes = self.nodes(cluster=cluster)
             pids = {node.node_id: node.process.pid() for node in nodes}
@@ -233,6 +252,10 @@ class Platform:
         """What runs, whether it answers, and whether the catalogue's topics are in place."""
         mode = self.running_mode()
         result = PlatformStatus(mode=mode)
+        for process in self.services().processes():
+            pid = process.pid()
+            if pid is not None:
+                result.components.append(ComponentStatus(process.name, "", pid, True))
         redis = self.redis()
         redis_pid = redis.process.pid()
         result.components.append(
