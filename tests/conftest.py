@@ -36,7 +36,7 @@ def private_config(home: Path, *, cluster_base_port: int | None = None) -> Platf
     if cluster_base_port is not None:
         lines.append(f"cluster_base_port = {cluster_base_port}")
     (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
-    return PlatformConfig.load(env={}, home=home)
+    return PlatformConfig.load(env={}, home=home, tie_to_caller=True)
 
 
 def free_port_block(size: int) -> int:

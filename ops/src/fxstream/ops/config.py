@@ -65,6 +65,9 @@ class PlatformConfig:
     service_port: int = 19180
     kafka_heap_mb: int = 1024
     topic_prefix: str = "fx."
+    # Not a file or environment setting: tests set it so every process they start is
+    # stopped by the kernel if the test run itself dies before its teardown.
+    tie_to_caller: bool = False
 
     # setting name -> environment variable; the TOML file uses the setting names.
     ENV_VARS: ClassVar[dict[str, str]] = {
@@ -121,6 +124,8 @@ class PlatformConfig:
                 kwargs[f.name] = Path(raw).expanduser()
             elif f.name == "topic_prefix":
                 kwargs[f.name] = str(raw)
+            elif f.name == "tie_to_caller":
+                kwargs[f.name] = bool(raw)
             else:
                 try:
                     kwargs[f.name] = int(raw)

@@ -91,6 +91,7 @@ class KafkaNode:
             argv=argv,
             pid_file=self.directory / "kafka.pid",
             log_file=self.config.home / "logs" / f"kafka-{self.mode}-{self.node_id}.log",
+            die_with_parent=self.config.tie_to_caller,
         )
 
     def render(self) -> None:

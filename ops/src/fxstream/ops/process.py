@@ -8,6 +8,7 @@ that PID and that start time exists.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+_PR_SET_PDEATHSIG = 1
 
 __all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free", "free_ports"]
 
@@ -49,6 +52,12 @@ def free_ports(count: int) -> list[int]:
         return [int(sock.getsockname()[1]) for sock in sockets]
 
 
+def _terminate_with_parent() -> None:
+    # Runs in the child before exec: ask Linux to SIGTERM it when its parent exits.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         text = path.read_text(errors="replace")
@@ -67,6 +76,7 @@ class ManagedProcess:
     log_file: Path
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
+    die_with_parent: bool = False
 
     def pid(self) -> int | None:
         """The PID if our process is running, else None (a stale PID file is removed)."""
@@ -112,6 +122,7 @@ class ManagedProcess:
                 env=env,
                 # Its own session: a Ctrl-C in the terminal that ran `up` must not stop it.
                 start_new_session=True,
+                preexec_fn=_terminate_with_parent if self.die_with_parent else None,
             )
         started = psutil.Process(popen.pid).create_time()
         self.pid_file.write_text(f"{popen.pid} {started!r}\n")

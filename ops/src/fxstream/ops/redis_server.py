@@ -45,6 +45,7 @@ class RedisServer:
             argv=[self.binary, str(self.conf_file)],
             pid_file=self.directory / "redis.pid",
             log_file=self.config.home / "logs" / "redis.log",
+            die_with_parent=self.config.tie_to_caller,
         )
 
     def start(self) -> int:

@@ -38,7 +38,6 @@ class Credentials:
     topic_prefix: str
     user_id: str
     token: str
-    endpoint_id: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the file readable by its owner only (it holds a token)."""
@@ -79,6 +78,7 @@ class ServiceSet:
             ],
             pid_file=services / "api.pid",
             log_file=logs / "service-api.log",
+            die_with_parent=config.tie_to_caller,
         )
         self.processors = ManagedProcess(
             name="stream processors",
@@ -86,6 +86,7 @@ class ServiceSet:
             pid_file=services / "processors.pid",
             log_file=logs / "service-processors.log",
             cwd=services,
+            die_with_parent=config.tie_to_caller,
         )
         self.endpoint = ManagedProcess(
             name=f"endpoint {LOCAL_ENDPOINT}",
@@ -93,6 +94,7 @@ class ServiceSet:
             pid_file=services / "endpoint.pid",
             log_file=logs / f"endpoint-{LOCAL_ENDPOINT}.log",
             env=self._endpoint_env(),
+            die_with_parent=config.tie_to_caller,
         )
 
     @property
@@ -114,8 +116,11 @@ class ServiceSet:
 
     # --- start / stop ------------------------------------------------------------------
 
-    def start(self, bootstrap_servers: str, topic_prefix: str) -> Credentials:
-        """Start the API and processors, ensure the local user and endpoint, start the endpoint."""
+    def start(self, bootstrap_servers: str, topic_prefix: str) -> tuple[Credentials, str]:
+        """Start the API and processors, ensure the local user and endpoint, start the endpoint.
+
+        Returns the local user's credentials and the local endpoint's id.
+        """
         self.config.home.joinpath("services").mkdir(parents=True, exist_ok=True)
         if not self.api.is_running():
             ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
@@ -123,10 +128,10 @@ class ServiceSet:
         self.processors.start()
         self._wait_for_api()
         credentials = self._ensure_user(bootstrap_servers, topic_prefix)
-        credentials = self._ensure_endpoint(credentials)
+        endpoint_id = self._ensure_endpoint(credentials)
         self.endpoint.start()
-        self._wait_for_endpoint(credentials)
-        return credentials
+        self._wait_for_endpoint(credentials, endpoint_id)
+        return credentials, endpoint_id
 
     def stop(self, timeout_s: float = 60.0) -> list[str]:
         """Stop the endpoint (it finishes what it holds), then the processors and the API."""
@@ -152,9 +157,11 @@ class ServiceSet:
             time.sleep(0.2)
         raise TimeoutError(f"the service API at {self.service_url} did not answer in time")
 
-    def _wait_for_endpoint(self, credentials: Credentials, timeout_s: float = 60.0) -> None:
+    def _wait_for_endpoint(
+        self, credentials: Credentials, endpoint_id: str, timeout_s: float = 60.0
+    ) -> None:
         deadline = time.monotonic() + timeout_s
-        url = f"{self.service_url}/v1/endpoints/{credentials.endpoint_id}"
+        url = f"{self.service_url}/v1/endpoints/{endpoint_id}"
         headers = {"Authorization": f"Bearer {credentials.token}"}
         while time.monotonic() < deadline:
             self.endpoint.check_alive()
@@ -196,10 +203,15 @@ class ServiceSet:
         )
         return response.status_code == 200
 
-    def _ensure_endpoint(self, credentials: Credentials) -> Credentials:
+    def local_endpoint_id(self) -> str | None:
+        """The local endpoint's id, once configured."""
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
-        if credentials.endpoint_id is not None and config_file.is_file():
-            return credentials
+        return _endpoint_id(config_file) if config_file.is_file() else None
+
+    def _ensure_endpoint(self, credentials: Credentials) -> str:
+        config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
+        if config_file.is_file() and _token_of(config_file) == credentials.token:
+            return _endpoint_id(config_file)
         done = subprocess.run(
             [
                 _bin("fxstream-endpoint"),
@@ -220,10 +232,11 @@ class ServiceSet:
         )
         if done.returncode != 0:
             raise ProcessStartError(f"cannot configure the local endpoint: {done.stdout}")
-        endpoint_id = _endpoint_id(config_file)
-        updated = Credentials(**{**credentials.__dict__, "endpoint_id": endpoint_id})
-        updated.save(self.credentials_file)
-        return updated
+        return _endpoint_id(config_file)
+
+
+def _token_of(config_file: Path) -> object:
+    return yaml.safe_load(config_file.read_text()).get("token")
 
 
 def _endpoint_id(config_file: Path) -> str:
