@@ -1,7 +1,67 @@
-"""fxstream: the user SDK (Client, Executor, streams).
+"""fxstream.sdk: the user SDK, shaped like Globus Compute's.
 
-Nothing is exported yet: this package exists so the workspace layout and the
-namespace are in place; see docs/architecture.md for what is built.
+- :class:`Client`: registry calls over REST (users, functions, endpoints, task
+  status), tasks produced straight to Kafka, results pushed from Kafka.
+- :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
+  ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
+- :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
+
+Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
+listener thread), ``submit`` (records and the producer), ``rest``,
+``settings``, ``shell``, ``errors``.
 """
 
-__all__: list[str] = []
+from fxstream.sdk.batch import Batch
+from fxstream.sdk.client import Client, RegisteredUser
+from fxstream.sdk.errors import (
+    AuthenticationError,
+    ConfigurationError,
+    FxstreamError,
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    ResultsTopicMissing,
+    ServiceError,
+    ServiceUnavailable,
+    SubmissionFailed,
+    TaskExecutionFailed,
+    TaskPending,
+    TaskRejected,
+    WalltimeExceeded,
+    WorkerLost,
+)
+from fxstream.sdk.executor import Executor
+from fxstream.sdk.futures import TIMING_KEYS, TaskFuture
+from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, ClientSettings
+from fxstream.sdk.shell import ShellFunction, ShellResult
+
+__all__ = [
+    "DEFAULT_MAX_INLINE_BYTES",
+    "TIMING_KEYS",
+    "AuthenticationError",
+    "Batch",
+    "Client",
+    "ClientSettings",
+    "ConfigurationError",
+    "Executor",
+    "FxstreamError",
+    "InvalidRequest",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "RegisteredUser",
+    "ResultsTopicMissing",
+    "ServiceError",
+    "ServiceUnavailable",
+    "ShellFunction",
+    "ShellResult",
+    "SubmissionFailed",
+    "TaskExecutionFailed",
+    "TaskFuture",
+    "TaskPending",
+    "TaskRejected",
+    "WalltimeExceeded",
+    "WorkerLost",
+]

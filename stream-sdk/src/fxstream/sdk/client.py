@@ -1,0 +1,640 @@
+"""The Client: registry calls over REST, task submission to Kafka, results pushed from Kafka.
+
+It mirrors Globus Compute's ``Client`` (``register_function``, ``run``,
+``create_batch``/``batch_run``, ``get_task``, ``get_result``,
+``get_batch_result``, endpoint and function calls), with two differences
+under the hood: tasks are produced straight to ``tasks.submitted`` (the REST
+service is never on a task's path), and results are pushed to futures by one
+listener thread reading ``results.<user_id>``.
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import CancelledError
+from typing import Any, Final, NamedTuple
+
+from fxstream.sdk.batch import Batch
+from fxstream.sdk.errors import (
+    ConfigurationError,
+    FxstreamError,
+    NotFound,
+    SubmissionFailed,
+    TaskExecutionFailed,
+    TaskPending,
+    TaskRejected,
+    task_failure,
+)
+from fxstream.sdk.futures import TaskFuture, Timings, timings_of
+from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
+from fxstream.sdk.results import ResultListener
+from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, DEFAULT_TOPIC_PREFIX, ClientSettings
+from fxstream.sdk.submit import PreparedTask, TaskProducer, build_task, pack_arguments
+from fxstream.topics import Catalogue, Serializer, TaskError, TaskTimings
+
+__all__ = ["Client", "RegisteredUser"]
+
+_STATUS_CHUNK: Final = 1_000
+_PENDING_LOCALLY: Final = "submitted (no result received yet)"
+
+
+class RegisteredUser(NamedTuple):
+    """What ``Client.register_user`` returns: the new user's id and API token (shown once)."""
+
+    user_id: str
+    token: str
+
+
+class Client:
+    """A user's connection to fxstream: the REST service and the Kafka broker.
+
+    ``service_url`` is the REST service (docs/api.md); ``bootstrap_servers``
+    the Kafka brokers; ``topic_prefix`` the deployment's topic prefix. A task
+    needs ``token`` (and ``user_id``, which is asked from the service when not
+    given). ``serializer`` encodes functions, arguments and results (default:
+    dill by value for code, pickle for data). Argument payloads above
+    ``max_inline_bytes`` are refused with
+    :class:`~fxstream.sdk.errors.PayloadTooLarge` before anything is sent.
+
+    Nothing connects until used. The first submission starts the results
+    listener (assigned at the end of ``results.<user_id>``) and the producer;
+    :meth:`close` (or ``with Client(...)``) stops them.
+    """
+
+    def __init__(
+        self,
+        service_url: str,
+        *,
+        bootstrap_servers: str,
+        topic_prefix: str = DEFAULT_TOPIC_PREFIX,
+        user_id: str | None = None,
+        token: str | None = None,
+        serializer: Serializer | None = None,
+        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        request_timeout: float = DEFAULT_TIMEOUT_S,
+        kafka_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if max_inline_bytes <= 0:
+            raise ValueError(f"max_inline_bytes must be positive, not {max_inline_bytes}")
+        self.service_url = service_url
+        self.bootstrap_servers = bootstrap_servers
+        self.catalogue = Catalogue(prefix=topic_prefix)
+        self.serializer = serializer if serializer is not None else Serializer()
+        self.max_inline_bytes = max_inline_bytes
+        self._user_id = user_id
+        self._token = token
+        self._kafka_config = dict(kafka_config or {})
+        self._rest = RestClient(service_url, token=token, timeout=request_timeout)
+        self._lock = threading.Lock()
+        self._producer: TaskProducer | None = None
+        self._listener: ResultListener | None = None
+        self._futures: dict[str, TaskFuture] = {}
+        self._closed = False
+
+    # --- construction ------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(
+        cls, settings: ClientSettings, *, serializer: Serializer | None = None
+    ) -> Client:
+        """A client from :class:`~fxstream.sdk.settings.ClientSettings`."""
+        return cls(
+            settings.service_url,
+            bootstrap_servers=settings.bootstrap_servers,
+            topic_prefix=settings.topic_prefix,
+            user_id=settings.user_id,
+            token=settings.token,
+            serializer=serializer,
+            max_inline_bytes=settings.max_inline_bytes,
+        )
+
+    @classmethod
+    def from_environment(
+        cls, env: Mapping[str, str] | None = None, *, serializer: Serializer | None = None
+    ) -> Client:
+        """A client configured by ``FXSTREAM_*`` variables and/or ``FXSTREAM_CREDENTIALS``.
+
+        See :mod:`fxstream.sdk.settings` for the variables and the file format.
+        """
+        return cls.from_settings(ClientSettings.from_environment(env), serializer=serializer)
+
+    @staticmethod
+    def register_user(
+        service_url: str, name: str, *, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> RegisteredUser:
+        """Register a new user (``POST /v1/users``); returns ``(user_id, token)``.
+
+        The service also creates the user's results topic. Keep the token: the
+        service stores only its hash.
+        """
+        rest = RestClient(service_url, timeout=timeout)
+        try:
+            answer = rest.post("/users", {"name": name})
+        finally:
+            rest.close()
+        return RegisteredUser(str(answer["user_id"]), str(answer["token"]))
+
+    # --- identity ----------------------------------------------------------------------
+
+    @property
+    def user_id(self) -> str:
+        """This client's user id (asked from the service once when not configured)."""
+        if self._user_id is None:
+            self._require_token()
+            self._user_id = str(self.whoami()["user_id"])
+        return self._user_id
+
+    def whoami(self) -> dict[str, Any]:
+        """``GET /v1/users/me``: the caller's ``user_id`` and ``name``."""
+        answer: dict[str, Any] = self._rest.get("/users/me")
+        return answer
+
+    def _require_token(self) -> str:
+        if not self._token:
+            raise ConfigurationError(
+                "no API token configured: pass token= (from Client.register_user) or set "
+                "FXSTREAM_TOKEN"
+            )
+        return self._token
+
+    # --- functions ---------------------------------------------------------------------
+
+    def register_function(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        container: str | None = None,
+        public: bool = False,
+        allowed_users: Iterable[str] = (),
+        description: str = "",
+    ) -> str:
+        """Register ``fn`` (serialized by value with the code strategy); returns its function id.
+
+        ``public`` lets anyone run it; ``allowed_users`` shares it with those
+        user ids. ``name`` defaults to the function's ``__name__``.
+        """
+        code = self.serializer.serialize_function(fn)
+        if name is None:
+            name = getattr(fn, "__name__", None) or type(fn).__name__
+        body = {
+            "name": name,
+            "code": base64.b64encode(code).decode("ascii"),
+            "container": container,
+            "public": public,
+            "allowed_users": list(allowed_users),
+            "description": description,
+        }
+        answer = self._rest.post("/functions", body)
+        return str(answer["function_id"])
+
+    def get_function(self, function_id: str) -> dict[str, Any]:
+        """The function record (``GET /v1/functions/{id}``), with ``code`` as bytes."""
+        record: dict[str, Any] = self._rest.get(f"/functions/{function_id}")
+        if isinstance(record.get("code"), str):
+            record["code"] = base64.b64decode(record["code"])
+        return record
+
+    def list_functions(self) -> list[dict[str, Any]]:
+        """The functions the caller may run: own, public and shared (without code)."""
+        answer: list[dict[str, Any]] = self._rest.get("/functions")
+        return answer
+
+    def delete_function(self, function_id: str) -> None:
+        """Delete a function you own."""
+        self._rest.delete(f"/functions/{function_id}")
+
+    # --- endpoints ---------------------------------------------------------------------
+
+    def register_endpoint(
+        self,
+        name: str,
+        *,
+        public: bool = False,
+        allowed_users: Iterable[str] = (),
+        description: str = "",
+        metadata: Mapping[str, str] | None = None,
+    ) -> str:
+        """Register an endpoint (the service creates its queue topic); returns its id."""
+        body = {
+            "name": name,
+            "public": public,
+            "allowed_users": list(allowed_users),
+            "description": description,
+            "metadata": dict(metadata or {}),
+        }
+        answer = self._rest.post("/endpoints", body)
+        return str(answer["endpoint_id"])
+
+    def list_endpoints(self) -> list[dict[str, Any]]:
+        """The endpoints the caller may use, each with its live ``status``."""
+        answer: list[dict[str, Any]] = self._rest.get("/endpoints")
+        return answer
+
+    def get_endpoint(self, endpoint_id: str) -> dict[str, Any]:
+        """One endpoint's record with its live ``status``."""
+        answer: dict[str, Any] = self._rest.get(f"/endpoints/{endpoint_id}")
+        return answer
+
+    def get_endpoint_status(self, endpoint_id: str) -> dict[str, Any]:
+        """One endpoint's live status: ``state`` (online, lost, never-seen), workers, queue."""
+        status: dict[str, Any] = self.get_endpoint(endpoint_id)["status"]
+        return status
+
+    def delete_endpoint(self, endpoint_id: str) -> None:
+        """Delete an endpoint you own."""
+        self._rest.delete(f"/endpoints/{endpoint_id}")
+
+    # --- submitting --------------------------------------------------------------------
+
+    def pack(
+        self,
+        function_id: str,
+        args: Iterable[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        """Serialize one task's arguments, refusing them above ``max_inline_bytes``."""
+        return pack_arguments(
+            self.serializer, function_id, args, kwargs, max_inline_bytes=self.max_inline_bytes
+        )
+
+    def prepare_task(
+        self,
+        endpoint_id: str,
+        function_id: str,
+        args: Iterable[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        task_group_id: str | None = None,
+        payload: bytes | None = None,
+    ) -> PreparedTask:
+        """Build one task's record without sending it (what ``run`` and the Executor use).
+
+        Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
+        :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
+        invalid id) before anything is sent.
+        """
+        if payload is None:
+            payload = self.pack(function_id, args, kwargs)
+        return build_task(
+            catalogue=self.catalogue,
+            user_id=self.user_id,
+            token=self._require_token(),
+            endpoint_id=endpoint_id,
+            function_id=function_id,
+            payload=payload,
+            task_group_id=task_group_id,
+        )
+
+    def _streams(self) -> tuple[TaskProducer, ResultListener]:
+        with self._lock:
+            if self._closed:
+                raise FxstreamError("this Client is closed")
+            if self._listener is None:
+                listener = ResultListener(
+                    self.bootstrap_servers,
+                    self.catalogue.results(self.user_id),
+                    self.serializer,
+                    kafka_config=self._kafka_config,
+                )
+                listener.start()
+                self._listener = listener
+            if self._producer is None:
+                self._producer = TaskProducer(
+                    self.bootstrap_servers,
+                    self.catalogue.tasks_submitted,
+                    max_message_bytes=self.catalogue.spec("tasks.submitted").max_message_bytes,
+                    kafka_config=self._kafka_config,
+                )
+            return self._producer, self._listener
+
+    def start(self) -> None:
+        """Start the results listener and the producer now (else the first submission does)."""
+        self._streams()
+
+    def track(self, task: PreparedTask, *, retain: bool = False) -> TaskFuture:
+        """The future of ``task``, registered with the results listener (before it is sent).
+
+        With ``retain``, the client keeps the future so ``get_result`` and
+        ``get_task`` answer from it (what ``run`` and ``batch_run`` do).
+        """
+        listener = self._streams()[1]
+        future = TaskFuture(
+            task.task_id,
+            function_id=task.function_id,
+            endpoint_id=task.endpoint_id,
+            submitted_at=task.submitted_at,
+        )
+        listener.track(future)
+        if retain:
+            with self._lock:
+                self._futures[task.task_id] = future
+        return future
+
+    def untrack(self, task_id: str) -> None:
+        """Stop waiting for a task's result (for a task whose record was never sent)."""
+        listener = self._listener
+        if listener is not None:
+            listener.untrack(task_id)
+
+    def send(self, tasks: Sequence[tuple[PreparedTask, TaskFuture]]) -> None:
+        """Produce tracked tasks without waiting; a refused record fails its future."""
+        producer, listener = self._streams()
+        futures = {task.task_id: future for task, future in tasks}
+
+        def on_delivery(task_id: str, failure: SubmissionFailed | None) -> None:
+            if failure is not None:
+                listener.untrack(task_id)
+                futures[task_id]._resolve_exception(failure)
+
+        producer.send([task for task, _ in tasks], on_delivery)
+
+    def _run_tasks(self, tasks: list[PreparedTask]) -> list[str]:
+        producer = self._streams()[0]
+        futures = [self.track(task, retain=True) for task in tasks]
+        try:
+            producer.send_and_wait(tasks)
+        except SubmissionFailed as exc:
+            for future in futures:
+                future._resolve_exception(exc)
+            raise
+        return [task.task_id for task in tasks]
+
+    def run(self, *args: Any, endpoint_id: str, function_id: str, **kwargs: Any) -> str:
+        """Run ``function_id(*args, **kwargs)`` on ``endpoint_id``; returns the task id.
+
+        Returns once Kafka has acknowledged the task (it is durable). Get the
+        outcome with :meth:`get_result` or :meth:`future`.
+        """
+        return self._run_tasks([self.prepare_task(endpoint_id, function_id, args, kwargs)])[0]
+
+    def create_batch(self, task_group_id: str | None = None) -> Batch:
+        """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
+        :meth:`batch_run`."""
+        return Batch(self.pack, task_group_id)
+
+    def batch_run(self, endpoint_id: str, batch: Batch) -> list[str]:
+        """Run every task of ``batch`` on ``endpoint_id``; returns the task ids in order."""
+        tasks = [
+            self.prepare_task(
+                endpoint_id, function_id, payload=payload, task_group_id=batch.task_group_id
+            )
+            for function_id, payload in batch
+        ]
+        return self._run_tasks(tasks)
+
+    # --- results and status ------------------------------------------------------------
+
+    def future(self, task_id: str) -> TaskFuture:
+        """The future of a task this client ran with ``run`` or ``batch_run``.
+
+        Raises ``KeyError`` for a task it did not run.
+        """
+        with self._lock:
+            return self._futures[task_id]
+
+    def forget(self, task_ids: Iterable[str]) -> None:
+        """Drop the kept futures of these tasks (``get_result`` then asks the service)."""
+        with self._lock:
+            for task_id in task_ids:
+                self._futures.pop(task_id, None)
+
+    def _local(self, task_id: str) -> TaskFuture | None:
+        with self._lock:
+            return self._futures.get(task_id)
+
+    def get_task(self, task_id: str) -> dict[str, Any]:
+        """What is known about a task: ``state``, ``pending``, ``timings``, ``error``, ...
+
+        A task this client ran and got the result of is answered locally;
+        otherwise the service's task-state view is asked (``GET /v1/tasks/{id}``).
+        """
+        future = self._local(task_id)
+        if future is not None and future.done():
+            return _local_task(future)
+        try:
+            state: dict[str, Any] = self._rest.get(f"/tasks/{task_id}")
+        except NotFound:
+            if future is None:
+                raise
+            return _local_task(future)
+        return _service_task(state)
+
+    def get_result(self, task_id: str) -> Any:
+        """The task's return value; raises its error if it failed.
+
+        Raises :class:`~fxstream.sdk.errors.TaskPending` when it has no result
+        yet, :class:`~fxstream.sdk.errors.TaskExecutionFailed` (or a subclass)
+        when it failed. Tasks this client ran are answered from their futures
+        (never by polling); others are asked from the service.
+        """
+        future = self._local(task_id)
+        if future is not None:
+            if not future.done():
+                raise TaskPending(task_id, _PENDING_LOCALLY)
+            return future.result()
+        state: dict[str, Any] = self._rest.get(f"/tasks/{task_id}")
+        return self._value_of(state)
+
+    def _value_of(self, state: Mapping[str, Any]) -> Any:
+        name = str(state.get("state"))
+        task_id = str(state.get("task_id"))
+        if name == "succeeded":
+            value = state.get("value")
+            if value is None:
+                raise FxstreamError(f"task {task_id} succeeded but the service holds no value")
+            return self.serializer.deserialize(base64.b64decode(value))
+        error = state.get("error")
+        if name in ("failed", "rejected") and isinstance(error, dict):
+            raise task_failure(task_id, _task_error(error), endpoint_id=state.get("endpoint_id"))
+        if name == "cancelled":
+            raise CancelledError(f"task {task_id} was cancelled")
+        raise TaskPending(task_id, name)
+
+    def get_batch_result(self, task_ids: Iterable[str]) -> dict[str, dict[str, Any]]:
+        """Task id -> ``{"pending", "status", "result" | "exception", "timings"}``.
+
+        Like Globus Compute's: failures are returned as ``"exception"``, not
+        raised. Tasks this client ran are answered locally; the others are
+        asked from the service in one request per 1,000.
+        """
+        answers: dict[str, dict[str, Any]] = {}
+        remote: list[str] = []
+        for task_id in task_ids:
+            future = self._local(task_id)
+            if future is None:
+                remote.append(task_id)
+            elif not future.done():
+                answers[task_id] = {
+                    "task_id": task_id,
+                    "pending": True,
+                    "status": "submitted",
+                    "timings": dict(future.timings),
+                }
+            else:
+                answers[task_id] = _batch_entry(_local_task(future), future)
+        for start in range(0, len(remote), _STATUS_CHUNK):
+            chunk = remote[start : start + _STATUS_CHUNK]
+            states: dict[str, Any] = self._rest.post("/tasks/status", {"task_ids": chunk})
+            for task_id in chunk:
+                state = states.get(task_id)
+                if state is None:
+                    answers[task_id] = {"task_id": task_id, "pending": True, "status": "unknown"}
+                    continue
+                entry = _service_task(state)
+                try:
+                    entry["result"] = self._value_of(state)
+                except TaskPending:
+                    pass
+                except Exception as exc:
+                    entry["exception"] = exc
+                answers[task_id] = entry
+        return answers
+
+    @property
+    def result_stats(self) -> dict[str, int]:
+        """The results listener's counters: delivered, duplicates, unknown, discarded, malformed."""
+        listener = self._listener
+        if listener is None:
+            return dict.fromkeys(
+                ("delivered", "duplicates", "unknown", "discarded", "malformed"), 0
+            )
+        return {
+            "delivered": listener.delivered,
+            "duplicates": listener.duplicates,
+            "unknown": listener.unknown,
+            "discarded": listener.discarded,
+            "malformed": listener.malformed,
+        }
+
+    @property
+    def duplicate_results(self) -> int:
+        """Result records ignored because their task already had a result."""
+        return self.result_stats["duplicates"]
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush queued tasks, stop the listener and the producer, close the HTTP pool.
+
+        Futures still waiting for results stay unresolved.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            producer, listener = self._producer, self._listener
+            # Dropped so librdkafka's threads end with the objects.
+            self._producer = self._listener = None
+        if producer is not None:
+            producer.close(timeout)
+        if listener is not None:
+            listener.close()
+        self._rest.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Client({self.service_url!r}, bootstrap_servers={self.bootstrap_servers!r}, "
+            f"topic_prefix={self.catalogue.prefix!r}, user_id={self._user_id!r})"
+        )
+
+
+# --- status answers ----------------------------------------------------------------------
+
+
+def _task_error(data: Mapping[str, Any]) -> TaskError:
+    return TaskError(
+        type=str(data.get("type", "")),
+        message=str(data.get("message", "")),
+        traceback=str(data.get("traceback", "")),
+        retryable=bool(data.get("retryable", False)),
+    )
+
+
+def _service_timings(data: Any) -> Timings:
+    data = data if isinstance(data, dict) else {}
+    names = (
+        "submitted_at",
+        "routed_at",
+        "dequeued_at",
+        "started_at",
+        "finished_at",
+        "result_published_at",
+    )
+    reported = TaskTimings(**{n: data.get(n) for n in names})
+    return timings_of(reported, submitted=None, delivered=None)
+
+
+def _service_task(state: Mapping[str, Any]) -> dict[str, Any]:
+    name = str(state.get("state"))
+    return {
+        "task_id": state.get("task_id"),
+        "state": name,
+        "status": name,
+        "pending": name not in ("succeeded", "failed", "rejected", "cancelled"),
+        "function_id": state.get("function_id"),
+        "endpoint_id": state.get("endpoint_id"),
+        "task_group_id": state.get("task_group_id"),
+        "timings": _service_timings(state.get("timings")),
+        "error": state.get("error"),
+        "attempts": state.get("attempts", []),
+    }
+
+
+def _local_task(future: TaskFuture) -> dict[str, Any]:
+    error: dict[str, Any] | None = None
+    if not future.done():
+        name = "submitted"
+    elif future.cancelled():
+        name = "cancelled"
+    else:
+        exc = future.exception()
+        if exc is None:
+            name = "succeeded"
+        else:
+            name = "rejected" if isinstance(exc, TaskRejected) else "failed"
+            if isinstance(exc, TaskExecutionFailed):
+                error = {
+                    "type": exc.remote_type,
+                    "message": exc.remote_message,
+                    "traceback": exc.remote_traceback,
+                    "retryable": exc.retryable,
+                }
+            else:
+                error = {"type": type(exc).__name__, "message": str(exc), "traceback": ""}
+    return {
+        "task_id": future.task_id,
+        "state": name,
+        "status": name,
+        "pending": not future.done(),
+        "function_id": future.function_id,
+        "endpoint_id": future.endpoint_id,
+        "timings": dict(future.timings),
+        "error": error,
+        "worker": future.worker,
+        "attempt": future.attempt,
+    }
+
+
+def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
+    entry = {
+        "task_id": task["task_id"],
+        "pending": task["pending"],
+        "status": task["status"],
+        "timings": task["timings"],
+    }
+    if future.cancelled():
+        entry["exception"] = CancelledError(f"task {future.task_id} was cancelled")
+    elif future.exception() is not None:
+        entry["exception"] = future.exception()
+    else:
+        entry["result"] = future.result()
+    return entry

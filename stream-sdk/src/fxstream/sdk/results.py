@@ -1,0 +1,282 @@
+"""The results listener: one background thread that pushes results into futures.
+
+It reads the user's results topic (``results.<user_id>``) with a Kafka consumer
+that is *assigned* every partition at the partition's current end offset when
+the listener starts, synchronously, before the Client sends its first task. So
+every result of a task sent afterwards is at or after those offsets and cannot
+be missed (subscribing, or assigning the logical ``OFFSET_END``, resolves the
+start offset later, and a fast result could slip in before it).
+
+No consumer group is joined and no offsets are committed: each Client reads
+its own results from the moment it starts. Results of tasks this Client does
+not track (other sessions of the same user) are counted and ignored; for those
+use ``Client.get_result``, which asks the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any, Final
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from fxstream.sdk.errors import FxstreamError, ResultsTopicMissing, task_failure
+from fxstream.sdk.futures import TaskFuture, timings_of
+from fxstream.topics import RecordDecodeError, Serializer, TaskResult, decode
+
+__all__ = ["ResultListener"]
+
+log = logging.getLogger(__name__)
+
+_BATCH: Final = 500
+_POLL_S: Final = 0.1
+# Errors of a topic created a moment ago, whose partitions have no leader yet.
+_TRANSIENT: Final = frozenset(
+    {
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError.REQUEST_TIMED_OUT,
+        KafkaError._TRANSPORT,
+    }
+)
+# Task ids remembered after their result, so a duplicate is recognised (and counted).
+_REMEMBERED: Final = 1_000_000
+
+
+class ResultListener:
+    """Consumes ``topic`` in a daemon thread and resolves the tracked :class:`TaskFuture` s.
+
+    Call :meth:`start` (idempotent) before sending the first task and
+    :meth:`track` for each task *before* its record is produced. Counters:
+    ``delivered`` (futures resolved), ``duplicates`` (further results for a task
+    already resolved, ignored), ``unknown`` (results for tasks not tracked
+    here), ``discarded`` (results for futures cancelled locally) and
+    ``malformed`` (records that are not valid results).
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        serializer: Serializer,
+        *,
+        kafka_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        self._serializer = serializer
+        self._config: dict[str, Any] = {
+            "bootstrap.servers": bootstrap_servers,
+            # Required by librdkafka even though no group is joined (assign, no commits).
+            "group.id": f"fxstream-sdk-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            # Agents publish results in transactions.
+            "isolation.level": "read_committed",
+            "enable.partition.eof": False,
+            "fetch.wait.max.ms": 100,
+            "log_level": 3,
+            **(kafka_config or {}),
+        }
+        self._lock = threading.Lock()
+        self._futures: dict[str, TaskFuture] = {}
+        self._resolved: OrderedDict[str, weakref.ref[TaskFuture]] = OrderedDict()
+        self._consumer: Consumer | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.start_offsets: dict[int, int] = {}
+        self.delivered = 0
+        self.duplicates = 0
+        self.unknown = 0
+        self.discarded = 0
+        self.malformed = 0
+
+    @property
+    def started(self) -> bool:
+        """True once the consumer is assigned and the thread runs."""
+        return self._thread is not None
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Assign every partition of the topic at its current end and start the thread.
+
+        Returns once the assignment is made. Raises :class:`ResultsTopicMissing`
+        when the topic does not exist and :class:`FxstreamError` when the broker
+        does not answer within ``timeout`` seconds.
+        """
+        with self._lock:
+            if self._thread is not None:
+                return
+            if self._stop.is_set():
+                raise FxstreamError("the results listener is closed")
+            consumer = Consumer(self._config)
+            try:
+                assignment = self._end_offsets(consumer, timeout)
+                consumer.assign(assignment)
+            except BaseException:
+                consumer.close()
+                raise
+            self.start_offsets = {tp.partition: tp.offset for tp in assignment}
+            self._consumer = consumer
+            self._thread = threading.Thread(
+                target=self._run, name=f"fxstream-results-{self.topic}", daemon=True
+            )
+            self._thread.start()
+
+    def _end_offsets(self, consumer: Consumer, timeout: float) -> list[TopicPartition]:
+        try:
+            metadata = consumer.list_topics(self.topic, timeout=timeout)
+        except KafkaException as exc:
+            raise FxstreamError(
+                f"cannot read the metadata of {self.topic!r} from Kafka ({exc}); is the broker "
+                "up, and is FXSTREAM_BOOTSTRAP (bootstrap_servers) right?"
+            ) from exc
+        topic = metadata.topics.get(self.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            raise ResultsTopicMissing(
+                f"the results topic {self.topic!r} does not exist, so no result could arrive: "
+                "it is created when the user registers (Client.register_user, POST /v1/users); "
+                "check the user id and the topic prefix (FXSTREAM_USER_ID, FXSTREAM_TOPIC_PREFIX)"
+            )
+        deadline = time.monotonic() + timeout
+        assignment = []
+        for partition in sorted(topic.partitions):
+            tp = TopicPartition(self.topic, partition)
+            while True:
+                try:
+                    _low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+                    break
+                except KafkaException as exc:
+                    # A topic created a moment ago may not have elected its leaders yet.
+                    error = exc.args[0] if exc.args else None
+                    retriable = isinstance(error, KafkaError) and (
+                        error.retriable() or error.code() in _TRANSIENT
+                    )
+                    if not retriable or time.monotonic() > deadline:
+                        raise FxstreamError(
+                            f"cannot read the end offset of {self.topic} [{partition}] ({exc})"
+                        ) from exc
+                    time.sleep(0.1)
+            assignment.append(TopicPartition(self.topic, partition, high))
+        return assignment
+
+    def track(self, future: TaskFuture) -> None:
+        """Resolve ``future`` when its task's result arrives (call before producing the task)."""
+        with self._lock:
+            self._futures[future.task_id] = future
+
+    def untrack(self, task_id: str) -> None:
+        """Stop tracking a task (its record was never sent)."""
+        with self._lock:
+            self._futures.pop(task_id, None)
+
+    @property
+    def tracked(self) -> int:
+        """How many tracked tasks have no result yet."""
+        with self._lock:
+            return len(self._futures)
+
+    def _run(self) -> None:
+        consumer = self._consumer
+        assert consumer is not None
+        while not self._stop.is_set():
+            try:
+                messages = consumer.consume(num_messages=_BATCH, timeout=_POLL_S)
+            except KafkaException as exc:  # pragma: no cover - a fatal consumer error
+                log.error("results consumer on %s failed: %s", self.topic, exc)
+                time.sleep(_POLL_S)
+                continue
+            received = time.time()
+            for message in messages:
+                self._handle(message, received)
+
+    def _handle(self, message: Message, received: float) -> None:
+        error = message.error()
+        if error is not None:
+            if error.code() != KafkaError._PARTITION_EOF:
+                log.warning("results consumer on %s: %s", self.topic, error)
+            return
+        try:
+            result = decode(message.value(), TaskResult)
+        except RecordDecodeError as exc:
+            self.malformed += 1
+            log.warning(
+                "ignoring a record at %s [%s] offset %s: %s",
+                message.topic(),
+                message.partition(),
+                message.offset(),
+                exc,
+            )
+            return
+        with self._lock:
+            future = self._futures.pop(result.task_id, None)
+            if future is None:
+                if result.task_id in self._resolved:
+                    self.duplicates += 1
+                    earlier = self._resolved[result.task_id]()
+                    if earlier is not None:
+                        earlier.duplicates += 1
+                else:
+                    self.unknown += 1
+                return
+            self._resolved[result.task_id] = weakref.ref(future)
+            if len(self._resolved) > _REMEMBERED:
+                self._resolved.popitem(last=False)
+        self._resolve(future, result, received)
+
+    def _resolve(self, future: TaskFuture, result: TaskResult, received: float) -> None:
+        future.timings = timings_of(
+            result.timings, submitted=future.timings["submitted"], delivered=received
+        )
+        future.worker = result.worker or None
+        future.attempt = result.attempt
+        if future.cancelled():
+            self.discarded += 1
+            return
+        outcome: BaseException | None = None
+        value: Any = None
+        if result.outcome == "success":
+            if result.value is None:
+                outcome = FxstreamError(
+                    f"task {result.task_id} succeeded but its result record carries no value "
+                    "(the agent must set TaskResult.value)"
+                )
+            else:
+                try:
+                    value = self._serializer.deserialize(result.value)
+                except Exception as exc:  # DeserializationError, or a user __setstate__
+                    outcome = exc
+        elif result.error is not None:
+            outcome = task_failure(
+                result.task_id, result.error, endpoint_id=result.endpoint_id, attempt=result.attempt
+            )
+        else:
+            outcome = FxstreamError(
+                f"task {result.task_id} failed but its result record carries no error "
+                "(the agent must set TaskResult.error)"
+            )
+        done = (
+            future._resolve_result(value) if outcome is None else future._resolve_exception(outcome)
+        )
+        if done:
+            self.delivered += 1
+        else:
+            self.discarded += 1
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the thread and close the consumer; tracked futures stay unresolved."""
+        with self._lock:
+            self._stop.set()
+            thread, consumer = self._thread, self._consumer
+        if thread is not None:
+            thread.join(timeout)
+        if consumer is not None:
+            consumer.close()
+            self._consumer = None

@@ -1,0 +1,144 @@
+"""Where a Client finds its service, broker and credentials.
+
+:meth:`ClientSettings.from_environment` reads a credentials JSON file (named
+by ``FXSTREAM_CREDENTIALS``) first, then the ``FXSTREAM_*`` variables, which
+override the file key by key:
+
+=============================  ======================  ============================
+variable                       credentials file key    meaning
+=============================  ======================  ============================
+``FXSTREAM_SERVICE_URL``       ``service_url``         the REST service's base URL
+``FXSTREAM_BOOTSTRAP``         ``bootstrap_servers``   Kafka bootstrap servers
+``FXSTREAM_TOPIC_PREFIX``      ``topic_prefix``        topic name prefix (``fx.``)
+``FXSTREAM_USER_ID``           ``user_id``             your user id
+``FXSTREAM_TOKEN``             ``token``               your API token
+``FXSTREAM_MAX_INLINE_BYTES``  ``max_inline_bytes``    largest argument payload sent inline
+=============================  ======================  ============================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from fxstream.sdk.errors import ConfigurationError
+
+__all__ = [
+    "CREDENTIALS_VARIABLE",
+    "DEFAULT_MAX_INLINE_BYTES",
+    "DEFAULT_TOPIC_PREFIX",
+    "ENV_VARIABLES",
+    "ClientSettings",
+]
+
+DEFAULT_TOPIC_PREFIX: Final = "fx."
+
+DEFAULT_MAX_INLINE_BYTES: Final = 512 * 1024
+"""Argument payloads above this many bytes are refused until the proxy store exists."""
+
+CREDENTIALS_VARIABLE: Final = "FXSTREAM_CREDENTIALS"
+
+ENV_VARIABLES: Final[dict[str, str]] = {
+    "service_url": "FXSTREAM_SERVICE_URL",
+    "bootstrap_servers": "FXSTREAM_BOOTSTRAP",
+    "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
+    "user_id": "FXSTREAM_USER_ID",
+    "token": "FXSTREAM_TOKEN",
+    "max_inline_bytes": "FXSTREAM_MAX_INLINE_BYTES",
+}
+"""Setting name -> environment variable (the setting name is also the credentials file key)."""
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """Everything a :class:`~fxstream.sdk.Client` needs to connect."""
+
+    service_url: str
+    bootstrap_servers: str
+    topic_prefix: str = DEFAULT_TOPIC_PREFIX
+    user_id: str | None = None
+    token: str | None = None
+    max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
+        """Settings from the credentials file named by ``FXSTREAM_CREDENTIALS`` and ``FXSTREAM_*``.
+
+        ``env`` defaults to ``os.environ``. Variables override file keys.
+        Raises :class:`ConfigurationError` naming what is missing or malformed.
+        """
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        path = env.get(CREDENTIALS_VARIABLE)
+        if path:
+            values.update(_read_credentials(Path(path)))
+        for setting, variable in ENV_VARIABLES.items():
+            value = env.get(variable)
+            if value:
+                values[setting] = value
+        missing = [s for s in ("service_url", "bootstrap_servers") if not values.get(s)]
+        if missing:
+            names = " and ".join(f"{ENV_VARIABLES[s]} (key {s!r})" for s in missing)
+            raise ConfigurationError(
+                f"no {' or '.join(missing)} configured: set {names}, or point "
+                f"{CREDENTIALS_VARIABLE} at a credentials JSON file holding them"
+            )
+        return cls(
+            service_url=str(values["service_url"]),
+            bootstrap_servers=str(values["bootstrap_servers"]),
+            topic_prefix=str(values.get("topic_prefix") or DEFAULT_TOPIC_PREFIX),
+            user_id=_optional_str(values.get("user_id")),
+            token=_optional_str(values.get("token")),
+            max_inline_bytes=_size(values.get("max_inline_bytes")),
+        )
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None or value == "" else str(value)
+
+
+def _size(value: Any) -> int:
+    if value is None or value == "":
+        return DEFAULT_MAX_INLINE_BYTES
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = -1
+    if size <= 0:
+        raise ConfigurationError(
+            f"max_inline_bytes ({ENV_VARIABLES['max_inline_bytes']}) must be a positive number "
+            f"of bytes, not {value!r}"
+        )
+    return size
+
+
+def _read_credentials(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(
+            f"cannot read the credentials file {str(path)!r} named by {CREDENTIALS_VARIABLE}: "
+            f"{exc.strerror or exc}"
+        ) from exc
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigurationError(
+            f"the credentials file {str(path)!r} is not valid JSON ({exc})"
+        ) from exc
+    if not isinstance(data, dict):
+        raise ConfigurationError(
+            f"the credentials file {str(path)!r} must hold a JSON object with the keys "
+            f"{', '.join(ENV_VARIABLES)}"
+        )
+    unknown = sorted(set(data) - set(ENV_VARIABLES))
+    if unknown:
+        raise ConfigurationError(
+            f"the credentials file {str(path)!r} has unknown keys {unknown}; "
+            f"known keys: {', '.join(ENV_VARIABLES)}"
+        )
+    return data

@@ -1,0 +1,143 @@
+"""Shell commands as functions: Globus Compute's ``ShellFunction`` and ``ShellResult``.
+
+``ShellFunction("wc -l {path}")`` is a callable: calling it with keyword
+arguments formats the command with them and runs it through the shell in a
+fresh sandbox directory, returning a :class:`ShellResult` with the return code
+and the tails of stdout and stderr.
+
+How it travels: the code strategy (dill) pickles a ``ShellFunction``
+*instance* by value (its command, walltime, ...) but its *class* by reference
+to ``fxstream.sdk.shell``, because that module is importable. So an endpoint
+needs ``fxstream.sdk`` installed to load one; endpoints that run from this
+workspace (``uv sync``) have it. Loading it where ``fxstream.sdk`` is missing
+fails with a :class:`~fxstream.topics.DeserializationError` naming the
+missing module (tested).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from typing import IO, Any, Final
+
+__all__ = ["WALLTIME_RETURNCODE", "ShellFunction", "ShellResult"]
+
+WALLTIME_RETURNCODE: Final = 124
+"""The return code of a command killed at its walltime (as GNU ``timeout`` gives)."""
+
+
+@dataclass(frozen=True)
+class ShellResult:
+    """What a shell command did: its return code, the tails of its output, and the command."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    cmd: str
+
+    def __str__(self) -> str:
+        return self.stdout
+
+
+def _tail(stream: IO[bytes], lines: int) -> str:
+    stream.seek(0)
+    if lines <= 0:
+        return ""
+    kept = collections.deque(stream, maxlen=lines)
+    return b"".join(kept).decode("utf-8", errors="replace")
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+class ShellFunction:
+    """A shell command run as a task: ``ShellFunction("echo {greeting}")(greeting="hi")``.
+
+    ``cmd`` is formatted with the call's keyword arguments (``str.format``),
+    then run with ``/bin/sh`` in a new, empty directory made for this call and
+    removed after it; the command runs in its own process group. ``walltime``
+    (seconds) kills the whole process group when exceeded and gives return
+    code 124. ``snippet_lines`` is how many trailing lines of stdout and stderr
+    the result keeps. Output is spooled to temporary files, not memory.
+
+    See the module docstring for how instances are serialized (by value, with
+    the class by reference to ``fxstream.sdk.shell``).
+    """
+
+    def __init__(
+        self,
+        cmd: str,
+        *,
+        walltime: float | None = None,
+        snippet_lines: int = 1000,
+        name: str | None = None,
+    ) -> None:
+        if walltime is not None and walltime <= 0:
+            raise ValueError(f"walltime must be positive seconds, not {walltime}")
+        if snippet_lines < 0:
+            raise ValueError(f"snippet_lines cannot be negative ({snippet_lines})")
+        self.cmd = cmd
+        self.walltime = walltime
+        self.snippet_lines = snippet_lines
+        self.name = name or "ShellFunction"
+        self.__name__ = self.name  # what register_function names it by
+
+    def __call__(self, **kwargs: Any) -> ShellResult:
+        """Format the command with ``kwargs``, run it in a sandbox, and return the result."""
+        cmd = self.cmd.format(**kwargs)
+        sandbox = tempfile.mkdtemp(prefix="fxstream-shell-")
+        try:
+            with (
+                tempfile.TemporaryFile() as out,
+                tempfile.TemporaryFile() as err,
+            ):
+                returncode, timed_out = self._run(cmd, sandbox, out, err)
+                stdout = _tail(out, self.snippet_lines)
+                stderr = _tail(err, self.snippet_lines)
+        finally:
+            shutil.rmtree(sandbox, ignore_errors=True)
+        if timed_out:
+            note = f"fxstream: walltime of {self.walltime} s exceeded; the command was killed\n"
+            if stderr and not stderr.endswith("\n"):
+                stderr += "\n"
+            stderr += note
+        return ShellResult(returncode=returncode, stdout=stdout, stderr=stderr, cmd=cmd)
+
+    def _run(self, cmd: str, sandbox: str, out: IO[bytes], err: IO[bytes]) -> tuple[int, bool]:
+        process = subprocess.Popen(
+            cmd,
+            shell=True,
+            cwd=sandbox,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,  # its own process group, so a kill reaches its children
+        )
+        try:
+            returncode = process.wait(timeout=self.walltime)
+            timed_out = False
+        except subprocess.TimeoutExpired:
+            _kill_group(process.pid)
+            process.wait()
+            returncode, timed_out = WALLTIME_RETURNCODE, True
+        except BaseException:
+            _kill_group(process.pid)
+            process.wait()
+            raise
+        # Background children of the command do not outlive the task (or its sandbox).
+        _kill_group(process.pid)
+        return returncode, timed_out
+
+    def __repr__(self) -> str:
+        return (
+            f"ShellFunction({self.cmd!r}, walltime={self.walltime!r}, "
+            f"snippet_lines={self.snippet_lines!r}, name={self.name!r})"
+        )

@@ -1,0 +1,271 @@
+"""Submitting tasks: building ``submission`` records and producing them to ``tasks.submitted``.
+
+Tasks go straight to Kafka, never through the REST service. The producer is
+idempotent with ``acks=all``, so an acknowledged task is durable and a retried
+send never duplicates it; records are keyed by task id.
+
+Size limits are checked *before* anything is sent: an argument payload above
+``max_inline_bytes`` (default 512 KiB) or a record above the topic's
+``max.message.bytes`` raises :class:`~fxstream.sdk.errors.PayloadTooLarge`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
+from fxstream.sdk.settings import ENV_VARIABLES
+from fxstream.topics import (
+    Catalogue,
+    RecordDecodeError,
+    Serializer,
+    TaskSubmission,
+    client_info,
+    decode,
+    encode,
+)
+
+__all__ = [
+    "RECORD_OVERHEAD_BYTES",
+    "DeliveryCallback",
+    "PreparedTask",
+    "TaskProducer",
+    "build_task",
+    "pack_arguments",
+]
+
+RECORD_OVERHEAD_BYTES: Final = 512
+"""Headroom for Kafka's batch and record framing when comparing a record with the topic limit."""
+
+_PROXY_NOTE: Final = (
+    "bulk data by reference comes with the proxy store; until then pass smaller arguments, "
+    "or a path or URL the function can read"
+)
+
+DeliveryCallback = Callable[[str, "SubmissionFailed | None"], None]
+"""Called from the producer's thread with a task id and None (acknowledged) or the failure."""
+
+
+@dataclass(frozen=True)
+class PreparedTask:
+    """A task ready to send: its encoded ``submission`` record and the facts about it."""
+
+    task_id: str
+    function_id: str
+    endpoint_id: str
+    submitted_at: float
+    record: bytes
+    task_group_id: str | None = None
+
+
+def pack_arguments(
+    serializer: Serializer,
+    function_id: str,
+    args: Iterable[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    *,
+    max_inline_bytes: int,
+) -> bytes:
+    """Serialize ``(args, kwargs)`` into a task payload, refusing one above ``max_inline_bytes``.
+
+    Raises :class:`PayloadTooLarge` (naming the size, the limit and the
+    setting) or :class:`~fxstream.topics.SerializationError`.
+    """
+    payload = serializer.pack_arguments(tuple(args), kwargs)
+    if len(payload) > max_inline_bytes:
+        raise PayloadTooLarge(
+            f"the arguments of the task for function {function_id} serialize to "
+            f"{len(payload):,} bytes, above the inline limit of {max_inline_bytes:,} bytes "
+            f"(setting max_inline_bytes, variable {ENV_VARIABLES['max_inline_bytes']}); "
+            f"nothing was sent. {_PROXY_NOTE}",
+            size=len(payload),
+            limit=max_inline_bytes,
+            setting="max_inline_bytes",
+        )
+    return payload
+
+
+def build_task(
+    *,
+    catalogue: Catalogue,
+    user_id: str,
+    token: str,
+    endpoint_id: str,
+    function_id: str,
+    payload: bytes,
+    task_group_id: str | None = None,
+    max_retries: int = 0,
+    walltime_s: float | None = None,
+) -> PreparedTask:
+    """Build a valid ``submission`` record around a packed payload; nothing is sent.
+
+    Raises :class:`PayloadTooLarge` when the record exceeds the limit of
+    ``tasks.submitted``, and ``ValueError`` when a field is invalid (an id that
+    is not an id, a token too long).
+    """
+    task_id = str(uuid.uuid4())
+    submitted_at = time.time()
+    submission = TaskSubmission(
+        task_id=task_id,
+        function_id=function_id,
+        endpoint_id=endpoint_id,
+        user_id=user_id,
+        auth_token=token,
+        payload=payload,
+        client=client_info(),
+        submitted_at=submitted_at,
+        task_group_id=task_group_id,
+        max_retries=max_retries,
+        walltime_s=walltime_s,
+    )
+    record = encode(submission)
+    spec = catalogue.spec("tasks.submitted")
+    size = len(record) + len(task_id) + RECORD_OVERHEAD_BYTES
+    if size > spec.max_message_bytes:
+        raise PayloadTooLarge(
+            f"the task record for function {function_id} would be {size:,} bytes with Kafka's "
+            f"framing, above the {spec.max_message_bytes:,}-byte limit of topic "
+            f"{catalogue.tasks_submitted} (its max.message.bytes, the catalogue's "
+            f"max_message_bytes); nothing was sent. Keep max_inline_bytes "
+            f"({ENV_VARIABLES['max_inline_bytes']}) well below that limit. {_PROXY_NOTE}",
+            size=size,
+            limit=spec.max_message_bytes,
+            setting="max_message_bytes",
+        )
+    try:
+        # msgspec checks constraints when decoding only: check ours before the router does.
+        decode(record, TaskSubmission)
+    except RecordDecodeError as exc:
+        raise ValueError(f"cannot submit this task: {exc.reason}") from None
+    return PreparedTask(
+        task_id=task_id,
+        function_id=function_id,
+        endpoint_id=endpoint_id,
+        submitted_at=submitted_at,
+        record=record,
+        task_group_id=task_group_id,
+    )
+
+
+class TaskProducer:
+    """The Client's Kafka producer for ``tasks.submitted``, with its own delivery thread.
+
+    Settings: ``acks=all``, idempotence, ``linger.ms=5``, lz4 compression.
+    :meth:`send` never blocks for the broker; delivery reports arrive through
+    the callback, from the producer's thread.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        *,
+        max_message_bytes: int,
+        kafka_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.topic = topic
+        config: dict[str, Any] = {
+            "bootstrap.servers": bootstrap_servers,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            "compression.type": "lz4",
+            "message.max.bytes": max_message_bytes,
+            "delivery.timeout.ms": 120_000,
+            "client.id": "fxstream-sdk",
+            "log_level": 3,
+            **(kafka_config or {}),
+        }
+        self._producer = Producer(config)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"fxstream-delivery-{topic}", daemon=True
+        )
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.1)
+
+    def send(self, tasks: Iterable[PreparedTask], on_delivery: DeliveryCallback) -> None:
+        """Queue each task's record (key: task id); ``on_delivery`` reports each outcome."""
+        for task in tasks:
+            callback = self._callback(task.task_id, on_delivery)
+            while True:
+                try:
+                    self._producer.produce(
+                        self.topic, key=task.task_id, value=task.record, on_delivery=callback
+                    )
+                    break
+                except BufferError:  # the local queue is full: let deliveries drain it
+                    self._producer.poll(0.05)
+
+    def _callback(
+        self, task_id: str, on_delivery: DeliveryCallback
+    ) -> Callable[[KafkaError | None, Message], None]:
+        topic = self.topic
+
+        def delivered(error: KafkaError | None, _message: Message) -> None:
+            if error is None:
+                on_delivery(task_id, None)
+            else:
+                on_delivery(
+                    task_id,
+                    SubmissionFailed(
+                        f"task {task_id} was not accepted by Kafka topic {topic}: {error.str()} "
+                        "(is the broker up, and is FXSTREAM_BOOTSTRAP right?)"
+                    ),
+                )
+
+        return delivered
+
+    def send_and_wait(self, tasks: list[PreparedTask], timeout: float = 130.0) -> None:
+        """Send and return once every record is acknowledged; raise the first failure.
+
+        Raises :class:`SubmissionFailed` when a record is refused or not
+        acknowledged within ``timeout`` seconds.
+        """
+        remaining = {t.task_id for t in tasks}
+        failures: list[SubmissionFailed] = []
+        done = threading.Event()
+        lock = threading.Lock()
+
+        def on_delivery(task_id: str, failure: SubmissionFailed | None) -> None:
+            with lock:
+                remaining.discard(task_id)
+                if failure is not None:
+                    failures.append(failure)
+                if not remaining:
+                    done.set()
+
+        if not remaining:
+            return
+        self.send(tasks, on_delivery)
+        if not done.wait(timeout):
+            with lock:
+                left = len(remaining)
+            raise SubmissionFailed(
+                f"{left} of {len(tasks)} task records were not acknowledged by Kafka within "
+                f"{timeout:.0f} s (is the broker up, and is FXSTREAM_BOOTSTRAP right?); they may "
+                "still be delivered"
+            )
+        if failures:
+            raise failures[0]
+
+    def flush(self, timeout: float = 30.0) -> int:
+        """Wait until queued records are delivered; the number still queued after ``timeout``."""
+        return int(self._producer.flush(timeout))
+
+    def close(self, timeout: float = 30.0) -> int:
+        """Flush, then stop the delivery thread; the number of records left undelivered."""
+        left = self.flush(timeout)
+        self._stop.set()
+        self._thread.join(timeout)
+        return left

@@ -1,0 +1,113 @@
+"""ShellFunction: output, return codes, walltime, sandboxes, and how it serializes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from fxstream.sdk import ShellFunction, ShellResult
+from fxstream.topics import Serializer
+
+
+def test_stdout_stderr_returncode_and_formatting() -> None:
+    fn = ShellFunction("echo {word}; echo oops >&2; exit 3")
+    result = fn(word="hello")
+    assert result == ShellResult(
+        returncode=3, stdout="hello\n", stderr="oops\n", cmd="echo hello; echo oops >&2; exit 3"
+    )
+    assert str(result) == "hello\n"
+
+
+def test_only_the_last_snippet_lines_are_kept() -> None:
+    result = ShellFunction("seq 1 100000", snippet_lines=3)()
+    assert result.returncode == 0
+    assert result.stdout == "99998\n99999\n100000\n"
+    assert ShellFunction("seq 1 5", snippet_lines=0)().stdout == ""
+
+
+def test_walltime_kills_the_process_group_and_returns_124(tmp_path: Path) -> None:
+    pidfile = tmp_path / "child.pid"
+    fn = ShellFunction("sleep 60 & echo $! > {pidfile}; echo started; sleep 60", walltime=0.5)
+    started = time.monotonic()
+    result = fn(pidfile=pidfile)
+    assert time.monotonic() - started < 10
+    assert result.returncode == 124
+    assert result.stdout == "started\n"
+    assert "walltime of 0.5 s exceeded" in result.stderr
+    child = int(pidfile.read_text())
+    # The background child got the kill too (a zombie until its new parent reaps it).
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+                break
+        except psutil.NoSuchProcess:
+            break
+        assert time.monotonic() < deadline, f"pid {child} survived the walltime kill"
+        time.sleep(0.05)
+
+
+def test_each_call_runs_in_a_fresh_sandbox_that_is_removed() -> None:
+    fn = ShellFunction("pwd; ls -A; touch left-behind")
+    first, second = fn(), fn()
+    for result in (first, second):
+        sandbox = result.stdout.splitlines()[0]
+        assert Path(sandbox).name.startswith("fxstream-shell-")
+        assert result.stdout.splitlines()[1:] == []  # it started empty
+        assert not os.path.exists(sandbox)
+    assert first.stdout != second.stdout
+
+
+def test_arguments_are_keywords_only() -> None:
+    with pytest.raises(TypeError):
+        ShellFunction("echo {0}")("positional")  # type: ignore[call-arg]
+    with pytest.raises(KeyError):
+        ShellFunction("echo {missing}")()
+    with pytest.raises(ValueError, match="walltime"):
+        ShellFunction("true", walltime=0)
+
+
+_LOAD_AND_RUN = """
+import sys
+from fxstream.topics import Serializer
+fn = Serializer().deserialize_function(sys.stdin.buffer.read())
+print(fn(name="remote").stdout, end="")
+"""
+
+_BLOCK_SDK = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "fxstream.sdk" or name.startswith("fxstream.sdk."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+sys.meta_path.insert(0, Block())
+from fxstream.topics import DeserializationError, Serializer
+try:
+    Serializer().deserialize_function(sys.stdin.buffer.read())
+except DeserializationError as exc:
+    print("refused:", exc)
+else:
+    print("loaded")
+"""
+
+
+def test_it_serializes_with_the_code_strategy_and_its_class_by_reference() -> None:
+    payload = Serializer().serialize_function(ShellFunction("echo hi {name}", name="hi"))
+    # A fresh interpreter with the workspace installed (as endpoints are) runs it.
+    ran = subprocess.run(
+        [sys.executable, "-c", _LOAD_AND_RUN], input=payload, capture_output=True, check=True
+    )
+    assert ran.stdout == b"hi remote\n"
+    # Without fxstream.sdk importable it does not load: the class travels by reference.
+    blocked = subprocess.run(
+        [sys.executable, "-c", _BLOCK_SDK], input=payload, capture_output=True, check=True
+    )
+    assert blocked.stdout.startswith(b"refused:")
+    assert b"fxstream.sdk" in blocked.stdout

@@ -1,0 +1,183 @@
+"""Submissions land on tasks.submitted as valid TaskSubmission records, or are refused first."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+from fxstream.sdk import Client, ConfigurationError, Executor, PayloadTooLarge
+from fxstream.topics import SerializationError, Serializer, client_info
+from tests.sdk.conftest import SdkTopics
+from tests.sdk.streams import end_offsets, read_from, submissions
+
+ENDPOINT = "ep-submit"
+
+
+def test_run_produces_a_valid_submission_with_the_packed_arguments(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    before = time.time()
+    task_id = client.run(1, "two", endpoint_id=ENDPOINT, function_id="fn-a", three=[3, 3.0])
+    after = time.time()
+
+    [(key, record)] = list(submissions(read_from(sdk_topics.bootstrap, topic, start, count=1)))
+    assert key == task_id == record.task_id
+    assert uuid.UUID(task_id).version == 4
+    assert record.function_id == "fn-a"
+    assert record.endpoint_id == ENDPOINT
+    assert record.user_id == sdk_topics.user_id
+    assert record.auth_token == sdk_topics.token
+    assert record.client == client_info()
+    assert before <= record.submitted_at <= after
+    assert record.task_group_id is None
+    assert Serializer().unpack_arguments(record.payload) == ((1, "two"), {"three": [3, 3.0]})
+
+
+def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: SdkTopics) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    group = str(uuid.uuid4())
+    batch = client.create_batch(task_group_id=group)
+    batch.add("fn-a", args=(1,))
+    batch.add("fn-b", kwargs={"x": 2})
+    batch.add("fn-a", args=(3,), kwargs={"y": "z"})
+    assert len(batch) == 3
+
+    task_ids = client.batch_run(ENDPOINT, batch)
+    assert len(set(task_ids)) == 3
+
+    found = dict(submissions(read_from(sdk_topics.bootstrap, topic, start, count=3)))
+    assert set(found) == set(task_ids)
+    unpack = Serializer().unpack_arguments
+    expected = [("fn-a", ((1,), {})), ("fn-b", ((), {"x": 2})), ("fn-a", ((3,), {"y": "z"}))]
+    for task_id, (function_id, arguments) in zip(task_ids, expected, strict=True):
+        record = found[task_id]
+        assert record.function_id == function_id
+        assert record.task_group_id == group
+        assert unpack(record.payload) == arguments
+
+
+def test_executor_submissions_carry_the_task_group_and_future_ids(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    ex = Executor(endpoint_id=ENDPOINT, client=client, batch_size=4)
+    futures = [ex.submit_to_registered_function("fn-c", (i,)) for i in range(10)]
+    found = dict(submissions(read_from(sdk_topics.bootstrap, topic, start, count=10)))
+    ex.shutdown(wait=False, cancel_futures=True)
+    assert set(found) == {f.task_id for f in futures}
+    for i, future in enumerate(futures):
+        record = found[future.task_id]
+        assert record.task_group_id == ex.task_group_id
+        assert Serializer().unpack_arguments(record.payload) == ((i,), {})
+
+
+def test_arguments_above_the_inline_limit_are_refused_before_sending(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    client.start()
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    big = os.urandom(600 * 1024)
+
+    with pytest.raises(PayloadTooLarge) as caught:
+        client.run(big, endpoint_id=ENDPOINT, function_id="fn-big")
+    error = caught.value
+    message = str(error)
+    assert error.limit == 512 * 1024 and error.size > error.limit
+    assert error.setting == "max_inline_bytes"
+    assert f"{error.size:,} bytes" in message and "524,288 bytes" in message
+    assert "max_inline_bytes" in message and "FXSTREAM_MAX_INLINE_BYTES" in message
+    assert "bulk data by reference comes with the proxy store" in message
+
+    ex = Executor(endpoint_id=ENDPOINT, client=client)
+    with pytest.raises(PayloadTooLarge):
+        ex.submit_to_registered_function("fn-big", (big,))
+    assert ex.outstanding == 0
+    ex.shutdown()
+    with pytest.raises(PayloadTooLarge):
+        client.create_batch().add("fn-big", kwargs={"data": big})
+
+    time.sleep(0.5)  # anything sent would be on the broker by now
+    assert end_offsets(sdk_topics.bootstrap, topic) == start
+
+
+def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
+    sdk_topics: SdkTopics,
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    with (
+        sdk_topics.client(max_inline_bytes=8 * 1024 * 1024) as roomy,
+        pytest.raises(PayloadTooLarge) as caught,
+    ):
+        roomy.run(os.urandom(1_100_000), endpoint_id=ENDPOINT, function_id="fn-big")
+    error = caught.value
+    assert error.setting == "max_message_bytes"
+    assert error.limit == sdk_topics.catalogue.spec("tasks.submitted").max_message_bytes
+    assert topic in str(error) and "max.message.bytes" in str(error)
+    assert "proxy store" in str(error)
+    assert end_offsets(sdk_topics.bootstrap, topic) == start
+
+
+def test_a_payload_just_under_the_record_limit_is_accepted_by_the_broker(
+    sdk_topics: SdkTopics,
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    data = os.urandom(1_040_000)  # incompressible: lz4 cannot shrink it under the limit
+    with sdk_topics.client(max_inline_bytes=2 * 1024 * 1024) as roomy:
+        task_id = roomy.run(data, endpoint_id=ENDPOINT, function_id="fn-big")
+    [(key, record)] = list(submissions(read_from(sdk_topics.bootstrap, topic, start, count=1)))
+    assert key == task_id
+    assert Serializer().unpack_arguments(record.payload) == ((data,), {})
+
+
+def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics) -> None:
+    env = {
+        "FXSTREAM_SERVICE_URL": sdk_topics.service_url,
+        "FXSTREAM_BOOTSTRAP": sdk_topics.bootstrap,
+        "FXSTREAM_TOPIC_PREFIX": sdk_topics.catalogue.prefix,
+        "FXSTREAM_USER_ID": sdk_topics.user_id,
+        "FXSTREAM_TOKEN": sdk_topics.token,
+        "FXSTREAM_MAX_INLINE_BYTES": "1000",
+    }
+    with Client.from_environment(env) as small:
+        assert small.max_inline_bytes == 1000
+        with pytest.raises(PayloadTooLarge, match="1,000 bytes"):
+            small.run("x" * 2000, endpoint_id=ENDPOINT, function_id="fn-a")
+        assert small.run("x" * 100, endpoint_id=ENDPOINT, function_id="fn-a")
+
+
+def test_invalid_fields_and_unserializable_arguments_are_refused(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.catalogue.tasks_submitted
+    client.start()
+    start = end_offsets(sdk_topics.bootstrap, topic)
+    with pytest.raises(ValueError, match="endpoint_id"):
+        client.run(endpoint_id="not an id!", function_id="fn-a")
+    with pytest.raises(SerializationError, match="argument 0"):
+        client.run(threading.Lock(), endpoint_id=ENDPOINT, function_id="fn-a")
+    time.sleep(0.5)
+    assert end_offsets(sdk_topics.bootstrap, topic) == start
+
+
+def test_submitting_without_a_token_names_the_setting(sdk_topics: SdkTopics) -> None:
+    with (
+        Client(
+            sdk_topics.service_url,
+            bootstrap_servers=sdk_topics.bootstrap,
+            topic_prefix=sdk_topics.catalogue.prefix,
+            user_id=sdk_topics.user_id,
+        ) as anonymous,
+        pytest.raises(ConfigurationError, match="FXSTREAM_TOKEN"),
+    ):
+        anonymous.run(endpoint_id=ENDPOINT, function_id="fn-a")
