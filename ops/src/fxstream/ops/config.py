@@ -119,7 +119,7 @@ class PlatformConfig:
             if f.name not in values:
                 continue
             raw = values[f.name]
-            source = f"{f.name} ({cls.ENV_VARS[f.name]})"
+            source = f"{f.name} ({cls.ENV_VARS.get(f.name, 'not an environment setting')})"
             if f.name in {"home", "cache_dir", "broker_config_dir"}:
                 kwargs[f.name] = Path(raw).expanduser()
             elif f.name == "topic_prefix":
