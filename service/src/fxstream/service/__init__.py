@@ -1,7 +1,24 @@
-"""fxstream: the management service (REST API and stream processors).
+"""fxstream.service: the management service (REST API and stream processors).
 
-Nothing is exported yet: this package exists so the workspace layout and the
-namespace are in place; see docs/architecture.md for what is built.
+- :func:`create_app`: the REST API (docs/api.md) as a FastAPI app.
+- :class:`RegistryView`: the live in-memory view of the registry topics.
+- :mod:`~fxstream.service.auth`: API tokens and the sharing rule.
+- ``fxstream-service`` (:mod:`~fxstream.service.cli`): runs the API or the processors.
 """
 
-__all__: list[str] = []
+from fxstream.service.api import ApiError, create_app
+from fxstream.service.auth import may_use, new_token, refusal_reason, token_matches, token_sha256
+from fxstream.service.registry import LIVENESS_PERIODS, EndpointStatus, RegistryView
+
+__all__ = [
+    "LIVENESS_PERIODS",
+    "ApiError",
+    "EndpointStatus",
+    "RegistryView",
+    "create_app",
+    "may_use",
+    "new_token",
+    "refusal_reason",
+    "token_matches",
+    "token_sha256",
+]

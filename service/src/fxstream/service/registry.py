@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from fxstream.topics import (
     Catalogue,
@@ -40,6 +47,17 @@ R = TypeVar("R", bound=Record)
 
 # An endpoint is lost once this many heartbeat periods pass without one.
 LIVENESS_PERIODS = 3.0
+
+# Errors a partition reports while its new leader is being elected or announced.
+_NO_LEADER_YET = frozenset(
+    {
+        KafkaError.NOT_LEADER_FOR_PARTITION,
+        KafkaError.LEADER_NOT_AVAILABLE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError.FENCED_LEADER_EPOCH,
+        KafkaError._UNKNOWN_PARTITION,
+    }
+)
 
 Followed = Literal["users", "functions", "endpoints", "heartbeats", "task-state"]
 ALL_FOLLOWED: tuple[Followed, ...] = ("users", "functions", "endpoints", "heartbeats", "task-state")
@@ -102,6 +120,7 @@ class RegistryView:
         )
         self._thread = threading.Thread(target=self._run, name="registry-view", daemon=True)
         self._targets: dict[tuple[str, int], int] = {}
+        self._assigned: list[TopicPartition] = []
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -115,12 +134,29 @@ class RegistryView:
                 raise RuntimeError(f"registry topic {topic} is missing: run ./fx up first")
             for partition in described.partitions:
                 partitions.append(TopicPartition(topic, partition, OFFSET_BEGINNING))
-                _, high = self._consumer.get_watermark_offsets(
-                    TopicPartition(topic, partition), timeout=30
-                )
-                self._targets[(topic, partition)] = high
+                low, high = self._watermarks(TopicPartition(topic, partition), timeout_s=30)
+                # A partition whose records all expired or were deleted (low == high) has
+                # nothing to read: waiting for its high watermark would never end.
+                if high > low:
+                    self._targets[(topic, partition)] = high
+        self._assigned = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         self._consumer.assign(partitions)
         self._thread.start()
+
+    def _watermarks(self, partition: TopicPartition, timeout_s: float) -> tuple[int, int]:
+        # Right after a topic is created its leader may not be known yet: retry the
+        # transient "no leader" errors instead of failing the start.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                low, high = self._consumer.get_watermark_offsets(partition, timeout=timeout_s)
+                return low, high
+            except KafkaException as exc:
+                error = exc.args[0]
+                transient = isinstance(error, KafkaError) and error.code() in _NO_LEADER_YET
+                if not transient or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
 
     def close(self) -> None:
         """Stop following and close the consumer."""
@@ -192,13 +228,32 @@ class RegistryView:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            messages = self._consumer.consume(num_messages=500, timeout=0.2)
-            if not messages:
-                continue
+            # consume() alone waits out its whole timeout unless the batch fills, which
+            # would delay every read-your-writes by that timeout: wait for one record,
+            # then take whatever else is already fetched without waiting.
+            messages: list[Message] = []
+            first = self._consumer.poll(0.2)
+            if first is not None:
+                messages = [first, *self._consumer.consume(num_messages=499, timeout=0)]
             with self._changed:
                 for message in messages:
                     self._fold(message)
-                self._changed.notify_all()
+                advanced = self._advance_past_gaps()
+                if messages or advanced:
+                    self._changed.notify_all()
+
+    def _advance_past_gaps(self) -> bool:
+        # The consumer's position moves past records it never hands over (transaction
+        # markers, compacted-away tails); without this a partition written by a
+        # transactional producer would never look "current". Positions are only
+        # updated by our own poll calls, so they never run ahead of what was folded.
+        moved = False
+        for tp in self._consumer.position(self._assigned):
+            key = (tp.topic, tp.partition)
+            if tp.offset > self._positions.get(key, 0):
+                self._positions[key] = tp.offset
+                moved = True
+        return moved
 
     def _fold(self, message: Message) -> None:
         error = message.error()

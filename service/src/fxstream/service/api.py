@@ -1,0 +1,796 @@
+"""The REST API: users, functions, endpoints and task status (contract: docs/api.md).
+
+The service keeps no state of its own. Every write is a record produced to a
+compacted topic (keyed by id; a delete is a tombstone) with an idempotent,
+``acks=all`` producer, and the handler answers only once the
+:class:`~fxstream.service.registry.RegistryView` has folded that record, so a
+read right after a write sees it. Every read comes from that view, which is
+rebuilt from the topics at start: kill the service, start it again, and
+nothing is lost.
+
+Handlers are synchronous: FastAPI runs them in its thread pool, where waiting
+for Kafka does not block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from threading import Event, Thread
+from typing import Annotated, Any, Literal
+
+import msgspec
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fxstream.service.auth import may_use, new_token, token_sha256
+from fxstream.service.registry import RegistryView
+from fxstream.topics import (
+    Catalogue,
+    DeserializationError,
+    EndpointRecord,
+    FunctionRecord,
+    ProvisionError,
+    Record,
+    RecordDecodeError,
+    TaskState,
+    UserRecord,
+    code_sha256,
+    decode,
+    encode,
+    ensure_topics,
+    strategy_of,
+)
+
+__all__ = ["ApiError", "RecordWriter", "create_app"]
+
+log = logging.getLogger(__name__)
+
+# The same id rule as the records (fxstream.topics.records), so nothing the API
+# accepts is refused when the record is read back.
+ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
+MAX_STATUS_QUERY = 1_000
+MAX_SHARED_WITH = 10_000
+
+# Kafka counts the key, headers and batch framing against max.message.bytes.
+_RECORD_OVERHEAD_BYTES = 1_024
+
+
+class ApiError(Exception):
+    """An error answered as ``{"error": code, "detail": detail}`` with ``status``."""
+
+    def __init__(
+        self, status: int, error: str, detail: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.error = error
+        self.detail = detail
+        self.headers = headers
+
+
+# --- request and response bodies -----------------------------------------------------------
+
+Id = Annotated[str, Field(pattern=ID_PATTERN, description="an id: 1-128 letters, digits, '-'")]
+Name = Annotated[str, Field(min_length=1, max_length=256)]
+Description = Annotated[str, Field(max_length=65_536)]
+SharedWith = Annotated[
+    list[Id],
+    Field(max_length=MAX_SHARED_WITH, description="user ids that may use it besides the owner"),
+]
+
+
+def _strict_b64(value: object) -> bytes:
+    # pydantic's Base64Bytes silently drops characters outside the alphabet; a code
+    # payload that does not decode exactly is a client bug worth reporting.
+    if not isinstance(value, str):
+        raise ValueError("must be a standard base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"is not valid standard base64 ({exc})") from exc
+
+
+def _fxstream_payload(code: bytes) -> bytes:
+    # A strategy this service does not know is fine (the agents may), but bytes
+    # without the payload header can never be loaded by anyone.
+    try:
+        strategy_of(code)
+    except DeserializationError as exc:
+        if exc.strategy is None:
+            raise ValueError(
+                f"{exc}; serialize the function with fxstream.topics.Serializer"
+            ) from exc
+    return code
+
+
+CodePayload = Annotated[
+    bytes,
+    BeforeValidator(_strict_b64),
+    AfterValidator(_fxstream_payload),
+    WithJsonSchema(
+        {
+            "type": "string",
+            "contentEncoding": "base64",
+            "description": "the serialized function (fxstream payload header first), base64",
+        }
+    ),
+]
+
+
+class _Body(BaseModel):
+    # A misspelt field ("allowed_user") must fail loudly, not be dropped.
+    model_config = ConfigDict(extra="forbid")
+
+
+class NewUser(_Body):
+    """``POST /v1/users``."""
+
+    name: Name
+
+
+class UserCreated(BaseModel):
+    """The new user's id and API token (shown only this once)."""
+
+    user_id: str
+    token: str
+
+
+class Me(BaseModel):
+    """Who the caller's token belongs to."""
+
+    user_id: str
+    name: str
+
+
+class NewFunction(_Body):
+    """``POST /v1/functions``."""
+
+    name: Name
+    code: CodePayload
+    container: Annotated[str, Field(max_length=1024)] | None = None
+    public: bool = False
+    allowed_users: SharedWith = []
+    description: Description = ""
+
+
+class FunctionCreated(BaseModel):
+    """The new function's id and the SHA-256 of its code, computed by the service."""
+
+    function_id: str
+    code_sha256: str
+
+
+class NewEndpoint(_Body):
+    """``POST /v1/endpoints``."""
+
+    name: Name
+    public: bool = False
+    allowed_users: SharedWith = []
+    description: Description = ""
+    metadata: Annotated[
+        dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+        Field(max_length=256),
+    ] = {}
+
+
+class EndpointCreated(BaseModel):
+    """The new endpoint's id; its queue topic exists when this is answered."""
+
+    endpoint_id: str
+
+
+class TaskIds(_Body):
+    """``POST /v1/tasks/status``."""
+
+    task_ids: Annotated[list[Id], Field(max_length=MAX_STATUS_QUERY)]
+
+
+class Health(BaseModel):
+    """The service answers; ``kafka`` says whether the broker does too."""
+
+    status: Literal["ok"] = "ok"
+    kafka: bool
+
+
+class ErrorBody(BaseModel):
+    """The body of every 4xx and 5xx answer."""
+
+    error: str
+    detail: str
+
+
+# --- the Kafka side: writing records and reading them back ---------------------------------
+
+
+class RecordWriter:
+    """Produces registry records and returns once the view has folded them.
+
+    One idempotent ``acks=all`` producer, polled by a background thread that
+    runs the delivery callbacks; handlers wait on a future per record.
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        catalogue: Catalogue,
+        view: RegistryView,
+        *,
+        timeout_s: float,
+    ) -> None:
+        self._catalogue = catalogue
+        self._view = view
+        self._timeout_s = timeout_s
+        largest = max(spec.max_message_bytes for spec in catalogue.specs)
+        self._producer = Producer(
+            {
+                "bootstrap.servers": bootstrap_servers,
+                "enable.idempotence": True,
+                "acks": "all",
+                "linger.ms": 0,
+                "message.max.bytes": largest + _RECORD_OVERHEAD_BYTES,
+                # Give up on a record when the handler gives up waiting for it.
+                "message.timeout.ms": int(timeout_s * 1000),
+                "logger": logging.getLogger("fxstream.service.kafka"),
+            }
+        )
+        self._stop = Event()
+        self._poller = Thread(target=self._poll, name="api-producer", daemon=True)
+
+    def start(self) -> None:
+        """Start serving delivery reports."""
+        self._poller.start()
+
+    def close(self) -> None:
+        """Deliver what is pending (bounded by the timeout) and stop."""
+        self._stop.set()
+        if self._poller.is_alive():
+            self._poller.join(timeout=5)
+        self._producer.flush(self._timeout_s)
+
+    def put(self, topic: str, key: str, record: Record) -> None:
+        """Write ``record`` under ``key`` and wait until reads see it."""
+        value = encode(record)
+        _check_readable(value, type(record))
+        self._check_size(topic, key, value)
+        self._write(topic, key, value)
+
+    def delete(self, topic: str, key: str) -> None:
+        """Write a tombstone for ``key`` and wait until reads no longer see it."""
+        self._write(topic, key, None)
+
+    def _write(self, topic: str, key: str, value: bytes | None) -> None:
+        partition, offset = self._produce(topic, key, value)
+        if not self._view.wait_for_offset(topic, partition, offset, self._timeout_s):
+            raise ApiError(
+                503,
+                "not-yet-visible",
+                f"the change was saved to Kafka ({topic} [{partition}] @ {offset}) but the "
+                f"service has not read it back within {self._timeout_s:g}s; retry the read "
+                "shortly",
+            )
+
+    def _produce(self, topic: str, key: str, value: bytes | None) -> tuple[int, int]:
+        delivered: Future[tuple[int, int]] = Future()
+        try:
+            self._producer.produce(
+                topic,
+                key=key.encode(),
+                value=value,
+                on_delivery=lambda err, msg: _settle(delivered, err, msg),
+            )
+        except (BufferError, KafkaException) as exc:
+            raise _kafka_unavailable(f"cannot write to {topic}: {exc}") from exc
+        try:
+            return delivered.result(timeout=self._timeout_s)
+        except FutureTimeout as exc:
+            raise _kafka_unavailable(
+                f"Kafka did not acknowledge the write to {topic} within {self._timeout_s:g}s; "
+                "it may or may not have been saved"
+            ) from exc
+        except KafkaException as exc:
+            raise _kafka_unavailable(f"Kafka refused the write to {topic}: {exc}") from exc
+
+    def _check_size(self, topic: str, key: str, value: bytes) -> None:
+        spec = self._catalogue.spec_for_topic(topic)
+        if spec is None:
+            return
+        size = len(value) + len(key) + _RECORD_OVERHEAD_BYTES
+        if size > spec.max_message_bytes:
+            raise ApiError(
+                413,
+                "too-large",
+                f"the record would be about {size} bytes; the {spec.name} topic accepts at "
+                f"most {spec.max_message_bytes}: make the payload smaller (for a function, "
+                "move large data out of its closure and pass it as an argument)",
+            )
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self._producer.poll(0.1)
+
+
+def _settle(future: Future[tuple[int, int]], error: KafkaError | None, message: Message) -> None:
+    partition, offset = message.partition(), message.offset()
+    if error is not None:
+        future.set_exception(KafkaException(error))
+    elif partition is None or offset is None:
+        future.set_exception(KafkaException(KafkaError(KafkaError._FAIL, "no offset reported")))
+    else:
+        future.set_result((partition, offset))
+
+
+def _check_readable(value: bytes, kind: type[Record]) -> None:
+    # The view skips a record it cannot decode, so a write that passed the HTTP checks
+    # but not the record schema would be "saved" yet never visible. Refuse it instead.
+    try:
+        decode(value, kind)
+    except RecordDecodeError as exc:
+        raise ApiError(422, "invalid-request", f"the record is not valid: {exc.reason}") from exc
+
+
+def _kafka_unavailable(detail: str) -> ApiError:
+    return ApiError(503, "kafka-unavailable", f"{detail}; check that the platform is up")
+
+
+@dataclass
+class Runtime:
+    """What the handlers share: the catalogue, the view, the writer and an admin client."""
+
+    catalogue: Catalogue
+    view: RegistryView
+    writer: RecordWriter
+    admin: AdminClient
+    timeout_s: float
+
+    def close(self) -> None:
+        """Stop writing, then stop reading."""
+        self.writer.close()
+        self.view.close()
+
+
+def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: float) -> Runtime:
+    view = RegistryView(bootstrap_servers, catalogue, on_bad_record=_log_bad_record)
+    try:
+        view.start()
+        if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
+            raise RuntimeError(
+                "the registry topics could not be read to their end; check the broker's health"
+            )
+    except BaseException:
+        view.close()
+        raise
+    writer = RecordWriter(bootstrap_servers, catalogue, view, timeout_s=timeout_s)
+    writer.start()
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
+    return Runtime(catalogue, view, writer, admin, timeout_s)
+
+
+def _log_bad_record(message: Message, reason: str) -> None:
+    log.error(
+        "skipped an unreadable record on %s [%s] @ %s: %s",
+        message.topic(),
+        message.partition(),
+        message.offset(),
+        reason,
+    )
+
+
+def _create_topic(runtime: Runtime, template: str, topic: str) -> None:
+    """Create one per-user or per-endpoint topic from the catalogue's ``template``."""
+    try:
+        ensure_topics(
+            runtime.admin,
+            runtime.catalogue,
+            {topic: runtime.catalogue.spec(template)},
+            timeout_s=runtime.timeout_s,
+        )
+    except (ProvisionError, KafkaException) as exc:
+        raise _kafka_unavailable(f"cannot create topic {topic}: {exc}") from exc
+
+
+def _kafka_answers(admin: AdminClient, timeout_s: float) -> bool:
+    try:
+        admin.list_topics(timeout=timeout_s)
+    except KafkaException:
+        return False
+    return True
+
+
+# --- request context: the runtime and the caller -------------------------------------------
+
+_bearer = HTTPBearer(auto_error=False, description="the token POST /v1/users returned")
+
+
+def get_runtime(request: Request) -> Runtime:
+    """The app's runtime (set by the lifespan)."""
+    runtime: Runtime = request.app.state.runtime
+    return runtime
+
+
+RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
+
+
+def get_caller(
+    runtime: RuntimeDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> UserRecord:
+    """The user whose bearer token came with the request; 401 if none or unknown."""
+    if credentials is None:
+        raise _unauthorized("send 'Authorization: Bearer <token>'; POST /v1/users issues a token")
+    user = runtime.view.user_by_token_hash(token_sha256(credentials.credentials))
+    if user is None:
+        raise _unauthorized(
+            "the token is not known; use the token POST /v1/users returned, or register again"
+        )
+    return user
+
+
+CallerDep = Annotated[UserRecord, Depends(get_caller)]
+
+
+def _unauthorized(detail: str) -> ApiError:
+    return ApiError(401, "unauthorized", detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+# --- rules and lookups ---------------------------------------------------------------------
+
+
+def _new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def _shared_with(user_ids: Sequence[str]) -> list[str]:
+    return list(dict.fromkeys(user_ids))  # drop repeats, keep the caller's order
+
+
+def _may_use_function(user_id: str, function: FunctionRecord) -> bool:
+    return may_use(
+        user_id,
+        owner_id=function.owner_id,
+        public=function.public,
+        allowed_users=function.allowed_users,
+    )
+
+
+def _may_use_endpoint(user_id: str, endpoint: EndpointRecord) -> bool:
+    return may_use(
+        user_id,
+        owner_id=endpoint.owner_id,
+        public=endpoint.public,
+        allowed_users=endpoint.allowed_users,
+    )
+
+
+def _owns_an_endpoint(view: RegistryView, user_id: str) -> bool:
+    return any(endpoint.owner_id == user_id for endpoint in view.endpoints())
+
+
+def _function_or_404(view: RegistryView, function_id: str) -> FunctionRecord:
+    function = view.function(function_id)
+    if function is None:
+        raise ApiError(
+            404,
+            "not-found",
+            f"function {function_id!r} does not exist or was deleted; "
+            "GET /v1/functions lists the ones you may use",
+        )
+    return function
+
+
+def _endpoint_or_404(view: RegistryView, endpoint_id: str) -> EndpointRecord:
+    endpoint = view.endpoint(endpoint_id)
+    if endpoint is None:
+        raise ApiError(
+            404,
+            "not-found",
+            f"endpoint {endpoint_id!r} does not exist or was deleted; "
+            "GET /v1/endpoints lists the ones you may use",
+        )
+    return endpoint
+
+
+def _require_owner(caller: UserRecord, owner_id: str, what: str) -> None:
+    if caller.user_id != owner_id:
+        raise ApiError(403, "forbidden", f"only the owner of {what} may delete it")
+
+
+def _not_shared(what: str) -> ApiError:
+    return ApiError(403, "forbidden", f"{what} is not shared with you; ask its owner to share it")
+
+
+# --- records as JSON -----------------------------------------------------------------------
+
+
+def _record_json(record: Record) -> dict[str, Any]:
+    # msgspec writes bytes as standard base64, as the API promises.
+    body: dict[str, Any] = msgspec.to_builtins(record)
+    return body
+
+
+def _function_summary(function: FunctionRecord) -> dict[str, Any]:
+    body = _record_json(function)
+    del body["code"]
+    return body
+
+
+def _endpoint_json(view: RegistryView, endpoint: EndpointRecord) -> dict[str, Any]:
+    body = _record_json(endpoint)
+    body["status"] = asdict(view.endpoint_status(endpoint.endpoint_id))
+    return body
+
+
+def _task_of_caller(view: RegistryView, caller: UserRecord, task_id: str) -> TaskState | None:
+    # Another user's task reads as unknown in bulk queries: never reveal it exists.
+    task = view.task(task_id)
+    return task if task is not None and task.user_id == caller.user_id else None
+
+
+# --- routes --------------------------------------------------------------------------------
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorBody, "description": text}
+    for code, text in {
+        401: "no token, or an unknown token",
+        403: "not shared with the caller, or not the caller's to change",
+        404: "unknown or deleted",
+        422: "the request is not valid; detail names the field",
+        503: "Kafka did not answer in time",
+    }.items()
+}
+
+router = APIRouter(prefix="/v1", responses=_ERRORS)
+
+
+@router.post("/users", status_code=201, tags=["users"])
+def create_user(body: NewUser, runtime: RuntimeDep) -> UserCreated:
+    """Register a user and create its results topic; the token is shown only now."""
+    user_id, token = _new_id(), new_token()
+    # The topic first: a user that exists always has somewhere for its results to go.
+    _create_topic(runtime, "results.{user_id}", runtime.catalogue.results(user_id))
+    record = UserRecord(
+        user_id=user_id, name=body.name, token_sha256=token_sha256(token), created_at=time.time()
+    )
+    runtime.writer.put(runtime.catalogue.users, user_id, record)
+    return UserCreated(user_id=user_id, token=token)
+
+
+@router.get("/users/me", tags=["users"])
+def read_me(caller: CallerDep) -> Me:
+    """The caller's id and name."""
+    return Me(user_id=caller.user_id, name=caller.name)
+
+
+@router.post("/functions", status_code=201, tags=["functions"])
+def create_function(body: NewFunction, caller: CallerDep, runtime: RuntimeDep) -> FunctionCreated:
+    """Register a function owned by the caller."""
+    record = FunctionRecord(
+        function_id=_new_id(),
+        name=body.name,
+        owner_id=caller.user_id,
+        code=body.code,
+        code_sha256=code_sha256(body.code),
+        created_at=time.time(),
+        container=body.container,
+        public=body.public,
+        allowed_users=_shared_with(body.allowed_users),
+        description=body.description,
+    )
+    runtime.writer.put(runtime.catalogue.functions, record.function_id, record)
+    return FunctionCreated(function_id=record.function_id, code_sha256=record.code_sha256)
+
+
+@router.get("/functions", tags=["functions"])
+def list_functions(caller: CallerDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
+    """The caller's own functions, the public ones and those shared with the caller."""
+    visible = [f for f in runtime.view.functions() if _may_use_function(caller.user_id, f)]
+    return [_function_summary(f) for f in sorted(visible, key=lambda f: f.created_at)]
+
+
+@router.get("/functions/{function_id}", tags=["functions"])
+def read_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """A function with its code; endpoint owners may fetch any (their agents load code)."""
+    function = _function_or_404(runtime.view, function_id)
+    if not _may_use_function(caller.user_id, function) and not _owns_an_endpoint(
+        runtime.view, caller.user_id
+    ):
+        raise _not_shared(f"function {function_id!r}")
+    return _record_json(function)
+
+
+@router.delete("/functions/{function_id}", status_code=204, tags=["functions"])
+def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
+    """Delete one of the caller's functions (a tombstone on the functions topic)."""
+    function = _function_or_404(runtime.view, function_id)
+    _require_owner(caller, function.owner_id, f"function {function_id!r}")
+    runtime.writer.delete(runtime.catalogue.functions, function_id)
+    return Response(status_code=204)
+
+
+@router.post("/endpoints", status_code=201, tags=["endpoints"])
+def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -> EndpointCreated:
+    """Register an endpoint owned by the caller and create its queue topic."""
+    endpoint_id = _new_id()
+    # The queue first: an endpoint the router can see always has a queue to route to.
+    _create_topic(runtime, "tasks.ep.{endpoint_id}", runtime.catalogue.endpoint_queue(endpoint_id))
+    record = EndpointRecord(
+        endpoint_id=endpoint_id,
+        name=body.name,
+        owner_id=caller.user_id,
+        created_at=time.time(),
+        public=body.public,
+        allowed_users=_shared_with(body.allowed_users),
+        description=body.description,
+        metadata=body.metadata,
+    )
+    runtime.writer.put(runtime.catalogue.endpoints, endpoint_id, record)
+    return EndpointCreated(endpoint_id=endpoint_id)
+
+
+@router.get("/endpoints", tags=["endpoints"])
+def list_endpoints(caller: CallerDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
+    """The endpoints the caller may use, each with its status."""
+    visible = [e for e in runtime.view.endpoints() if _may_use_endpoint(caller.user_id, e)]
+    return [_endpoint_json(runtime.view, e) for e in sorted(visible, key=lambda e: e.created_at)]
+
+
+@router.get("/endpoints/{endpoint_id}", tags=["endpoints"])
+def read_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """One endpoint and its status (online, lost or never-seen)."""
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id)
+    if not _may_use_endpoint(caller.user_id, endpoint):
+        raise _not_shared(f"endpoint {endpoint_id!r}")
+    return _endpoint_json(runtime.view, endpoint)
+
+
+@router.delete("/endpoints/{endpoint_id}", status_code=204, tags=["endpoints"])
+def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
+    """Delete one of the caller's endpoints (its queue topic is kept)."""
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id)
+    _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}")
+    runtime.writer.delete(runtime.catalogue.endpoints, endpoint_id)
+    return Response(status_code=204)
+
+
+@router.get("/tasks/{task_id}", tags=["tasks"])
+def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """The latest state of one of the caller's tasks."""
+    task = runtime.view.task(task_id)
+    if task is None:
+        raise ApiError(
+            404,
+            "not-found",
+            f"no state for task {task_id!r} (yet): a task appears once the processors "
+            "have seen its submission",
+        )
+    if task.user_id != caller.user_id:
+        raise ApiError(403, "forbidden", f"task {task_id!r} was submitted by another user")
+    return _record_json(task)
+
+
+@router.post("/tasks/status", tags=["tasks"])
+def read_task_states(
+    body: TaskIds, caller: CallerDep, runtime: RuntimeDep
+) -> dict[str, dict[str, Any] | None]:
+    """The states of many of the caller's tasks; unknown (or not the caller's) is null."""
+    states = {task_id: _task_of_caller(runtime.view, caller, task_id) for task_id in body.task_ids}
+    return {
+        task_id: None if state is None else _record_json(state) for task_id, state in states.items()
+    }
+
+
+@router.get("/health", tags=["health"])
+def health(runtime: RuntimeDep) -> Health:
+    """Whether the service answers (always) and whether Kafka does (no token needed)."""
+    return Health(kafka=_kafka_answers(runtime.admin, timeout_s=min(runtime.timeout_s, 3.0)))
+
+
+# --- errors: one body shape for every 4xx and 5xx ------------------------------------------
+
+
+def _error(
+    status: int, error: str, detail: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": error, "detail": detail}, status_code=status, headers=headers)
+
+
+def _field_name(location: Sequence[int | str]) -> str:
+    # ("body", "allowed_users", 0) -> "allowed_users[0]"; a whole-body error is "body".
+    parts = list(location[1:]) if location and location[0] == "body" else list(location)
+    name = ""
+    for part in parts:
+        name += f"[{part}]" if isinstance(part, int) else (f".{part}" if name else str(part))
+    return name or "body"
+
+
+def _problem(error: Mapping[str, Any]) -> str:
+    if error.get("type") == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "")
+        return f"body: is not valid JSON ({reason})" if reason else "body: is not valid JSON"
+    message = str(error.get("msg", "is not valid")).removeprefix("Value error, ")
+    return f"{_field_name(error.get('loc', ()))}: {message}"
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    problems = "; ".join(_problem(error) for error in exc.errors())
+    return f"{problems} (see /docs for the request schema)"
+
+
+async def _on_api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ApiError)
+    return _error(exc.status, exc.error, exc.detail, exc.headers)
+
+
+async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return _error(422, "invalid-request", _validation_detail(exc))
+
+
+_HTTP_ERROR_CODES = {404: "not-found", 405: "method-not-allowed"}
+
+
+async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 404:
+        detail = f"no route {request.method} {request.url.path}; see /docs for the API"
+    elif exc.status_code == 405:
+        detail = f"{request.method} is not allowed on {request.url.path}; see /docs"
+    else:
+        detail = str(exc.detail)
+    code = _HTTP_ERROR_CODES.get(exc.status_code, "http-error")
+    return _error(exc.status_code, code, detail, dict(exc.headers or {}) or None)
+
+
+async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error", exc_info=exc)
+    return _error(
+        500, "internal", f"the service failed ({type(exc).__name__}); its log has the details"
+    )
+
+
+# --- the app -------------------------------------------------------------------------------
+
+
+def create_app(bootstrap_servers: str, catalogue: Catalogue, *, timeout_s: float = 15.0) -> FastAPI:
+    """The REST API on the registry topics of ``catalogue`` at ``bootstrap_servers``.
+
+    Starting it (its lifespan) reads the registry topics to their end before it
+    serves; ``timeout_s`` bounds each wait for Kafka inside a request.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        runtime = await asyncio.to_thread(_start_runtime, bootstrap_servers, catalogue, timeout_s)
+        app.state.runtime = runtime
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(runtime.close)
+
+    app = FastAPI(
+        title="fxstream",
+        summary="Registry (users, functions, endpoints) and task status of fxstream",
+        version="0.1.0",
+        lifespan=lifespan,
+    )
+    app.include_router(router)
+    app.add_exception_handler(ApiError, _on_api_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(Exception, _on_unexpected_error)
+    return app

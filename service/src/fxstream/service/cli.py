@@ -1,0 +1,316 @@
+"""``fxstream-service``: run the REST API or the stream processors.
+
+Where Kafka is comes from ``--bootstrap``/``--prefix`` or from a platform's
+``platform.json`` (``--connection``). Before serving, each command checks that
+Kafka answers and the topics exist, so a start failure is one line saying what
+to do (exit status 1) rather than a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import socket
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+import uvicorn
+from confluent_kafka import KafkaException
+from confluent_kafka.admin import AdminClient
+
+from fxstream.topics import Catalogue, InvalidTopicName, ProvisionError, ensure_topics
+
+__all__ = ["Target", "app", "main", "target_from"]
+
+DEFAULT_PORT = 19180  # the platform's `service_port` default (docs/api.md)
+KAFKA_TIMEOUT_S = 10.0  # how long a start waits for Kafka to answer
+
+app = typer.Typer(
+    name="fxstream-service",
+    help="The fxstream management service: REST API and stream processors.",
+    add_completion=False,
+    no_args_is_help=True,
+)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Which Kafka to use and the catalogue of its topics."""
+
+    bootstrap_servers: str
+    catalogue: Catalogue
+    kafka_timeout_s: float = KAFKA_TIMEOUT_S
+
+
+class StartError(RuntimeError):
+    """The service cannot start; the message says what to do."""
+
+
+def fail(message: str) -> NoReturn:
+    """Print one line to stderr and exit with status 1."""
+    typer.echo(f"fxstream-service: {message}", err=True)
+    raise typer.Exit(1)
+
+
+# --- where Kafka is ------------------------------------------------------------------------
+
+
+def _load_connection(path: Path) -> dict[str, Any]:
+    try:
+        loaded = json.loads(path.read_text())
+    except OSError as exc:
+        raise StartError(
+            f"cannot read {path}: {exc.strerror}; start the platform (./fx up) or pass "
+            "--bootstrap and --prefix"
+        ) from exc
+    except ValueError as exc:
+        raise StartError(f"{path} is not JSON ({exc}); run ./fx up to rewrite it") from exc
+    if not isinstance(loaded, dict):
+        raise StartError(f"{path} is not a platform.json object; run ./fx up to rewrite it")
+    return loaded
+
+
+def _from_connection(path: Path) -> tuple[str, Catalogue]:
+    info = _load_connection(path)
+    try:
+        catalogue = Catalogue(
+            prefix=str(info["topic_prefix"]),
+            replication_factor=int(info["replication_factor"]),
+            min_insync_replicas=int(info["min_insync_replicas"]),
+        )
+        return str(info["bootstrap_servers"]), catalogue
+    except KeyError as exc:
+        raise StartError(f"{path} has no {exc.args[0]!r}; run ./fx up to rewrite it") from exc
+    except (TypeError, ValueError) as exc:
+        raise StartError(f"{path} is not usable ({exc}); run ./fx up to rewrite it") from exc
+
+
+def _admin(bootstrap_servers: str) -> AdminClient:
+    # Silent: a broker that does not answer is reported once, by us, in words.
+    return AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0})
+
+
+def _broker_count(bootstrap_servers: str, timeout_s: float) -> int:
+    try:
+        metadata = _admin(bootstrap_servers).list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise _unreachable(bootstrap_servers, timeout_s) from exc
+    return len(metadata.brokers)
+
+
+def _unreachable(bootstrap_servers: str, timeout_s: float) -> StartError:
+    return StartError(
+        f"Kafka at {bootstrap_servers} does not answer within {timeout_s:g}s; "
+        "start the platform with ./fx up, or fix --bootstrap"
+    )
+
+
+def target_from(
+    bootstrap: str | None,
+    prefix: str | None,
+    connection: Path | None,
+    *,
+    kafka_timeout_s: float = KAFKA_TIMEOUT_S,
+) -> Target:
+    """Where to connect: ``connection`` (platform.json) gives defaults, the flags override.
+
+    Without a connection file the replication of new per-user and per-endpoint
+    topics follows the broker count (1 broker: RF 1; 3 or more: RF 3, ISR 2).
+    """
+    if connection is not None:
+        servers, catalogue = _from_connection(connection)
+        bootstrap = bootstrap or servers
+        try:
+            catalogue = Catalogue(
+                prefix=catalogue.prefix if prefix is None else prefix,
+                replication_factor=catalogue.replication_factor,
+                min_insync_replicas=catalogue.min_insync_replicas,
+            )
+        except InvalidTopicName as exc:
+            raise StartError(str(exc)) from exc
+        return Target(bootstrap, catalogue, kafka_timeout_s)
+    if bootstrap is None:
+        raise StartError("say where Kafka is: --bootstrap HOST:PORT or --connection platform.json")
+    try:
+        catalogue = Catalogue(prefix="fx." if prefix is None else prefix)
+    except InvalidTopicName as exc:
+        raise StartError(str(exc)) from exc
+    brokers = _broker_count(bootstrap, kafka_timeout_s)
+    return Target(bootstrap, catalogue.for_cluster(brokers), kafka_timeout_s)
+
+
+def check_topics(target: Target, topics: Iterable[str]) -> None:
+    """Fail unless Kafka answers and every one of ``topics`` exists."""
+    wanted = set(topics)
+    specs = {
+        name: spec for name, spec in target.catalogue.static_topics().items() if name in wanted
+    }
+    try:
+        report = ensure_topics(
+            _admin(target.bootstrap_servers),
+            target.catalogue,
+            specs,
+            create=False,
+            timeout_s=target.kafka_timeout_s,
+        )
+    except (ProvisionError, KafkaException) as exc:
+        raise _unreachable(target.bootstrap_servers, target.kafka_timeout_s) from exc
+    if report.missing:
+        raise StartError(
+            f"topics missing on {target.bootstrap_servers}: {', '.join(sorted(report.missing))}; "
+            "provision them with ./fx up (and check --prefix)"
+        )
+
+
+def _api_topics(catalogue: Catalogue) -> list[str]:
+    return [
+        catalogue.users,
+        catalogue.functions,
+        catalogue.endpoints,
+        catalogue.heartbeats,
+        catalogue.task_state,
+    ]
+
+
+# --- serving -------------------------------------------------------------------------------
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``, bound here so "port in use" is caught up front."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        raise StartError(f"cannot resolve --host {host!r}: {exc.strerror}") from exc
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise StartError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); choose another --port, or stop "
+            "what is using it"
+        ) from exc
+    sock.listen(2048)
+    return sock
+
+
+def serve(target: Target, sock: socket.socket, log_level: str) -> bool:
+    """Run the API with uvicorn (one worker) on ``sock``; False if it did not start."""
+    # Imported here so `worker` (and every start failure) does not pay for FastAPI.
+    from fxstream.service.api import create_app
+
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(
+        create_app(target.bootstrap_servers, target.catalogue),
+        host=host,
+        port=port,
+        lifespan="on",
+        log_level=log_level,
+        workers=1,
+    )
+    server = uvicorn.Server(config)
+    server.run(sockets=[sock])
+    return server.started
+
+
+# --- commands ------------------------------------------------------------------------------
+
+Bootstrap = Annotated[
+    str | None, typer.Option("--bootstrap", help="Kafka bootstrap servers, HOST:PORT[,...]")
+]
+Prefix = Annotated[
+    str | None, typer.Option("--prefix", help="topic name prefix", show_default="fx.")
+]
+
+
+class LogLevel(StrEnum):
+    """uvicorn's log levels."""
+
+    CRITICAL = "critical"
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+    DEBUG = "debug"
+
+
+KafkaTimeout = Annotated[
+    float, typer.Option("--kafka-timeout", help="seconds to wait for Kafka at start", min=0.1)
+]
+Connection = Annotated[
+    Path | None,
+    typer.Option(
+        "--connection",
+        help="the platform.json that ./fx up writes in its home (bootstrap, prefix, "
+        "replication); --bootstrap and --prefix override it",
+        dir_okay=False,
+    ),
+]
+
+
+@app.command()
+def api(
+    bootstrap: Bootstrap = None,
+    prefix: Prefix = None,
+    connection: Connection = None,
+    kafka_timeout: KafkaTimeout = KAFKA_TIMEOUT_S,
+    port: Annotated[int, typer.Option(help="port to listen on", min=1, max=65535)] = DEFAULT_PORT,
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    log_level: Annotated[LogLevel, typer.Option(help="uvicorn's log level")] = LogLevel.INFO,
+) -> None:
+    """Serve the REST API (docs/api.md) until SIGTERM or Ctrl-C."""
+    try:
+        target = target_from(bootstrap, prefix, connection, kafka_timeout_s=kafka_timeout)
+        check_topics(target, _api_topics(target.catalogue))
+        sock = bind(host, port)
+    except StartError as exc:
+        fail(str(exc))
+    typer.echo(
+        f"fxstream-service: API on http://{host}:{port}/v1 (Kafka {target.bootstrap_servers}, "
+        f"topics {target.catalogue.prefix}*)",
+        err=True,
+    )
+    if not serve(target, sock, log_level.value):
+        fail("the API did not start (the log above says why); check that ./fx up succeeded")
+
+
+@app.command()
+def worker(
+    bootstrap: Bootstrap = None,
+    prefix: Prefix = None,
+    connection: Connection = None,
+    kafka_timeout: KafkaTimeout = KAFKA_TIMEOUT_S,
+) -> None:
+    """Run the stream processors (router, task state, liveness) until stopped."""
+    try:
+        target = target_from(bootstrap, prefix, connection, kafka_timeout_s=kafka_timeout)
+        check_topics(target, target.catalogue.static_topics())
+    except StartError as exc:
+        fail(str(exc))
+    run_processors = _load_processors()
+    try:
+        run_processors(target.bootstrap_servers, target.catalogue)
+    except KeyboardInterrupt:
+        raise typer.Exit(0) from None
+
+
+def _load_processors() -> Callable[[str, Catalogue], None]:
+    # Imported here, not at the top: the processors are their own module with heavier
+    # dependencies, and the API must start without them.
+    try:
+        module = importlib.import_module("fxstream.service.processors")
+    except ImportError as exc:
+        fail(f"the stream processors are not available in this install ({exc})")
+    run: Callable[[str, Catalogue], None] | None = getattr(module, "run_processors", None)
+    if run is None:
+        fail("fxstream.service.processors has no run_processors; reinstall fxstream-service")
+    return run
+
+
+def main() -> None:
+    """Entry point of the ``fxstream-service`` script."""
+    app()

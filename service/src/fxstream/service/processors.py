@@ -1,0 +1,229 @@
+"""The service's stream processors as one faust-streaming app: the router and task-state.
+
+- The *router* agent reads ``tasks.submitted`` in batches (``take_events``),
+  authorises each task and writes its dispatch, state, result or dead letter
+  (decisions in :mod:`fxstream.service.router`).
+- The *task-state* processor follows every ``results.<user>`` topic and folds
+  results into ``task-state`` (:mod:`fxstream.service.task_state`).
+
+Topics come from the catalogue and are provisioned elsewhere
+(``ensure_topics``); the app never declares one. The router's consumer group is
+the app id, so several instances share ``tasks.submitted``'s partitions; the
+task-state processor's group is ``<app id>-task-state``.
+
+Run it with ``python -m fxstream.service.processors --bootstrap HOST:PORT
+--prefix fx.``; SIGTERM or SIGINT stops it cleanly (the batch in hand is
+finished and committed). If Kafka refuses a write, the process exits at once
+with code 75 *without* acknowledging the batch, so a restart re-reads it: a
+task is never lost, and may be routed twice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import faust
+from faust.types import EventT, StreamT
+
+from fxstream.service.deadletter import RawRecord
+from fxstream.service.outgoing import Outgoing, send_all
+from fxstream.service.registry import RegistryView
+from fxstream.service.router import Router
+from fxstream.service.task_state import ResultsFollower, TaskStatePlanner
+from fxstream.service.topic_directory import TopicDirectory
+from fxstream.topics import Catalogue
+
+__all__ = [
+    "DEFAULT_APP_ID",
+    "EXIT_WRITE_FAILED",
+    "build_app",
+    "main",
+    "run_processors",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_APP_ID = "fxstream-processors"
+# EX_TEMPFAIL: Kafka refused a write; restarting (by a supervisor) is the cure.
+EXIT_WRITE_FAILED = 75
+BATCH_SIZE = 500
+# How long a batch waits to fill: the latency a lone task pays at the router.
+BATCH_WITHIN_S = 0.01
+
+
+def _broker_urls(bootstrap_servers: str) -> list[str]:
+    return [f"kafka://{server.strip()}" for server in bootstrap_servers.split(",") if server]
+
+
+def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
+    largest = max(spec.max_message_bytes for spec in catalogue.specs)
+    return {
+        "key_serializer": "raw",
+        "value_serializer": "raw",
+        "store": "memory://",
+        "web_enabled": False,
+        # Topics are the catalogue's, provisioned by ensure_topics; faust would
+        # otherwise create its own with broker defaults (and its leader topic).
+        "topic_allow_declare": False,
+        "topic_disable_leader": True,
+        # A new consumer group must start from the oldest task, not skip queued ones.
+        "consumer_auto_offset_reset": "earliest",
+        # An agent that raises stops the worker (and a supervisor restarts it):
+        # restarting the agent alone would skip the events it held, unacknowledged.
+        "agent_supervisor": "mode.CrashingSupervisor",
+        # aiokafka's default (1 MB) is below the catalogue's largest record (dead letters).
+        "producer_max_request_size": largest + 65_536,
+        "producer_acks": -1,
+        # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
+        # tasks would take many produce requests instead of one.
+        "producer_max_batch_size": 1_048_576,
+        # A write Kafka keeps refusing fails after this, and the process fail-stops.
+        "producer_request_timeout": 120.0,
+        "datadir": str(data_dir),
+    }
+
+
+def build_app(
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    *,
+    app_id: str = DEFAULT_APP_ID,
+    data_dir: Path | None = None,
+    batch_size: int = BATCH_SIZE,
+    batch_within_s: float = BATCH_WITHIN_S,
+) -> faust.App:
+    """The faust app with the router agent and the task-state processor, not yet started.
+
+    ``data_dir`` is faust's working directory (nothing durable lives there: the
+    store is in memory); by default a directory under the system temp dir.
+    """
+    data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / app_id
+    data_dir.mkdir(parents=True, exist_ok=True)
+    app = faust.App(
+        app_id, broker=_broker_urls(bootstrap_servers), **_app_settings(catalogue, data_dir)
+    )
+    view = RegistryView(bootstrap_servers, catalogue, follow=("users", "functions", "endpoints"))
+    router = Router(catalogue, view, TopicDirectory(bootstrap_servers))
+    planner = TaskStatePlanner(catalogue)
+
+    async def write(records: Sequence[Outgoing]) -> None:
+        await _write_or_exit(app, records)
+
+    follower = ResultsFollower(
+        bootstrap_servers, planner, write, group_id=f"{app_id}-task-state", batch_size=batch_size
+    )
+
+    async def route(stream: StreamT[bytes]) -> None:
+        await router.start()
+        # StreamT (the protocol) lacks take_events; the stream faust passes is a faust.Stream.
+        batches = cast("faust.Stream[bytes]", stream).take_events(batch_size, within=batch_within_s)
+        async for events in batches:
+            plan = await router.plan([_message(event) for event in events])
+            # States, results and dead letters first: "routed" is on the broker
+            # before the task is on its endpoint's queue.
+            await write(plan.first)
+            await write(plan.dispatches)
+
+    async def follow_results() -> None:
+        await follower.run()
+
+    async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
+        await follower.stop()
+        router.close()
+        log.info("router: %s; task-state: %s", router.stats, planner.stats)
+
+    app.agent(app.topic(catalogue.tasks_submitted), name="router")(route)
+    app.task(follow_results)
+    app.on_before_shutdown.connect(stop)
+    return app
+
+
+def _message(event: EventT[Any]) -> RawRecord:
+    return event.message
+
+
+async def _write_or_exit(app: faust.App, records: Sequence[Outgoing]) -> None:
+    try:
+        await send_all(app.producer, records)
+    except Exception:
+        # Exit at once, with no await in between: faust acknowledges a taken batch
+        # when its generator is closed, and a commit of that batch would lose it.
+        log.critical("cannot write to Kafka; exiting so the batch is re-read", exc_info=True)
+        logging.shutdown()
+        os._exit(EXIT_WRITE_FAILED)
+
+
+def run_processors(
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    *,
+    app_id: str = DEFAULT_APP_ID,
+    data_dir: Path | None = None,
+    log_level: str = "INFO",
+    batch_size: int = BATCH_SIZE,
+    batch_within_s: float = BATCH_WITHIN_S,
+) -> None:
+    """Run the processors until SIGTERM or SIGINT, then stop cleanly and return.
+
+    Raises what crashed the worker, if something did.
+    """
+    app = build_app(
+        bootstrap_servers,
+        catalogue,
+        app_id=app_id,
+        data_dir=data_dir,
+        batch_size=batch_size,
+        batch_within_s=batch_within_s,
+    )
+    worker = faust.Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
+    # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
+    # aiokafka then builds a debug record for every message sent (a third of the CPU).
+    worker.spinner = None
+    try:
+        worker.execute_from_commandline()
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m fxstream.service.processors",
+        description="Run fxstream's stream processors (router, task-state) until SIGTERM.",
+    )
+    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port,...")
+    parser.add_argument("--prefix", default="fx.", help="topic prefix (default: fx.)")
+    parser.add_argument("--app-id", default=DEFAULT_APP_ID, help="faust app id = consumer group")
+    parser.add_argument("--data-dir", type=Path, default=None, help="faust's working directory")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="records per batch")
+    parser.add_argument(
+        "--batch-within", type=float, default=BATCH_WITHIN_S, help="seconds a batch waits to fill"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parser().parse_args(argv)
+    run_processors(
+        args.bootstrap,
+        Catalogue(prefix=args.prefix),
+        app_id=args.app_id,
+        data_dir=args.data_dir,
+        log_level=args.log_level,
+        batch_size=args.batch_size,
+        batch_within_s=args.batch_within,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,340 @@
+"""The router's decisions: authorise each submitted task and say what to write for it.
+
+The router reads ``tasks.submitted`` in batches. For each record it decodes the
+submission envelope (never the payload: arguments stay opaque bytes), looks up
+the user, function and endpoint in a :class:`RegistryView`, and applies
+:func:`auth.refusal_reason`. What it writes:
+
+- allowed: a :class:`TaskDispatch` on ``tasks.ep.<endpoint>`` carrying the
+  submission's bytes exactly as read (and its headers), and a ``routed``
+  :class:`TaskState`;
+- refused: an error :class:`TaskResult` (``TaskRejected``) on
+  ``results.<user>`` when that topic exists, a ``rejected`` state, and a
+  dead letter;
+- undecodable: a dead letter only.
+
+Every record is keyed by task id, so Kafka's default partitioner puts all of a
+task's records on the same partition number of each topic. :meth:`Router.plan`
+does no writing: the faust agent in :mod:`fxstream.service.processors` sends
+what it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from fxstream.service.auth import refusal_reason
+from fxstream.service.deadletter import RawRecord, dead_letter_for, normalise_headers
+from fxstream.service.outgoing import Outgoing, fits
+from fxstream.service.registry import RegistryView
+from fxstream.service.topic_directory import TopicDirectory
+from fxstream.topics import (
+    Catalogue,
+    RecordDecodeError,
+    TaskDispatch,
+    TaskError,
+    TaskResult,
+    TaskState,
+    TaskStateName,
+    TaskSubmission,
+    TaskTimings,
+    decode,
+    encode,
+)
+
+__all__ = ["COMPONENT", "REJECTED_ERROR_TYPE", "RoutePlan", "Router", "RouterStats"]
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "router"
+# The error type of a refused task's result; the task-state processor leaves these
+# alone, since the router writes the rejected state itself.
+REJECTED_ERROR_TYPE = "TaskRejected"
+
+
+@dataclass
+class RouterStats:
+    """Counts since start, logged at shutdown."""
+
+    routed: int = 0
+    rejected: int = 0
+    dead_lettered: int = 0
+    catch_ups: int = 0
+
+
+@dataclass
+class RoutePlan:
+    """What to write for one batch, in two waves.
+
+    ``first`` (task states, results, dead letters) is written and acknowledged
+    before ``dispatches``, so a task's ``routed`` state is on the broker before
+    any agent can see the task, and so before any result can overtake it.
+    """
+
+    first: list[Outgoing] = field(default_factory=list)
+    dispatches: list[Outgoing] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    record: RawRecord
+    submission: TaskSubmission
+    refusal: str | None
+
+
+class Router:
+    """Authorises and routes batches of submissions; owns the registry view it reads."""
+
+    def __init__(
+        self,
+        catalogue: Catalogue,
+        view: RegistryView,
+        directory: TopicDirectory,
+        *,
+        catch_up_s: float = 2.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._catalogue = catalogue
+        self._view = view
+        self._directory = directory
+        self._catch_up_s = catch_up_s
+        self._clock = clock
+        self._queue_limit = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes
+        self._caught_up_to: dict[tuple[str, int], int] = {}
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self.stats = RouterStats()
+
+    async def start(self) -> None:
+        """Start the registry view and wait until it holds everything registered so far."""
+        async with self._start_lock:
+            if self._started:
+                return
+            await asyncio.to_thread(self._view.start)
+            if not await asyncio.to_thread(self._view.wait_until_current, 60.0):
+                raise RuntimeError("the registry view did not catch up with the registry in 60 s")
+            self._started = True
+
+    def close(self) -> None:
+        """Stop following the registry."""
+        self._view.close()
+
+    # --- planning ------------------------------------------------------------------------
+
+    async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
+        """Decide what to write for a batch of ``tasks.submitted`` records."""
+        plan = RoutePlan()
+        submissions: list[tuple[RawRecord, TaskSubmission]] = []
+        for record in records:
+            try:
+                submissions.append((record, decode(record.value, TaskSubmission)))
+            except RecordDecodeError as exc:
+                self._dead_letter(plan, record, str(exc), "RecordDecodeError")
+        if any(self._has_unknown(s) for _, s in submissions):
+            await self._catch_up()
+        decisions = [_Decision(r, s, self._refusal(s)) for r, s in submissions]
+        decisions = await self._refuse_unroutable(decisions)
+        results_present = await self._directory.present(
+            self._catalogue.results(d.submission.user_id) for d in decisions if d.refusal
+        )
+        now = self._clock()
+        for decision in decisions:
+            try:
+                self._plan_one(plan, decision, now, results_present)
+            except Exception as exc:  # a bug here must cost one task, not the router
+                log.exception("router: cannot plan task %s", decision.submission.task_id)
+                self._dead_letter(plan, decision.record, f"router failed: {exc!r}", "RouterError")
+        return plan
+
+    def _plan_one(
+        self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
+    ) -> None:
+        if decision.refusal is None:
+            self._plan_routed(plan, decision.record, decision.submission, now)
+        else:
+            self._plan_refused(plan, decision, now, results_present)
+
+    def _refusal(self, submission: TaskSubmission) -> str | None:
+        return refusal_reason(
+            submission,
+            self._view.user(submission.user_id),
+            self._view.function(submission.function_id),
+            self._view.endpoint(submission.endpoint_id),
+        )
+
+    def _has_unknown(self, submission: TaskSubmission) -> bool:
+        return (
+            self._view.user(submission.user_id) is None
+            or self._view.function(submission.function_id) is None
+            or self._view.endpoint(submission.endpoint_id) is None
+        )
+
+    async def _catch_up(self) -> None:
+        """Wait (bounded) until the view has read what the registry topics hold right now.
+
+        A function registered a moment before its first submission may not be in
+        the view yet. Waiting for the topics' current ends, rather than a fixed
+        time, makes a truly unknown id cost one round trip; and only partitions
+        that grew since the last catch-up are waited for, so a flood of unknown
+        ids (or an end the view cannot reach, like a transaction marker) costs
+        the budget at most once per registry change.
+        """
+        self.stats.catch_ups += 1
+        deadline = time.monotonic() + self._catch_up_s
+        registry = (self._catalogue.users, self._catalogue.functions, self._catalogue.endpoints)
+        try:
+            ends = await asyncio.wait_for(self._directory.end_offsets(registry), self._catch_up_s)
+        except Exception as exc:  # cannot ask: fall back to waiting out the budget
+            log.warning("router: cannot read registry end offsets (%r); waiting instead", exc)
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
+            return
+        grown = {tp: end for tp, end in ends.items() if end > self._caught_up_to.get(tp, 0)}
+        self._caught_up_to.update(grown)
+        for (topic, partition), end in grown.items():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            await asyncio.to_thread(
+                self._view.wait_for_offset, topic, partition, end - 1, remaining
+            )
+
+    async def _refuse_unroutable(self, decisions: list[_Decision]) -> list[_Decision]:
+        """Refuse allowed tasks that cannot be delivered: no queue topic, or too large."""
+        present = await self._directory.present(
+            self._catalogue.endpoint_queue(d.submission.endpoint_id)
+            for d in decisions
+            if d.refusal is None
+        )
+        checked: list[_Decision] = []
+        for d in decisions:
+            reason = d.refusal
+            if reason is None:
+                reason = self._unroutable(d, present)
+            checked.append(_Decision(d.record, d.submission, reason))
+        return checked
+
+    def _unroutable(self, decision: _Decision, present: set[str]) -> str | None:
+        submission = decision.submission
+        queue = self._catalogue.endpoint_queue(submission.endpoint_id)
+        if queue not in present:
+            return (
+                f"endpoint {submission.endpoint_id!r} has no queue topic {queue!r}: "
+                "ask the operator to re-register the endpoint (POST /v1/endpoints creates it)"
+            )
+        size = len(decision.record.value or b"")
+        # The dispatch is the submission plus under 200 bytes of routing fields.
+        if not fits(len(submission.task_id) + size + 200, self._queue_limit):
+            return (
+                f"the task is {size} bytes, too large for an endpoint queue "
+                f"(max.message.bytes {self._queue_limit}): pass large arguments by proxy"
+            )
+        return None
+
+    # --- what to write -------------------------------------------------------------------
+
+    def _plan_routed(
+        self, plan: RoutePlan, record: RawRecord, submission: TaskSubmission, now: float
+    ) -> None:
+        key = submission.task_id.encode()
+        dispatch = TaskDispatch(
+            task_id=submission.task_id,
+            endpoint_id=submission.endpoint_id,
+            routed_at=now,
+            attempt=1,
+            submission=record.value or b"",
+        )
+        state = _state(
+            submission,
+            TaskStateName.ROUTED,
+            now,
+            TaskTimings(submitted_at=submission.submitted_at, routed_at=now),
+        )
+        plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
+        plan.dispatches.append(
+            Outgoing(
+                self._catalogue.endpoint_queue(submission.endpoint_id),
+                key,
+                encode(dispatch),
+                _forwarded_headers(record.headers),
+            )
+        )
+        self.stats.routed += 1
+
+    def _plan_refused(
+        self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
+    ) -> None:
+        submission, reason = decision.submission, decision.refusal or ""
+        key = submission.task_id.encode()
+        error = TaskError(type=REJECTED_ERROR_TYPE, message=reason)
+        timings = TaskTimings(submitted_at=submission.submitted_at)
+        results = self._catalogue.results(submission.user_id)
+        if results in results_present:
+            result = TaskResult(
+                task_id=submission.task_id,
+                user_id=submission.user_id,
+                function_id=submission.function_id,
+                endpoint_id=submission.endpoint_id,
+                task_group_id=submission.task_group_id,
+                outcome="error",
+                error=error,
+                timings=timings,
+            )
+            plan.first.append(Outgoing(results, key, encode(result)))
+        state = _state(submission, TaskStateName.REJECTED, now, timings, error=error)
+        plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
+        self._dead_letter(plan, decision.record, reason, REJECTED_ERROR_TYPE, submission.task_id)
+        self.stats.rejected += 1
+        log.info("router: refused task %s: %s", submission.task_id, reason)
+
+    def _dead_letter(
+        self,
+        plan: RoutePlan,
+        record: RawRecord,
+        reason: str,
+        error_type: str,
+        task_id: str | None = None,
+    ) -> None:
+        letter = dead_letter_for(
+            record, reason=reason, error_type=error_type, component=COMPONENT, task_id=task_id
+        )
+        plan.first.append(Outgoing(self._catalogue.dead_letter, record.key, encode(letter)))
+        self.stats.dead_lettered += 1
+        if error_type != REJECTED_ERROR_TYPE:
+            log.warning(
+                "router: dead-lettered %s[%d]@%d: %s",
+                record.topic,
+                record.partition,
+                record.offset,
+                reason,
+            )
+
+
+def _state(
+    submission: TaskSubmission,
+    name: TaskStateName,
+    now: float,
+    timings: TaskTimings,
+    *,
+    error: TaskError | None = None,
+) -> TaskState:
+    return TaskState(
+        task_id=submission.task_id,
+        user_id=submission.user_id,
+        function_id=submission.function_id,
+        endpoint_id=submission.endpoint_id,
+        task_group_id=submission.task_group_id,
+        state=name,
+        updated_at=now,
+        timings=timings,
+        error=error,
+    )
+
+
+def _forwarded_headers(headers: object) -> list[tuple[str, bytes]] | None:
+    # Headers (e.g. trace context) travel with the task; null-valued ones carry nothing.
+    pairs = [(name, value) for name, value in normalise_headers(headers) if value is not None]
+    return pairs or None

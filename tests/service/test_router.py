@@ -1,0 +1,450 @@
+"""The router, end to end: real broker, registry records, and the processors in a subprocess.
+
+One processors process serves the whole module (starting one costs ~3 s); each
+test submits its own tasks with their own ids and reads what the router wrote.
+The helpers here (``Deployment``, ``Processors``, ``Reader``) are reused by
+``test_processors.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
+
+from fxstream.service.auth import token_sha256
+from fxstream.topics import (
+    Catalogue,
+    DeadLetter,
+    EndpointRecord,
+    FunctionRecord,
+    Record,
+    RecordDecodeError,
+    TaskDispatch,
+    TaskResult,
+    TaskState,
+    TaskStateName,
+    TaskSubmission,
+    UserRecord,
+    client_info,
+    decode,
+    encode,
+    ensure_topics,
+)
+from tests.conftest import RunningPlatform
+
+WAIT_S = 30.0  # generous: the first record also waits for the processors to start
+
+# --- helpers shared with test_processors.py ------------------------------------------------
+
+
+class Reader:
+    """Reads one topic from the beginning (no consumer group) and remembers every record."""
+
+    def __init__(self, bootstrap: str, topic: str) -> None:
+        self.topic = topic
+        self.messages: list[Message] = []
+        self._consumer = Consumer(
+            {
+                "bootstrap.servers": bootstrap,
+                "group.id": "unused",
+                "enable.auto.commit": False,
+                "log_level": 2,
+            }
+        )
+        partitions = self._consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+
+    def wait_for(self, predicate: Callable[[Message], bool], timeout_s: float = WAIT_S) -> Message:
+        """The first record matching ``predicate``, seen before or within ``timeout_s``."""
+        for message in self.messages:
+            if predicate(message):
+                return message
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            polled = self._consumer.poll(0.1)
+            if polled is None or polled.error() is not None:
+                continue
+            self.messages.append(polled)
+            if predicate(polled):
+                return polled
+        raise AssertionError(f"no matching record on {self.topic} within {timeout_s} s")
+
+    def keyed(self, key: str) -> list[Message]:
+        """Every record seen so far with this key."""
+        return [m for m in self.messages if m.key() == key.encode()]
+
+    def close(self) -> None:
+        """Close the consumer."""
+        self._consumer.close()
+
+
+def key_is(key: str) -> Callable[[Message], bool]:
+    """A predicate for ``Reader.wait_for``: the record's key is ``key``."""
+    return lambda message: message.key() == key.encode()
+
+
+class Processors:
+    """``python -m fxstream.service.processors`` in a subprocess, stopped by PID."""
+
+    def __init__(self, bootstrap: str, catalogue: Catalogue, workdir: Path) -> None:
+        self.log_path = workdir / "processors.log"
+        app_id = "test-processors-" + catalogue.prefix.strip(".")
+        command = [
+            sys.executable,
+            "-m",
+            "fxstream.service.processors",
+            "--bootstrap",
+            bootstrap,
+            "--prefix",
+            catalogue.prefix,
+            "--app-id",
+            app_id,
+            "--data-dir",
+            str(workdir / "faust"),
+        ]
+        with self.log_path.open("wb") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+
+    def log(self) -> str:
+        """Everything the processors wrote so far."""
+        return self.log_path.read_text(errors="replace")
+
+    def wait_for_log(self, text: str, timeout_s: float = WAIT_S) -> None:
+        """Wait until ``text`` appears in the log."""
+        deadline = time.monotonic() + timeout_s
+        while text not in self.log():
+            assert self.process.poll() is None, f"processors exited:\n{self.log()[-3000:]}"
+            assert time.monotonic() < deadline, f"{text!r} not logged:\n{self.log()[-3000:]}"
+            time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM, wait, and return the exit code (SIGKILL and fail if it hangs)."""
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+            raise AssertionError(f"processors ignored SIGTERM:\n{self.log()[-3000:]}") from None
+
+
+@dataclass
+class Deployment:
+    """A unique-prefix catalogue with its topics, a producer, and readers on the outputs."""
+
+    bootstrap: str
+    catalogue: Catalogue
+    topics: list[str]
+    producer: Producer
+    readers: dict[str, Reader] = field(default_factory=dict)
+
+    @classmethod
+    def provision(
+        cls, platform: RunningPlatform, *, users: list[str], endpoints: list[str]
+    ) -> Deployment:
+        """Create the static topics plus ``results.<user>`` and ``tasks.ep.<endpoint>`` ones."""
+        catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
+        topics = dict(catalogue.static_topics())
+        for user in users:
+            topics[catalogue.results(user)] = catalogue.spec("results.{user_id}")
+        for endpoint in endpoints:
+            topics[catalogue.endpoint_queue(endpoint)] = catalogue.spec("tasks.ep.{endpoint_id}")
+        ensure_topics(platform.admin(), catalogue, topics)
+        bootstrap = platform.connection.bootstrap_servers
+        producer = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
+        return cls(bootstrap, catalogue, list(topics), producer)
+
+    def reader(self, topic: str) -> Reader:
+        """The (one, shared) reader of ``topic``."""
+        if topic not in self.readers:
+            self.readers[topic] = Reader(self.bootstrap, topic)
+        return self.readers[topic]
+
+    def produce(
+        self,
+        topic: str,
+        key: str | None,
+        value: bytes,
+        headers: list[tuple[str, str | bytes | None]] | None = None,
+    ) -> None:
+        """Produce one record and wait for the broker's acknowledgement."""
+        self.producer.produce(topic, key=key, value=value, headers=headers)
+        assert self.producer.flush(10) == 0
+
+    def add_user(self, user_id: str, token: str) -> None:
+        """Register a user (the record the API writes)."""
+        record = UserRecord(
+            user_id=user_id, name=user_id, token_sha256=token_sha256(token), created_at=time.time()
+        )
+        self.produce(self.catalogue.users, user_id, encode(record))
+
+    def add_function(self, function_id: str, owner: str, *, public: bool = False) -> None:
+        """Register a function (its code is never loaded by the router)."""
+        record = FunctionRecord(
+            function_id=function_id,
+            name=function_id,
+            owner_id=owner,
+            code=b"fxdc\nnot-loaded",
+            code_sha256="0" * 64,
+            created_at=time.time(),
+            public=public,
+        )
+        self.produce(self.catalogue.functions, function_id, encode(record))
+
+    def add_endpoint(self, endpoint_id: str, owner: str, *, public: bool = False) -> None:
+        """Register an endpoint."""
+        record = EndpointRecord(
+            endpoint_id=endpoint_id,
+            name=endpoint_id,
+            owner_id=owner,
+            created_at=time.time(),
+            public=public,
+        )
+        self.produce(self.catalogue.endpoints, endpoint_id, encode(record))
+
+    def close(self, platform: RunningPlatform) -> None:
+        """Close the readers and delete every topic of this deployment."""
+        for reader in self.readers.values():
+            reader.close()
+        admin = platform.admin()  # held: its futures fail if the client is collected first
+        for future in admin.delete_topics(self.topics, operation_timeout=30).values():
+            future.result(timeout=30)
+
+
+def new_task_id() -> str:
+    """A fresh task id."""
+    return str(uuid.uuid4())
+
+
+R = TypeVar("R", bound=Record)
+
+
+def decoded(message: Message, kind: type[R]) -> R:
+    """The record a message holds."""
+    return decode(message.value(), kind)
+
+
+# --- this module's deployment --------------------------------------------------------------
+
+ALICE, BOB, CAROL = "alice", "bob", "carol"  # carol is never registered
+TOKENS = {ALICE: "alice-token", BOB: "bob-token"}
+PUBLIC_FN, PRIVATE_FN = "fn-public", "fn-alice-only"
+PUBLIC_EP, PRIVATE_EP, NO_QUEUE_EP = "ep-public", "ep-alice-only", "ep-without-queue"
+
+
+@pytest.fixture(scope="module")
+def deployment(
+    kafka_platform: RunningPlatform, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Deployment, Processors]]:
+    """Topics, registry records, then the processors; all torn down at the end."""
+    deployment = Deployment.provision(
+        kafka_platform, users=[ALICE, BOB], endpoints=[PUBLIC_EP, PRIVATE_EP]
+    )
+    for user, token in TOKENS.items():
+        deployment.add_user(user, token)
+    deployment.add_function(PUBLIC_FN, ALICE, public=True)
+    deployment.add_function(PRIVATE_FN, ALICE)
+    deployment.add_endpoint(PUBLIC_EP, ALICE, public=True)
+    deployment.add_endpoint(PRIVATE_EP, ALICE)
+    deployment.add_endpoint(NO_QUEUE_EP, BOB, public=True)
+    processors = Processors(
+        deployment.bootstrap, deployment.catalogue, tmp_path_factory.mktemp("router")
+    )
+    try:
+        yield deployment, processors
+    finally:
+        code = processors.stop()
+        deployment.close(kafka_platform)
+    assert code == 0, processors.log()[-3000:]
+
+
+def submission(
+    *,
+    user: str = BOB,
+    token: str | None = None,
+    function: str = PUBLIC_FN,
+    endpoint: str = PUBLIC_EP,
+    task_id: str | None = None,
+) -> TaskSubmission:
+    """A submission with an opaque payload the router must not read."""
+    return TaskSubmission(
+        task_id=task_id or new_task_id(),
+        function_id=function,
+        endpoint_id=endpoint,
+        user_id=user,
+        auth_token=TOKENS.get(user, "no-token") if token is None else token,
+        # Not a loadable payload: the router would fail if it tried to deserialize it.
+        payload=b"fxpk\n\x00not pickle at all",
+        client=client_info(),
+        submitted_at=time.time(),
+    )
+
+
+def submit(deployment: Deployment, task: TaskSubmission) -> bytes:
+    """Produce ``task`` to tasks.submitted; returns the exact bytes sent."""
+    value = encode(task)
+    deployment.produce(deployment.catalogue.tasks_submitted, task.task_id, value)
+    return value
+
+
+# --- tests -----------------------------------------------------------------------------------
+
+
+def test_valid_submission_is_dispatched_with_its_bytes_untouched(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    task = submission()
+    value = encode(task)
+    dep.produce(
+        dep.catalogue.tasks_submitted, task.task_id, value, [("traceparent", b"00-abc-def-01")]
+    )
+
+    message = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
+    dispatch = decoded(message, TaskDispatch)
+    assert dispatch.submission == value
+    assert (dispatch.task_id, dispatch.endpoint_id, dispatch.attempt) == (
+        task.task_id,
+        PUBLIC_EP,
+        1,
+    )
+    assert dispatch.routed_at >= task.submitted_at
+    assert ("traceparent", b"00-abc-def-01") in (message.headers() or [])
+
+    state_message = dep.reader(dep.catalogue.task_state).wait_for(key_is(task.task_id))
+    state = decoded(state_message, TaskState)
+    assert state.state is TaskStateName.ROUTED
+    assert (state.user_id, state.function_id, state.endpoint_id) == (BOB, PUBLIC_FN, PUBLIC_EP)
+    assert state.timings.submitted_at == task.submitted_at
+    assert state.timings.routed_at == dispatch.routed_at
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("unknown function", "function 'fn-missing' does not exist or is not shared with you"),
+        ("wrong token", "user 'bob' is unknown or its token is wrong"),
+        ("private function", f"function {PRIVATE_FN!r} does not exist or is not shared with you"),
+        ("private endpoint", f"endpoint {PRIVATE_EP!r} does not exist or is not shared with you"),
+        ("endpoint without queue", f"endpoint {NO_QUEUE_EP!r} has no queue topic"),
+    ],
+)
+def test_refused_task_gets_an_error_result_a_dead_letter_and_a_rejected_state(
+    deployment: tuple[Deployment, Processors], case: str, expected: str
+) -> None:
+    dep, _ = deployment
+    task = {
+        "unknown function": submission(function="fn-missing"),
+        "wrong token": submission(token="not-bobs-token"),
+        "private function": submission(function=PRIVATE_FN),
+        "private endpoint": submission(endpoint=PRIVATE_EP),
+        "endpoint without queue": submission(endpoint=NO_QUEUE_EP),
+    }[case]
+    value = submit(dep, task)
+
+    result = decoded(
+        dep.reader(dep.catalogue.results(BOB)).wait_for(key_is(task.task_id)), TaskResult
+    )
+    assert result.outcome == "error"
+    assert result.error is not None
+    assert result.error.type == "TaskRejected"
+    assert result.error.message.startswith(expected), result.error.message
+    assert (result.task_id, result.user_id, result.function_id) == (
+        task.task_id,
+        BOB,
+        task.function_id,
+    )
+
+    letter = decoded(
+        dep.reader(dep.catalogue.dead_letter).wait_for(key_is(task.task_id)), DeadLetter
+    )
+    assert letter.reason == result.error.message
+    assert (letter.component, letter.error_type, letter.task_id) == (
+        "router",
+        "TaskRejected",
+        task.task_id,
+    )
+    assert letter.original_topic == dep.catalogue.tasks_submitted
+    assert letter.original_value == value
+
+    state = decoded(dep.reader(dep.catalogue.task_state).wait_for(key_is(task.task_id)), TaskState)
+    assert state.state is TaskStateName.REJECTED
+    assert state.error == result.error
+    # Nothing reached any endpoint queue.
+    assert not dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).keyed(task.task_id)
+
+
+def test_unknown_user_without_results_topic_is_dead_lettered_and_rejected(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    task = submission(user=CAROL)
+    submit(dep, task)
+    letter = decoded(
+        dep.reader(dep.catalogue.dead_letter).wait_for(key_is(task.task_id)), DeadLetter
+    )
+    assert letter.reason.startswith("user 'carol' is unknown or its token is wrong")
+    state = decoded(dep.reader(dep.catalogue.task_state).wait_for(key_is(task.task_id)), TaskState)
+    assert state.state is TaskStateName.REJECTED
+
+
+def test_garbage_is_dead_lettered_and_the_router_carries_on(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    garbage_key = new_task_id()
+    garbage = b"\x93\x01\x02 definitely not a submission"
+    with pytest.raises(RecordDecodeError) as expected:
+        decode(garbage, TaskSubmission)
+    dep.produce(dep.catalogue.tasks_submitted, garbage_key, garbage, [("origin", b"fuzzer")])
+    # A valid record of the wrong kind is bad input too.
+    wrong_kind_key = new_task_id()
+    wrong_kind = encode(
+        TaskState(
+            task_id=wrong_kind_key,
+            user_id=BOB,
+            function_id=PUBLIC_FN,
+            endpoint_id=PUBLIC_EP,
+            state=TaskStateName.ROUTED,
+            updated_at=time.time(),
+        )
+    )
+    dep.produce(dep.catalogue.tasks_submitted, wrong_kind_key, wrong_kind)
+    task = submission()
+    value = submit(dep, task)
+
+    letters = dep.reader(dep.catalogue.dead_letter)
+    letter = decoded(letters.wait_for(key_is(garbage_key)), DeadLetter)
+    assert letter.reason == str(expected.value)
+    assert (letter.component, letter.error_type) == ("router", "RecordDecodeError")
+    assert letter.original_value == garbage
+    assert letter.original_headers == [("origin", b"fuzzer")]
+    assert letter.task_id == garbage_key
+    assert "submission" in decoded(letters.wait_for(key_is(wrong_kind_key)), DeadLetter).reason
+
+    dispatch = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
+    assert decoded(dispatch, TaskDispatch).submission == value
+
+
+def test_function_registered_just_before_its_first_task_is_routed(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    function_id = f"fn-new-{uuid.uuid4().hex[:8]}"
+    dep.add_function(function_id, BOB)
+    task = submission(function=function_id)
+    submit(dep, task)  # no pause: the router must catch up with the registry first
+    dispatch = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
+    assert decoded(dispatch, TaskDispatch).task_id == task.task_id
