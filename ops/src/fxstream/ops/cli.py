@@ -67,20 +67,37 @@ def up(
     cluster: Annotated[
         bool, typer.Option("--cluster", help="Start the 3-broker KRaft cluster instead.")
     ] = False,
+    quickstart: Annotated[
+        bool, typer.Option(help="Run the 1,000-task quickstart once everything is up.")
+    ] = True,
 ) -> None:
-    """Install what is missing, start Kafka and Redis in the background, provision topics."""
+    """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart."""
     config = _config()
     platform = Platform(config)
     try:
         with console.status("starting fxstream") as spinner:
             connection = platform.up(
-                cluster=cluster, step=lambda text: spinner.update(f"[bold]{text}")
+                cluster=cluster,
+                services=True,
+                step=lambda text: spinner.update(f"[bold]{text}"),
             )
     except (InstallError, PlatformError, ProcessStartError, ProvisionError, TimeoutError) as exc:
         err.print(f"[red]fxstream up failed:[/red] {exc}")
         err.print(f"logs: {config.home / 'logs'}")
         raise typer.Exit(1) from exc
     _print_status(platform.status())
+    services = platform.services()
+    endpoint_id = services.local_endpoint_id()
+    if quickstart and endpoint_id is not None:
+        from fxstream.ops.quickstart import run_quickstart
+
+        run_quickstart(console, services.credentials_file, endpoint_id)
+    if endpoint_id is not None:
+        from fxstream.ops.quickstart import snippet
+
+        console.rule("submit from Python")
+        print(snippet(services.credentials_file, endpoint_id))
+    console.print(f"REST API: [bold]{services.service_url}[/bold] (docs at /docs)")
     console.print(f"Kafka bootstrap servers: [bold]{connection.bootstrap_servers}[/bold]")
     console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
     console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")

@@ -1,0 +1,260 @@
+"""The whole task path with every real part: SDK -> router -> agent -> warm worker -> future.
+
+One platform for the module, started as `./fx up` starts it (broker, Redis, the
+service API, the stream processors and a local endpoint, each its own process).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from confluent_kafka import Consumer, Producer
+
+from fxstream.ops import Platform
+from fxstream.sdk import (
+    Client,
+    ClientSettings,
+    Executor,
+    PayloadTooLarge,
+    ShellFunction,
+    TaskExecutionFailed,
+    TaskRejected,
+    WorkerLost,
+)
+from fxstream.topics import DeadLetter, decode
+from tests.conftest import private_config
+
+pytestmark = pytest.mark.platform
+
+
+@dataclass
+class Stack:
+    """The module's running platform and how to reach it."""
+
+    platform: Platform
+    bootstrap: str
+    prefix: str
+    credentials: Path
+    endpoint_id: str
+
+    def client(self) -> Client:
+        """A client of the local user (the caller closes it)."""
+        env = {"FXSTREAM_CREDENTIALS": str(self.credentials)}
+        return Client.from_settings(ClientSettings.from_environment(env))
+
+    @contextmanager
+    def executor(self) -> Iterator[Executor]:
+        """An executor on the local endpoint whose client is closed with it."""
+        client = self.client()
+        try:
+            with Executor(endpoint_id=self.endpoint_id, client=client) as executor:
+                yield executor
+        finally:
+            client.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    platform = Platform(private_config(tmp_path_factory.mktemp("e2e")))
+    try:
+        connection = platform.up(services=True)
+        services = platform.services()
+        endpoint_id = services.local_endpoint_id()
+        assert endpoint_id is not None
+        yield Stack(
+            platform,
+            connection.bootstrap_servers,
+            connection.topic_prefix,
+            services.credentials_file,
+            endpoint_id,
+        )
+    finally:
+        platform.down()
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def divide(a: float, b: float) -> float:
+    return a / b
+
+
+def crash() -> None:
+    os._exit(3)
+
+
+def test_register_run_and_get_the_result_with_timings(stack: Stack) -> None:
+    with stack.executor() as executor:
+        future = executor.submit(double, 21)
+        assert future.result(timeout=60) == 42
+    timings = future.timings
+    for hop in ("submitted", "routed", "dequeued", "started", "finished", "result_published"):
+        assert timings[hop] is not None, hop
+    assert timings["delivered"] is not None
+    assert timings["submitted"] <= timings["routed"] <= timings["dequeued"]  # type: ignore[operator]
+
+
+def test_map_over_a_thousand_inputs_keeps_order(stack: Stack) -> None:
+    with stack.executor() as executor:
+        assert list(executor.map(double, range(1_000), timeout=120)) == [
+            2 * i for i in range(1_000)
+        ]
+
+
+def test_a_raising_function_reraises_with_the_remote_traceback(stack: Stack) -> None:
+    with stack.executor() as executor:
+        future = executor.submit(divide, 1, 0)
+        with pytest.raises(TaskExecutionFailed) as info:
+            future.result(timeout=60)
+    assert isinstance(info.value, ZeroDivisionError)
+    assert "ZeroDivisionError" in str(info.value)
+    assert "return a / b" in str(info.value)
+
+
+def test_a_shell_function_returns_output_and_walltime_gives_124(stack: Stack) -> None:
+    with stack.executor() as executor:
+        echo = executor.submit(ShellFunction("echo hello {name}"), name="fxstream")
+        slow = executor.submit(ShellFunction("sleep 30", walltime=0.5))
+        result = echo.result(timeout=60)
+        assert result.returncode == 0
+        assert "hello fxstream" in result.stdout
+        assert slow.result(timeout=60).returncode == 124
+
+
+def test_a_worker_that_dies_fails_only_its_task(stack: Stack) -> None:
+    with stack.executor() as executor:
+        lost = executor.submit(crash)
+        fine = executor.submit(double, 5)
+        with pytest.raises(WorkerLost, match=r"function"):
+            lost.result(timeout=60)
+        assert fine.result(timeout=60) == 10
+        assert executor.submit(double, 6).result(timeout=60) == 12
+
+
+def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
+    client = stack.client()
+    try:
+        task_id = client.run(endpoint_id=stack.endpoint_id, function_id=str(uuid.uuid4()))
+        with pytest.raises(TaskRejected, match="does not exist or is not shared"):
+            client.future(task_id).result(timeout=60)
+    finally:
+        client.close()
+
+
+def test_another_users_private_function_is_refused(stack: Stack) -> None:
+    owner = stack.client()
+    settings = ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(stack.credentials)})
+    user_id, token = Client.register_user(settings.service_url, "mallory")
+    intruder = Client(
+        settings.service_url,
+        bootstrap_servers=settings.bootstrap_servers,
+        topic_prefix=settings.topic_prefix,
+        user_id=user_id,
+        token=token,
+    )
+    try:
+        private = owner.register_function(double)
+        task_id = intruder.run(3, endpoint_id=stack.endpoint_id, function_id=private)
+        with pytest.raises(TaskRejected, match="not shared"):
+            intruder.future(task_id).result(timeout=60)
+    finally:
+        owner.close()
+        intruder.close()
+
+
+def test_an_argument_too_large_names_the_setting(stack: Stack) -> None:
+    with (
+        stack.executor() as executor,
+        pytest.raises(PayloadTooLarge, match="FXSTREAM_MAX_INLINE_BYTES"),
+    ):
+        executor.submit(double, b"x" * 2_000_000).result(timeout=60)
+
+
+def test_malformed_submissions_are_dead_lettered_and_routing_goes_on(stack: Stack) -> None:
+    marker = uuid.uuid4().bytes
+    producer = Producer({"bootstrap.servers": stack.bootstrap, "log_level": 2})
+    producer.produce(f"{stack.prefix}tasks.submitted", key=b"garbage", value=marker)
+    assert producer.flush(30) == 0
+    with stack.executor() as executor:
+        assert executor.submit(double, 8).result(timeout=60) == 16
+    consumer = Consumer(
+        {
+            "bootstrap.servers": stack.bootstrap,
+            "group.id": f"e2e-{uuid.uuid4()}",
+            "auto.offset.reset": "earliest",
+            "log_level": 2,
+        }
+    )
+    consumer.subscribe([f"{stack.prefix}dead-letter"])
+    letters: list[DeadLetter] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(d.original_value == marker for d in letters):
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                letters.append(decode(message.value(), DeadLetter))
+    finally:
+        consumer.close()
+    letter = next(d for d in letters if d.original_value == marker)
+    assert letter.component == "router"
+    assert letter.reason
+
+
+def test_tasks_wait_for_a_stopped_endpoint_and_survive_an_agent_kill(stack: Stack) -> None:
+    services = stack.platform.services()
+    client = stack.client()
+    try:
+        function_id = client.register_function(double)
+        assert services.endpoint.stop(timeout_s=60)
+        task_ids = [
+            client.run(i, endpoint_id=stack.endpoint_id, function_id=function_id)
+            for i in range(200)
+        ]
+        time.sleep(1.0)
+        assert not any(client.future(t).done() for t in task_ids), "nobody served them"
+        services.endpoint.start()
+        # Kill the agent mid-batch, without grace, then start it again.
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(client.future(t).done() for t in task_ids):
+            time.sleep(0.01)
+        pid = services.endpoint.pid()
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        psutil.Process(pid).wait(timeout=30)
+        services.endpoint.start()
+        results = [client.future(t).result(timeout=120) for t in task_ids]
+        assert results == [2 * i for i in range(200)]
+    finally:
+        client.close()
+        services.endpoint.start()
+
+
+def test_a_service_restart_keeps_the_registry(stack: Stack) -> None:
+    services = stack.platform.services()
+    client = stack.client()
+    try:
+        function_id = client.register_function(double, name="kept")
+        assert services.api.stop(timeout_s=60)
+        services.api.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                assert client.get_function(function_id)["name"] == "kept"
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+        assert any(e["endpoint_id"] == stack.endpoint_id for e in client.list_endpoints())
+    finally:
+        client.close()
