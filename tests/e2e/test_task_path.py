@@ -258,3 +258,32 @@ def test_a_service_restart_keeps_the_registry(stack: Stack) -> None:
         assert any(e["endpoint_id"] == stack.endpoint_id for e in client.list_endpoints())
     finally:
         client.close()
+
+
+def test_status_reports_every_service_and_a_stopped_one(stack: Stack) -> None:
+    status = stack.platform.status()
+    assert status.healthy, status.to_json()
+    names = {c.name for c in status.components}
+    assert {"service api", "stream processors", "endpoint local"} <= names
+    services = stack.platform.services()
+    assert services.processors.stop(timeout_s=60)
+    try:
+        stopped = stack.platform.status()
+        assert not stopped.healthy
+        processors = next(c for c in stopped.components if c.name == "stream processors")
+        assert processors.pid is None and processors.detail == "not running"
+    finally:
+        services.processors.start()
+
+
+def test_the_quickstart_runs_and_reports_its_rate(stack: Stack) -> None:
+    from rich.console import Console
+
+    from fxstream.ops.quickstart import run_quickstart
+
+    console = Console(record=True, width=120)
+    rate = run_quickstart(console, stack.credentials, stack.endpoint_id, tasks=200)
+    assert rate > 0
+    text = console.export_text()
+    assert "200 tasks in" in text
+    assert "square(7) = 49" in text

@@ -21,7 +21,7 @@ from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
 from fxstream.ops.process import ProcessStartError
 from fxstream.ops.redis_server import RedisServer
-from fxstream.ops.services import ServiceSet
+from fxstream.ops.services import ComponentStatus, ServiceSet
 from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
 
 __all__ = [
@@ -61,17 +61,6 @@ class ConnectionInfo:
             replication_factor=self.replication_factor,
             min_insync_replicas=self.min_insync_replicas,
         )
-
-
-@dataclass(frozen=True)
-class ComponentStatus:
-    """One process of the platform as seen by ``status``."""
-
-    name: str
-    address: str
-    pid: int | None
-    healthy: bool
-    detail: str = ""
 
 
 @dataclass
@@ -252,10 +241,7 @@ class Platform:
         """What runs, whether it answers, and whether the catalogue's topics are in place."""
         mode = self.running_mode()
         result = PlatformStatus(mode=mode)
-        for process in self.services().processes():
-            pid = process.pid()
-            if pid is not None:
-                result.components.append(ComponentStatus(process.name, "", pid, True))
+        result.components.extend(self.services().status(expected=mode is not None))
         redis = self.redis()
         redis_pid = redis.process.pid()
         result.components.append(

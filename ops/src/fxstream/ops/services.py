@@ -24,9 +24,20 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 
-__all__ = ["LOCAL_ENDPOINT", "Credentials", "ServiceSet"]
+__all__ = ["LOCAL_ENDPOINT", "ComponentStatus", "Credentials", "ServiceSet"]
 
 LOCAL_ENDPOINT = "local"
+
+
+@dataclass(frozen=True)
+class ComponentStatus:
+    """One process of the platform as seen by ``status``."""
+
+    name: str
+    address: str
+    pid: int | None
+    healthy: bool
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -141,6 +152,29 @@ class ServiceSet:
             if pid is not None and process.stop(timeout_s):
                 stopped.append(f"{process.name} (pid {pid})")
         return stopped
+
+    def status(self, *, expected: bool) -> list[ComponentStatus]:
+        """Each service process; once set up here, a stopped one is reported, not hidden."""
+        configured = expected and self.credentials_file.is_file()
+        found = []
+        for process in self.processes():
+            pid = process.pid()
+            if pid is None and not configured:
+                continue
+            healthy = pid is not None
+            address = ""
+            if process is self.api:
+                address = self.service_url
+                healthy = healthy and self._api_answers()
+            detail = "" if healthy else ("not running" if pid is None else "not answering")
+            found.append(ComponentStatus(process.name, address, pid, healthy, detail))
+        return found
+
+    def _api_answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.service_url}/v1/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     # --- readiness ---------------------------------------------------------------------
 
