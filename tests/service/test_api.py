@@ -7,6 +7,7 @@ CLI tests, which start the real ``fxstream-service`` command.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -632,11 +633,9 @@ def wait_until_serving(process: subprocess.Popen[bytes], base_url: str, log: Pat
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"the service exited with {process.returncode}:\n{log.read_text()}")
-        try:
+        with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{base_url}/v1/health", timeout=1).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
         time.sleep(0.1)
     pytest.fail(f"the service did not answer within 60 s:\n{log.read_text()}")
 

@@ -84,7 +84,7 @@ def divide(a: float, b: float) -> float:
 
 
 class Boom(Exception):
-    pass
+    """A user-defined exception type, raised by a test function."""
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -64,13 +65,12 @@ def _log_file(name: str) -> Path:
 
 def _running_pid(name: str) -> int | None:
     """The PID of the agent serving ``name``, checked against its recorded start time."""
-    try:
+    # No file, a malformed one, or a process that is gone: all mean "not running".
+    with contextlib.suppress(OSError, ValueError, psutil.Error):
         pid_text, started = _pid_file(name).read_text().split()
         process = psutil.Process(int(pid_text))
         if process.create_time() == float(started) and process.is_running():
             return process.pid
-    except (OSError, ValueError, psutil.Error):
-        pass
     return None
 
 

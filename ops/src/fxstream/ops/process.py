@@ -141,7 +141,8 @@ class ManagedProcess:
         pid = self.pid()
         if pid is None:
             return False
-        try:
+        # It may exit on its own between the check and the signal: that is success too.
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc = psutil.Process(pid)
             proc.send_signal(signal.SIGTERM)
             try:
@@ -149,8 +150,6 @@ class ManagedProcess:
             except psutil.TimeoutExpired:
                 proc.kill()
                 proc.wait(timeout=10)
-        except psutil.NoSuchProcess:
-            pass
         self._reap(pid)
         self.pid_file.unlink(missing_ok=True)
         return True
@@ -160,12 +159,10 @@ class ManagedProcess:
         pid = self.pid()
         if pid is None:
             return False
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc = psutil.Process(pid)
             proc.kill()
             proc.wait(timeout=10)
-        except psutil.NoSuchProcess:
-            pass
         self._reap(pid)
         self.pid_file.unlink(missing_ok=True)
         return True

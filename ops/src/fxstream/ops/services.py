@@ -183,11 +183,8 @@ class ServiceSet:
         while time.monotonic() < deadline:
             self.api.check_alive()
             self.processors.check_alive()
-            try:
-                if httpx.get(f"{self.service_url}/v1/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self._api_answers():
+                return
             time.sleep(0.2)
         raise TimeoutError(f"the service API at {self.service_url} did not answer in time")
 

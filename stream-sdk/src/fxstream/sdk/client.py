@@ -487,7 +487,7 @@ class Client:
                 try:
                     entry["result"] = self._value_of(state)
                 except TaskPending:
-                    pass
+                    entry["pending"] = True
                 except Exception as exc:
                     entry["exception"] = exc
                 answers[task_id] = entry
