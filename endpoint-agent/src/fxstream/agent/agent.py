@@ -124,6 +124,7 @@ class Agent:
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
         self._held: dict[str, _Held] = {}
+        self._publishing = 0
         self._done: queue.SimpleQueue[tuple[str, WorkOutcome]] = queue.SimpleQueue()
         self._paused = False
         self._sequence = 0
@@ -289,15 +290,19 @@ class Agent:
             return
 
         def delivered(err: KafkaError | None, _msg: Message) -> None:
+            self._publishing -= 1
             if err is not None:
                 # Not acknowledged: the task stays uncommitted and is redelivered on restart.
                 log.error("result of task %s not written: %s", submission.task_id, err)
                 return
             self._tracker.done(held.partition, held.offset)
-            self._held.pop(submission.task_id, None)
             self.results_published += 1
 
         producer.produce(topic, key=submission.task_id.encode(), value=value, on_delivery=delivered)
+        # The worker is free now; only the offset waits for the broker's acknowledgement, so
+        # a slow acks=all round trip does not idle the workers.
+        self._held.pop(submission.task_id, None)
+        self._publishing += 1
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
@@ -418,7 +423,7 @@ class Agent:
         self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
     ) -> None:
         deadline = time.monotonic() + STOP_GRACE_S
-        while self._held and time.monotonic() < deadline:
+        while (self._held or self._publishing) and time.monotonic() < deadline:
             self._publish_finished(producer)
             producer.poll(0.05)
         producer.flush(30)
