@@ -204,6 +204,62 @@ def bench_kafka(
         raise typer.Exit(1) from exc
 
 
+def _task_bench_errors() -> tuple[type[Exception], ...]:
+    """What a task-path bench can fail with, to be reported in one line.
+
+    Its own BenchError, a platform that does not start, an SDK error (a task failed or
+    was refused), a result that never came.
+    """
+    from fxstream.ops.bench.stack import BenchError
+    from fxstream.sdk import FxstreamError
+
+    return (
+        BenchError,
+        FxstreamError,
+        InstallError,
+        PlatformError,
+        ProcessStartError,
+        ProvisionError,
+        TimeoutError,
+    )
+
+
+@bench_app.command("throughput")
+def bench_throughput(
+    tasks: Annotated[int, typer.Option(min=1, help="No-op tasks timed per system.")] = 20_000,
+    skip_parsl: Annotated[
+        bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
+    ] = False,
+) -> None:
+    """No-op tasks/s: fxstream submit and map vs ProcessPoolExecutor(2) and Parsl HTEX."""
+    from fxstream.ops.bench.throughput import run_throughput_bench
+
+    try:
+        run_throughput_bench(console=console, tasks=tasks, skip_parsl=skip_parsl)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench throughput failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+@bench_app.command("latency")
+def bench_latency(
+    samples: Annotated[
+        int, typer.Option(min=1, help="Sequential round trips timed per system.")
+    ] = 500,
+    skip_parsl: Annotated[
+        bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
+    ] = False,
+) -> None:
+    """Round trip of one warm no-op task (p50/p95/p99, hop by hop) vs Parsl HTEX."""
+    from fxstream.ops.bench.latency import run_latency_bench
+
+    try:
+        run_latency_bench(console=console, samples=samples, skip_parsl=skip_parsl)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench latency failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 def main() -> None:
     """Entry point of the ``fxstream`` script."""
     app()

@@ -2,8 +2,19 @@
 
 - :mod:`~fxstream.ops.bench.kafka`: raw Kafka limits on this machine (produce, consume,
   round trip, a 3-hop relay shaped like a task path), measured with plain confluent-kafka.
+- :mod:`~fxstream.ops.bench.throughput`: no-op tasks/s through the whole task path
+  (``Executor.submit`` and ``Executor.map``), beside ``ProcessPoolExecutor(2)`` and Parsl's
+  HighThroughputExecutor with 2 workers.
+- :mod:`~fxstream.ops.bench.latency`: sequential round trips of a warm no-op task
+  (p50/p95/p99 and a hop-by-hop breakdown), beside Parsl's HTEX.
+- :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
+  no-op task).
+
+Parsl is imported only when a bench runs it.
 """
 
 from fxstream.ops.bench.kafka import run_kafka_bench
+from fxstream.ops.bench.latency import run_latency_bench
+from fxstream.ops.bench.throughput import run_throughput_bench
 
-__all__ = ["run_kafka_bench"]
+__all__ = ["run_kafka_bench", "run_latency_bench", "run_throughput_bench"]

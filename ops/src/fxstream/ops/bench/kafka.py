@@ -21,18 +21,15 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import struct
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer
@@ -40,9 +37,8 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from rich.console import Console
 from rich.table import Table
 
+from fxstream.ops.bench.stack import BenchError, percentile, private_platform
 from fxstream.ops.config import PlatformConfig
-from fxstream.ops.platform import Platform
-from fxstream.ops.process import free_ports
 
 __all__ = ["BenchError", "run_kafka_bench"]
 
@@ -69,10 +65,6 @@ LOG_LEVEL = 2
 _STAMP = struct.Struct(">q")
 
 Figures = dict[str, float | int | str]
-
-
-class BenchError(RuntimeError):
-    """A benchmark phase could not complete; the message says which and why."""
 
 
 class _Flag(Protocol):
@@ -105,13 +97,6 @@ def _age_ms(value: bytes | None, now_ns: int) -> float:
         raise BenchError("a record arrived without its send timestamp")
     (sent_ns,) = _STAMP.unpack_from(value)
     return float(now_ns - sent_ns) / 1e6
-
-
-def _percentile(samples: Sequence[float], pct: float) -> float:
-    """The nearest-rank percentile of ``samples``, rounded to microseconds."""
-    ordered = sorted(samples)
-    rank = max(1, math.ceil(pct / 100 * len(ordered)))
-    return round(ordered[rank - 1], 3)
 
 
 # --- clients -------------------------------------------------------------------------------
@@ -309,23 +294,10 @@ class _Broker:
 @contextmanager
 def _private_broker(console: Console) -> Iterator[_Broker]:
     """A single-node platform of our own in a temporary home, stopped when the block ends."""
-    with tempfile.TemporaryDirectory(prefix="fxstream-bench-") as home:
-        kafka_port, controller_port, redis_port = free_ports(3)
-        config = PlatformConfig.load(
-            home=Path(home),
-            kafka_port=kafka_port,
-            controller_port=controller_port,
-            redis_port=redis_port,
+    with private_platform(console, services=False) as platform:
+        yield _Broker(
+            platform.connection.bootstrap_servers, "private", platform.config.kafka_version
         )
-        platform = Platform(config)
-        try:
-            with console.status("[bold]starting a private broker") as status:
-                connection = platform.up(step=lambda text: status.update(f"[bold]{text}"))
-            console.print(f"private broker at {connection.bootstrap_servers} (home {home})")
-            yield _Broker(connection.bootstrap_servers, "private", config.kafka_version)
-        finally:
-            with console.status("[bold]stopping the private broker"):
-                platform.down()
 
 
 @contextmanager
@@ -556,7 +528,7 @@ def _bench_rtt(bootstrap: str, topic: str, samples: int, padding: bytes) -> Figu
     finally:
         consumer.close()
     timed = trips[WARMUP_ROUND_TRIPS:]
-    return {"rtt_p50_ms": _percentile(timed, 50), "rtt_p99_ms": _percentile(timed, 99)}
+    return {"rtt_p50_ms": percentile(timed, 50), "rtt_p99_ms": percentile(timed, 99)}
 
 
 def _drain(consumer: Consumer, count: int, watchdog: _Watchdog) -> tuple[list[float], float]:
@@ -625,10 +597,10 @@ def _bench_relay3(
             sink.close()
     return {
         "relay3_msgs_per_s": round(rate),
-        "relay3_p50_ms": _percentile(trips, 50),
-        "relay3_p99_ms": _percentile(trips, 99),
-        "relay3_loaded_p50_ms": _percentile(ages, 50),
-        "relay3_loaded_p99_ms": _percentile(ages, 99),
+        "relay3_p50_ms": percentile(trips, 50),
+        "relay3_p99_ms": percentile(trips, 99),
+        "relay3_loaded_p50_ms": percentile(ages, 50),
+        "relay3_loaded_p99_ms": percentile(ages, 99),
     }
 
 

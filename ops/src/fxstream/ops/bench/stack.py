@@ -1,0 +1,354 @@
+"""What the benches share: private platforms, Parsl HTEX, the no-op task and small helpers.
+
+- :func:`private_platform` starts a platform of its own in a temporary home on free ports
+  (a broker and Redis; with ``services``, also the REST API, the stream processors and
+  the local endpoint with its default 2 workers) and stops every process at the end. Its
+  processes are tied to the caller (``tie_to_caller``): if the bench dies, the kernel
+  stops them too.
+- :func:`parsl_htex` loads a Parsl config with one HighThroughputExecutor (a local
+  provider, one block of ``workers`` workers, loopback address, run directory in a given
+  temp dir) and cleans it up at the end.
+- :func:`noop` is the task every system runs.
+"""
+
+from __future__ import annotations
+
+import math
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from fxstream.ops.config import PlatformConfig
+from fxstream.ops.platform import ConnectionInfo, Platform
+from fxstream.ops.process import free_ports
+from fxstream.sdk import Client, ClientSettings, Executor
+
+if TYPE_CHECKING:  # parsl is imported only by the benches that run it (it is slow to import)
+    from parsl.config import Config
+
+__all__ = [
+    "IDLE_TIMEOUT_S",
+    "WORKERS",
+    "BenchError",
+    "Meter",
+    "PrivatePlatform",
+    "noop",
+    "parsl_htex",
+    "percentile",
+    "private_platform",
+    "progress",
+    "rate",
+    "result_of",
+    "sigterm_as_exit",
+    "wait_all",
+]
+
+# The workers of the local endpoint (``fxstream-endpoint configure``'s default) and of
+# every system the task-path benches compare it with.
+WORKERS = 2
+# A bench that sees no result at all for this long has lost tasks: fail, don't hang.
+IDLE_TIMEOUT_S = 60.0
+# How often a wait for one result looks at how many others arrived meanwhile.
+_CHECK_S = 5.0
+
+
+class BenchError(RuntimeError):
+    """A benchmark phase could not complete; the message says which and why."""
+
+
+def noop(_: int = 0) -> None:
+    """The task every benchmarked system runs: nothing, so only the system's cost is timed."""
+    return None
+
+
+def percentile(samples: Sequence[float], pct: float) -> float:
+    """The nearest-rank percentile of ``samples``, rounded to microseconds."""
+    if not samples:
+        raise BenchError("no samples to take a percentile of")
+    ordered = sorted(samples)
+    rank = max(1, math.ceil(pct / 100 * len(ordered)))
+    return round(ordered[rank - 1], 3)
+
+
+def rate(count: int, seconds: float) -> int:
+    """``count`` per second over ``seconds``, rounded to a whole number."""
+    return round(count / seconds) if seconds > 0 else 0
+
+
+# --- progress ------------------------------------------------------------------------------
+
+
+def progress(console: Console) -> Progress:
+    """A progress display with a bar, a count and the elapsed time per line."""
+    return Progress(
+        TextColumn("[progress.description]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+    )
+
+
+class Meter:
+    """One line of a :class:`~rich.progress.Progress`, updated at most every ``step`` counts.
+
+    Updating the display for every task would cost as much as some systems' tasks.
+    """
+
+    def __init__(self, display: Progress, description: str, total: int, step: int = 250) -> None:
+        self._display = display
+        self._task: TaskID = display.add_task(description, total=total)
+        self._step = step
+
+    def count(self, done: int) -> None:
+        """``done`` items are finished (shown when it is a multiple of the step)."""
+        if done % self._step == 0:
+            self._display.update(self._task, completed=done)
+
+    def finish(self, done: int, description: str | None = None) -> None:
+        """Show the final count (and a new description)."""
+        if description is None:
+            self._display.update(self._task, completed=done)
+        else:
+            self._display.update(self._task, completed=done, description=description)
+
+
+# --- stopping what we started, whatever happens ---------------------------------------------
+
+
+def _exit_on_sigterm(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+@contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """While the block runs, SIGTERM raises SystemExit, so ``finally`` clauses still run.
+
+    Python's default for SIGTERM is to die at once, which would leave the processes a
+    bench started to the kernel's parent-death signal alone. Only the main thread can
+    handle signals; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# --- a private platform --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PrivatePlatform:
+    """A running private platform and how to reach it."""
+
+    home: Path
+    config: PlatformConfig
+    connection: ConnectionInfo
+    credentials_file: Path | None = None
+    endpoint_id: str | None = None
+
+    def client(self) -> Client:
+        """A client of the platform's local user (the caller closes it)."""
+        if self.credentials_file is None:
+            raise BenchError("this platform was started without its services")
+        env = {"FXSTREAM_CREDENTIALS": str(self.credentials_file)}
+        return Client.from_settings(ClientSettings.from_environment(env))
+
+    @contextmanager
+    def executor(self) -> Iterator[Executor]:
+        """An executor on the local endpoint; it and its client are closed after the block.
+
+        If the block raises, the executor's unfinished futures are cancelled rather than
+        awaited: a lost task would otherwise keep the shutdown waiting forever.
+        """
+        client = self.client()
+        executor = Executor(endpoint_id=self.endpoint_id, client=client)
+        try:
+            yield executor
+        except BaseException:
+            executor.shutdown(wait=True, cancel_futures=True)
+            raise
+        else:
+            executor.shutdown(wait=True)
+        finally:
+            client.close()
+
+
+def _private_config(home: Path) -> PlatformConfig:
+    """A config in ``home`` on free ports whose processes die with this one."""
+    kafka_port, controller_port, redis_port, service_port = free_ports(4)
+    return PlatformConfig.load(
+        home=home,
+        kafka_port=kafka_port,
+        controller_port=controller_port,
+        redis_port=redis_port,
+        service_port=service_port,
+        tie_to_caller=True,
+    )
+
+
+def _start(console: Console, platform: Platform, home: Path, services: bool) -> PrivatePlatform:
+    """Start ``platform`` under a spinner; what runs and where."""
+    what = (
+        "a private platform (broker, Redis, service, local endpoint)"
+        if services
+        else ("a private broker")
+    )
+    with console.status(f"[bold]starting {what}") as status:
+        connection = platform.up(
+            services=services, step=lambda text: status.update(f"[bold]{text}")
+        )
+    console.print(f"private platform at {connection.bootstrap_servers} (home {home})")
+    if not services:
+        return PrivatePlatform(home, platform.config, connection)
+    service_set = platform.services()
+    endpoint_id = service_set.local_endpoint_id()
+    if endpoint_id is None:
+        raise BenchError("the private platform started without its local endpoint")
+    return PrivatePlatform(
+        home, platform.config, connection, service_set.credentials_file, endpoint_id
+    )
+
+
+@contextmanager
+def private_platform(console: Console, *, services: bool) -> Iterator[PrivatePlatform]:
+    """A platform of our own in a temporary home, stopped (every process) after the block.
+
+    Without ``services`` only the broker and Redis run.
+    """
+    with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="fxstream-bench-") as directory:
+        home = Path(directory)
+        platform = Platform(_private_config(home))
+        try:
+            yield _start(console, platform, home, services)
+        finally:
+            with console.status("[bold]stopping the private platform"):
+                platform.down()
+
+
+# --- Parsl ---------------------------------------------------------------------------------
+
+
+def _htex_config(run_dir: Path, workers: int) -> Config:
+    """A Parsl config: one HTEX, one local block of ``workers`` workers, on the loopback."""
+    from parsl.config import Config
+    from parsl.executors import HighThroughputExecutor
+    from parsl.executors.high_throughput.executor import DEFAULT_LAUNCH_CMD
+    from parsl.providers import LocalProvider
+
+    # The scripts live beside this interpreter; the venv need not be on PATH (./fx runs
+    # .venv/bin/fxstream without activating it).
+    bindir = Path(sys.executable).parent
+    launch_cmd = DEFAULT_LAUNCH_CMD.replace(
+        "process_worker_pool.py", f"{sys.executable} {bindir / 'process_worker_pool.py'}", 1
+    )
+    executor = HighThroughputExecutor(
+        label="htex_bench",
+        provider=LocalProvider(  # type: ignore[no-untyped-call]
+            init_blocks=1, min_blocks=1, max_blocks=1
+        ),
+        address="127.0.0.1",
+        loopback_address="127.0.0.1",
+        max_workers_per_node=workers,
+        cores_per_worker=1.0,
+        launch_cmd=launch_cmd,
+        interchange_launch_cmd=[sys.executable, str(bindir / "interchange.py")],
+        worker_logdir_root=str(run_dir),
+        # fxstream's brokers speak PLAINTEXT on the loopback: compare like with like.
+        encrypted=False,
+    )
+    return Config(
+        executors=[executor],
+        run_dir=str(run_dir),
+        # One fixed block: no scaling decisions during the measurement.
+        strategy="none",
+        usage_tracking=0,
+    )
+
+
+@contextmanager
+def parsl_htex(run_dir: Path, workers: int = WORKERS) -> Iterator[Callable[..., Any]]:
+    """Parsl loaded with one HTEX of ``workers`` workers; yields the no-op python_app.
+
+    Everything Parsl starts (the interchange, the worker pool) is stopped after the
+    block by ``cleanup()``, and the loaded config is cleared.
+    """
+    import parsl
+
+    with sigterm_as_exit():
+        dfk = parsl.load(_htex_config(run_dir, workers))
+        try:
+            yield parsl.python_app(noop, data_flow_kernel=dfk)
+        finally:
+            dfk.cleanup()
+            parsl.clear()
+
+
+def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:
+    """Wait for every future's result in order, counting them on ``meter``.
+
+    Raises :class:`BenchError` when no future at all finishes for :data:`IDLE_TIMEOUT_S`
+    (a lost task), and re-raises a task's own exception.
+    """
+    idle = _IdleWatch(futures)
+    for done, future in enumerate(futures, start=1):
+        while True:
+            try:
+                future.result(timeout=_CHECK_S)
+                break
+            except TimeoutError:
+                idle.check()
+        meter.count(done)
+    meter.finish(len(futures))
+
+
+def result_of(future: Future[Any], what: str) -> Any:
+    """The result of ``future``; :class:`BenchError` if none comes in :data:`IDLE_TIMEOUT_S`."""
+    try:
+        return future.result(timeout=IDLE_TIMEOUT_S)
+    except TimeoutError as exc:
+        raise BenchError(f"{what}: no result in {IDLE_TIMEOUT_S:.0f} s: the task was lost") from exc
+
+
+class _IdleWatch:
+    """Fails a wait once no future of ``futures`` has finished for :data:`IDLE_TIMEOUT_S`."""
+
+    def __init__(self, futures: Sequence[Future[Any]]) -> None:
+        self._futures = futures
+        self._done = -1
+        self._since = time.monotonic()
+
+    def check(self) -> None:
+        """Count the finished futures (O(n): call it only when a wait timed out)."""
+        done = sum(1 for future in self._futures if future.done())
+        now = time.monotonic()
+        if done != self._done:
+            self._done, self._since = done, now
+        elif now - self._since > IDLE_TIMEOUT_S:
+            raise BenchError(
+                f"{len(self._futures) - done:,} of {len(self._futures):,} tasks have no result, "
+                f"and none arrived in the last {IDLE_TIMEOUT_S:.0f} s: tasks were lost"
+            )

@@ -1,0 +1,281 @@
+"""Tasks per second through the whole task path, beside a process pool and Parsl's HTEX.
+
+One run measures, each after an untimed warm-up of its own (first tasks pay for
+connections, worker start-up and code loading):
+
+1. fxstream: a private platform (broker, Redis, REST API, stream processors, one local
+   endpoint with 2 warm workers) on free ports in a temporary home. ``tasks`` no-op
+   tasks through ``Executor.submit`` (timed from the first ``submit`` to the last
+   result), then the same through ``Executor.map``. Every record on the way is written
+   with ``acks=all`` (the SDK's producer, the router's and the agent's). The platform
+   is stopped before the next systems run, so they do not share the cores with it.
+2. ``concurrent.futures.ProcessPoolExecutor(2)``: the same tasks, submitted then awaited.
+3. Parsl's HighThroughputExecutor: 2 workers in one local block on the loopback,
+   ``tasks`` no-op python_apps submitted then awaited (skipped with ``skip_parsl``).
+
+The target (from the issue): at least 5,000 tasks/s and at least 10 times HTEX's rate
+in the same run. The report says whether both were met.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from fxstream.ops.bench.stack import (
+    IDLE_TIMEOUT_S,
+    WORKERS,
+    BenchError,
+    Meter,
+    PrivatePlatform,
+    noop,
+    parsl_htex,
+    private_platform,
+    progress,
+    rate,
+    wait_all,
+)
+from fxstream.sdk import Executor
+
+__all__ = ["TARGET_RATIO_VS_HTEX", "TARGET_TASKS_PER_S", "run_throughput_bench"]
+
+TARGET_TASKS_PER_S = 5_000
+TARGET_RATIO_VS_HTEX = 10.0
+# Untimed tasks before each system's timed run.
+MAX_WARMUP_TASKS = 2_000
+# ``Executor.map`` fails when its whole iteration takes longer than a minute plus this
+# much per task (a rate of 100 tasks/s): only a lost task gets there.
+MAP_SECONDS_PER_TASK = 0.01
+
+Figures = dict[str, Any]
+Submit = Callable[[int], Any]
+
+
+def _warmup_tasks(tasks: int) -> int:
+    return min(tasks, MAX_WARMUP_TASKS)
+
+
+# --- timing one system ---------------------------------------------------------------------
+
+
+def _submit_and_wait(submit: Submit, tasks: int, meter: Meter) -> tuple[float, float]:
+    """Submit ``tasks`` no-op tasks, then wait for every result.
+
+    Returns the seconds spent in the submit calls and from the first submit to the last
+    result.
+    """
+    start = time.perf_counter()
+    futures = [submit(i) for i in range(tasks)]
+    submitted = time.perf_counter()
+    wait_all(futures, meter)
+    return submitted - start, time.perf_counter() - start
+
+
+def _warm_up(display: Progress, name: str, submit: Submit, tasks: int) -> None:
+    """An untimed run of ``tasks`` tasks, shown as a progress line."""
+    meter = Meter(display, f"{name}: warm-up", tasks)
+    _submit_and_wait(submit, tasks, meter)
+
+
+def _timed(display: Progress, name: str, submit: Submit, tasks: int) -> tuple[float, float]:
+    """The timed run, shown as a progress line that ends with the rate."""
+    meter = Meter(display, f"{name}: {tasks:,} tasks", tasks)
+    submit_s, wall_s = _submit_and_wait(submit, tasks, meter)
+    meter.finish(tasks, f"{name}: {tasks:,} tasks, [bold]{rate(tasks, wall_s):,}/s")
+    return submit_s, wall_s
+
+
+def _timed_map(display: Progress, executor: Executor, tasks: int) -> float:
+    """``Executor.map`` over ``tasks`` inputs, consumed in order; seconds it took."""
+    meter = Meter(display, f"fxstream map: {tasks:,} tasks", tasks)
+    start = time.perf_counter()
+    done = 0
+    timeout_s = IDLE_TIMEOUT_S + tasks * MAP_SECONDS_PER_TASK
+    results: Iterable[None] = executor.map(noop, range(tasks), timeout=timeout_s)
+    try:
+        for done, _ in enumerate(results, start=1):
+            meter.count(done)
+    except TimeoutError as exc:
+        raise BenchError(
+            f"Executor.map: {tasks - done:,} of {tasks:,} tasks had no result after "
+            f"{timeout_s:.0f} s: tasks were lost"
+        ) from exc
+    wall_s = time.perf_counter() - start
+    meter.finish(done, f"fxstream map: {tasks:,} tasks, [bold]{rate(tasks, wall_s):,}/s")
+    return wall_s
+
+
+# --- the systems ---------------------------------------------------------------------------
+
+
+def _fxstream_on(display: Progress, platform: PrivatePlatform, tasks: int) -> Figures:
+    """``submit`` then ``map`` on the platform's local endpoint."""
+    with platform.executor() as executor:
+
+        def submit(i: int) -> Any:
+            return executor.submit(noop, i)
+
+        _warm_up(display, "fxstream", submit, _warmup_tasks(tasks))
+        submit_s, submit_wall_s = _timed(display, "fxstream submit", submit, tasks)
+        map_wall_s = _timed_map(display, executor, tasks)
+    return {
+        "fxstream_tasks_per_s": rate(tasks, submit_wall_s),
+        "fxstream_map_tasks_per_s": rate(tasks, map_wall_s),
+        "fxstream_submit_calls_per_s": rate(tasks, submit_s),
+        "fxstream_s": round(submit_wall_s, 2),
+        "fxstream_map_s": round(map_wall_s, 2),
+    }
+
+
+def _fxstream(console: Console, tasks: int) -> Figures:
+    """fxstream on a private platform that is stopped before returning."""
+    with private_platform(console, services=True) as platform, progress(console) as display:
+        return _fxstream_on(display, platform, tasks)
+
+
+def _processpool(console: Console, tasks: int) -> Figures:
+    """``concurrent.futures.ProcessPoolExecutor`` with the same number of workers."""
+    with (
+        concurrent.futures.ProcessPoolExecutor(WORKERS) as pool,
+        progress(console) as display,
+    ):
+
+        def submit(i: int) -> Any:
+            return pool.submit(noop, i)
+
+        _warm_up(display, "ProcessPool", submit, _warmup_tasks(tasks))
+        _, wall_s = _timed(display, "ProcessPool", submit, tasks)
+    return {"processpool_tasks_per_s": rate(tasks, wall_s), "processpool_s": round(wall_s, 2)}
+
+
+def _htex(console: Console, tasks: int) -> Figures:
+    """Parsl's HTEX, its run directory in a temporary directory removed afterwards."""
+    with (
+        tempfile.TemporaryDirectory(prefix="fxstream-bench-parsl-") as run_dir,
+        parsl_htex(Path(run_dir)) as app,
+        progress(console) as display,
+    ):
+        _warm_up(display, "Parsl HTEX", app, _warmup_tasks(tasks))
+        _, wall_s = _timed(display, "Parsl HTEX", app, tasks)
+    return {"htex_tasks_per_s": rate(tasks, wall_s), "htex_s": round(wall_s, 2)}
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _ratio(numerator: Any, denominator: Any) -> float | None:
+    """``numerator / denominator`` to 2 decimals, or None when either is missing or zero."""
+    if not numerator or not denominator:
+        return None
+    return round(float(numerator) / float(denominator), 2)
+
+
+def _verdict(figures: Figures) -> Figures:
+    """The ratios and whether the issue's targets were met (None: not measured)."""
+    ratio = _ratio(figures["fxstream_tasks_per_s"], figures["htex_tasks_per_s"])
+    rate_met = figures["fxstream_tasks_per_s"] >= TARGET_TASKS_PER_S
+    return {
+        "ratio_vs_htex": ratio,
+        "map_ratio_vs_htex": _ratio(
+            figures["fxstream_map_tasks_per_s"], figures["htex_tasks_per_s"]
+        ),
+        "ratio_vs_processpool": _ratio(
+            figures["fxstream_tasks_per_s"], figures["processpool_tasks_per_s"]
+        ),
+        "target_tasks_per_s": TARGET_TASKS_PER_S,
+        "target_ratio_vs_htex": TARGET_RATIO_VS_HTEX,
+        "target_rate_met": rate_met,
+        "target_ratio_met": None if ratio is None else ratio >= TARGET_RATIO_VS_HTEX,
+        "target_met": rate_met and ratio is not None and ratio >= TARGET_RATIO_VS_HTEX,
+    }
+
+
+def _print_table(console: Console, figures: Figures) -> None:
+    """Each system's rate, its time and how fxstream compares with it."""
+    table = Table(
+        title=f"{figures['tasks']:,} no-op tasks, {figures['workers']} workers each, "
+        f"{figures['cpu_count']} cores (every fxstream record acks=all)"
+    )
+    for column in ("system", "tasks/s", "time, s", "fxstream submit is x times"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    rows = (
+        ("fxstream Executor.submit", "fxstream_tasks_per_s", "fxstream_s"),
+        ("fxstream Executor.map", "fxstream_map_tasks_per_s", "fxstream_map_s"),
+        ("ProcessPoolExecutor(2)", "processpool_tasks_per_s", "processpool_s"),
+        ("Parsl HTEX (2 workers)", "htex_tasks_per_s", "htex_s"),
+    )
+    for label, key, seconds in rows:
+        value = figures.get(key)
+        ratio = _ratio(figures["fxstream_tasks_per_s"], value)
+        table.add_row(
+            label,
+            "skipped" if value is None else f"{value:,}",
+            "-" if value is None else str(figures[seconds]),
+            "-" if ratio is None else f"{ratio}",
+        )
+    console.print(table)
+    _print_targets(console, figures)
+
+
+def _print_targets(console: Console, figures: Figures) -> None:
+    """Whether the issue's two targets were met, in words."""
+
+    def mark(met: bool | None) -> str:
+        return (
+            "[yellow]not measured[/yellow]"
+            if met is None
+            else ("[green]met[/green]" if met else "[red]NOT met[/red]")
+        )
+
+    console.print(
+        f"target >= {TARGET_TASKS_PER_S:,} tasks/s: {mark(figures['target_rate_met'])} "
+        f"({figures['fxstream_tasks_per_s']:,}/s); "
+        f"target >= {TARGET_RATIO_VS_HTEX:g}x Parsl HTEX: {mark(figures['target_ratio_met'])} "
+        f"({figures['ratio_vs_htex']}x)"
+    )
+
+
+def _settings(tasks: int, skip_parsl: bool) -> Figures:
+    """What was measured, and how, for the report."""
+    return {
+        "bench": "throughput",
+        "tasks": tasks,
+        "warmup_tasks": _warmup_tasks(tasks),
+        "workers": WORKERS,
+        "cpu_count": os.cpu_count() or 0,
+        "acks": "all",
+        "htex_tasks_per_s": None,
+        "htex_s": None,
+        "parsl": "skipped" if skip_parsl else "htex",
+    }
+
+
+def run_throughput_bench(*, console: Console, tasks: int, skip_parsl: bool) -> Figures:
+    """Measure no-op tasks/s on fxstream, a process pool and (unless skipped) Parsl HTEX.
+
+    Prints a table and, as the last line of stdout, the figures as one JSON object, which
+    is also returned. Every process started here is stopped before it returns.
+    """
+    if tasks < 1:
+        raise ValueError("tasks must be at least 1")
+    started = time.perf_counter()
+    figures = _settings(tasks, skip_parsl)
+    figures |= _fxstream(console, tasks)
+    figures |= _processpool(console, tasks)
+    if not skip_parsl:
+        figures |= _htex(console, tasks)
+    figures |= _verdict(figures)
+    figures["wall_s"] = round(time.perf_counter() - started, 1)
+    _print_table(console, figures)
+    print(json.dumps(figures), flush=True)
+    return figures
