@@ -239,6 +239,40 @@ def test_tasks_wait_for_a_stopped_endpoint_and_survive_an_agent_kill(stack: Stac
         services.endpoint.start()
 
 
+def nap(x: int) -> int:
+    time.sleep(0.005)
+    return x
+
+
+def test_a_stopped_agent_hands_back_its_local_queue(stack: Stack) -> None:
+    # The agent takes up to max_local_queue tasks off Kafka ahead of its 2 workers. A
+    # graceful stop must not wait for those to run: it finishes what the workers hold,
+    # leaves the rest uncommitted, and the next agent runs them, each exactly once.
+    services = stack.platform.services()
+    client = stack.client()
+    try:
+        function_id = client.register_function(nap)
+        task_ids = [
+            client.run(i, endpoint_id=stack.endpoint_id, function_id=function_id)
+            for i in range(1_000)
+        ]
+        client.future(task_ids[0]).result(timeout=60)
+        started = time.monotonic()
+        assert services.endpoint.stop(timeout_s=60)
+        stop_s = time.monotonic() - started
+        unfinished = sum(not client.future(t).done() for t in task_ids)
+        assert unfinished > 0, "the agent ran every task before it stopped: nothing to hand back"
+        # Running 1,000 naps at 2 workers takes ~2.5 s; the agent's grace is 30 s.
+        assert stop_s < 10, f"stop took {stop_s:.1f} s: the local queue was run, not handed back"
+        services.endpoint.start()
+        results = [client.future(t).result(timeout=120) for t in task_ids]
+        assert results == list(range(1_000))
+        assert all(client.future(t).duplicates == 0 for t in task_ids)
+    finally:
+        client.close()
+        services.endpoint.start()
+
+
 def test_a_service_restart_keeps_the_registry(stack: Stack) -> None:
     services = stack.platform.services()
     client = stack.client()

@@ -1,8 +1,16 @@
 """The endpoint agent: pull this endpoint's queue, run tasks in warm workers, publish results.
 
 One thread polls Kafka; tasks run in a :class:`~fxstream.agent.WorkerPool`,
-never in the poll loop. The agent fetches only as many tasks as it can start
-soon (workers + prefetch, funcX's batching) and pauses its queue when full.
+never in the poll loop. The pool is given only as many tasks as it can start
+soon (workers + prefetch, funcX's batching); the rest wait, decoded, in the
+agent's local queue. The local queue is bounded (``max_local_queue`` tasks and
+``max_local_queue_bytes``): when it is full the agent pauses its Kafka queue,
+and resumes once it has drained to half. The hysteresis matters: pausing a
+partition discards what the client had prefetched, so pausing and resuming
+each time a worker frees would pay a fetch round trip per handful of tasks.
+The local queue costs no fairness: a partition's tasks can only go to the
+agent it is assigned to, and on a rebalance the queued tasks of revoked
+partitions are dropped (uncommitted, so the new owner gets them).
 
 Acknowledgement: a task's offset is committed only after its result record is
 durably written (``acks=all``, delivery confirmed), and only up to the
@@ -24,7 +32,8 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -71,6 +80,7 @@ class _Held:
     dispatch: TaskDispatch
     submission: TaskSubmission
     dequeued_at: float
+    size: int
 
 
 class FunctionUnavailable(Exception):
@@ -123,7 +133,12 @@ class Agent:
         self._hostname = socket.gethostname()
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
+        # Every task taken off Kafka and not yet answered durably, by task id; the ones
+        # not yet given to the pool are also in _local_queue, in arrival order.
         self._held: dict[str, _Held] = {}
+        self._local_queue: deque[_Held] = deque()
+        self._local_queue_bytes = 0
+        self._in_pool = 0
         self._publishing = 0
         self._done: queue.SimpleQueue[tuple[str, WorkOutcome]] = queue.SimpleQueue()
         self._paused = False
@@ -181,12 +196,13 @@ class Agent:
         next_commit = time.monotonic() + COMMIT_INTERVAL_S
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         while not self._stop.is_set():
-            room = self.config.workers + self.config.prefetch - len(self._held)
-            self._flow_control(consumer, room > 0)
+            self._flow_control(consumer)
+            room = self.config.max_local_queue - len(self._local_queue)
             timeout = 0.005 if self._held else 0.1
-            for message in consumer.consume(num_messages=max(room, 1), timeout=timeout):
-                self._take(message, producer, pool, codes)
+            for message in consumer.consume(num_messages=min(max(room, 1), 500), timeout=timeout):
+                self._take(message, producer)
             self._publish_finished(producer)
+            self._feed_pool(pool, codes)
             producer.poll(0)
             now = time.monotonic()
             if now >= next_commit:
@@ -196,8 +212,18 @@ class Agent:
                 self._heartbeat(producer, pool)
                 next_beat = now + self.config.heartbeat_period_s
 
-    def _flow_control(self, consumer: Consumer, want_more: bool) -> None:
+    def _flow_control(self, consumer: Consumer) -> None:
         # Paused partitions keep the group membership alive while we do not fetch.
+        count, size = len(self._local_queue), self._local_queue_bytes
+        if self._paused:
+            want_more = (
+                count <= self.config.max_local_queue // 2
+                and size <= self.config.max_local_queue_bytes // 2
+            )
+        else:
+            want_more = (
+                count < self.config.max_local_queue and size < self.config.max_local_queue_bytes
+            )
         if want_more == (not self._paused):
             return
         assignment = consumer.assignment()
@@ -209,9 +235,8 @@ class Agent:
             consumer.pause(assignment)
         self._paused = not want_more
 
-    def _take(
-        self, message: Message, producer: Producer, pool: WorkerPool, codes: _CodeCache
-    ) -> None:
+    def _take(self, message: Message, producer: Producer) -> None:
+        """Decode a queue record into the local queue (or the dead-letter topic)."""
         error = message.error()
         if error is not None:
             if error.code() != KafkaError._PARTITION_EOF:
@@ -221,33 +246,46 @@ class Agent:
         assert partition is not None and offset is not None
         self._tracker.track(partition, offset)
         dequeued_at = time.time()
+        value = message.value() or b""
         try:
-            dispatch = decode(message.value(), TaskDispatch)
+            dispatch = decode(value, TaskDispatch)
             submission = decode(dispatch.submission, TaskSubmission)
         except RecordDecodeError as exc:
             self._dead_letter(producer, message, exc.reason)
             return
-        held = _Held(partition, offset, dispatch, submission, dequeued_at)
+        held = _Held(partition, offset, dispatch, submission, dequeued_at, len(value))
         if submission.task_id in self._held:
             # The same task twice in one batch (a redelivery): one run answers both.
             self._tracker.done(partition, offset)
             return
         self._held[submission.task_id] = held
-        try:
-            sha, code = codes.get(submission.function_id)
-        except FunctionUnavailable as exc:
-            self._done.put((submission.task_id, _failed(submission, "FunctionUnavailable", exc)))
-            return
-        item = WorkItem(
-            task_id=submission.task_id,
-            function_id=submission.function_id,
-            code_sha256=sha,
-            code=code,
-            payload=dispatch.submission,
-            walltime_s=submission.walltime_s,
-        )
-        future = pool.submit(item)
-        future.add_done_callback(functools.partial(self._finished, submission.task_id))
+        self._local_queue.append(held)
+        self._local_queue_bytes += held.size
+
+    def _feed_pool(self, pool: WorkerPool, codes: _CodeCache) -> None:
+        """Give the pool tasks from the local queue, up to workers + prefetch in it."""
+        capacity = self.config.workers + self.config.prefetch
+        while self._local_queue and self._in_pool < capacity:
+            held = self._local_queue.popleft()
+            self._local_queue_bytes -= held.size
+            submission = held.submission
+            self._in_pool += 1
+            try:
+                sha, code = codes.get(submission.function_id)
+            except FunctionUnavailable as exc:
+                failure = _failed(submission, "FunctionUnavailable", exc)
+                self._done.put((submission.task_id, failure))
+                continue
+            item = WorkItem(
+                task_id=submission.task_id,
+                function_id=submission.function_id,
+                code_sha256=sha,
+                code=code,
+                payload=held.dispatch.submission,
+                walltime_s=submission.walltime_s,
+            )
+            future = pool.submit(item)
+            future.add_done_callback(functools.partial(self._finished, submission.task_id))
 
     def _finished(self, task_id: str, future: Future[WorkOutcome]) -> None:
         # Runs on the pool's collector thread: hand over and return at once.
@@ -259,6 +297,7 @@ class Agent:
                 task_id, outcome = self._done.get_nowait()
             except queue.Empty:
                 return
+            self._in_pool -= 1
             held = self._held.get(task_id)
             if held is not None:
                 self._publish(producer, held, outcome)
@@ -383,7 +422,19 @@ class Agent:
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit(consumer)
-        self._tracker.forget_partitions([p.partition for p in partitions])
+        revoked = {p.partition for p in partitions}
+        self._unqueue(held for held in self._local_queue if held.partition in revoked)
+        self._tracker.forget_partitions(revoked)
+
+    def _unqueue(self, dropped: Iterable[_Held]) -> None:
+        """Forget tasks of the local queue; uncommitted, they are redelivered."""
+        gone = {held.submission.task_id for held in dropped}
+        if not gone:
+            return
+        for task_id in gone:
+            self._held.pop(task_id, None)
+        self._local_queue = deque(h for h in self._local_queue if h.submission.task_id not in gone)
+        self._local_queue_bytes = sum(h.size for h in self._local_queue)
 
     def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
         self._sequence += 1
@@ -398,7 +449,7 @@ class Agent:
             workers_total=pool.size,
             workers_idle=pool.idle_count,
             workers_busy=pool.busy_count,
-            queue_depth=pool.queued_count,
+            queue_depth=pool.queued_count + len(self._local_queue),
             held_task_ids=list(self._held)[:1000],
             agent_version=AGENT_VERSION,
         )
@@ -422,6 +473,9 @@ class Agent:
     def _shutdown(
         self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
     ) -> None:
+        # Tasks not yet started stay uncommitted and go to the next agent; the pool's are
+        # finished and answered first.
+        self._unqueue(list(self._local_queue))
         deadline = time.monotonic() + STOP_GRACE_S
         while (self._held or self._publishing) and time.monotonic() < deadline:
             self._publish_finished(producer)

@@ -51,6 +51,8 @@ class EndpointConfig:
     topic_prefix: str = "fx."
     workers: int = 2
     prefetch: int = 16
+    max_local_queue: int = 2_000
+    max_local_queue_bytes: int = 64 * 1024 * 1024
     heartbeat_period_s: float = 5.0
     engine: str = "process"
     max_result_bytes: int = 1_000_000
@@ -61,6 +63,10 @@ class EndpointConfig:
             raise ConfigError("workers must be at least 1")
         if self.prefetch < 0:
             raise ConfigError("prefetch must be 0 or more")
+        if self.max_local_queue < 1:
+            raise ConfigError("max_local_queue must be at least 1")
+        if self.max_local_queue_bytes < 1024 * 1024:
+            raise ConfigError("max_local_queue_bytes must be at least 1 MiB (1048576)")
         if self.heartbeat_period_s <= 0:
             raise ConfigError("heartbeat_period_s must be positive")
         if self.engine != "process":

@@ -115,6 +115,10 @@ class RegistryView:
                 "group.id": "fxstream-registry-view-unused",
                 "enable.auto.commit": False,
                 "enable.partition.eof": False,
+                # Under load (task-state, heartbeats) fewer and fuller fetches: the broker's
+                # cost is per request. A lone write is still seen within fetch.wait.max.ms.
+                "fetch.min.bytes": 64 * 1024,
+                "fetch.wait.max.ms": 50,
                 "log_level": 2,
             }
         )

@@ -8,6 +8,7 @@ polled.
 
 from __future__ import annotations
 
+import contextlib
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Final
 
@@ -81,10 +82,14 @@ class TaskFuture(Future[Any]):
         Unlike a plain ``Future``, it is at once reported to ``wait`` and
         ``as_completed`` (no executor worker is going to pick it up to notice).
         """
+        if self.cancelled():
+            return True
         if not super().cancel():
             return False
         # CANCELLED -> CANCELLED_AND_NOTIFIED: what concurrent.futures.wait counts as done.
-        self.set_running_or_notify_cancel()
+        # A concurrent cancel may have notified already; that is still cancelled.
+        with contextlib.suppress(RuntimeError):
+            self.set_running_or_notify_cancel()
         return True
 
     def _resolve_result(self, value: Any) -> bool:

@@ -59,6 +59,7 @@ __all__ = [
     "rate",
     "result_of",
     "sigterm_as_exit",
+    "stall_guard",
     "wait_all",
 ]
 
@@ -325,6 +326,38 @@ def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:
     meter.finish(len(futures))
 
 
+@contextmanager
+def stall_guard(executor: Executor) -> Iterator[threading.Event]:
+    """Watch ``executor`` during the block; yields an event set if it stalled.
+
+    A stall is no task of the executor finishing for :data:`IDLE_TIMEOUT_S` while some are
+    outstanding. The guard then cancels the outstanding futures (and shuts the executor
+    down), so a caller blocked on one of them wakes with ``CancelledError`` instead of
+    waiting forever; :meth:`Executor.map`'s own timeout bounds the whole iteration, and
+    a slow but moving platform must not trip it.
+    """
+    stop, stalled = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        last, since = executor.outstanding, time.monotonic()
+        while not stop.wait(_CHECK_S):
+            outstanding = executor.outstanding
+            if outstanding != last or not outstanding:
+                last, since = outstanding, time.monotonic()
+            elif time.monotonic() - since > IDLE_TIMEOUT_S:
+                stalled.set()
+                executor.shutdown(wait=False, cancel_futures=True)
+                return
+
+    watcher = threading.Thread(target=watch, name="fxstream-bench-stall-guard", daemon=True)
+    watcher.start()
+    try:
+        yield stalled
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def result_of(future: Future[Any], what: str) -> Any:
     """The result of ``future``; :class:`BenchError` if none comes in :data:`IDLE_TIMEOUT_S`."""
     try:
@@ -350,5 +383,5 @@ class _IdleWatch:
         elif now - self._since > IDLE_TIMEOUT_S:
             raise BenchError(
                 f"{len(self._futures) - done:,} of {len(self._futures):,} tasks have no result, "
-                f"and none arrived in the last {IDLE_TIMEOUT_S:.0f} s: tasks were lost"
+                f"and none arrived in the last {IDLE_TIMEOUT_S:.0f} s: the platform stalled"
             )

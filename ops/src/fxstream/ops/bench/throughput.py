@@ -24,7 +24,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from fxstream.ops.bench.stack import (
     private_platform,
     progress,
     rate,
+    stall_guard,
     wait_all,
 )
 from fxstream.sdk import Executor
@@ -53,9 +54,6 @@ TARGET_TASKS_PER_S = 5_000
 TARGET_RATIO_VS_HTEX = 10.0
 # Untimed tasks before each system's timed run.
 MAX_WARMUP_TASKS = 2_000
-# ``Executor.map`` fails when its whole iteration takes longer than a minute plus this
-# much per task (a rate of 100 tasks/s): only a lost task gets there.
-MAP_SECONDS_PER_TASK = 0.01
 
 Figures = dict[str, Any]
 Submit = Callable[[int], Any]
@@ -98,19 +96,21 @@ def _timed(display: Progress, name: str, submit: Submit, tasks: int) -> tuple[fl
 def _timed_map(display: Progress, executor: Executor, tasks: int) -> float:
     """``Executor.map`` over ``tasks`` inputs, consumed in order; seconds it took."""
     meter = Meter(display, f"fxstream map: {tasks:,} tasks", tasks)
-    start = time.perf_counter()
     done = 0
-    timeout_s = IDLE_TIMEOUT_S + tasks * MAP_SECONDS_PER_TASK
-    results: Iterable[None] = executor.map(noop, range(tasks), timeout=timeout_s)
-    try:
-        for done, _ in enumerate(results, start=1):
-            meter.count(done)
-    except TimeoutError as exc:
-        raise BenchError(
-            f"Executor.map: {tasks - done:,} of {tasks:,} tasks had no result after "
-            f"{timeout_s:.0f} s: tasks were lost"
-        ) from exc
-    wall_s = time.perf_counter() - start
+    with stall_guard(executor) as stalled:
+        start = time.perf_counter()
+        try:
+            for done, _ in enumerate(executor.map(noop, range(tasks)), start=1):
+                meter.count(done)
+        # The guard cancels the outstanding futures when nothing moves for too long.
+        except concurrent.futures.CancelledError as exc:
+            if not stalled.is_set():
+                raise
+            raise BenchError(
+                f"Executor.map: {tasks - done:,} of {tasks:,} results not yet iterated, and "
+                f"no task finished for {IDLE_TIMEOUT_S:.0f} s: the platform stalled"
+            ) from exc
+        wall_s = time.perf_counter() - start
     meter.finish(done, f"fxstream map: {tasks:,} tasks, [bold]{rate(tasks, wall_s):,}/s")
     return wall_s
 
