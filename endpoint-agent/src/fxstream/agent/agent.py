@@ -12,6 +12,12 @@ The local queue costs no fairness: a partition's tasks can only go to the
 agent it is assigned to, and on a rebalance the queued tasks of revoked
 partitions are dropped (uncommitted, so the new owner gets them).
 
+Latency: the poll thread blocks on Kafka, never on a fixed-size batch (``consume(n,
+timeout)`` would hold a lone task until ``n`` records or the timeout). A finished
+task's result is produced by the pool's collector thread the moment the worker
+answers, which then hands the freed slot the next task of the local queue; the
+poll thread is not in that path. Shared state is guarded by one lock.
+
 Acknowledgement: a task's offset is committed only after its result record is
 durably written (``acks=all``, delivery confirmed), and only up to the
 contiguous prefix of finished tasks per partition (:class:`OffsetTracker`).
@@ -24,10 +30,11 @@ with the reliability work.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
+import itertools
 import logging
 import os
-import queue
 import socket
 import threading
 import time
@@ -68,6 +75,8 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 COMMIT_INTERVAL_S = 0.2
+# The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
+POLL_S = 0.1
 STOP_GRACE_S = 30.0
 
 
@@ -81,6 +90,8 @@ class _Held:
     submission: TaskSubmission
     dequeued_at: float
     size: int
+    code_sha256: str = ""
+    code: bytes = b""
 
 
 class FunctionUnavailable(Exception):
@@ -140,7 +151,11 @@ class Agent:
         self._local_queue_bytes = 0
         self._in_pool = 0
         self._publishing = 0
-        self._done: queue.SimpleQueue[tuple[str, WorkOutcome]] = queue.SimpleQueue()
+        # Guards the fields above: the poll thread takes tasks, the pool's collector
+        # thread publishes results and feeds the pool.
+        self._lock = threading.Lock()
+        self._pool: WorkerPool | None = None
+        self._producer: Producer | None = None
         self._paused = False
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
@@ -176,6 +191,7 @@ class Agent:
                 "log_level": 3,
             }
         )
+        self._pool, self._producer = pool, producer
         try:
             pool.wait_ready(timeout=60)
             consumer.subscribe(
@@ -197,12 +213,9 @@ class Agent:
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         while not self._stop.is_set():
             self._flow_control(consumer)
-            room = self.config.max_local_queue - len(self._local_queue)
-            timeout = 0.005 if self._held else 0.1
-            for message in consumer.consume(num_messages=min(max(room, 1), 500), timeout=timeout):
-                self._take(message, producer)
-            self._publish_finished(producer)
-            self._feed_pool(pool, codes)
+            for message in self._poll(consumer):
+                self._take(message, producer, codes)
+            self._feed_pool()
             producer.poll(0)
             now = time.monotonic()
             if now >= next_commit:
@@ -212,9 +225,18 @@ class Agent:
                 self._heartbeat(producer, pool)
                 next_beat = now + self.config.heartbeat_period_s
 
+    def _poll(self, consumer: Consumer) -> list[Message]:
+        """What Kafka has now, waiting at most ``POLL_S`` for the first record."""
+        first = consumer.poll(POLL_S)
+        if first is None:
+            return []
+        room = self.config.max_local_queue - len(self._local_queue)
+        return [first, *consumer.consume(num_messages=min(max(room, 1), 500), timeout=0)]
+
     def _flow_control(self, consumer: Consumer) -> None:
         # Paused partitions keep the group membership alive while we do not fetch.
-        count, size = len(self._local_queue), self._local_queue_bytes
+        with self._lock:
+            count, size = len(self._local_queue), self._local_queue_bytes
         if self._paused:
             want_more = (
                 count <= self.config.max_local_queue // 2
@@ -235,7 +257,7 @@ class Agent:
             consumer.pause(assignment)
         self._paused = not want_more
 
-    def _take(self, message: Message, producer: Producer) -> None:
+    def _take(self, message: Message, producer: Producer, codes: _CodeCache) -> None:
         """Decode a queue record into the local queue (or the dead-letter topic)."""
         error = message.error()
         if error is not None:
@@ -254,55 +276,58 @@ class Agent:
             self._dead_letter(producer, message, exc.reason)
             return
         held = _Held(partition, offset, dispatch, submission, dequeued_at, len(value))
-        if submission.task_id in self._held:
-            # The same task twice in one batch (a redelivery): one run answers both.
-            self._tracker.done(partition, offset)
+        with self._lock:
+            if submission.task_id in self._held:
+                # The same task twice in one batch (a redelivery): one run answers both.
+                self._tracker.done(partition, offset)
+                return
+            self._held[submission.task_id] = held
+        try:
+            # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
+            sha, code = codes.get(submission.function_id)
+        except FunctionUnavailable as exc:
+            self._publish(held, _failed(submission, "FunctionUnavailable", exc))
             return
-        self._held[submission.task_id] = held
-        self._local_queue.append(held)
-        self._local_queue_bytes += held.size
+        held = dataclasses.replace(held, code_sha256=sha, code=code)
+        with self._lock:
+            self._held[submission.task_id] = held
+            self._local_queue.append(held)
+            self._local_queue_bytes += held.size
 
-    def _feed_pool(self, pool: WorkerPool, codes: _CodeCache) -> None:
+    def _feed_pool(self) -> None:
         """Give the pool tasks from the local queue, up to workers + prefetch in it."""
+        pool = self._pool
+        assert pool is not None
         capacity = self.config.workers + self.config.prefetch
-        while self._local_queue and self._in_pool < capacity:
-            held = self._local_queue.popleft()
-            self._local_queue_bytes -= held.size
+        while True:
+            with self._lock:
+                if not self._local_queue or self._in_pool >= capacity:
+                    return
+                held = self._local_queue.popleft()
+                self._local_queue_bytes -= held.size
+                self._in_pool += 1
             submission = held.submission
-            self._in_pool += 1
-            try:
-                sha, code = codes.get(submission.function_id)
-            except FunctionUnavailable as exc:
-                failure = _failed(submission, "FunctionUnavailable", exc)
-                self._done.put((submission.task_id, failure))
-                continue
             item = WorkItem(
                 task_id=submission.task_id,
                 function_id=submission.function_id,
-                code_sha256=sha,
-                code=code,
+                code_sha256=held.code_sha256,
+                code=held.code,
                 payload=held.dispatch.submission,
                 walltime_s=submission.walltime_s,
             )
             future = pool.submit(item)
-            future.add_done_callback(functools.partial(self._finished, submission.task_id))
+            future.add_done_callback(functools.partial(self._finished, held))
 
-    def _finished(self, task_id: str, future: Future[WorkOutcome]) -> None:
-        # Runs on the pool's collector thread: hand over and return at once.
-        self._done.put((task_id, future.result()))
-
-    def _publish_finished(self, producer: Producer) -> None:
-        while True:
-            try:
-                task_id, outcome = self._done.get_nowait()
-            except queue.Empty:
-                return
+    def _finished(self, held: _Held, future: Future[WorkOutcome]) -> None:
+        # On the pool's collector thread: answer at once, then give the slot new work.
+        with self._lock:
             self._in_pool -= 1
-            held = self._held.get(task_id)
-            if held is not None:
-                self._publish(producer, held, outcome)
+        self._publish(held, future.result())
+        self._feed_pool()
 
-    def _publish(self, producer: Producer, held: _Held, outcome: WorkOutcome) -> None:
+    def _publish(self, held: _Held, outcome: WorkOutcome) -> None:
+        producer = self._producer
+        assert producer is not None
         submission = held.submission
         result = self._result(held, outcome)
         value = encode(result)
@@ -329,7 +354,8 @@ class Agent:
             return
 
         def delivered(err: KafkaError | None, _msg: Message) -> None:
-            self._publishing -= 1
+            with self._lock:
+                self._publishing -= 1
             if err is not None:
                 # Not acknowledged: the task stays uncommitted and is redelivered on restart.
                 log.error("result of task %s not written: %s", submission.task_id, err)
@@ -337,11 +363,12 @@ class Agent:
             self._tracker.done(held.partition, held.offset)
             self.results_published += 1
 
+        with self._lock:
+            self._publishing += 1
+            # The worker is free now; only the offset waits for the broker's
+            # acknowledgement, so a slow acks=all round trip does not idle the workers.
+            self._held.pop(submission.task_id, None)
         producer.produce(topic, key=submission.task_id.encode(), value=value, on_delivery=delivered)
-        # The worker is free now; only the offset waits for the broker's acknowledgement, so
-        # a slow acks=all round trip does not idle the workers.
-        self._held.pop(submission.task_id, None)
-        self._publishing += 1
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
@@ -377,7 +404,8 @@ class Agent:
     def _drop(self, held: _Held, reason: str) -> None:
         log.error("task %s dropped: %s", held.submission.task_id, reason)
         self._tracker.done(held.partition, held.offset)
-        self._held.pop(held.submission.task_id, None)
+        with self._lock:
+            self._held.pop(held.submission.task_id, None)
 
     def _dead_letter(self, producer: Producer, message: Message, reason: str) -> None:
         partition, offset = message.partition(), message.offset()
@@ -423,11 +451,24 @@ class Agent:
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         self._commit(consumer)
         revoked = {p.partition for p in partitions}
-        self._unqueue(held for held in self._local_queue if held.partition in revoked)
+        with self._lock:
+            self._unqueue([held for held in self._local_queue if held.partition in revoked])
         self._tracker.forget_partitions(revoked)
 
+    def _held_ids(self, limit: int) -> list[str]:
+        with self._lock:
+            return list(itertools.islice(self._held, limit))
+
+    def _answering(self) -> bool:
+        """True while a task is in the pool or a result is not yet acknowledged."""
+        with self._lock:
+            return bool(self._held) or self._publishing > 0
+
     def _unqueue(self, dropped: Iterable[_Held]) -> None:
-        """Forget tasks of the local queue; uncommitted, they are redelivered."""
+        """Forget tasks of the local queue; uncommitted, they are redelivered.
+
+        The caller holds the lock.
+        """
         gone = {held.submission.task_id for held in dropped}
         if not gone:
             return
@@ -450,7 +491,7 @@ class Agent:
             workers_idle=pool.idle_count,
             workers_busy=pool.busy_count,
             queue_depth=pool.queued_count + len(self._local_queue),
-            held_task_ids=list(self._held)[:1000],
+            held_task_ids=self._held_ids(1000),
             agent_version=AGENT_VERSION,
         )
         key = self.config.endpoint_id.encode()
@@ -475,10 +516,10 @@ class Agent:
     ) -> None:
         # Tasks not yet started stay uncommitted and go to the next agent; the pool's are
         # finished and answered first.
-        self._unqueue(list(self._local_queue))
+        with self._lock:
+            self._unqueue(list(self._local_queue))
         deadline = time.monotonic() + STOP_GRACE_S
-        while (self._held or self._publishing) and time.monotonic() < deadline:
-            self._publish_finished(producer)
+        while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
         producer.flush(30)
         offsets = self._tracker.committable()

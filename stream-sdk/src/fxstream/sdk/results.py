@@ -188,7 +188,12 @@ class ResultListener:
         assert consumer is not None
         while not self._stop.is_set():
             try:
-                messages = consumer.consume(num_messages=_BATCH, timeout=_POLL_S)
+                # consume(n, timeout) would wait for n records or the whole timeout: a
+                # lone result would sit there. Block for the first, then take what is in.
+                first = consumer.poll(_POLL_S)
+                if first is None:
+                    continue
+                messages = [first, *consumer.consume(num_messages=_BATCH - 1, timeout=0)]
             except KafkaException as exc:  # pragma: no cover - a fatal consumer error
                 log.error("results consumer on %s failed: %s", self.topic, exc)
                 time.sleep(_POLL_S)
