@@ -54,8 +54,9 @@ DEFAULT_APP_ID = "fxstream-processors"
 # EX_TEMPFAIL: Kafka refused a write; restarting (by a supervisor) is the cure.
 EXIT_WRITE_FAILED = 75
 BATCH_SIZE = 500
-# How long a batch waits to fill: the latency a lone task pays at the router.
-BATCH_WITHIN_S = 0.01
+# How long a batch waits to fill: the latency a lone task pays at the router. Batches
+# still grow with load: records gather while the previous batch's writes are awaited.
+BATCH_WITHIN_S = 0.002
 
 
 def _broker_urls(bootstrap_servers: str) -> list[str]:
