@@ -18,13 +18,14 @@ task's result is produced by the pool's collector thread the moment the worker
 answers, which then hands the freed slot the next task of the local queue; the
 poll thread is not in that path. Shared state is guarded by one lock.
 
-Acknowledgement: a task's offset is committed only after its result record is
-durably written (``acks=all``, delivery confirmed), and only up to the
-contiguous prefix of finished tasks per partition (:class:`OffsetTracker`).
+Acknowledgement: a task's result and its queue offset are written in one Kafka
+transaction (:class:`~fxstream.agent.publisher.TransactionalPublisher`), up to
+the contiguous prefix of finished tasks per partition (:class:`OffsetTracker`).
 Nothing is acknowledged on dispatch, so an agent killed mid-batch loses
 nothing: its uncommitted tasks are delivered again when it (or a replacement)
-returns. A task may therefore run twice; deduplication and transactions come
-with the reliability work.
+returns, and a result whose transaction did not commit was never visible. A
+task may therefore run twice, but only one of its results is committed by
+this hop.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.offsets import OffsetTracker
+from fxstream.agent.publisher import Answer, TransactionalPublisher
 from fxstream.agent.runner import RUNNER
 from fxstream.agent.workers import WorkerPool, WorkItem, WorkOutcome
 from fxstream.topics import (
@@ -74,7 +76,8 @@ __all__ = ["AGENT_VERSION", "Agent"]
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
-COMMIT_INTERVAL_S = 0.2
+# The longest a rebalance waits for the answers in hand to commit.
+CALL_FLUSH_S = 10.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
 STOP_GRACE_S = 30.0
@@ -150,12 +153,13 @@ class Agent:
         self._local_queue: deque[_Held] = deque()
         self._local_queue_bytes = 0
         self._in_pool = 0
-        self._publishing = 0
         # Guards the fields above: the poll thread takes tasks, the pool's collector
         # thread publishes results and feeds the pool.
         self._lock = threading.Lock()
         self._pool: WorkerPool | None = None
-        self._producer: Producer | None = None
+        self._publisher: TransactionalPublisher | None = None
+        # The consumer's group metadata as of the last assignment (for the publisher).
+        self._group_metadata: object = None
         self._paused = False
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
@@ -171,6 +175,7 @@ class Agent:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         pool = WorkerPool(self.config.workers, self._runner)
         codes = _CodeCache(self.config.service_url, self.config.token)
+        # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
             {
                 "bootstrap.servers": self.config.bootstrap_servers,
@@ -191,11 +196,22 @@ class Agent:
                 "log_level": 3,
             }
         )
-        self._pool, self._producer = pool, producer
+        publisher = TransactionalPublisher(
+            {"bootstrap.servers": self.config.bootstrap_servers, "log_level": 3},
+            transactional_id=self.transactional_id,
+            queue_topic=self.queue_topic,
+            tracker=self._tracker,
+            group_metadata=lambda: self._group_metadata,
+            on_committed=self._count_committed,
+        )
+        self._pool, self._publisher = pool, publisher
         try:
             pool.wait_ready(timeout=60)
+            publisher.start()
             consumer.subscribe(
-                [self.queue_topic], on_revoke=lambda c, parts: self._on_revoke(c, parts)
+                [self.queue_topic],
+                on_assign=lambda c, parts: self._on_assign(c),
+                on_revoke=lambda c, parts: self._on_revoke(c, parts),
             )
             self._heartbeat(producer, pool)
             if ready is not None:
@@ -204,23 +220,32 @@ class Agent:
         finally:
             self._shutdown(consumer, producer, pool, codes)
 
+    @property
+    def transactional_id(self) -> str:
+        """Stable per agent (endpoint, host, name), so a restart fences its predecessor."""
+        return f"fxstream-agent-{self.config.endpoint_id}-{self._hostname}-{self.config.name}"
+
+    def _count_committed(self, answers: int) -> None:
+        self.results_published += answers
+
     # --- the loop ----------------------------------------------------------------------
 
     def _serve(
         self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
     ) -> None:
-        next_commit = time.monotonic() + COMMIT_INTERVAL_S
         next_beat = time.monotonic() + self.config.heartbeat_period_s
+        publisher = self._publisher
+        assert publisher is not None
         while not self._stop.is_set():
+            if not publisher.alive:
+                # Fenced by a newer agent of this endpoint, or Kafka refused for good.
+                raise RuntimeError(f"the result publisher stopped: {publisher.failure}")
             self._flow_control(consumer)
             for message in self._poll(consumer):
-                self._take(message, producer, codes)
+                self._take(message, codes)
             self._feed_pool()
             producer.poll(0)
             now = time.monotonic()
-            if now >= next_commit:
-                self._commit(consumer)
-                next_commit = now + COMMIT_INTERVAL_S
             if now >= next_beat:
                 self._heartbeat(producer, pool)
                 next_beat = now + self.config.heartbeat_period_s
@@ -257,7 +282,7 @@ class Agent:
             consumer.pause(assignment)
         self._paused = not want_more
 
-    def _take(self, message: Message, producer: Producer, codes: _CodeCache) -> None:
+    def _take(self, message: Message, codes: _CodeCache) -> None:
         """Decode a queue record into the local queue (or the dead-letter topic)."""
         error = message.error()
         if error is not None:
@@ -273,7 +298,7 @@ class Agent:
             dispatch = decode(value, TaskDispatch)
             submission = decode(dispatch.submission, TaskSubmission)
         except RecordDecodeError as exc:
-            self._dead_letter(producer, message, exc.reason)
+            self._dead_letter(message, exc.reason)
             return
         held = _Held(partition, offset, dispatch, submission, dequeued_at, len(value))
         with self._lock:
@@ -326,8 +351,8 @@ class Agent:
         self._feed_pool()
 
     def _publish(self, held: _Held, outcome: WorkOutcome) -> None:
-        producer = self._producer
-        assert producer is not None
+        publisher = self._publisher
+        assert publisher is not None
         submission = held.submission
         result = self._result(held, outcome)
         value = encode(result)
@@ -352,23 +377,12 @@ class Agent:
         except InvalidTopicName as exc:
             self._drop(held, f"no results topic for user {submission.user_id!r}: {exc}")
             return
-
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            with self._lock:
-                self._publishing -= 1
-            if err is not None:
-                # Not acknowledged: the task stays uncommitted and is redelivered on restart.
-                log.error("result of task %s not written: %s", submission.task_id, err)
-                return
-            self._tracker.done(held.partition, held.offset)
-            self.results_published += 1
-
         with self._lock:
-            self._publishing += 1
-            # The worker is free now; only the offset waits for the broker's
-            # acknowledgement, so a slow acks=all round trip does not idle the workers.
+            # The worker is free now; only the offset waits for the transaction, so a
+            # commit round trip does not idle the workers.
             self._held.pop(submission.task_id, None)
-        producer.produce(topic, key=submission.task_id.encode(), value=value, on_delivery=delivered)
+        key = submission.task_id.encode()
+        publisher.publish(Answer(topic, key, value, held.partition, held.offset))
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
@@ -402,54 +416,71 @@ class Agent:
         )
 
     def _drop(self, held: _Held, reason: str) -> None:
+        """Settle a task that cannot be answered with a dead letter (so it is not re-run)."""
         log.error("task %s dropped: %s", held.submission.task_id, reason)
-        self._tracker.done(held.partition, held.offset)
         with self._lock:
             self._held.pop(held.submission.task_id, None)
+        self._settle_with_dead_letter(
+            held.partition,
+            held.offset,
+            key=held.submission.task_id.encode(),
+            value=encode(held.dispatch),
+            headers=[],
+            reason=reason,
+            error_type="TaskUndeliverable",
+        )
 
-    def _dead_letter(self, producer: Producer, message: Message, reason: str) -> None:
+    def _dead_letter(self, message: Message, reason: str) -> None:
         partition, offset = message.partition(), message.offset()
         assert partition is not None and offset is not None
+        self._settle_with_dead_letter(
+            partition,
+            offset,
+            key=message.key(),
+            value=message.value(),
+            headers=_headers(message),
+            reason=reason,
+            error_type="RecordDecodeError",
+        )
+
+    def _settle_with_dead_letter(
+        self,
+        partition: int,
+        offset: int,
+        *,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[tuple[str, bytes | None]],
+        reason: str,
+        error_type: str,
+    ) -> None:
+        publisher = self._publisher
+        assert publisher is not None
         record = DeadLetter(
             original_topic=self.queue_topic,
             original_partition=partition,
             original_offset=offset,
-            original_key=message.key(),
-            original_value=message.value(),
-            original_headers=_headers(message),
+            original_key=key,
+            original_value=value,
+            original_headers=headers,
             reason=reason,
-            error_type="RecordDecodeError",
+            error_type=error_type,
             component=f"agent {self.config.endpoint_id}",
             failed_at=time.time(),
         )
+        letter = encode(record)
+        publisher.publish(Answer(self.catalogue.dead_letter, key, letter, partition, offset))
 
-        def delivered(err: KafkaError | None, _msg: Message) -> None:
-            if err is None:
-                self._tracker.done(partition, offset)
-            else:
-                log.error("dead letter not written: %s", err)
-
-        producer.produce(
-            self.catalogue.dead_letter,
-            key=message.key(),
-            value=encode(record),
-            on_delivery=delivered,
-        )
-
-    def _commit(self, consumer: Consumer) -> None:
-        offsets = self._tracker.committable()
-        if not offsets:
-            return
-        try:
-            consumer.commit(
-                offsets=[TopicPartition(self.queue_topic, p, o) for p, o in offsets.items()],
-                asynchronous=True,
-            )
-        except KafkaException as exc:
-            log.warning("commit failed (will retry): %s", exc)
+    def _on_assign(self, consumer: Consumer) -> None:
+        # On the poll thread: the only thread that may call the consumer.
+        self._group_metadata = consumer.consumer_group_metadata()
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        self._commit(consumer)
+        # Commit what is answered while the partitions are still ours; the pool's tasks of
+        # revoked partitions finish and are answered, but their offsets are the new owner's.
+        publisher = self._publisher
+        if publisher is not None and publisher.alive:
+            publisher.flush(CALL_FLUSH_S)
         revoked = {p.partition for p in partitions}
         with self._lock:
             self._unqueue([held for held in self._local_queue if held.partition in revoked])
@@ -462,7 +493,9 @@ class Agent:
     def _answering(self) -> bool:
         """True while a task is in the pool or a result is not yet acknowledged."""
         with self._lock:
-            return bool(self._held) or self._publishing > 0
+            held = bool(self._held)
+        publisher = self._publisher
+        return held or (publisher is not None and publisher.alive and publisher.pending > 0)
 
     def _unqueue(self, dropped: Iterable[_Held]) -> None:
         """Forget tasks of the local queue; uncommitted, they are redelivered.
@@ -522,15 +555,9 @@ class Agent:
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
         producer.flush(30)
-        offsets = self._tracker.committable()
-        if offsets:
-            try:
-                consumer.commit(
-                    offsets=[TopicPartition(self.queue_topic, p, o) for p, o in offsets.items()],
-                    asynchronous=False,
-                )
-            except KafkaException as exc:
-                log.warning("final commit failed: %s", exc)
+        if self._publisher is not None:
+            # Commits what is queued; the group must still be joined for its offsets.
+            self._publisher.close()
         consumer.close()
         pool.close()
         codes.close()

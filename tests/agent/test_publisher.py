@@ -1,0 +1,161 @@
+"""TransactionalPublisher on the session broker: answers and offsets commit together."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka.admin import NewTopic
+
+from fxstream.agent.offsets import OffsetTracker
+from fxstream.agent.publisher import Answer, PublisherFenced, TransactionalPublisher
+from tests.conftest import RunningPlatform
+
+pytestmark = pytest.mark.platform
+
+
+@pytest.fixture
+def topics(
+    kafka_platform: RunningPlatform, unique_prefix: str, topic_cleanup: list[str]
+) -> tuple[str, str]:
+    queue, out = f"{unique_prefix}queue", f"{unique_prefix}out"
+    admin = kafka_platform.admin()
+    for future in admin.create_topics(
+        [NewTopic(queue, num_partitions=2, replication_factor=1), NewTopic(out, 1, 1)]
+    ).values():
+        future.result(timeout=30)
+    topic_cleanup.extend([queue, out])
+    return queue, out
+
+
+@pytest.fixture
+def group_consumer(bootstrap: str, topics: tuple[str, str]) -> Iterator[Consumer]:
+    queue, _ = topics
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"g-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "log_level": 2,
+        }
+    )
+    consumer.subscribe([queue])
+    yield consumer
+    consumer.close()
+
+
+def _fill(bootstrap: str, topic: str, count: int) -> None:
+    producer = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
+    for i in range(count):
+        producer.produce(topic, key=str(i).encode(), value=f"task {i}".encode())
+    assert producer.flush(30) == 0
+
+
+def _take(consumer: Consumer, count: int) -> list[Message]:
+    taken: list[Message] = []
+    deadline = time.monotonic() + 60
+    while len(taken) < count and time.monotonic() < deadline:
+        message = consumer.poll(0.5)
+        if message is not None and message.error() is None:
+            taken.append(message)
+    assert len(taken) == count
+    return taken
+
+
+def _committed_values(bootstrap: str, topic: str) -> list[bytes]:
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"r-{uuid.uuid4().hex[:8]}",
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "enable.partition.eof": True,
+            "log_level": 2,
+        }
+    )
+    reader.assign([TopicPartition(topic, 0, 0)])
+    values: list[bytes] = []
+    try:
+        while True:
+            message = reader.poll(10)
+            assert message is not None, "no end of partition within 10 s"
+            if message.error() is not None:
+                break  # end of partition
+            values.append(message.value() or b"")
+    finally:
+        reader.close()
+    return values
+
+
+def _publisher(
+    bootstrap: str, consumer: Consumer, queue: str, tracker: OffsetTracker, txn_id: str
+) -> TransactionalPublisher:
+    metadata = consumer.consumer_group_metadata()
+    return TransactionalPublisher(
+        {"bootstrap.servers": bootstrap, "log_level": 2},
+        transactional_id=txn_id,
+        queue_topic=queue,
+        tracker=tracker,
+        group_metadata=lambda: metadata,
+    )
+
+
+def test_answers_and_their_offsets_commit_together(
+    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+) -> None:
+    queue, out = topics
+    _fill(bootstrap, queue, 20)
+    tracker = OffsetTracker()
+    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher.start()
+    try:
+        for message in _take(group_consumer, 20):
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            tracker.track(partition, offset)
+            publisher.publish(
+                Answer(out, message.key(), b"answer " + message.value(), partition, offset)
+            )
+        assert publisher.flush(30)
+    finally:
+        publisher.close()
+    assert sorted(_committed_values(bootstrap, out)) == sorted(
+        f"answer task {i}".encode() for i in range(20)
+    )
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(tp.offset for tp in committed) == 20, "every queue record's offset committed"
+
+
+def test_a_restarted_agent_fences_the_old_one(
+    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+) -> None:
+    queue, out = topics
+    _fill(bootstrap, queue, 2)
+    first, second = _take(group_consumer, 2)
+    txn_id = f"t-{uuid.uuid4()}"
+    tracker = OffsetTracker()
+    zombie = _publisher(bootstrap, group_consumer, queue, tracker, txn_id)
+    zombie.start()
+    successor = _publisher(bootstrap, group_consumer, queue, OffsetTracker(), txn_id)
+    successor.start()  # same transactional id: the zombie is fenced
+    try:
+        for message in (first, second):
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            tracker.track(partition, offset)
+        zombie.publish(
+            Answer(out, None, b"from the zombie", first.partition() or 0, first.offset() or 0)
+        )
+        assert not zombie.flush(30)
+        assert isinstance(zombie.failure, PublisherFenced)
+        assert "fenced" in str(zombie.failure)
+    finally:
+        zombie.close()
+        successor.close()
+    assert b"from the zombie" not in _committed_values(bootstrap, out)
