@@ -1,41 +1,49 @@
 """The service's stream processors as one faust-streaming app: the router and task-state.
 
-- The *router* agent reads ``tasks.submitted`` in batches (``take_events``),
-  authorises each task and writes its dispatch, state, result or dead letter
-  (decisions in :mod:`fxstream.service.router`).
+- The *router* reads ``tasks.submitted`` in batches, authorises each task and
+  writes its dispatch, state, result or dead letter (decisions in
+  :mod:`fxstream.service.router`), each batch in one Kafka transaction with its
+  input offsets (:mod:`fxstream.service.router_loop`).
 - The *task-state* processor follows every ``results.<user>`` topic and folds
   results into ``task-state`` (:mod:`fxstream.service.task_state`).
+- The *liveness* agent (a faust agent, batched with ``take_events``) follows
+  ``heartbeats`` and logs endpoints coming online, restarting and being lost
+  (:mod:`fxstream.service.liveness`).
 
-Topics come from the catalogue and are provisioned elsewhere
-(``ensure_topics``); the app never declares one. The router's consumer group is
-the app id, so several instances share ``tasks.submitted``'s partitions; the
-task-state processor's group is ``<app id>-task-state``.
+Both run as tasks of one faust app (its worker, signals and logging). Topics
+come from the catalogue and are provisioned elsewhere (``ensure_topics``); the
+app never declares one. Consumer groups: the router ``<app id>-router``, the
+task-state processor ``<app id>-task-state``, the liveness agent the app id.
 
 Run it with ``python -m fxstream.service.processors --bootstrap HOST:PORT
 --prefix fx.``; SIGTERM or SIGINT stops it cleanly (the batch in hand is
 finished and committed). If Kafka refuses a write, the process exits at once
 with code 75 *without* acknowledging the batch, so a restart re-reads it: a
-task is never lost, and may be routed twice.
+task is never lost. The router's batch is a transaction, so a re-read batch was
+never visible; the task-state processor may write a state twice.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import faust
-from faust.types import EventT, StreamT
+from faust.types import StreamT
 
-from fxstream.service.deadletter import RawRecord
+from fxstream.service.liveness import LivenessMonitor, Transition
 from fxstream.service.outgoing import Outgoing, send_all
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
+from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import Catalogue
@@ -51,12 +59,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_APP_ID = "fxstream-processors"
-# EX_TEMPFAIL: Kafka refused a write; restarting (by a supervisor) is the cure.
-EXIT_WRITE_FAILED = 75
 BATCH_SIZE = 500
-# How long a batch waits to fill: the latency a lone task pays at the router. Batches
-# still grow with load: records gather while the previous batch's writes are awaited.
-BATCH_WITHIN_S = 0.002
+# How often endpoints whose heartbeats stopped are looked for.
+LIVENESS_CHECK_S = 1.0
 
 
 def _broker_urls(bootstrap_servers: str) -> list[str]:
@@ -98,7 +103,6 @@ def build_app(
     app_id: str = DEFAULT_APP_ID,
     data_dir: Path | None = None,
     batch_size: int = BATCH_SIZE,
-    batch_within_s: float = BATCH_WITHIN_S,
 ) -> faust.App:
     """The faust app with the router agent and the task-state processor, not yet started.
 
@@ -112,6 +116,11 @@ def build_app(
     )
     view = RegistryView(bootstrap_servers, catalogue, follow=("users", "functions", "endpoints"))
     router = Router(catalogue, view, TopicDirectory(bootstrap_servers))
+    # Not the app id: faust's own consumer (the liveness agent) is in that group,
+    # with faust's assignor.
+    router_loop = RouterLoop(
+        bootstrap_servers, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
+    )
     planner = TaskStatePlanner(catalogue)
 
     async def write(records: Sequence[Outgoing]) -> None:
@@ -121,33 +130,40 @@ def build_app(
         bootstrap_servers, planner, write, group_id=f"{app_id}-task-state", batch_size=batch_size
     )
 
-    async def route(stream: StreamT[bytes]) -> None:
-        await router.start()
-        # StreamT (the protocol) lacks take_events; the stream faust passes is a faust.Stream.
-        batches = cast("faust.Stream[bytes]", stream).take_events(batch_size, within=batch_within_s)
+    liveness = LivenessMonitor(catalogue)
+
+    async def watch_heartbeats(stream: StreamT[bytes]) -> None:
+        batches = cast("faust.Stream[bytes]", stream).take_events(batch_size, within=0.5)
         async for events in batches:
-            plan = await router.plan([_message(event) for event in events])
-            # States, results and dead letters first: "routed" is on the broker
-            # before the task is on its endpoint's queue.
-            await write(plan.first)
-            await write(plan.dispatches)
+            transitions, letters = liveness.observe([event.message for event in events])
+            _log_transitions(transitions)
+            await write(letters)
+
+    async def check_liveness() -> None:
+        _log_transitions(liveness.lost(time.time()))
+
+    async def route() -> None:
+        await router_loop.run()
 
     async def follow_results() -> None:
         await follower.run()
 
     async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
-        await follower.stop()
+        await asyncio.gather(router_loop.stop(), follower.stop())
         router.close()
         log.info("router: %s; task-state: %s", router.stats, planner.stats)
 
-    app.agent(app.topic(catalogue.tasks_submitted), name="router")(route)
+    app.agent(app.topic(catalogue.heartbeats), name="liveness")(watch_heartbeats)
+    app.timer(LIVENESS_CHECK_S)(check_liveness)
+    app.task(route)
     app.task(follow_results)
     app.on_before_shutdown.connect(stop)
     return app
 
 
-def _message(event: EventT[Any]) -> RawRecord:
-    return event.message
+def _log_transitions(transitions: Sequence[Transition]) -> None:
+    for t in transitions:
+        log.info("liveness: endpoint %s %s (agent %s)", t.endpoint_id, t.change, t.agent_id)
 
 
 async def _write_or_exit(app: faust.App, records: Sequence[Outgoing]) -> None:
@@ -169,7 +185,6 @@ def run_processors(
     data_dir: Path | None = None,
     log_level: str = "INFO",
     batch_size: int = BATCH_SIZE,
-    batch_within_s: float = BATCH_WITHIN_S,
 ) -> None:
     """Run the processors until SIGTERM or SIGINT, then stop cleanly and return.
 
@@ -181,7 +196,6 @@ def run_processors(
         app_id=app_id,
         data_dir=data_dir,
         batch_size=batch_size,
-        batch_within_s=batch_within_s,
     )
     worker = faust.Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -205,9 +219,6 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=None, help="faust's working directory")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="records per batch")
-    parser.add_argument(
-        "--batch-within", type=float, default=BATCH_WITHIN_S, help="seconds a batch waits to fill"
-    )
     return parser
 
 
@@ -221,7 +232,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=args.data_dir,
         log_level=args.log_level,
         batch_size=args.batch_size,
-        batch_within_s=args.batch_within,
     )
     return 0
 
