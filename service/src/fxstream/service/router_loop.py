@@ -32,6 +32,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
 
+from fxstream.service.batch_loop import StoppableLoop, offsets_after
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.router import Router
 from fxstream.topics import Catalogue
@@ -44,8 +45,10 @@ log = logging.getLogger(__name__)
 EXIT_WRITE_FAILED = 75
 
 
-class RouterLoop:
+class RouterLoop(StoppableLoop):
     """Routes ``tasks.submitted`` until :meth:`stop`, one transaction per batch."""
+
+    name = "router"
 
     def __init__(
         self,
@@ -57,12 +60,11 @@ class RouterLoop:
         instance: str = "0",
         batch_size: int = 500,
     ) -> None:
+        super().__init__()
         self._catalogue = catalogue
         self._router = router
         self._group_id = group_id
         self._batch_size = batch_size
-        self._stopping = asyncio.Event()
-        self._done = asyncio.Event()
         self.transactional_id = f"{group_id}-{instance}"
         largest = max(spec.max_message_bytes for spec in catalogue.specs)
         self._consumer_settings: dict[str, Any] = {
@@ -89,7 +91,6 @@ class RouterLoop:
             "max_batch_size": 1_048_576,
             "request_timeout_ms": 120_000,
         }
-        self._consumer: Any = None
         self._producer: Any = None
         self.batches = 0
 
@@ -108,25 +109,14 @@ class RouterLoop:
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 records = [r for partition in batch.values() for r in partition]
                 if records:
-                    offsets = {tp: rs[-1].offset + 1 for tp, rs in batch.items() if rs}
                     plan = await self._router.plan(records)
-                    await self._commit([*plan.first, *plan.dispatches], offsets)
+                    await self._commit([*plan.first, *plan.dispatches], offsets_after(batch))
         finally:
             if self._consumer is not None:
                 await self._consumer.stop()
             if self._producer is not None:
                 await self._producer.stop()
             self._done.set()
-
-    async def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish (and commit) the batch in hand, then leave the consumer group."""
-        self._stopping.set()
-        if self._consumer is None:  # never started
-            return
-        try:
-            await asyncio.wait_for(self._done.wait(), timeout_s)
-        except TimeoutError:
-            log.warning("router: the loop did not stop within %.0f s", timeout_s)
 
     async def _commit(self, records: Sequence[Outgoing], offsets: dict[Any, int]) -> None:
         try:

@@ -16,7 +16,6 @@ a restart of this processor, is folded again (over the first).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -28,6 +27,7 @@ import msgspec
 from aiokafka import AIOKafkaConsumer  # type: ignore[import-untyped]
 from aiokafka.errors import CommitFailedError, IllegalStateError  # type: ignore[import-untyped]
 
+from fxstream.service.batch_loop import StoppableLoop, offsets_after
 from fxstream.service.deadletter import RawRecord, dead_letter_for
 from fxstream.service.outgoing import Outgoing, fits
 from fxstream.service.router import REJECTED_ERROR_TYPE
@@ -195,12 +195,14 @@ class TaskStatePlanner:
         )
 
 
-class ResultsFollower:
+class ResultsFollower(StoppableLoop):
     """Consumes every results topic by pattern in batches, plans, writes, then commits.
 
     Offsets are committed only after the batch's writes are acknowledged, so a
     crash re-reads (at least once) and never skips a result.
     """
+
+    name = "task-state"
 
     def __init__(
         self,
@@ -212,11 +214,10 @@ class ResultsFollower:
         batch_size: int = 500,
         metadata_max_age_ms: int = 5_000,
     ) -> None:
+        super().__init__()
         self._planner = planner
         self._send = send
         self._batch_size = batch_size
-        self._stopping = asyncio.Event()
-        self._done = asyncio.Event()
         self._consumer_settings: dict[str, Any] = {
             "bootstrap_servers": bootstrap_servers,
             "group_id": group_id,
@@ -232,7 +233,6 @@ class ResultsFollower:
             "fetch_min_bytes": 64 * 1024,
             "fetch_max_wait_ms": 100,
         }
-        self._consumer: Any = None
 
     async def run(self) -> None:
         """Follow the results topics until :meth:`stop`."""
@@ -251,20 +251,9 @@ class ResultsFollower:
             await self._consumer.stop()
             self._done.set()
 
-    async def stop(self, timeout_s: float = 30.0) -> None:
-        """Finish the batch in hand, commit it, and leave the consumer group."""
-        self._stopping.set()
-        if self._consumer is None:  # never started
-            return
-        try:
-            await asyncio.wait_for(self._done.wait(), timeout_s)
-        except TimeoutError:
-            log.warning("task-state: the results follower did not stop within %.0f s", timeout_s)
-
     async def _commit(self, batch: dict[Any, list[Any]]) -> None:
-        offsets = {tp: records[-1].offset + 1 for tp, records in batch.items() if records}
         try:
-            await self._consumer.commit(offsets)
+            await self._consumer.commit(offsets_after(batch))
         except (CommitFailedError, IllegalStateError) as exc:
             # A rebalance took the partitions away; their new owner re-reads from the
             # last commit, and the recent-task memory there absorbs most repeats.
