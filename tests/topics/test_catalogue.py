@@ -17,6 +17,7 @@ DESIGN_TOPICS = {
     "data-locations": CleanupPolicy.COMPACT,
     "results.{user_id}": CleanupPolicy.DELETE,
     "task-state": CleanupPolicy.COMPACT,
+    "task-events": CleanupPolicy.DELETE,
     "events.{source}": CleanupPolicy.DELETE,
     "dead-letter": CleanupPolicy.DELETE,
 }
@@ -32,7 +33,7 @@ def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     assert "prod.tasks.submitted" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 9
+    assert len(topics) == 10
 
 
 def test_templates_fill_ids() -> None:

@@ -23,6 +23,9 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskDispatch,
     TaskError,
+    TaskErrorType,
+    TaskEvent,
+    TaskLease,
     TaskResult,
     TaskState,
     TaskStateName,
@@ -78,6 +81,7 @@ SAMPLES: list[Record] = [
         outcome="error",
         error=ERROR,
         attempt=2,
+        earlier_attempts=[Attempt(attempt=1, worker="h:1", error=ERROR)],
     ),
     TaskState(
         task_id="t-1",
@@ -88,6 +92,20 @@ SAMPLES: list[Record] = [
         updated_at=NOW,
         attempts=[Attempt(attempt=1, worker="h:1", error=ERROR)],
         error=ERROR,
+    ),
+    TaskEvent(
+        task_id="t-1",
+        user_id="alice",
+        function_id="fn-1",
+        endpoint_id="ep-1",
+        state=TaskStateName.WAITING_FOR_ENDPOINT,
+        at=NOW,
+        source="liveness",
+        attempt=Attempt(
+            attempt=1,
+            worker="node1",
+            error=TaskError(type=TaskErrorType.AGENT_LOST, message="no heartbeat for 30 s"),
+        ),
     ),
     FunctionRecord(
         function_id="fn-1",
@@ -115,7 +133,7 @@ SAMPLES: list[Record] = [
         workers_idle=3,
         workers_busy=1,
         queue_depth=2,
-        held_task_ids=["t-1"],
+        leases=[TaskLease(task_id="t-1", user_id="u-1", function_id="fn-1", attempt=2)],
     ),
     WarmAdvert(
         endpoint_id="ep-1",

@@ -61,6 +61,7 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskDispatch,
     TaskError,
+    TaskLease,
     TaskResult,
     TaskSubmission,
     TaskTimings,
@@ -81,6 +82,8 @@ CALL_FLUSH_S = 10.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
 STOP_GRACE_S = 30.0
+# Keeps a heartbeat well under the heartbeats topic's 256 kB records.
+MAX_LEASES_PER_HEARTBEAT = 1_000
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,8 @@ class Agent:
         self._local_queue: deque[_Held] = deque()
         self._local_queue_bytes = 0
         self._in_pool = 0
+        # When each task in the pool was given to it (a lease's started_at), by task id.
+        self._given_to_pool: dict[str, float] = {}
         # Guards the fields above: the poll thread takes tasks, the pool's collector
         # thread publishes results and feeds the pool.
         self._lock = threading.Lock()
@@ -331,6 +336,7 @@ class Agent:
                 held = self._local_queue.popleft()
                 self._local_queue_bytes -= held.size
                 self._in_pool += 1
+                self._given_to_pool[held.submission.task_id] = time.time()
             submission = held.submission
             item = WorkItem(
                 task_id=submission.task_id,
@@ -347,6 +353,7 @@ class Agent:
         # On the pool's collector thread: answer at once, then give the slot new work.
         with self._lock:
             self._in_pool -= 1
+            self._given_to_pool.pop(held.submission.task_id, None)
         self._publish(held, future.result())
         self._feed_pool()
 
@@ -486,9 +493,24 @@ class Agent:
             self._unqueue([held for held in self._local_queue if held.partition in revoked])
         self._tracker.forget_partitions(revoked)
 
-    def _held_ids(self, limit: int) -> list[str]:
+    def _leases(self, limit: int) -> tuple[list[TaskLease], bool]:
+        """The tasks held now (at most ``limit``), and whether more were left out."""
         with self._lock:
-            return list(itertools.islice(self._held, limit))
+            held = list(itertools.islice(self._held.values(), limit))
+            truncated = len(self._held) > limit
+            started = dict(self._given_to_pool)
+        leases = [
+            TaskLease(
+                task_id=h.submission.task_id,
+                user_id=h.submission.user_id,
+                function_id=h.submission.function_id,
+                task_group_id=h.submission.task_group_id,
+                attempt=h.dispatch.attempt,
+                started_at=started.get(h.submission.task_id),
+            )
+            for h in held
+        ]
+        return leases, truncated
 
     def _answering(self) -> bool:
         """True while a task is in the pool or a result is not yet acknowledged."""
@@ -512,6 +534,7 @@ class Agent:
 
     def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
         self._sequence += 1
+        leases, truncated = self._leases(MAX_LEASES_PER_HEARTBEAT)
         beat = Heartbeat(
             endpoint_id=self.config.endpoint_id,
             agent_id=self.agent_id,
@@ -524,7 +547,8 @@ class Agent:
             workers_idle=pool.idle_count,
             workers_busy=pool.busy_count,
             queue_depth=pool.queued_count + len(self._local_queue),
-            held_task_ids=self._held_ids(1000),
+            leases=leases,
+            leases_truncated=truncated,
             agent_version=AGENT_VERSION,
         )
         key = self.config.endpoint_id.encode()

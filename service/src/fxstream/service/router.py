@@ -37,6 +37,7 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskDispatch,
     TaskError,
+    TaskErrorType,
     TaskResult,
     TaskState,
     TaskStateName,
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 COMPONENT = "router"
 # The error type of a refused task's result; the task-state processor leaves these
 # alone, since the router writes the rejected state itself.
-REJECTED_ERROR_TYPE = "TaskRejected"
+REJECTED_ERROR_TYPE = str(TaskErrorType.REJECTED)
 
 
 @dataclass

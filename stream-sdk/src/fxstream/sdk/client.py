@@ -269,8 +269,15 @@ class Client:
         *,
         task_group_id: str | None = None,
         payload: bytes | None = None,
+        max_retries: int = 0,
+        walltime_s: float | None = None,
+        retry_user_errors: bool = False,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
+
+        ``max_retries`` further attempts are made after an infrastructure failure
+        (its worker died, its walltime passed), and after an exception of the
+        function too if ``retry_user_errors``; ``walltime_s`` bounds one attempt.
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
@@ -286,6 +293,9 @@ class Client:
             function_id=function_id,
             payload=payload,
             task_group_id=task_group_id,
+            max_retries=max_retries,
+            walltime_s=walltime_s,
+            retry_user_errors=retry_user_errors,
         )
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:

@@ -36,7 +36,8 @@ class Executor(concurrent.futures.Executor):
     ``client`` defaults to ``Client.from_environment()`` (closed by
     :meth:`shutdown`). ``task_group_id`` (default: a new UUID) is written in
     every task. ``batch_size`` is the most tasks the sender thread produces
-    per round.
+    per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
+    to every task submitted (see :meth:`Client.prepare_task`).
 
     Cancelling: a future whose task is still queued here is never sent. Once
     sent, a task cannot be recalled (there is no remote cancel yet); cancelling
@@ -49,9 +50,20 @@ class Executor(concurrent.futures.Executor):
         client: Client | None = None,
         batch_size: int = 128,
         task_group_id: str | None = None,
+        *,
+        max_retries: int = 0,
+        walltime_s: float | None = None,
+        retry_user_errors: bool = False,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
+        if not 0 <= max_retries <= 100:
+            raise ValueError(f"max_retries must be between 0 and 100, not {max_retries}")
+        if walltime_s is not None and not walltime_s > 0:
+            raise ValueError(f"walltime_s must be positive, not {walltime_s}")
+        self.max_retries = max_retries
+        self.walltime_s = walltime_s
+        self.retry_user_errors = retry_user_errors
         self.endpoint_id = endpoint_id
         self._owns_client = client is None
         self.client = client if client is not None else Client.from_environment()
@@ -110,7 +122,14 @@ class Executor(concurrent.futures.Executor):
         self._check_open()
         endpoint_id = self._check_endpoint()
         task = self.client.prepare_task(
-            endpoint_id, function_id, args, kwargs, task_group_id=self.task_group_id
+            endpoint_id,
+            function_id,
+            args,
+            kwargs,
+            task_group_id=self.task_group_id,
+            max_retries=self.max_retries,
+            walltime_s=self.walltime_s,
+            retry_user_errors=self.retry_user_errors,
         )
         future = self.client.track(task)
         with self._lock:

@@ -103,6 +103,7 @@ def build_task(
     task_group_id: str | None = None,
     max_retries: int = 0,
     walltime_s: float | None = None,
+    retry_user_errors: bool = False,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
@@ -124,6 +125,7 @@ def build_task(
         task_group_id=task_group_id,
         max_retries=max_retries,
         walltime_s=walltime_s,
+        retry_user_errors=retry_user_errors,
     )
     record = encode(submission)
     spec = catalogue.spec("tasks.submitted")

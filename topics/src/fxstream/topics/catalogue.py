@@ -181,6 +181,17 @@ TASK_STATE = TopicSpec(
     partitions=8,
     retention_ms=-1,
 )
+TASK_EVENTS = TopicSpec(
+    name="task-events",
+    key="task id",
+    summary="Lifecycle steps other than results (running, retrying, waiting-for-endpoint, "
+    "cancelled), folded into task-state when the lifecycle allows them.",
+    written_by="agents, liveness processor",
+    read_by="task-state processor",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=8,
+    retention_ms=7 * DAY_MS,
+)
 EVENTS = TopicSpec(
     name="events.{source}",
     key="event key",
@@ -218,6 +229,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     DATA_LOCATIONS,
     RESULTS,
     TASK_STATE,
+    TASK_EVENTS,
     EVENTS,
     DEAD_LETTER,
 )
@@ -348,6 +360,11 @@ class Catalogue:
     def task_state(self) -> str:
         """The compacted task-state view."""
         return self.topic(TASK_STATE)
+
+    @property
+    def task_events(self) -> str:
+        """Lifecycle steps for the task-state processor."""
+        return self.topic(TASK_EVENTS)
 
     @property
     def dead_letter(self) -> str:

@@ -34,6 +34,9 @@ __all__ = [
     "RecordDecodeError",
     "TaskDispatch",
     "TaskError",
+    "TaskErrorType",
+    "TaskEvent",
+    "TaskLease",
     "TaskResult",
     "TaskState",
     "TaskStateName",
@@ -111,8 +114,14 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     client: ClientInfo
     submitted_at: Timestamp
     task_group_id: Id | None = None
-    max_retries: Annotated[int, Meta(ge=0, le=100)] = 0
+    max_retries: Annotated[
+        int,
+        Meta(ge=0, le=100, description="further attempts after an infrastructure failure"),
+    ] = 0
     walltime_s: Annotated[float, Meta(gt=0)] | None = None
+    retry_user_errors: Annotated[
+        bool, Meta(description="also retry (up to max_retries) when the function raises")
+    ] = False
 
 
 class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
@@ -142,6 +151,18 @@ class TaskTimings(msgspec.Struct, kw_only=True, frozen=True):
     result_published_at: Timestamp | None = None
 
 
+class TaskErrorType(enum.StrEnum):
+    """The platform's own error types (a function's exceptions keep their own type names)."""
+
+    REJECTED = "TaskRejected"
+    CANCELLED = "TaskCancelled"
+    WORKER_LOST = "WorkerLost"
+    WALLTIME_EXCEEDED = "WalltimeExceeded"
+    AGENT_LOST = "AgentLost"
+    FUNCTION_UNAVAILABLE = "FunctionUnavailable"
+    RESULT_TOO_LARGE = "ResultTooLarge"
+
+
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
     """Why a task failed: the remote exception, or the platform's reason."""
 
@@ -151,6 +172,16 @@ class TaskError(msgspec.Struct, kw_only=True, frozen=True):
     retryable: Annotated[
         bool, Meta(description="true for infrastructure failures a retry may cure")
     ] = False
+
+
+class Attempt(msgspec.Struct, kw_only=True, frozen=True):
+    """One attempt at running a task."""
+
+    attempt: Annotated[int, Meta(ge=1)]
+    worker: Annotated[str, Meta(max_length=256, description="host:pid, or the agent's host")] = ""
+    started_at: Timestamp | None = None
+    finished_at: Timestamp | None = None
+    error: TaskError | None = None
 
 
 class TaskResult(Record, tag="result", kw_only=True, frozen=True):
@@ -170,6 +201,9 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
     attempt: Annotated[int, Meta(ge=1)] = 1
     worker: Annotated[str, Meta(max_length=256, description="host:pid of the worker")] = ""
     timings: TaskTimings = TaskTimings()
+    earlier_attempts: Annotated[
+        list[Attempt], Meta(description="the failed attempts before this one, oldest first")
+    ] = []
 
 
 class TaskStateName(enum.StrEnum):
@@ -184,16 +218,6 @@ class TaskStateName(enum.StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-
-
-class Attempt(msgspec.Struct, kw_only=True, frozen=True):
-    """One attempt at running a task."""
-
-    attempt: Annotated[int, Meta(ge=1)]
-    worker: Annotated[str, Meta(max_length=256)] = ""
-    started_at: Timestamp | None = None
-    finished_at: Timestamp | None = None
-    error: TaskError | None = None
 
 
 class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
@@ -213,6 +237,29 @@ class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
         bytes | None,
         Meta(description="the serialized result once succeeded, for get_result"),
     ] = None
+
+
+class TaskEvent(Record, tag="task-event", kw_only=True, frozen=True):
+    """A lifecycle step other than the result (topic ``task-events``, key: task id).
+
+    Written by agents (``retrying``, ``cancelled``) and the liveness processor
+    (``running`` while an agent's heartbeats lease the task, ``waiting-for-endpoint``
+    once that agent is lost); the task-state processor applies it to the task's
+    state if the lifecycle allows the step, and dead-letters it if not.
+    """
+
+    task_id: Id
+    user_id: Id
+    function_id: Id
+    endpoint_id: Id
+    task_group_id: Id | None = None
+    state: TaskStateName
+    at: Timestamp
+    source: Annotated[str, Meta(max_length=128, description="who saw it, e.g. 'liveness'")]
+    attempt: Annotated[
+        Attempt | None, Meta(description="the attempt this step ends or starts, with its error")
+    ] = None
+    reason: Text = ""
 
 
 # --- registry ------------------------------------------------------------------------------
@@ -260,6 +307,19 @@ class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):
 # --- endpoint telemetry --------------------------------------------------------------------
 
 
+class TaskLease(msgspec.Struct, kw_only=True, frozen=True):
+    """One task an agent holds: taken off its queue and not yet answered durably."""
+
+    task_id: Id
+    user_id: Id
+    function_id: Id
+    task_group_id: Id | None = None
+    attempt: Annotated[int, Meta(ge=1)] = 1
+    started_at: Annotated[
+        Timestamp | None, Meta(description="when a worker started it; null while queued")
+    ] = None
+
+
 class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
     """An agent's periodic liveness and load report (topic ``heartbeats``, key: endpoint id)."""
 
@@ -274,9 +334,13 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
     workers_idle: Count
     workers_busy: Count
     queue_depth: Annotated[int, Meta(ge=0, description="tasks fetched but not yet started")]
-    held_task_ids: Annotated[
-        list[Id], Meta(description="tasks this agent holds (its lease renewal)")
+    leases: Annotated[
+        list[TaskLease],
+        Meta(description="the tasks this agent holds (renewed by each heartbeat), at most 1,000"),
     ] = []
+    leases_truncated: Annotated[
+        bool, Meta(description="true when the agent held more tasks than it listed")
+    ] = False
     agent_version: Annotated[str, Meta(max_length=64)] = ""
 
 
@@ -347,6 +411,7 @@ AnyRecord = (
     | TaskDispatch
     | TaskResult
     | TaskState
+    | TaskEvent
     | FunctionRecord
     | EndpointRecord
     | Heartbeat
@@ -362,6 +427,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     TaskDispatch,
     TaskResult,
     TaskState,
+    TaskEvent,
     FunctionRecord,
     EndpointRecord,
     Heartbeat,
