@@ -198,6 +198,10 @@ class Agent:
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
                 "fetch.wait.max.ms": 20,
+                # The lease: librdkafka's background thread keeps the session alive while
+                # this process lives; a stopped or hung process loses its partitions.
+                "session.timeout.ms": int(self.config.lease_timeout_s * 1000),
+                "heartbeat.interval.ms": max(1000, int(self.config.lease_timeout_s * 1000 / 10)),
                 "log_level": 3,
             }
         )

@@ -54,8 +54,15 @@ class EndpointConfig:
     max_local_queue: int = 2_000
     max_local_queue_bytes: int = 64 * 1024 * 1024
     heartbeat_period_s: float = 5.0
+    # How long this agent's tasks stay leased to it without a sign of life (Kafka's
+    # consumer session timeout): after that its partitions, and so its unanswered
+    # tasks, go to another agent of the endpoint, and a zombie's results are fenced.
+    lease_timeout_s: float = 30.0
     engine: str = "process"
     max_result_bytes: int = 1_000_000
+    # Backoff before retry n of a task (n = 1, 2, ...): min(base * 2**(n-1), max).
+    retry_backoff_s: float = 0.5
+    retry_backoff_max_s: float = 30.0
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the field when a value cannot work."""
@@ -69,6 +76,17 @@ class EndpointConfig:
             raise ConfigError("max_local_queue_bytes must be at least 1 MiB (1048576)")
         if self.heartbeat_period_s <= 0:
             raise ConfigError("heartbeat_period_s must be positive")
+        if not 6.0 <= self.lease_timeout_s <= 3600.0:
+            # Kafka's brokers accept session timeouts of 6 s to 30 min by default
+            # (group.min/max.session.timeout.ms); the lease must outlast a heartbeat.
+            raise ConfigError("lease_timeout_s must be between 6 and 3600 seconds")
+        if self.lease_timeout_s < 2 * self.heartbeat_period_s:
+            raise ConfigError(
+                "lease_timeout_s must be at least twice heartbeat_period_s, or one late "
+                "heartbeat would lose the lease"
+            )
+        if self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s:
+            raise ConfigError("retry_backoff_s must be >= 0 and <= retry_backoff_max_s")
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "
