@@ -141,6 +141,62 @@ def test_a_worker_that_dies_fails_only_its_task(stack: Stack) -> None:
         assert executor.submit(double, 6).result(timeout=60) == 12
 
 
+def crash_first_time(marker: str, value: int) -> int:
+    # The marker file outlives the worker, so the retry sees that it already crashed once.
+    path = Path(marker)
+    if not path.exists():
+        path.write_text("crashed")
+        os._exit(9)
+    return value
+
+
+def raise_first_time(marker: str, value: int) -> int:
+    path = Path(marker)
+    if not path.exists():
+        path.write_text("raised")
+        raise RuntimeError("transient failure")
+    return value
+
+
+def test_a_lost_worker_is_retried_up_to_max_retries(stack: Stack, tmp_path: Path) -> None:
+    client = stack.client()
+    try:
+        with Executor(endpoint_id=stack.endpoint_id, client=client, max_retries=2) as executor:
+            recovered = executor.submit(crash_first_time, str(tmp_path / "once"), 7)
+            doomed = executor.submit(crash)
+            assert recovered.result(timeout=60) == 7
+            assert recovered.attempt == 2
+            with pytest.raises(WorkerLost) as info:
+                doomed.result(timeout=60)
+    finally:
+        client.close()
+    failure = info.value
+    assert failure.attempt == 3
+    assert [a.attempt for a in failure.earlier_attempts] == [1, 2]
+    assert all(
+        a.error is not None and a.error.type == "WorkerLost" for a in failure.earlier_attempts
+    )
+    assert "attempt 1 on" in str(failure) and "attempt 2 on" in str(failure)
+
+
+def test_user_errors_are_retried_only_when_asked(stack: Stack, tmp_path: Path) -> None:
+    client = stack.client()
+    try:
+        with (
+            Executor(endpoint_id=stack.endpoint_id, client=client, max_retries=1) as plain,
+            pytest.raises(RuntimeError, match="transient failure"),
+        ):
+            plain.submit(raise_first_time, str(tmp_path / "plain"), 1).result(timeout=60)
+        with Executor(
+            endpoint_id=stack.endpoint_id, client=client, max_retries=1, retry_user_errors=True
+        ) as retrying:
+            future = retrying.submit(raise_first_time, str(tmp_path / "retried"), 2)
+            assert future.result(timeout=60) == 2
+            assert future.attempt == 2
+    finally:
+        client.close()
+
+
 def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
     client = stack.client()
     try:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
+import heapq
 import itertools
 import logging
 import os
@@ -46,7 +47,14 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
-from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka import (
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.offsets import OffsetTracker
@@ -54,6 +62,7 @@ from fxstream.agent.publisher import Answer, TransactionalPublisher
 from fxstream.agent.runner import RUNNER
 from fxstream.agent.workers import WorkerPool, WorkItem, WorkOutcome
 from fxstream.topics import (
+    Attempt,
     Catalogue,
     DeadLetter,
     Heartbeat,
@@ -61,8 +70,11 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskDispatch,
     TaskError,
+    TaskErrorType,
+    TaskEvent,
     TaskLease,
     TaskResult,
+    TaskStateName,
     TaskSubmission,
     TaskTimings,
     WarmAdvert,
@@ -82,6 +94,8 @@ CALL_FLUSH_S = 10.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
 STOP_GRACE_S = 30.0
+# Failures a retry cannot cure, even with retry_user_errors.
+_NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESULT_TOO_LARGE)})
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
 
@@ -98,6 +112,10 @@ class _Held:
     size: int
     code_sha256: str = ""
     code: bytes = b""
+    # This agent's attempt number (the dispatch's, then one more per local retry) and
+    # the failed attempts before it, oldest first.
+    attempt: int = 1
+    earlier: tuple[Attempt, ...] = ()
 
 
 class FunctionUnavailable(Exception):
@@ -158,11 +176,16 @@ class Agent:
         self._in_pool = 0
         # When each task in the pool was given to it (a lease's started_at), by task id.
         self._given_to_pool: dict[str, float] = {}
+        # Tasks waiting out a retry backoff: (due on the monotonic clock, tie-break, task).
+        self._retries: list[tuple[float, int, _Held]] = []
+        self._retry_order = itertools.count()
+        self.retries_scheduled = 0
         # Guards the fields above: the poll thread takes tasks, the pool's collector
         # thread publishes results and feeds the pool.
         self._lock = threading.Lock()
         self._pool: WorkerPool | None = None
         self._publisher: TransactionalPublisher | None = None
+        self._events: Producer | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
         self._paused = False
@@ -213,7 +236,7 @@ class Agent:
             group_metadata=lambda: self._group_metadata,
             on_committed=self._count_committed,
         )
-        self._pool, self._publisher = pool, publisher
+        self._pool, self._publisher, self._events = pool, publisher, producer
         try:
             pool.wait_ready(timeout=60)
             publisher.start()
@@ -309,7 +332,15 @@ class Agent:
         except RecordDecodeError as exc:
             self._dead_letter(message, exc.reason)
             return
-        held = _Held(partition, offset, dispatch, submission, dequeued_at, len(value))
+        held = _Held(
+            partition,
+            offset,
+            dispatch,
+            submission,
+            dequeued_at,
+            len(value),
+            attempt=dispatch.attempt,
+        )
         with self._lock:
             if submission.task_id in self._held:
                 # The same task twice in one batch (a redelivery): one run answers both.
@@ -333,6 +364,7 @@ class Agent:
         pool = self._pool
         assert pool is not None
         capacity = self.config.workers + self.config.prefetch
+        self._requeue_due_retries()
         while True:
             with self._lock:
                 if not self._local_queue or self._in_pool >= capacity:
@@ -355,11 +387,106 @@ class Agent:
 
     def _finished(self, held: _Held, future: Future[WorkOutcome]) -> None:
         # On the pool's collector thread: answer at once, then give the slot new work.
+        outcome = future.result()
         with self._lock:
             self._in_pool -= 1
             self._given_to_pool.pop(held.submission.task_id, None)
-        self._publish(held, future.result())
+        if not self._retry(held, outcome):
+            self._publish(held, outcome)
         self._feed_pool()
+
+    # --- retries -----------------------------------------------------------------------
+
+    def _should_retry(self, held: _Held, outcome: WorkOutcome) -> bool:
+        submission = held.submission
+        if outcome.ok or len(held.earlier) >= submission.max_retries:
+            return False
+        if outcome.retryable:
+            return True
+        # A function's own exception (or its walltime) is retried only when asked for.
+        return submission.retry_user_errors and outcome.error_type not in _NEVER_RETRIED
+
+    def _retry(self, held: _Held, outcome: WorkOutcome) -> bool:
+        """Schedule another attempt after a backoff; False when the outcome is final.
+
+        The task stays held (its offset uncommitted, its lease renewed), so a crash
+        during the backoff hands it to the next agent rather than losing it.
+        """
+        if not self._should_retry(held, outcome):
+            return False
+        if self._stop.is_set():
+            # Stopping: hand the task back uncommitted; the next agent runs it again.
+            with self._lock:
+                self._held.pop(held.submission.task_id, None)
+            return True
+        failed = Attempt(
+            attempt=held.attempt,
+            worker=outcome.worker or self._hostname,
+            started_at=outcome.started_at,
+            finished_at=outcome.finished_at,
+            error=_task_error(outcome),
+        )
+        retry = dataclasses.replace(held, attempt=held.attempt + 1, earlier=(*held.earlier, failed))
+        delay = min(
+            self.config.retry_backoff_s * 2 ** len(held.earlier), self.config.retry_backoff_max_s
+        )
+        with self._lock:
+            if held.submission.task_id not in self._held:
+                return True  # handed back (a rebalance or a stop) while it ran
+            self._held[held.submission.task_id] = retry
+            heapq.heappush(
+                self._retries, (time.monotonic() + delay, next(self._retry_order), retry)
+            )
+            self.retries_scheduled += 1
+        log.info(
+            "task %s: attempt %d failed with %s; retry %d of %d in %.1f s",
+            held.submission.task_id,
+            held.attempt,
+            outcome.error_type,
+            len(retry.earlier),
+            held.submission.max_retries,
+            delay,
+        )
+        self._announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
+        return True
+
+    def _requeue_due_retries(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            while self._retries and self._retries[0][0] <= now:
+                held = heapq.heappop(self._retries)[2]
+                if self._held.get(held.submission.task_id) is not held:
+                    continue  # dropped by a rebalance or a stop meanwhile
+                # Ahead of tasks not yet tried: it has waited its turn already.
+                self._local_queue.appendleft(held)
+                self._local_queue_bytes += held.size
+
+    def _announce(
+        self, held: _Held, state: TaskStateName, attempt: Attempt | None, reason: str
+    ) -> None:
+        """Tell the task-state processor of a lifecycle step (best effort: status only)."""
+        events = self._events
+        if events is None:
+            return
+        submission = held.submission
+        event = TaskEvent(
+            task_id=submission.task_id,
+            user_id=submission.user_id,
+            function_id=submission.function_id,
+            endpoint_id=self.config.endpoint_id,
+            task_group_id=submission.task_group_id,
+            state=state,
+            at=time.time(),
+            source=f"agent {self.config.name}@{self._hostname}",
+            attempt=attempt,
+            reason=reason,
+        )
+        try:
+            events.produce(
+                self.catalogue.task_events, key=submission.task_id.encode(), value=encode(event)
+            )
+        except (BufferError, KafkaException) as exc:
+            log.warning("task %s: cannot announce %s: %s", submission.task_id, state, exc)
 
     def _publish(self, held: _Held, outcome: WorkOutcome) -> None:
         publisher = self._publisher
@@ -397,14 +524,6 @@ class Agent:
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
-        error = None
-        if not outcome.ok:
-            error = TaskError(
-                type=outcome.error_type or "Error",
-                message=outcome.error_message,
-                traceback=outcome.traceback,
-                retryable=outcome.retryable,
-            )
         return TaskResult(
             task_id=submission.task_id,
             user_id=submission.user_id,
@@ -413,8 +532,9 @@ class Agent:
             task_group_id=submission.task_group_id,
             outcome="success" if outcome.ok else "error",
             value=outcome.value if outcome.ok else None,
-            error=error,
-            attempt=held.dispatch.attempt,
+            error=None if outcome.ok else _task_error(outcome),
+            attempt=held.attempt,
+            earlier_attempts=list(held.earlier),
             worker=outcome.worker,
             timings=TaskTimings(
                 submitted_at=submission.submitted_at,
@@ -494,7 +614,8 @@ class Agent:
             publisher.flush(CALL_FLUSH_S)
         revoked = {p.partition for p in partitions}
         with self._lock:
-            self._unqueue([held for held in self._local_queue if held.partition in revoked])
+            waiting = [*self._local_queue, *(r[2] for r in self._retries)]
+            self._unqueue([held for held in waiting if held.partition in revoked])
         self._tracker.forget_partitions(revoked)
 
     def _leases(self, limit: int) -> tuple[list[TaskLease], bool]:
@@ -535,6 +656,8 @@ class Agent:
             self._held.pop(task_id, None)
         self._local_queue = deque(h for h in self._local_queue if h.submission.task_id not in gone)
         self._local_queue_bytes = sum(h.size for h in self._local_queue)
+        self._retries = [r for r in self._retries if r[2].submission.task_id not in gone]
+        heapq.heapify(self._retries)
 
     def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
         self._sequence += 1
@@ -578,7 +701,7 @@ class Agent:
         # Tasks not yet started stay uncommitted and go to the next agent; the pool's are
         # finished and answered first.
         with self._lock:
-            self._unqueue(list(self._local_queue))
+            self._unqueue([*self._local_queue, *(r[2] for r in self._retries)])
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
@@ -595,6 +718,15 @@ def _headers(message: Message) -> list[tuple[str, bytes | None]]:
     raw = message.headers() or []
     pairs = raw.items() if isinstance(raw, dict) else raw
     return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
+
+
+def _task_error(outcome: WorkOutcome) -> TaskError:
+    return TaskError(
+        type=outcome.error_type or "Error",
+        message=outcome.error_message,
+        traceback=outcome.traceback,
+        retryable=outcome.retryable,
+    )
 
 
 def _failed(submission: TaskSubmission, error_type: str, exc: BaseException) -> WorkOutcome:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import builtins
 import functools
+from collections.abc import Sequence
 from typing import Any
 
-from fxstream.topics import TaskError
+from fxstream.topics import Attempt, TaskError
 
 __all__ = [
     "AuthenticationError",
@@ -132,6 +133,9 @@ class TaskExecutionFailed(FxstreamError):
     When the remote type is a builtin exception (``ValueError``,
     ``ZeroDivisionError``, ...) the raised object is also an instance of that
     builtin, so ``except ZeroDivisionError`` works as it would locally.
+
+    ``earlier_attempts`` are the failed attempts before the last one (a task
+    submitted with ``max_retries``), oldest first; ``str()`` lists them too.
     """
 
     def __init__(
@@ -141,16 +145,26 @@ class TaskExecutionFailed(FxstreamError):
         *,
         endpoint_id: str | None = None,
         attempt: int | None = None,
+        earlier_attempts: Sequence[Attempt] = (),
     ) -> None:
         self.task_id = task_id
         self.endpoint_id = endpoint_id
         self.attempt = attempt
+        self.earlier_attempts = list(earlier_attempts)
         self.remote_type = error.type
         self.remote_message = error.message
         self.remote_traceback = error.traceback
         self.retryable = error.retryable
         where = f" on endpoint {endpoint_id}" if endpoint_id else ""
         text = f"task {task_id} failed{where}: {error.type}: {error.message}"
+        if self.earlier_attempts:
+            text += f" (attempt {attempt}; earlier attempts:"
+            for earlier in self.earlier_attempts:
+                failure = earlier.error
+                why = f"{failure.type}: {failure.message}" if failure else "no error recorded"
+                where = f" on {earlier.worker}" if earlier.worker else ""
+                text += f"\n  attempt {earlier.attempt}{where}: {why}"
+            text += ")"
         if error.traceback:
             text += f"\n\nRemote traceback:\n{error.traceback.rstrip()}"
         self._text = text
@@ -170,7 +184,11 @@ class TaskExecutionFailed(FxstreamError):
         return (
             task_failure,
             (self.task_id, error),
-            {"endpoint_id": self.endpoint_id, "attempt": self.attempt},
+            {
+                "endpoint_id": self.endpoint_id,
+                "attempt": self.attempt,
+                "earlier_attempts": self.earlier_attempts,
+            },
         )
 
 
@@ -218,6 +236,7 @@ def task_failure(
     *,
     endpoint_id: str | None = None,
     attempt: int | None = None,
+    earlier_attempts: Sequence[Attempt] = (),
 ) -> TaskExecutionFailed:
     """The exception for a failed task: the subclass for its ``error.type``.
 
@@ -229,5 +248,12 @@ def task_failure(
     base = _PLATFORM_ERRORS.get(short, TaskExecutionFailed)
     cls = _with_builtin(error.type) if base is TaskExecutionFailed else base
     failure = cls.__new__(cls)
-    TaskExecutionFailed.__init__(failure, task_id, error, endpoint_id=endpoint_id, attempt=attempt)
+    TaskExecutionFailed.__init__(
+        failure,
+        task_id,
+        error,
+        endpoint_id=endpoint_id,
+        attempt=attempt,
+        earlier_attempts=earlier_attempts,
+    )
     return failure

@@ -260,7 +260,11 @@ class ResultListener:
                     outcome = exc
         elif result.error is not None:
             outcome = task_failure(
-                result.task_id, result.error, endpoint_id=result.endpoint_id, attempt=result.attempt
+                result.task_id,
+                result.error,
+                endpoint_id=result.endpoint_id,
+                attempt=result.attempt,
+                earlier_attempts=result.earlier_attempts,
             )
         else:
             outcome = FxstreamError(
