@@ -6,6 +6,7 @@ service API, the stream processors and a local endpoint, each its own process).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -24,6 +25,7 @@ from fxstream.sdk import (
     Client,
     ClientSettings,
     Executor,
+    NotFound,
     PayloadTooLarge,
     ShellFunction,
     TaskExecutionFailed,
@@ -195,6 +197,24 @@ def test_user_errors_are_retried_only_when_asked(stack: Stack, tmp_path: Path) -
             assert future.attempt == 2
     finally:
         client.close()
+
+
+def test_a_long_task_shows_running_while_its_agent_holds_it(stack: Stack) -> None:
+    with stack.executor() as executor:
+        future = executor.submit(ShellFunction("sleep 12"))
+        task_id = future.task_id
+        states: list[str] = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "running" not in states:
+            with contextlib.suppress(NotFound):  # until task-state has seen it
+                states.append(executor.client.get_task(task_id)["state"])
+            time.sleep(0.5)
+        assert "running" in states, f"never running; seen {sorted(set(states))}"
+        assert future.result(timeout=60).returncode == 0
+        deadline = time.monotonic() + 30
+        while executor.client.get_task(task_id)["state"] != "succeeded":
+            assert time.monotonic() < deadline, "task-state never folded the result"
+            time.sleep(0.2)
 
 
 def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:

@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import Message
 
 from fxstream.service.deadletter import dead_letter, normalise_headers
-from fxstream.service.task_state import RecentTasks, fold_result, results_pattern
+from fxstream.service.task_state import fold_result, results_pattern
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
@@ -54,14 +54,6 @@ def test_results_pattern_matches_only_this_deployments_results_topics() -> None:
     assert not pattern.match("fx.results.")
     assert not pattern.match("fx.task-state")
     assert re.compile(results_pattern(Catalogue(prefix=""))).match("results.u")
-
-
-def test_recent_tasks_are_remembered_up_to_capacity() -> None:
-    recent = RecentTasks(capacity=3)
-    assert [recent.add(t) for t in ("a", "b", "a", "c", "d")] == [True, True, False, True, True]
-    assert len(recent) == 3
-    assert recent.add("a")  # forgotten: the oldest went when "d" came
-    assert not recent.add("d")
 
 
 def test_dead_letter_accepts_any_header_shape_and_keeps_its_limits() -> None:

@@ -4,10 +4,12 @@
   writes its dispatch, state, result or dead letter (decisions in
   :mod:`fxstream.service.router`), each batch in one Kafka transaction with its
   input offsets (:mod:`fxstream.service.router_loop`).
-- The *task-state* processor follows every ``results.<user>`` topic and folds
-  results into ``task-state`` (:mod:`fxstream.service.task_state`).
+- The *task-state* processor follows every ``results.<user>`` topic and
+  ``task-events`` and folds them into ``task-state`` under the task lifecycle
+  (:mod:`fxstream.service.task_state`, :mod:`fxstream.service.lifecycle`).
 - The *liveness* agent (a faust agent, batched with ``take_events``) follows
-  ``heartbeats`` and logs endpoints coming online, restarting and being lost
+  ``heartbeats``: it logs agents coming online and being lost, and turns task
+  leases into ``running`` and ``waiting-for-endpoint`` task events
   (:mod:`fxstream.service.liveness`).
 
 Both run as tasks of one faust app (its worker, signals and logging). Topics
@@ -135,12 +137,14 @@ def build_app(
     async def watch_heartbeats(stream: StreamT[bytes]) -> None:
         batches = cast("faust.Stream[bytes]", stream).take_events(batch_size, within=0.5)
         async for events in batches:
-            transitions, letters = liveness.observe([event.message for event in events])
+            transitions, records = liveness.observe([event.message for event in events])
             _log_transitions(transitions)
-            await write(letters)
+            await write(records)
 
     async def check_liveness() -> None:
-        _log_transitions(liveness.lost(time.time()))
+        transitions, records = liveness.lost(time.time())
+        _log_transitions(transitions)
+        await write(records)
 
     async def route() -> None:
         await router_loop.run()
@@ -163,7 +167,7 @@ def build_app(
 
 def _log_transitions(transitions: Sequence[Transition]) -> None:
     for t in transitions:
-        log.info("liveness: endpoint %s %s (agent %s)", t.endpoint_id, t.change, t.agent_id)
+        log.info("liveness: agent %s of endpoint %s %s", t.agent_id, t.endpoint_id, t.change)
 
 
 async def _write_or_exit(app: faust.App, records: Sequence[Outgoing]) -> None:

@@ -1,17 +1,20 @@
-"""The task-state processor: fold every user's results into the compacted ``task-state`` topic.
+"""The task-state processor: fold results and task events into the compacted ``task-state``.
 
 It follows every ``results.<user>`` topic by *pattern*, so a user registered
-after start is picked up (within ``metadata_max_age_ms``) without a restart.
+after start is picked up (within ``metadata_max_age_ms``) without a restart,
+and ``task-events`` (steps announced by agents and the liveness processor).
 faust cannot do this: ``app.topic(pattern=...)`` subscribes to no topic at all
 and crashes the worker (faust-streaming 0.15.3: its conductor only subscribes
 to named topics), so this loop uses an aiokafka consumer of its own inside the
 faust app, and writes through the app's producer.
 
-The first terminal result per task wins. A task may run twice (its agent
-crashed after publishing), so later results for a task already folded are
-counted and dropped. The memory of folded tasks is bounded (see
-:class:`RecentTasks`), so a duplicate arriving after many newer tasks, or after
-a restart of this processor, is folded again (over the first).
+Each record is a proposed step of a task's lifecycle
+(:mod:`fxstream.service.lifecycle`): a result ends the task (succeeded,
+failed, or cancelled for a ``TaskCancelled`` error), an event moves it
+(running, retrying, waiting-for-endpoint, cancelled). The step is applied only
+if the lifecycle allows it; the first terminal result per task wins, and later
+ones are counted and dropped; impossible steps are dead-lettered. Every
+attempt is kept in the state with its error and host.
 """
 
 from __future__ import annotations
@@ -29,22 +32,31 @@ from aiokafka.errors import CommitFailedError, IllegalStateError  # type: ignore
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
 from fxstream.service.deadletter import RawRecord, dead_letter_for
+from fxstream.service.lifecycle import (
+    EVENT_STATES,
+    TERMINAL_STATES,
+    KnownTask,
+    TaskMemory,
+    may_follow,
+)
+from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.outgoing import Outgoing, fits
-from fxstream.service.router import REJECTED_ERROR_TYPE
 from fxstream.topics import (
     Attempt,
     Catalogue,
     RecordDecodeError,
+    TaskErrorType,
+    TaskEvent,
     TaskResult,
     TaskState,
     TaskStateName,
+    TaskTimings,
     decode,
     encode,
 )
 
 __all__ = [
     "COMPONENT",
-    "RecentTasks",
     "ResultsFollower",
     "TaskStatePlanner",
     "TaskStateStats",
@@ -56,6 +68,8 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "task-state"
 Send = Callable[[Sequence[Outgoing]], Awaitable[None]]
+# A lone task's attempt history is kept to this many entries (the latest ones).
+MAX_ATTEMPTS_KEPT = 50
 
 
 def results_pattern(catalogue: Catalogue) -> str:
@@ -63,56 +77,56 @@ def results_pattern(catalogue: Catalogue) -> str:
     return "^" + re.escape(catalogue.prefix + "results.") + r"[A-Za-z0-9][A-Za-z0-9-]*$"
 
 
-class RecentTasks:
-    """The ids of the last ``capacity`` tasks whose terminal state was written.
-
-    Bounded on purpose: task-state is unbounded, this memory must not be. Ids
-    are kept as 64-bit hashes (about 75 bytes each, so the default 500,000
-    take about 40 MB); a collision, at odds near 1e-8, would drop one result
-    from task-state (never from the user's results topic).
-    """
-
-    def __init__(self, capacity: int = 500_000) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be at least 1")
-        self._capacity = capacity
-        self._seen: dict[int, None] = {}
-
-    def __len__(self) -> int:
-        return len(self._seen)
-
-    def add(self, task_id: str) -> bool:
-        """Remember ``task_id``; False when it was already remembered."""
-        key = hash(task_id)
-        if key in self._seen:
-            return False
-        self._seen[key] = None
-        if len(self._seen) > self._capacity:
-            # dicts keep insertion order, so the first key is the oldest.
-            del self._seen[next(iter(self._seen))]
-        return True
+def _inputs_pattern(catalogue: Catalogue) -> str:
+    results = results_pattern(catalogue)[1:-1]
+    return f"^(?:{results}|{re.escape(catalogue.task_events)})$"
 
 
-def fold_result(result: TaskResult, now: float) -> TaskState:
-    """The terminal task state one result stands for: succeeded with its value, or failed."""
-    succeeded = result.outcome == "success"
-    attempt = Attempt(
+def _attempt_of(result: TaskResult) -> Attempt:
+    return Attempt(
         attempt=result.attempt,
         worker=result.worker,
         started_at=result.timings.started_at,
         finished_at=result.timings.finished_at,
         error=result.error,
     )
+
+
+def _merge_attempts(known: Sequence[Attempt], more: Sequence[Attempt]) -> list[Attempt]:
+    """``known`` then those of ``more`` not already in it (an agent reports a retried
+    attempt twice: in its retrying event and in the final result's history)."""
+    merged = list(known)
+    seen = {(a.attempt, a.worker, a.started_at) for a in merged}
+    for attempt in more:
+        if (attempt.attempt, attempt.worker, attempt.started_at) not in seen:
+            merged.append(attempt)
+    return merged[-MAX_ATTEMPTS_KEPT:]
+
+
+def _terminal_state(result: TaskResult) -> TaskStateName:
+    if result.outcome == "success":
+        return TaskStateName.SUCCEEDED
+    if result.error is not None and result.error.type == TaskErrorType.CANCELLED:
+        return TaskStateName.CANCELLED
+    return TaskStateName.FAILED
+
+
+def fold_result(result: TaskResult, now: float, earlier: Sequence[Attempt] = ()) -> TaskState:
+    """The terminal task state one result stands for, with every attempt: ``earlier``
+    (known before the result), the result's own history, then the result's attempt."""
+    state = _terminal_state(result)
+    succeeded = state is TaskStateName.SUCCEEDED
+    attempts = _merge_attempts(earlier, [*result.earlier_attempts, _attempt_of(result)])
     return TaskState(
         task_id=result.task_id,
         user_id=result.user_id,
         function_id=result.function_id,
         endpoint_id=result.endpoint_id,
         task_group_id=result.task_group_id,
-        state=TaskStateName.SUCCEEDED if succeeded else TaskStateName.FAILED,
+        state=state,
         updated_at=now,
         timings=result.timings,
-        attempts=[attempt],
+        attempts=attempts,
         error=None if succeeded else result.error,
         value=result.value if succeeded else None,
     )
@@ -123,7 +137,10 @@ class TaskStateStats:
     """Counts since start, logged at shutdown."""
 
     folded: int = 0
+    events_applied: int = 0
     duplicates: int = 0
+    stale: int = 0
+    impossible: int = 0
     rejections_skipped: int = 0
     values_dropped: int = 0
     dead_lettered: int = 0
@@ -131,10 +148,10 @@ class TaskStateStats:
 
 @dataclass
 class TaskStatePlanner:
-    """Decides what to write to task-state (and dead-letter) for a batch of result records."""
+    """Decides what to write to task-state (and dead-letter) for a batch of input records."""
 
     catalogue: Catalogue
-    recent: RecentTasks = field(default_factory=RecentTasks)
+    memory: TaskMemory = field(default_factory=TaskMemory)
     clock: Callable[[], float] = time.time
     stats: TaskStateStats = field(default_factory=TaskStateStats)
 
@@ -142,12 +159,15 @@ class TaskStatePlanner:
         self._state_limit = self.catalogue.spec("task-state").max_message_bytes
 
     def plan(self, records: Sequence[RawRecord]) -> list[Outgoing]:
-        """The task-state and dead-letter records for ``records``."""
+        """The task-state and dead-letter records for ``records`` (results and events)."""
         out: list[Outgoing] = []
         now = self.clock()
         for record in records:
             try:
-                self._plan_one(out, record, now)
+                if record.topic == self.catalogue.task_events:
+                    self._plan_event(out, record, decode(record.value, TaskEvent), now)
+                else:
+                    self._plan_result(out, record, decode(record.value, TaskResult), now)
             except RecordDecodeError as exc:
                 self._dead_letter(out, record, str(exc), "RecordDecodeError")
             except Exception as exc:  # a bug here must cost one record, not the processor
@@ -155,30 +175,93 @@ class TaskStatePlanner:
                 self._dead_letter(out, record, f"task-state failed: {exc!r}", "TaskStateError")
         return out
 
-    def _plan_one(self, out: list[Outgoing], record: RawRecord, now: float) -> None:
-        result = decode(record.value, TaskResult)
-        if result.error is not None and result.error.type == REJECTED_ERROR_TYPE:
+    # --- results -------------------------------------------------------------------------
+
+    def _plan_result(
+        self, out: list[Outgoing], record: RawRecord, result: TaskResult, now: float
+    ) -> None:
+        if result.error is not None and result.error.type == TaskErrorType.REJECTED:
             # The router refused it and wrote the rejected state itself; folding this
             # into "failed" would overwrite it.
             self.stats.rejections_skipped += 1
             return
-        if not self.recent.add(result.task_id):
+        known = self.memory.get(result.task_id)
+        if known is not None and known.state in TERMINAL_STATES:
             self.stats.duplicates += 1
             log.info(
-                "task-state: duplicate result for task %s (attempt %d) ignored; the first stands",
+                "task-state: duplicate result for task %s (attempt %d) ignored; the first "
+                "(%s) stands",
                 result.task_id,
                 result.attempt,
+                known.state,
             )
             return
-        key = result.task_id.encode()
-        state = fold_result(result, now)
+        state = fold_result(result, now, known.attempts if known else ())
+        self._write(out, state)
+        self.memory.put(result.task_id, KnownTask(state.state, result.attempt))
+        self.stats.folded += 1
+
+    # --- events --------------------------------------------------------------------------
+
+    def _plan_event(
+        self, out: list[Outgoing], record: RawRecord, event: TaskEvent, now: float
+    ) -> None:
+        if event.state not in EVENT_STATES:
+            allowed = ", ".join(sorted(EVENT_STATES))
+            self._impossible(out, record, f"a task event may announce only {allowed}")
+            return
+        known = self.memory.get(event.task_id)
+        current = known.state if known else TaskStateName.ROUTED
+        number = event.attempt.attempt if event.attempt else (known.attempt if known else 1)
+        if current in TERMINAL_STATES:
+            if event.source == LIVENESS or (known is not None and number < known.attempt):
+                self.stats.stale += 1
+                return
+            self._impossible(
+                out,
+                record,
+                f"impossible transition {current} -> {event.state} for task {event.task_id} "
+                f"(attempt {number}, from {event.source}): the task had already ended",
+            )
+            return
+        if known is not None and current == event.state and number == known.attempt:
+            return  # the same step announced again (a lease renewal, a redelivery)
+        if not may_follow(current, event.state):
+            self._impossible(out, record, f"impossible transition {current} -> {event.state}")
+            return
+        attempts = list(known.attempts) if known else []
+        if event.attempt is not None and event.attempt.error is not None:
+            attempts = _merge_attempts(attempts, [event.attempt])
+        state = TaskState(
+            task_id=event.task_id,
+            user_id=event.user_id,
+            function_id=event.function_id,
+            endpoint_id=event.endpoint_id,
+            task_group_id=event.task_group_id,
+            state=event.state,
+            updated_at=now,
+            timings=TaskTimings(started_at=event.attempt.started_at if event.attempt else None),
+            attempts=attempts,
+            error=event.attempt.error if event.attempt else None,
+        )
+        self._write(out, state)
+        self.memory.put(event.task_id, KnownTask(event.state, number, tuple(attempts)))
+        self.stats.events_applied += 1
+
+    # --- writing -------------------------------------------------------------------------
+
+    def _write(self, out: list[Outgoing], state: TaskState) -> None:
+        key = state.task_id.encode()
         value = encode(state)
         if not fits(len(key) + len(value), self._state_limit):
             # The value stays on the user's results topic; status shows the outcome only.
             self.stats.values_dropped += 1
             value = encode(msgspec.structs.replace(state, value=None))
         out.append(Outgoing(self.catalogue.task_state, key, value))
-        self.stats.folded += 1
+
+    def _impossible(self, out: list[Outgoing], record: RawRecord, reason: str) -> None:
+        self.stats.impossible += 1
+        self._dead_letter(out, record, reason, "ImpossibleTransition")
 
     def _dead_letter(
         self, out: list[Outgoing], record: RawRecord, reason: str, error_type: str
@@ -196,7 +279,8 @@ class TaskStatePlanner:
 
 
 class ResultsFollower(StoppableLoop):
-    """Consumes every results topic by pattern in batches, plans, writes, then commits.
+    """Consumes every results topic (by pattern) and task-events in batches, plans, writes,
+    then commits.
 
     Offsets are committed only after the batch's writes are acknowledged, so a
     crash re-reads (at least once) and never skips a result.
@@ -240,7 +324,7 @@ class ResultsFollower(StoppableLoop):
         self._consumer = AIOKafkaConsumer(**self._consumer_settings)
         try:
             await self._consumer.start()
-            self._consumer.subscribe(pattern=results_pattern(self._planner.catalogue))
+            self._consumer.subscribe(pattern=_inputs_pattern(self._planner.catalogue))
             while not self._stopping.is_set():
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 records = [r for partition in batch.values() for r in partition]

@@ -1,0 +1,132 @@
+"""The task lifecycle: which state may follow which, and the memory that enforces it.
+
+::
+
+    submitted --> rejected                                   (router)
+        |
+        v
+      routed --+--> running <--> retrying                    (liveness, agent)
+               |       ^  \\        |
+               |       |   v        v
+               +--> waiting-for-endpoint                     (liveness: agent lost)
+               |
+               +--> succeeded | failed | cancelled           (a result)
+
+From ``routed``, ``running``, ``retrying`` and ``waiting-for-endpoint`` a task
+may go to any of those four or to a terminal state; ``succeeded``, ``failed``,
+``rejected`` and ``cancelled`` are terminal. The router writes ``routed`` and
+``rejected`` itself (in the transaction that dispatches or refuses the task),
+so the task-state processor sees a task first through a later step and takes
+an unknown task to be ``routed``.
+
+After a terminal state:
+
+- a further result is a *duplicate* (the task ran twice after a crash): the
+  first stands, the rest are counted and dropped;
+- a step observed by the liveness processor, or one about an earlier attempt
+  than the terminal one, is *stale* (it describes a moment before the end that
+  arrived late): counted and dropped;
+- anything else is an *impossible transition*: logged and dead-lettered, not
+  applied.
+
+The memory of tasks is bounded (:class:`TaskMemory`), so after many newer
+tasks, or a restart of the processor, a task is unknown again and a late
+duplicate is applied over the first (the SDK still delivers the first only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from fxstream.topics import Attempt, TaskStateName
+
+__all__ = [
+    "ACTIVE_STATES",
+    "EVENT_STATES",
+    "TERMINAL_STATES",
+    "KnownTask",
+    "TaskMemory",
+    "may_follow",
+]
+
+TERMINAL_STATES: Final = frozenset(
+    {
+        TaskStateName.SUCCEEDED,
+        TaskStateName.FAILED,
+        TaskStateName.REJECTED,
+        TaskStateName.CANCELLED,
+    }
+)
+ACTIVE_STATES: Final = frozenset(
+    {
+        TaskStateName.ROUTED,
+        TaskStateName.RUNNING,
+        TaskStateName.RETRYING,
+        TaskStateName.WAITING_FOR_ENDPOINT,
+    }
+)
+EVENT_STATES: Final = frozenset(
+    {
+        TaskStateName.RUNNING,
+        TaskStateName.RETRYING,
+        TaskStateName.WAITING_FOR_ENDPOINT,
+        TaskStateName.CANCELLED,
+    }
+)
+"""The states a task event may announce; results end a task, the router starts it."""
+
+_NEXT: Final[dict[TaskStateName, frozenset[TaskStateName]]] = {
+    TaskStateName.SUBMITTED: frozenset({TaskStateName.ROUTED, TaskStateName.REJECTED}),
+    **{
+        active: (ACTIVE_STATES - {TaskStateName.ROUTED})
+        | (TERMINAL_STATES - {TaskStateName.REJECTED})
+        for active in ACTIVE_STATES
+    },
+    **{terminal: frozenset() for terminal in TERMINAL_STATES},
+}
+
+
+def may_follow(current: TaskStateName, following: TaskStateName) -> bool:
+    """Whether the lifecycle lets ``following`` come after ``current``."""
+    return following in _NEXT[current]
+
+
+@dataclass(frozen=True, slots=True)
+class KnownTask:
+    """What the processor remembers of a task: its state, attempt and attempt history."""
+
+    state: TaskStateName
+    attempt: int
+    attempts: tuple[Attempt, ...] = ()
+
+
+class TaskMemory:
+    """The last ``capacity`` tasks whose state this processor wrote, least recent out first.
+
+    Bounded on purpose: task-state is unbounded, this memory must not be. Keys
+    are 64-bit hashes of task ids; a collision, at odds near 1e-8, would make
+    one task look like another.
+    """
+
+    def __init__(self, capacity: int = 500_000) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be at least 1")
+        self._capacity = capacity
+        self._tasks: dict[int, KnownTask] = {}
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def get(self, task_id: str) -> KnownTask | None:
+        """What is remembered of ``task_id``, if anything."""
+        return self._tasks.get(hash(task_id))
+
+    def put(self, task_id: str, known: KnownTask) -> None:
+        """Remember ``known`` for ``task_id`` as the most recent entry."""
+        key = hash(task_id)
+        self._tasks.pop(key, None)
+        self._tasks[key] = known
+        if len(self._tasks) > self._capacity:
+            # dicts keep insertion order, so the first key is the least recently written.
+            del self._tasks[next(iter(self._tasks))]
