@@ -96,3 +96,26 @@ def test_a_record_without_its_kind_is_read_only_where_the_kind_is_known(record: 
     assert decode(untagged, type(record)) == record
     with pytest.raises(RecordDecodeError, match="kind"):
         decode_any(untagged)
+
+
+@pytest.mark.parametrize(
+    ("record", "path"),
+    [
+        (SUBMISSION, ("submitted_at",)),
+        (SUBMISSION, ("walltime_s",)),
+        (SAMPLES[2], ("timings", "finished_at")),
+        (SAMPLES[3], ("sent_at",)),
+        (SAMPLES[3], ("period_s",)),
+    ],
+    ids=lambda p: ".".join(p) if isinstance(p, tuple) else type(p).__name__,
+)
+def test_regression_an_infinite_time_is_refused(record: Record, path: tuple[str, ...]) -> None:
+    # Found by the fuzz: infinity passed the ``ge=0`` bound, and then pinned an endpoint
+    # online forever (no later heartbeat is newer) and showed as null in the API.
+    fields = msgspec.msgpack.decode(encode(record))
+    target = fields
+    for part in path[:-1]:
+        target = target[part]
+    target[path[-1]] = float("inf")
+    with pytest.raises(RecordDecodeError, match=path[-1]):
+        decode(msgspec.msgpack.encode(fields), type(record))
