@@ -41,7 +41,7 @@ from tests.fuzz.api_fuzz import (
 from tests.fuzz.conftest import Registry
 
 FUZZ = settings(
-    max_examples=400,
+    max_examples=300,
     deadline=None,
     derandomize=True,
     suppress_health_check=[

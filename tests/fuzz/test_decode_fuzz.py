@@ -30,7 +30,7 @@ from tests.fuzz.strategies import (
 )
 
 FAST = settings(
-    max_examples=300,
+    max_examples=150,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],

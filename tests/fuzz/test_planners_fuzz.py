@@ -32,7 +32,7 @@ USER = new_id()
 RESULTS_TOPIC = CATALOGUE.results(USER)
 
 FUZZ = settings(
-    max_examples=150,
+    max_examples=80,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
