@@ -59,8 +59,9 @@ Id = Annotated[
         description="an identifier: 1-128 letters, digits and '-' (fxstream issues UUIDs)",
     ),
 ]
-# Upper bounds keep floats finite: an infinite time passes a lower bound, and then fails
-# every reader that renders it as JSON (which has no infinity) or does arithmetic on it.
+# Upper bounds keep floats finite: an infinite time passes a lower bound, and then a
+# heartbeat sent "at infinity" is newer than every later one (its endpoint stays online
+# forever), and JSON, which has no infinity, shows it as null.
 LATEST_TIMESTAMP: Final = 253_402_300_799.0  # 9999-12-31T23:59:59Z
 LONGEST_DURATION_S: Final = 1e9  # about 31 years
 Timestamp = Annotated[
