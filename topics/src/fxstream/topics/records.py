@@ -59,7 +59,15 @@ Id = Annotated[
         description="an identifier: 1-128 letters, digits and '-' (fxstream issues UUIDs)",
     ),
 ]
-Timestamp = Annotated[float, Meta(ge=0, description="seconds since the Unix epoch, UTC")]
+# Upper bounds keep floats finite: an infinite time passes a lower bound, and then a
+# heartbeat sent "at infinity" is newer than every later one (its endpoint stays online
+# forever), and JSON, which has no infinity, shows it as null.
+LATEST_TIMESTAMP: Final = 253_402_300_799.0  # 9999-12-31T23:59:59Z
+LONGEST_DURATION_S: Final = 1e9  # about 31 years
+Timestamp = Annotated[
+    float,
+    Meta(ge=0, le=LATEST_TIMESTAMP, description="seconds since the Unix epoch, UTC"),
+]
 Count = Annotated[int, Meta(ge=0)]
 Text = Annotated[str, Meta(max_length=65_536)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
@@ -118,7 +126,7 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
         int,
         Meta(ge=0, le=100, description="further attempts after an infrastructure failure"),
     ] = 0
-    walltime_s: Annotated[float, Meta(gt=0)] | None = None
+    walltime_s: Annotated[float, Meta(gt=0, le=LONGEST_DURATION_S)] | None = None
     retry_user_errors: Annotated[
         bool, Meta(description="also retry (up to max_retries) when the function raises")
     ] = False
@@ -327,7 +335,9 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
     agent_id: Annotated[Id, Meta(description="this agent process's instance id")]
     sent_at: Timestamp
     sequence: Count
-    period_s: Annotated[float, Meta(gt=0, description="seconds until the next heartbeat")]
+    period_s: Annotated[
+        float, Meta(gt=0, le=LONGEST_DURATION_S, description="seconds until the next heartbeat")
+    ]
     hostname: Annotated[str, Meta(max_length=256)]
     pid: Count
     workers_total: Count
