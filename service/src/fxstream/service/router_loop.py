@@ -28,9 +28,13 @@ import asyncio
 import logging
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
+from aiokafka.errors import (  # type: ignore[import-untyped]
+    ProducerFenced,
+    TransactionalIdAuthorizationFailed,
+)
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
 from fxstream.service.outgoing import Outgoing
@@ -43,6 +47,10 @@ log = logging.getLogger(__name__)
 
 # EX_TEMPFAIL: Kafka refused a write; restarting (by a supervisor) is the cure.
 EXIT_WRITE_FAILED = 75
+# Tries of one batch's transaction before the router gives up and exits.
+COMMIT_ATTEMPTS = 6
+# Errors no retry cures: another router holds the transactional id now.
+FATAL_ERRORS = (ProducerFenced, TransactionalIdAuthorizationFailed)
 
 
 class RouterLoop(StoppableLoop):
@@ -119,18 +127,42 @@ class RouterLoop(StoppableLoop):
             self._done.set()
 
     async def _commit(self, records: Sequence[Outgoing], offsets: dict[Any, int]) -> None:
-        try:
-            async with self._producer.transaction():
-                sent = [
-                    await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
-                    for r in records
-                ]
-                await asyncio.gather(*sent)
-                await self._producer.send_offsets_to_transaction(offsets, self._group_id)
-        except Exception:
-            # Exit at once: the transaction is aborted (or was never committed), so the
-            # batch is re-read by the next router; nothing of it is visible or lost.
-            log.critical("router: cannot commit a batch to Kafka; exiting", exc_info=True)
-            logging.shutdown()
-            os._exit(EXIT_WRITE_FAILED)
-        self.batches += 1
+        """Write ``records`` and commit ``offsets`` in one transaction.
+
+        A transaction that fails on a retriable error (a partition changing leader
+        when a broker dies, a request timing out) is aborted and the same batch is
+        tried again, up to ``COMMIT_ATTEMPTS`` times; a fenced producer (a newer
+        router took over) or persistent failure exits the process instead.
+        """
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                async with self._producer.transaction():
+                    sent = [
+                        await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+                        for r in records
+                    ]
+                    await asyncio.gather(*sent)
+                    await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+            except FATAL_ERRORS:
+                self._exit("router: fenced by a newer router with the same transactional id")
+            except Exception as exc:
+                if attempt == COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
+                    self._exit("router: cannot commit a batch to Kafka")
+                log.warning(
+                    "router: batch transaction failed (%r), aborted; retry %d of %d",
+                    exc,
+                    attempt,
+                    COMMIT_ATTEMPTS - 1,
+                )
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+            else:
+                self.batches += 1
+                return
+
+    @staticmethod
+    def _exit(message: str) -> NoReturn:
+        # Exit at once: the transaction is aborted (or was never committed), so the
+        # batch is re-read by the next router; nothing of it is visible or lost.
+        log.critical("%s; exiting", message, exc_info=True)
+        logging.shutdown()
+        os._exit(EXIT_WRITE_FAILED)
