@@ -17,6 +17,7 @@ from fxstream.sdk import (
     TIMING_KEYS,
     Client,
     Executor,
+    FxstreamError,
     ResultsTopicMissing,
     TaskExecutionFailed,
     TaskPending,
@@ -198,10 +199,21 @@ def test_unknown_and_malformed_records_are_counted_and_skipped(
 ) -> None:
     future = executor.submit_to_registered_function(FUNCTION)
     writer.result(sdk_topics.results, success(str(uuid.uuid4()), sdk_topics.user_id, "not ours"))
-    writer.write(sdk_topics.results, future.task_id, b"\x00garbage")
+    writer.write(sdk_topics.results, str(uuid.uuid4()), b"\x00garbage for nobody")
     writer.result(sdk_topics.results, success(future.task_id, sdk_topics.user_id, "ours"))
     assert future.result(timeout=20) == "ours"
     wait_for(lambda: client.result_stats["unknown"] >= 1 and client.result_stats["malformed"] >= 1)
+
+
+def test_an_unreadable_result_of_a_waiting_task_fails_its_future(
+    executor: Executor, client: Client, writer: ResultWriter, sdk_topics: SdkTopics
+) -> None:
+    future = executor.submit_to_registered_function(FUNCTION)
+    writer.write(sdk_topics.results, future.task_id, b"\x00garbage")
+    with pytest.raises(FxstreamError, match=r"cannot be read: .*dead-lettered"):
+        future.result(timeout=20)
+    writer.result(sdk_topics.results, success(future.task_id, sdk_topics.user_id, "late"))
+    wait_for(lambda: client.result_stats["duplicates"] >= 1)
 
 
 def test_a_cancelled_future_discards_its_late_result(

@@ -219,6 +219,7 @@ class ResultListener:
                 message.offset(),
                 exc,
             )
+            self._fail_keyed(message, exc)
             return
         with self._lock:
             future = self._futures.pop(result.task_id, None)
@@ -235,6 +236,30 @@ class ResultListener:
             if len(self._resolved) > _REMEMBERED:
                 self._resolved.popitem(last=False)
         self._resolve(future, result, received)
+
+    def _fail_keyed(self, message: Message, exc: RecordDecodeError) -> None:
+        """A bad record keyed by a task this listener waits for fails that task's future:
+        its real result (written by the agent in the same place) cannot be read either."""
+        key = message.key()
+        try:
+            task_id = key.decode() if isinstance(key, bytes) else None
+        except UnicodeDecodeError:
+            return
+        if task_id is None:
+            return
+        with self._lock:
+            future = self._futures.pop(task_id, None)
+            if future is None:
+                return
+            self._resolved[task_id] = weakref.ref(future)
+        failure = FxstreamError(
+            f"the result record of task {task_id} at {message.topic()} "
+            f"[{message.partition()}] offset {message.offset()} cannot be read: {exc.reason}. "
+            "The task-state processor dead-lettered it; if the agent runs a newer fxstream "
+            "than this client, upgrade the client"
+        )
+        if future._resolve_exception(failure):
+            self.delivered += 1
 
     def _resolve(self, future: TaskFuture, result: TaskResult, received: float) -> None:
         future.timings = timings_of(
