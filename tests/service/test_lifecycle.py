@@ -206,3 +206,11 @@ def test_memory_is_bounded_and_keeps_the_most_recent() -> None:
         planner.plan([Record(encode(record), "fx.results.u", key=task.encode())])
     assert len(memory) == 2
     assert memory.get("a") is None and memory.get("c") is not None
+
+
+def test_a_result_on_another_users_topic_is_dead_lettered() -> None:
+    planner = TaskStatePlanner(CATALOGUE)
+    misplaced = Record(result().value, "fx.results.someone-else")
+    dead = letters(planner, misplaced)
+    assert len(dead) == 1 and dead[0].error_type == "MisplacedResult"
+    assert "fx.results.u-1" in dead[0].reason

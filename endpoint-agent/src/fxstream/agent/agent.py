@@ -596,7 +596,8 @@ class Agent:
             original_headers=headers,
             reason=reason,
             error_type=error_type,
-            component=f"agent {self.config.endpoint_id}",
+            # The schema's limit; an endpoint id is a UUID, but a hand-made one may be long.
+            component=f"agent {self.config.endpoint_id}"[:128],
             failed_at=time.time(),
         )
         letter = encode(record)

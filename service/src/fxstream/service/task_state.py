@@ -185,6 +185,15 @@ class TaskStatePlanner:
             # into "failed" would overwrite it.
             self.stats.rejections_skipped += 1
             return
+        if record.topic != self.catalogue.results(result.user_id):
+            self._dead_letter(
+                out,
+                record,
+                f"a result of user {result.user_id!r} on {record.topic!r}: results belong on "
+                f"their user's own topic {self.catalogue.results(result.user_id)!r}",
+                "MisplacedResult",
+            )
+            return
         known = self.memory.get(result.task_id)
         if known is not None and known.state in TERMINAL_STATES:
             self.stats.duplicates += 1
