@@ -116,6 +116,8 @@ class _Held:
     # the failed attempts before it, oldest first.
     attempt: int = 1
     earlier: tuple[Attempt, ...] = ()
+    # The assignment epoch it was taken in (see TransactionalPublisher).
+    epoch: int = 0
 
 
 class FunctionUnavailable(Exception):
@@ -188,6 +190,9 @@ class Agent:
         self._events: Producer | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
+        # Bumped whenever partitions are revoked or lost: answers to tasks taken in an
+        # earlier epoch are dropped by the publisher (their partition has a new owner).
+        self._epoch = 0
         self._paused = False
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
@@ -235,6 +240,7 @@ class Agent:
             tracker=self._tracker,
             group_metadata=lambda: self._group_metadata,
             on_committed=self._count_committed,
+            epoch=lambda: self._epoch,
         )
         self._pool, self._publisher, self._events = pool, publisher, producer
         try:
@@ -244,6 +250,7 @@ class Agent:
                 [self.queue_topic],
                 on_assign=lambda c, parts: self._on_assign(c),
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
+                on_lost=lambda c, parts: self._on_lost(parts),
             )
             self._heartbeat(producer, pool)
             if ready is not None:
@@ -340,12 +347,15 @@ class Agent:
             dequeued_at,
             len(value),
             attempt=dispatch.attempt,
+            epoch=self._epoch,
         )
         with self._lock:
-            if submission.task_id in self._held:
-                # The same task twice in one batch (a redelivery): one run answers both.
+            earlier = self._held.get(submission.task_id)
+            if earlier is not None and earlier.epoch == held.epoch:
+                # The same task twice in one assignment (a redelivery): one run answers both.
                 self._tracker.done(partition, offset)
                 return
+            # A run from before a lost assignment is answered nowhere: this one replaces it.
             self._held[submission.task_id] = held
         try:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
@@ -518,9 +528,10 @@ class Agent:
         with self._lock:
             # The worker is free now; only the offset waits for the transaction, so a
             # commit round trip does not idle the workers.
-            self._held.pop(submission.task_id, None)
+            if self._held.get(submission.task_id) is held:
+                del self._held[submission.task_id]
         key = submission.task_id.encode()
-        publisher.publish(Answer(topic, key, value, held.partition, held.offset))
+        publisher.publish(Answer(topic, key, value, held.partition, held.offset, held.epoch))
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
@@ -550,10 +561,12 @@ class Agent:
         """Settle a task that cannot be answered with a dead letter (so it is not re-run)."""
         log.error("task %s dropped: %s", held.submission.task_id, reason)
         with self._lock:
-            self._held.pop(held.submission.task_id, None)
+            if self._held.get(held.submission.task_id) is held:
+                del self._held[held.submission.task_id]
         self._settle_with_dead_letter(
             held.partition,
             held.offset,
+            held.epoch,
             key=held.submission.task_id.encode(),
             value=encode(held.dispatch),
             headers=[],
@@ -567,6 +580,7 @@ class Agent:
         self._settle_with_dead_letter(
             partition,
             offset,
+            self._epoch,
             key=message.key(),
             value=message.value(),
             headers=_headers(message),
@@ -578,6 +592,7 @@ class Agent:
         self,
         partition: int,
         offset: int,
+        epoch: int,
         *,
         key: bytes | None,
         value: bytes | None,
@@ -601,7 +616,7 @@ class Agent:
             failed_at=time.time(),
         )
         letter = encode(record)
-        publisher.publish(Answer(self.catalogue.dead_letter, key, letter, partition, offset))
+        publisher.publish(Answer(self.catalogue.dead_letter, key, letter, partition, offset, epoch))
 
     def _on_assign(self, consumer: Consumer) -> None:
         # On the poll thread: the only thread that may call the consumer.
@@ -613,11 +628,25 @@ class Agent:
         publisher = self._publisher
         if publisher is not None and publisher.alive:
             publisher.flush(CALL_FLUSH_S)
-        revoked = {p.partition for p in partitions}
+        self._give_up(partitions)
+
+    def _on_lost(self, partitions: list[TopicPartition]) -> None:
+        # The session expired (the process was stopped or hung past its lease): the
+        # partitions already have a new owner, so nothing in hand may be committed.
+        log.warning(
+            "lost partitions %s of %s with the group session; dropping their tasks",
+            sorted(p.partition for p in partitions),
+            self.queue_topic,
+        )
+        self._give_up(partitions)
+
+    def _give_up(self, partitions: list[TopicPartition]) -> None:
+        gone = {p.partition for p in partitions}
         with self._lock:
+            self._epoch += 1
             waiting = [*self._local_queue, *(r[2] for r in self._retries)]
-            self._unqueue([held for held in waiting if held.partition in revoked])
-        self._tracker.forget_partitions(revoked)
+            self._unqueue([held for held in waiting if held.partition in gone])
+        self._tracker.forget_partitions(gone)
 
     def _leases(self, limit: int) -> tuple[list[TaskLease], bool]:
         """The tasks held now (at most ``limit``), and whether more were left out."""

@@ -55,6 +55,9 @@ class Answer:
     value: bytes
     partition: int
     offset: int
+    # The consumer's assignment epoch when the queue record was taken (see
+    # TransactionalPublisher): an answer from an older epoch is dropped, not written.
+    epoch: int = 0
 
 
 class PublisherFenced(RuntimeError):
@@ -70,6 +73,14 @@ class TransactionalPublisher:
     fetches it (on assignment) and this returns the cached value. ``on_committed`` is
     called with how many results were committed after each transaction.
     :meth:`publish` never blocks.
+
+    ``epoch`` returns the agent's current assignment epoch, which the agent bumps
+    whenever it loses partitions (revoked, or lost with its session). An answer
+    whose queue record was taken in an earlier epoch is dropped uncommitted: its
+    partition went to another agent, which runs the task again and answers it.
+    Without this a zombie (a stopped agent that wakes after its lease expired)
+    would retry its old transaction after rejoining the group and commit answers
+    to tasks that were already answered by their new owner.
     """
 
     def __init__(
@@ -81,6 +92,7 @@ class TransactionalPublisher:
         tracker: OffsetTracker,
         group_metadata: Callable[[], object],
         on_committed: Callable[[int], None] | None = None,
+        epoch: Callable[[], int] = lambda: 0,
     ) -> None:
         self._producer = Producer(
             {
@@ -101,6 +113,7 @@ class TransactionalPublisher:
         self._tracker = tracker
         self._group_metadata = group_metadata
         self._on_committed = on_committed
+        self._epoch = epoch
         self._answers: queue.SimpleQueue[Answer | None] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -109,6 +122,7 @@ class TransactionalPublisher:
         self.failure: BaseException | None = None
         self.transactions = 0
         self.aborted = 0
+        self.dropped = 0
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -188,9 +202,12 @@ class TransactionalPublisher:
 
     def _commit(self, batch: list[Answer]) -> None:
         """Commit ``batch`` and its offsets; retried until it commits or is fenced."""
+        committed = len(batch)
         while True:
+            batch = self._current(batch)
             try:
-                self._transaction(batch)
+                if batch:
+                    self._transaction(batch)
                 break
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -206,10 +223,24 @@ class TransactionalPublisher:
                 time.sleep(0.1)
         self.transactions += 1
         with self._idle:
-            self._pending -= len(batch)
+            self._pending -= committed
             self._idle.notify_all()
-        if self._on_committed is not None:
+        if self._on_committed is not None and batch:
             self._on_committed(len(batch))
+
+    def _current(self, batch: list[Answer]) -> list[Answer]:
+        """The answers of ``batch`` whose partitions were not lost since they were taken."""
+        epoch = self._epoch()
+        current = [answer for answer in batch if answer.epoch == epoch]
+        if len(current) < len(batch):
+            dropped = len(batch) - len(current)
+            self.dropped += dropped
+            log.warning(
+                "dropped %d answers of partitions this agent lost since taking them; "
+                "their new owner answers them",
+                dropped,
+            )
+        return current
 
     def _transaction(self, batch: list[Answer]) -> None:
         started = time.monotonic()
