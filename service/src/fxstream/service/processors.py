@@ -95,6 +95,11 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         # A write Kafka keeps refusing fails after this, and the process fail-stops.
         "producer_request_timeout": 120.0,
         "datadir": str(data_dir),
+        # faust's default session (60 s) is how long a restarted worker waits for its
+        # SIGKILLed predecessor to leave the group, and the router and task-state loops
+        # start only after that rebalance: routing stalled a minute after each crash.
+        "broker_session_timeout": 10.0,
+        "broker_heartbeat_interval": 3.0,
     }
 
 
