@@ -23,7 +23,13 @@ import psutil
 
 _PR_SET_PDEATHSIG = 1
 
-__all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free", "free_ports"]
+__all__ = [
+    "ManagedProcess",
+    "ProcessStartError",
+    "ensure_port_free",
+    "free_port_block",
+    "free_ports",
+]
 
 
 class ProcessStartError(RuntimeError):
@@ -50,6 +56,22 @@ def free_ports(count: int) -> list[int]:
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+def free_port_block(size: int, attempts: int = 50) -> int:
+    """The first of ``size`` consecutive ports free now on 127.0.0.1 (the cluster's layout)."""
+    for _ in range(attempts):
+        base = free_ports(1)[0]
+        if base + size > 65535:
+            continue
+        with ExitStack() as stack:
+            try:
+                for port in range(base, base + size):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise ProcessStartError(f"no block of {size} free ports found on 127.0.0.1")
 
 
 def _terminate_with_parent() -> None:

@@ -89,6 +89,11 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         # aiokafka's default (1 MB) is below the catalogue's largest record (dead letters).
         "producer_max_request_size": largest + 65_536,
         "producer_acks": -1,
+        # A restarted worker's consumer waits in the join until the killed one's session
+        # expires, and the router starts only after it: faust's 60 s default made a
+        # SIGKILLed processor take a minute to route again.
+        "broker_session_timeout": 10.0,
+        "broker_heartbeat_interval": 3.0,
         # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
         # tasks would take many produce requests instead of one.
         "producer_max_batch_size": 1_048_576,
