@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import shutil
 import signal
 import tempfile
 import threading
@@ -627,6 +628,11 @@ def run_chaos_bench(*, console: Console, settings: ChaosSettings) -> Figures:
     started = time.perf_counter()
     with private_cluster(console) as cluster:
         figures = _chaos_on(console, cluster, settings, chooser)
+        if figures["lost"] or figures["duplicates_delivered"] or figures["kill_failures"]:
+            # The temporary home goes with the platform: keep its logs for the post-mortem.
+            kept = Path(tempfile.mkdtemp(prefix="fxstream-chaos-logs-"))
+            shutil.copytree(cluster.platform.config.home / "logs", kept / "logs")
+            figures["logs"] = str(kept / "logs")
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     _print_figures(console, figures)
     print(json.dumps(figures), flush=True)
@@ -755,6 +761,8 @@ def _print_figures(console: Console, figures: Figures) -> None:
     )
     kills = ", ".join(f"{name} {count}" for name, count in figures["kills"].items())
     console.print(f"kills:                  {figures['kills_total']} ({kills})")
+    if figures.get("logs"):
+        console.print(f"[red]logs kept in {figures['logs']}[/red]")
     if figures["kill_failures"]:
         console.print(f"[red]kills that failed:[/red] {figures['kill_failures']}")
     console.print(
