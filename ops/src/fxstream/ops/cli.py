@@ -260,6 +260,53 @@ def bench_latency(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("chaos")
+def bench_chaos(
+    tasks: Annotated[int, typer.Option(min=1, help="Tasks to run under chaos.")] = 50_000,
+    kill_interval: Annotated[
+        float, typer.Option(min=0.1, help="Seconds between one restart and the next kill.")
+    ] = 5.0,
+    downtime: Annotated[
+        float, typer.Option(min=0.0, help="Seconds a killed component stays down.")
+    ] = 1.0,
+    deadline: Annotated[
+        float,
+        typer.Option(min=1.0, help="Seconds after the last restart before a task counts lost."),
+    ] = 120.0,
+    sleep_fraction: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of tasks that sleep 5-50 ms.")
+    ] = 0.1,
+    components: Annotated[
+        str, typer.Option(help="What the killer picks from (comma-separated).")
+    ] = "worker,agent,router,broker",
+    max_retries: Annotated[int, typer.Option(min=0, max=100, help="Retries per task.")] = 3,
+    seed: Annotated[int | None, typer.Option(help="Seed of the random choices.")] = None,
+) -> None:
+    """Tasks on the 3-broker cluster while a killer SIGKILLs worker, agent, router, broker."""
+    from fxstream.ops.bench.chaos import ChaosSettings, run_chaos_bench
+
+    settings = ChaosSettings(
+        tasks=tasks,
+        kill_interval_s=kill_interval,
+        downtime_s=downtime,
+        deadline_s=deadline,
+        sleep_fraction=sleep_fraction,
+        components=tuple(c.strip() for c in components.split(",") if c.strip()),
+        max_retries=max_retries,
+        seed=seed,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]bench chaos:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        run_chaos_bench(console=console, settings=settings)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench chaos failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 def main() -> None:
     """Entry point of the ``fxstream`` script."""
     app()

@@ -19,7 +19,7 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
-from fxstream.ops.process import ProcessStartError
+from fxstream.ops.process import ProcessStartError, stop_together
 from fxstream.ops.redis_server import RedisServer
 from fxstream.ops.services import ComponentStatus, ServiceSet
 from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
@@ -224,12 +224,17 @@ class Platform:
         # The endpoint first (it finishes what it holds), then the service, then the brokers.
         stopped: list[str] = self.services().stop(timeout_s)
         # Then brokers, and Redis last.
+        # All nodes of a mode together: a cluster's last node stopped alone has lost the
+        # controller quorum and would wait for it until killed.
         for cluster in (True, False):
             nodes = self.nodes(cluster=cluster)
             pids = {node.node_id: node.process.pid() for node in nodes}
-            for node in nodes:
-                if pids[node.node_id] is not None and node.process.stop(timeout_s):
-                    stopped.append(f"{node.process.name} (pid {pids[node.node_id]})")
+            stop_together([node.process for node in nodes], timeout_s)
+            stopped.extend(
+                f"{node.process.name} (pid {pids[node.node_id]})"
+                for node in nodes
+                if pids[node.node_id] is not None
+            )
         redis = self.redis()
         pid = redis.process.pid()
         if pid is not None and redis.process.stop(timeout_s):

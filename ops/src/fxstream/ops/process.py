@@ -23,7 +23,14 @@ import psutil
 
 _PR_SET_PDEATHSIG = 1
 
-__all__ = ["ManagedProcess", "ProcessStartError", "ensure_port_free", "free_ports"]
+__all__ = [
+    "ManagedProcess",
+    "ProcessStartError",
+    "ensure_port_free",
+    "free_port_block",
+    "free_ports",
+    "stop_together",
+]
 
 
 class ProcessStartError(RuntimeError):
@@ -50,6 +57,22 @@ def free_ports(count: int) -> list[int]:
         for sock in sockets:
             sock.bind(("127.0.0.1", 0))
         return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+def free_port_block(size: int, attempts: int = 50) -> int:
+    """The first of ``size`` consecutive ports free now on 127.0.0.1 (the cluster's layout)."""
+    for _ in range(attempts):
+        base = free_ports(1)[0]
+        if base + size > 65535:
+            continue
+        with ExitStack() as stack:
+            try:
+                for port in range(base, base + size):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise ProcessStartError(f"no block of {size} free ports found on 127.0.0.1")
 
 
 def _terminate_with_parent() -> None:
@@ -172,3 +195,30 @@ class ManagedProcess:
         # Only our own children can be reaped; for anything else this is a no-op.
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def stop_together(processes: Sequence[ManagedProcess], timeout_s: float = 30.0) -> list[int]:
+    """Stop several processes at once: SIGTERM to all, wait up to ``timeout_s``, then SIGKILL.
+
+    For the cluster's brokers: stopped one after another, the last one has lost the
+    controller quorum and waits for it until it is killed (60 s); stopped together,
+    all three exit in seconds. Returns the PIDs that were running.
+    """
+    running: dict[int, tuple[ManagedProcess, psutil.Process]] = {}
+    for process in processes:
+        pid = process.pid()
+        if pid is None:
+            continue
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc = psutil.Process(pid)
+            proc.send_signal(signal.SIGTERM)
+            running[pid] = (process, proc)
+    _, alive = psutil.wait_procs([proc for _, proc in running.values()], timeout=timeout_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=10)
+    for pid, (process, _) in running.items():
+        ManagedProcess._reap(pid)
+        process.pid_file.unlink(missing_ok=True)
+    return list(running)

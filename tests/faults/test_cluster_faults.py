@@ -1,0 +1,102 @@
+"""In cluster mode, the broker leading the task topics is SIGKILLed mid-flight and stays down.
+
+The two remaining brokers (replication 3, ``min.insync.replicas=2``) carry on:
+every future completes exactly once with its own value, and the user's results
+topic holds one committed result per task (a second one would have been a
+duplicate the SDK had to suppress, which the agent's transactions must prevent
+here: no agent was killed). Then the broker is restarted and a further batch
+completes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from fxstream.ops.bench.chaos import (
+    ChaosCluster,
+    ChaosLedger,
+    chaos_task,
+    read_result_counts,
+)
+from fxstream.sdk import Executor
+from tests.faults.cluster_stack import chaos_cluster
+
+__all__ = ["chaos_cluster"]
+
+pytestmark = [pytest.mark.faults, pytest.mark.cluster]
+
+TASKS = 3_000
+AFTER_RESTART = 500
+# Every 50th task sleeps, so tasks are running when the broker dies.
+SLOW_EVERY = 50
+SLOW_S = 0.02
+SETTLE_S = 120.0
+
+
+@contextmanager
+def _executor(cluster: ChaosCluster) -> Iterator[Executor]:
+    client = cluster.client()
+    executor = Executor(endpoint_id=cluster.endpoint_id, client=client, max_retries=3)
+    try:
+        yield executor
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+        client.close()
+
+
+def _submit(executor: Executor, ledger: ChaosLedger, start: int, count: int) -> None:
+    for index in range(start, start + count):
+        sleep_s = SLOW_S if index % SLOW_EVERY == 0 else 0.0
+        ledger.add(index, executor.submit(chaos_task, index, sleep_s))
+
+
+def _wait_settled(ledger: ChaosLedger, timeout_s: float = SETTLE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while ledger.outstanding and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def _assert_exactly_once(cluster: ChaosCluster, ledger: ChaosLedger, total: int) -> None:
+    assert ledger.submitted == total
+    assert ledger.outstanding == 0, f"{ledger.outstanding} tasks never completed"
+    assert ledger.failed == 0, f"failed tasks: {dict(ledger.errors)}"
+    assert ledger.wrong_values == 0
+    assert ledger.resolved_more_than_once == 0
+    assert ledger.completed == total
+    counts = read_result_counts(cluster, ledger.task_ids())
+    assert len(counts) == total, f"{total - len(counts)} tasks have no committed result"
+    several = {task: n for task, n in counts.items() if n > 1}
+    assert not several, f"tasks with more than one committed result: {several}"
+
+
+def test_leader_broker_killed_and_not_restarted_then_restarted(
+    chaos_cluster: ChaosCluster,
+) -> None:
+    cluster = chaos_cluster
+    assert cluster.under_replicated() == 0
+    ledger = ChaosLedger()
+    with _executor(cluster) as executor:
+        _submit(executor, ledger, 0, TASKS)
+        deadline = time.monotonic() + 60
+        while ledger.done < TASKS // 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert 0 < ledger.done < TASKS, "the kill must land while tasks are in flight"
+
+        victim = cluster.broker_leading(cluster.task_topics)
+        assert cluster.kill_broker(victim)
+        _wait_settled(ledger)
+        _assert_exactly_once(cluster, ledger, TASKS)
+        # The survivors took over every partition: none is led by the dead broker.
+        leaders = cluster.partition_leaders(cluster.task_topics)
+        assert victim.node_id not in leaders
+        assert sum(leaders.values()) > 0
+
+        cluster.restart_broker(victim)
+        _submit(executor, ledger, TASKS, AFTER_RESTART)
+        _wait_settled(ledger)
+        _assert_exactly_once(cluster, ledger, TASKS + AFTER_RESTART)
+    assert cluster.wait_fully_replicated(timeout_s=60)
