@@ -59,12 +59,6 @@ def test_the_processors_killed_mid_stream_and_restarted_route_every_task_once(
         client.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known bug: an agent that cannot reach the API to fetch a function's code fails the "
-    "task at once (FunctionUnavailable: Connection refused) instead of waiting for the API",
-)
 def test_the_api_killed_and_restarted_while_tasks_run_fails_no_task(
     fault_stack: FaultStack,
 ) -> None:

@@ -96,6 +96,8 @@ POLL_S = 0.1
 STOP_GRACE_S = 30.0
 # Failures a retry cannot cure, even with retry_user_errors.
 _NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESULT_TOO_LARGE)})
+# How often tasks waiting for an unreachable service try to fetch their code again.
+CODE_RETRY_S = 2.0
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
 
@@ -121,7 +123,15 @@ class _Held:
 
 
 class FunctionUnavailable(Exception):
-    """The service would not give the function's code (unknown, deleted, forbidden, down)."""
+    """The service would not give the function's code (unknown, deleted, forbidden, down).
+
+    ``transient`` is true when the service could not answer (unreachable, 5xx, 429):
+    the task waits for it instead of failing.
+    """
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class _CodeCache:
@@ -141,12 +151,18 @@ class _CodeCache:
             response = self._http.get(f"/v1/functions/{function_id}")
         except httpx.HTTPError as exc:
             raise FunctionUnavailable(
-                f"cannot reach the service to fetch function {function_id}: {exc}"
+                f"cannot reach the service to fetch function {function_id}: {exc}",
+                transient=True,
             ) from exc
-        if response.status_code != 200:
-            detail = response.json().get("detail", response.text) if response.content else ""
+        status = response.status_code
+        if status != 200:
+            try:
+                detail = response.json().get("detail", response.text) if response.content else ""
+            except ValueError:
+                detail = response.text
             raise FunctionUnavailable(
-                f"the service refused function {function_id} ({response.status_code}): {detail}"
+                f"the service refused function {function_id} ({status}): {detail}",
+                transient=status >= 500 or status == 429,
             )
         code = base64.b64decode(response.json()["code"])
         entry = (code_sha256(code), code)
@@ -178,6 +194,8 @@ class Agent:
         self._in_pool = 0
         # When each task in the pool was given to it (a lease's started_at), by task id.
         self._given_to_pool: dict[str, float] = {}
+        # Tasks whose function's code the service could not give yet (it is down).
+        self._awaiting_code: list[_Held] = []
         # Tasks waiting out a retry backoff: (due on the monotonic clock, tie-break, task).
         self._retries: list[tuple[float, int, _Held]] = []
         self._retry_order = itertools.count()
@@ -273,6 +291,7 @@ class Agent:
         self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
     ) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_period_s
+        next_code_fetch = time.monotonic()
         publisher = self._publisher
         assert publisher is not None
         while not self._stop.is_set():
@@ -285,6 +304,9 @@ class Agent:
             self._feed_pool()
             producer.poll(0)
             now = time.monotonic()
+            if self._awaiting_code and now >= next_code_fetch:
+                self._fetch_awaited_code(codes)
+                next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
                 self._heartbeat(producer, pool)
                 next_beat = now + self.config.heartbeat_period_s
@@ -361,13 +383,56 @@ class Agent:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
             sha, code = codes.get(submission.function_id)
         except FunctionUnavailable as exc:
-            self._publish(held, _failed(submission, "FunctionUnavailable", exc))
+            if not exc.transient:
+                self._publish(held, _failed(submission, "FunctionUnavailable", exc))
+                return
+            # The service is down or overloaded: the task waits, held (its lease renewed,
+            # its offset uncommitted), and the fetch is tried again.
+            with self._lock:
+                self._awaiting_code.append(held)
             return
-        held = dataclasses.replace(held, code_sha256=sha, code=code)
+        self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+
+    def _enqueue(self, held: _Held) -> None:
         with self._lock:
-            self._held[submission.task_id] = held
+            current = self._held.get(held.submission.task_id)
+            if current is None or (current.offset, current.epoch) != (held.offset, held.epoch):
+                return  # handed back, or replaced by a later delivery, meanwhile
+            self._held[held.submission.task_id] = held
             self._local_queue.append(held)
             self._local_queue_bytes += held.size
+
+    def _fetch_awaited_code(self, codes: _CodeCache) -> None:
+        """Try again to fetch the code of tasks that wait for the service."""
+        with self._lock:
+            waiting, self._awaiting_code = self._awaiting_code, []
+        unavailable: dict[str, FunctionUnavailable] = {}
+        still: list[_Held] = []
+        for held in waiting:
+            submission = held.submission
+            if self._held.get(submission.task_id) is not held:
+                continue  # handed back (a rebalance or a stop) meanwhile
+            failure = unavailable.get(submission.function_id)
+            if failure is None:
+                try:
+                    sha, code = codes.get(submission.function_id)
+                except FunctionUnavailable as exc:
+                    failure = unavailable[submission.function_id] = exc
+                else:
+                    self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+                    continue
+            if failure.transient:
+                still.append(held)
+            else:
+                self._publish(held, _failed(submission, "FunctionUnavailable", failure))
+        if still:
+            log.warning(
+                "%d tasks wait for the service to give their function's code: %s",
+                len(still),
+                next(iter(unavailable.values())),
+            )
+        with self._lock:
+            self._awaiting_code = still + self._awaiting_code
 
     def _feed_pool(self) -> None:
         """Give the pool tasks from the local queue, up to workers + prefetch in it."""
@@ -644,7 +709,7 @@ class Agent:
         gone = {p.partition for p in partitions}
         with self._lock:
             self._epoch += 1
-            waiting = [*self._local_queue, *(r[2] for r in self._retries)]
+            waiting = [*self._local_queue, *(r[2] for r in self._retries), *self._awaiting_code]
             self._unqueue([held for held in waiting if held.partition in gone])
         self._tracker.forget_partitions(gone)
 
@@ -688,6 +753,7 @@ class Agent:
         self._local_queue_bytes = sum(h.size for h in self._local_queue)
         self._retries = [r for r in self._retries if r[2].submission.task_id not in gone]
         heapq.heapify(self._retries)
+        self._awaiting_code = [h for h in self._awaiting_code if h.submission.task_id not in gone]
 
     def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
         self._sequence += 1
@@ -731,7 +797,9 @@ class Agent:
         # Tasks not yet started stay uncommitted and go to the next agent; the pool's are
         # finished and answered first.
         with self._lock:
-            self._unqueue([*self._local_queue, *(r[2] for r in self._retries)])
+            self._unqueue(
+                [*self._local_queue, *(r[2] for r in self._retries), *self._awaiting_code]
+            )
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)

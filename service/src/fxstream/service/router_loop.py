@@ -49,8 +49,6 @@ log = logging.getLogger(__name__)
 EXIT_WRITE_FAILED = 75
 # Tries of one batch's transaction before the router gives up and exits.
 COMMIT_ATTEMPTS = 6
-# Errors no retry cures: another router holds the transactional id now.
-FATAL_ERRORS = (ProducerFenced, TransactionalIdAuthorizationFailed)
 
 
 class RouterLoop(StoppableLoop):
@@ -97,7 +95,10 @@ class RouterLoop(StoppableLoop):
             # Its 16 kB per-partition batches hold ~35 dispatches: a batch of tasks
             # would take many produce requests instead of one.
             "max_batch_size": 1_048_576,
-            "request_timeout_ms": 120_000,
+            # A send stuck on a partition without a leader fails well inside the
+            # transaction timeout (60 s), so the batch is aborted and retried by this
+            # loop, not timed out (and fenced) by the coordinator.
+            "request_timeout_ms": 30_000,
         }
         self._producer: Any = None
         self.batches = 0
@@ -131,8 +132,9 @@ class RouterLoop(StoppableLoop):
 
         A transaction that fails on a retriable error (a partition changing leader
         when a broker dies, a request timing out) is aborted and the same batch is
-        tried again, up to ``COMMIT_ATTEMPTS`` times; a fenced producer (a newer
-        router took over) or persistent failure exits the process instead.
+        tried again, up to ``COMMIT_ATTEMPTS`` times. A fenced producer (the
+        coordinator timed the transaction out) is replaced by a new one. Persistent
+        failure exits the process: the batch was never committed, so nothing is lost.
         """
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             try:
@@ -143,8 +145,15 @@ class RouterLoop(StoppableLoop):
                     ]
                     await asyncio.gather(*sent)
                     await self._producer.send_offsets_to_transaction(offsets, self._group_id)
-            except FATAL_ERRORS:
-                self._exit("router: fenced by a newer router with the same transactional id")
+            except TransactionalIdAuthorizationFailed:
+                self._exit("router: Kafka does not allow this router's transactional id")
+            except ProducerFenced:
+                if attempt == COMMIT_ATTEMPTS:
+                    self._exit("router: fenced again and again; another router has this id")
+                # A transaction the coordinator timed out fences its producer too; a new
+                # producer (fencing any zombie with this id in turn) carries on.
+                log.warning("router: producer fenced; starting a new one", exc_info=True)
+                await self._restart_producer()
             except Exception as exc:
                 if attempt == COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
                     self._exit("router: cannot commit a batch to Kafka")
@@ -158,6 +167,14 @@ class RouterLoop(StoppableLoop):
             else:
                 self.batches += 1
                 return
+
+    async def _restart_producer(self) -> None:
+        try:
+            await self._producer.stop()
+        except Exception:  # already broken: it is replaced either way
+            log.debug("router: stopping the fenced producer failed", exc_info=True)
+        self._producer = AIOKafkaProducer(**self._producer_settings)
+        await self._producer.start()
 
     @staticmethod
     def _exit(message: str) -> NoReturn:
