@@ -21,6 +21,7 @@ from fxstream.topics import (
     Heartbeat,
     Record,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskErrorType,
@@ -63,6 +64,14 @@ SAMPLES: list[Record] = [
     UserRecord(user_id="alice", name="Alice", token_sha256="b" * 64, created_at=NOW),
     SUBMISSION,
     TaskDispatch(task_id="t-1", endpoint_id="ep-1", routed_at=NOW, submission=encode(SUBMISSION)),
+    TaskCancel(
+        task_id="t-1",
+        user_id="alice",
+        endpoint_id="ep-1",
+        auth_token="secret-token",
+        requested_at=NOW,
+        reason="no longer needed",
+    ),
     TaskResult(
         task_id="t-1",
         user_id="alice",
@@ -228,6 +237,21 @@ def test_missing_field_is_named() -> None:
     del raw["function_id"]
     with pytest.raises(RecordDecodeError, match="function_id"):
         decode(msgspec.msgpack.encode(raw), TaskSubmission)
+
+
+def test_a_cancel_needs_the_endpoint_and_is_not_a_submission() -> None:
+    cancel = TaskCancel(
+        task_id="t-1", user_id="alice", endpoint_id="ep-1", auth_token="tok", requested_at=NOW
+    )
+    assert decode(encode(cancel), TaskCancel).reason == ""
+    raw = msgspec.msgpack.decode(encode(cancel))
+    del raw["endpoint_id"]
+    with pytest.raises(RecordDecodeError, match="endpoint_id"):
+        decode(msgspec.msgpack.encode(raw), TaskCancel)
+    with pytest.raises(RecordDecodeError, match="cancel"):
+        decode(encode(cancel), TaskSubmission)
+    with pytest.raises(RecordDecodeError, match="submission"):
+        decode(encode(SUBMISSION), TaskCancel)
 
 
 @pytest.mark.parametrize("value", [None, b""])

@@ -32,6 +32,7 @@ __all__ = [
     "Heartbeat",
     "Record",
     "RecordDecodeError",
+    "TaskCancel",
     "TaskDispatch",
     "TaskError",
     "TaskErrorType",
@@ -144,6 +145,27 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
     routed_at: Timestamp
     attempt: Annotated[int, Meta(ge=1, description="1 for the first delivery")] = 1
     submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
+
+
+class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
+    """A request to cancel a task (key: task id).
+
+    The SDK writes it to ``tasks.submitted``; the router checks the token and
+    forwards the same bytes to ``tasks.ep.<endpoint_id>``. Keyed by task id, it
+    lands on the partition of the task's own submission (and then dispatch),
+    after it, so whoever holds the task reads its cancel after the task itself:
+    per-task order with no join against task state. The agent that holds the
+    task skips it if queued or kills its worker if running, and answers it with
+    a ``TaskCancelled`` error result; a cancel for a task it no longer holds
+    changes nothing.
+    """
+
+    task_id: Id
+    user_id: Annotated[Id, Meta(description="who asks; must be the task's submitter")]
+    endpoint_id: Annotated[Id, Meta(description="the endpoint the task was submitted to")]
+    auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
+    requested_at: Timestamp
+    reason: Annotated[str, Meta(max_length=1024, description="why, for the task's error")] = ""
 
 
 class TaskTimings(msgspec.Struct, kw_only=True, frozen=True):
@@ -418,6 +440,7 @@ class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
 AnyRecord = (
     UserRecord
     | TaskSubmission
+    | TaskCancel
     | TaskDispatch
     | TaskResult
     | TaskState
@@ -434,6 +457,7 @@ AnyRecord = (
 RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     UserRecord,
     TaskSubmission,
+    TaskCancel,
     TaskDispatch,
     TaskResult,
     TaskState,
