@@ -38,6 +38,7 @@ from fxstream.topics import (
     decode,
     decode_any,
     encode,
+    record_kind,
 )
 
 NOW = time.time()
@@ -252,6 +253,19 @@ def test_a_cancel_needs_the_endpoint_and_is_not_a_submission() -> None:
         decode(encode(cancel), TaskSubmission)
     with pytest.raises(RecordDecodeError, match="submission"):
         decode(encode(SUBMISSION), TaskCancel)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+def test_record_kind_names_the_kind_without_checking_the_rest(record: Record) -> None:
+    raw = msgspec.msgpack.decode(encode(record))
+    assert record_kind(encode(record)) == raw["kind"]
+    del raw["v"]
+    assert record_kind(msgspec.msgpack.encode(raw)) == raw["kind"]
+
+
+@pytest.mark.parametrize("data", [None, b"", b"\x93\x01\x02", msgspec.msgpack.encode({"v": 1})])
+def test_record_kind_is_none_without_a_kind(data: bytes | None) -> None:
+    assert record_kind(data) is None
 
 
 @pytest.mark.parametrize("value", [None, b""])

@@ -49,6 +49,7 @@ __all__ = [
     "decode",
     "decode_any",
     "encode",
+    "record_kind",
 ]
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
@@ -522,6 +523,28 @@ def decode(data: bytes | None, expected: type[R]) -> R:
         raise RecordDecodeError(str(exc), expected=kind) from exc
     _check_version(record)
     return record
+
+
+class _KindOnly(msgspec.Struct):
+    kind: str
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_KindOnly)
+
+
+def record_kind(data: bytes | None) -> str | None:
+    """The ``kind`` a record's bytes claim to be, or None when they hold no such field.
+
+    For a reader of a topic that carries more than one kind (``tasks.submitted``:
+    submissions and cancels) to pick the decoder whose error explains bad bytes
+    best; nothing else is checked, so :func:`decode` the bytes afterwards.
+    """
+    if not data:
+        return None
+    try:
+        return _kind_decoder.decode(data).kind
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode_any(data: bytes | None) -> AnyRecord:
