@@ -403,21 +403,15 @@ class Agent:
         task_id = cancel.task_id
         reason = cancel.reason or f"cancelled by user {cancel.user_id}"
         queued: _Held | None = None
+        refused = ""
         with self._lock:
             held = self._held.get(task_id)
-            if held is None:
-                # Answered already (or its partition moved here after the answer): the
-                # cancel changes nothing, and its offset is settled like any answered one.
-                self._tracker.done(partition, offset)
-                log.info("cancel of task %s: not held here (already answered)", task_id)
-                return
-            if held.submission.user_id != cancel.user_id:
+            if held is not None and held.submission.user_id != cancel.user_id:
                 refused = (
                     f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
                     "was submitted by another user; only its submitter may cancel it"
                 )
-            else:
-                refused = ""
+            elif held is not None:
                 self._cancelled[task_id] = reason
                 queued = next(
                     (h for h in self._local_queue if h.submission.task_id == task_id), None
@@ -428,11 +422,20 @@ class Agent:
                     self._cancelled.pop(task_id, None)
                 else:
                     queued = self._take_waiting_retry(task_id)
+        publisher = self._publisher
+        assert publisher is not None
+        if held is None:
+            # Answered already (or its partition came here after the answer): the cancel
+            # changes nothing. Its offset commits now, with no record of its own.
+            log.info("cancel of task %s: not held here (already answered)", task_id)
+            publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+            return
         if refused:
             log.warning("%s", refused)
             self._settle_with_dead_letter(
                 partition,
                 offset,
+                self._epoch,
                 key=message.key(),
                 value=message.value(),
                 headers=_headers(message),
