@@ -322,6 +322,13 @@ def test_client_cancel_from_elsewhere_ends_the_submitters_future_cancelled(
         assert submitter.get_task(task_id)["state"] == "cancelled"
         result = cancelled_result(stack, task_id)
         assert result.error is not None and "was killed" in result.error.message
+        # The task-state processor folded the TaskCancelled result: the service says so.
+        deadline = time.monotonic() + WAIT_S
+        while (state := other.get_task(task_id))["state"] != "cancelled":
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        with pytest.raises(concurrent.futures.CancelledError):
+            other.get_result(task_id)
     finally:
         submitter.close()
         other.close()
