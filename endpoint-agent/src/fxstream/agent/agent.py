@@ -474,6 +474,8 @@ class Agent:
     def _cancel_wins(self, held: _Held, outcome: WorkOutcome) -> WorkOutcome:
         """The outcome to answer: a cancelled task's failure (say its worker died under the
         kill) is reported as the cancel, so it is never retried; a success stays one."""
+        if not self._cancelled:  # the common case, without the lock: nothing cancelled
+            return outcome
         with self._lock:
             reason = self._cancelled.pop(held.submission.task_id, None)
         if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
@@ -505,7 +507,7 @@ class Agent:
             )
             future = pool.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
-            reason = self._cancel_requested(submission.task_id)
+            reason = self._cancel_requested(submission.task_id) if self._cancelled else None
             if reason is not None:  # cancelled between the local queue and the pool
                 pool.cancel(submission.task_id, reason)
 
