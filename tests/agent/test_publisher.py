@@ -159,3 +159,27 @@ def test_a_restarted_agent_fences_the_old_one(
         zombie.close()
         successor.close()
     assert b"from the zombie" not in _committed_values(bootstrap, out)
+
+
+def test_an_answer_without_a_topic_only_settles_its_offset(
+    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+) -> None:
+    queue, out = topics
+    _fill(bootstrap, queue, 4)
+    tracker = OffsetTracker()
+    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher.start()
+    try:
+        for message in _take(group_consumer, 4):
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            tracker.track(partition, offset)
+            publisher.publish(Answer(None, None, b"", partition, offset))
+        assert publisher.flush(30)
+    finally:
+        publisher.close()
+    assert _committed_values(bootstrap, out) == []
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(max(tp.offset, 0) for tp in committed) == 4

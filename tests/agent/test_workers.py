@@ -18,6 +18,7 @@ from fxstream.agent import (
     CODE_HASH_MISMATCH,
     CODE_REQUIRED,
     POOL_CLOSED,
+    TASK_CANCELLED,
     WALLTIME_EXCEEDED,
     WORKER_LOST,
     WorkerPool,
@@ -331,6 +332,87 @@ def test_a_queued_item_can_be_cancelled(pool: WorkerPool) -> None:
     assert all(b.result(TIMEOUT).ok for b in blockers)
     assert run(pool, item(b"echo", b"next")).value == b"next"
     assert queued.cancelled()
+
+
+def test_cancel_drops_a_queued_item_and_answers_on_the_pools_thread(pool: WorkerPool) -> None:
+    blockers = [pool.submit(item(b"sleep", b"0.5")) for _ in range(2)]
+    queued = item(b"echo", b"never")
+    future = pool.submit(queued)
+    threads: list[str] = []
+    future.add_done_callback(lambda _: threads.append(threading.current_thread().name))
+    assert pool.queued_count == 1
+    assert pool.cancel(queued.task_id, "not needed")
+    outcome = future.result(TIMEOUT)
+    assert (outcome.ok, outcome.error_type, outcome.started_at) == (False, TASK_CANCELLED, None)
+    assert outcome.error_message == f"task {queued.task_id} was cancelled: not needed"
+    assert not outcome.retryable
+    assert threads == ["fxstream-worker-pool"]
+    assert pool.queued_count == 0
+    assert all(b.result(TIMEOUT).ok for b in blockers)
+    assert not pool.cancel(queued.task_id), "cancelled twice"
+
+
+def test_cancel_kills_a_running_item_and_what_it_started(pool: WorkerPool, tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    running = item(b"child-then-sleep", str(pid_file).encode())
+    future = pool.submit(running)
+    deadline = time.monotonic() + TIMEOUT
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the task never started"
+        time.sleep(0.02)
+    child = int(pid_file.read_text())
+    before = set(pool.worker_pids())
+    cancelled_at = time.monotonic()
+    assert pool.cancel(running.task_id)
+    outcome = future.result(TIMEOUT)
+    assert time.monotonic() - cancelled_at < 5
+    assert outcome.error_type == TASK_CANCELLED
+    assert not outcome.retryable
+    assert outcome.started_at is not None
+    assert "cancelled while running function" in outcome.error_message
+    dead = pid_of(outcome)
+    assert dead in before
+    deadline = time.monotonic() + 5
+    while not (gone(child) and gone(dead)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(child) and gone(dead)
+    assert pool.wait_ready(TIMEOUT)
+    assert dead not in pool.worker_pids() and len(pool.worker_pids()) == 2
+    assert run(pool, item(b"echo", b"next")).value == b"next"
+
+
+def test_cancel_of_an_item_batched_behind_another_answers_at_once() -> None:
+    # Every function counts as short once run: items queued together go to the one worker
+    # in one message, and the second waits behind the first inside the worker, where the
+    # pool cannot take it back.
+    with WorkerPool(1, RUNNER, short_task_s=float("inf")) as pool:
+        assert pool.wait_ready(TIMEOUT)
+        assert run(pool, item(b"echo", b"warm")).ok
+        blocker = pool.submit(item(b"sleep", b"0.3"))
+        first = pool.submit(item(b"sleep", b"0.5"))
+        behind = item(b"echo", b"late")
+        second = pool.submit(behind)
+        assert pool.queued_count == 2
+        assert blocker.result(TIMEOUT).ok
+        deadline = time.monotonic() + TIMEOUT
+        while pool.queued_count:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert pool.busy_count == 1
+        assert pool.cancel(behind.task_id)
+        outcome = second.result(1.0)  # well before the first item is done
+        assert outcome.error_type == TASK_CANCELLED
+        assert not first.done()
+        assert first.result(TIMEOUT).ok
+        assert run(pool, item(b"echo", b"next")).value == b"next"
+
+
+def test_cancel_of_an_unknown_or_finished_item_is_false(pool: WorkerPool) -> None:
+    assert not pool.cancel("no-such-task")
+    done = item(b"echo", b"x")
+    assert run(pool, done).ok
+    assert not pool.cancel(done.task_id)
+    assert len(pool.worker_pids()) == 2
 
 
 def test_default_runner_unpickles_a_function_reference() -> None:

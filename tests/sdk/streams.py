@@ -25,6 +25,7 @@ from fxstream.topics import (
     decode,
     describe_exception,
     encode,
+    record_kind,
 )
 
 
@@ -190,7 +191,11 @@ class Responder:
         try:
             while not self._stop.is_set():
                 messages = self._consumer.consume(num_messages=64, timeout=0.05)
-                tasks = [decode(m.value(), TaskSubmission) for m in messages if m.error() is None]
+                tasks = [
+                    decode(m.value(), TaskSubmission)
+                    for m in messages
+                    if m.error() is None and record_kind(m.value()) != "cancel"
+                ]
                 tasks = [t for t in tasks if t.endpoint_id == self._endpoint_id]
                 for task in reversed(tasks) if self._reverse else tasks:
                     self._answer(task, time.time())
@@ -238,8 +243,10 @@ class Responder:
 
 
 def submissions(messages: list[Message]) -> Iterator[tuple[str, TaskSubmission]]:
-    """(key, decoded submission) for each record."""
+    """(key, decoded submission) for each record that is not a cancel."""
     for message in messages:
         key = message.key()
         assert key is not None
+        if record_kind(message.value()) == "cancel":
+            continue
         yield key.decode(), decode(message.value(), TaskSubmission)

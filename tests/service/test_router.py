@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
 
@@ -30,6 +31,7 @@ from fxstream.topics import (
     FunctionRecord,
     Record,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskResult,
     TaskState,
@@ -40,6 +42,7 @@ from fxstream.topics import (
     decode,
     encode,
     ensure_topics,
+    record_kind,
 )
 from tests.conftest import RunningPlatform
 
@@ -448,3 +451,100 @@ def test_function_registered_just_before_its_first_task_is_routed(
     submit(dep, task)  # no pause: the router must catch up with the registry first
     dispatch = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
     assert decoded(dispatch, TaskDispatch).task_id == task.task_id
+
+
+def cancel_of(
+    task: TaskSubmission, *, user: str | None = None, token: str | None = None
+) -> TaskCancel:
+    """A cancel of ``task``, by its submitter unless ``user``/``token`` say otherwise."""
+    user = user or task.user_id
+    return TaskCancel(
+        task_id=task.task_id,
+        user_id=user,
+        endpoint_id=task.endpoint_id,
+        auth_token=TOKENS.get(user, "no-token") if token is None else token,
+        requested_at=time.time(),
+        reason="test",
+    )
+
+
+def test_a_cancel_is_forwarded_to_the_endpoint_queue_after_its_task(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    task = submission()
+    submit(dep, task)
+    cancel = encode(cancel_of(task))
+    # Sent before the submission is routed: same key, same partition, so it follows it.
+    dep.produce(dep.catalogue.tasks_submitted, task.task_id, cancel, [("origin", b"sdk")])
+    queue = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP))
+    queue.wait_for(lambda m: m.key() == task.task_id.encode() and m.value() == cancel)
+    records = queue.keyed(task.task_id)
+    assert [record_kind(m.value()) for m in records] == ["dispatch", "cancel"]
+    assert records[0].partition() == records[1].partition()
+    assert records[0].offset() < records[1].offset()
+    assert ("origin", b"sdk") in (records[1].headers() or [])
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("wrong token", "user 'bob' is unknown or its token is wrong"),
+        ("unknown user", "user 'carol' is unknown or its token is wrong"),
+        ("private endpoint", f"endpoint {PRIVATE_EP!r} does not exist or is not shared"),
+        ("endpoint without queue", f"endpoint {NO_QUEUE_EP!r} has no queue topic"),
+    ],
+)
+def test_a_refused_cancel_is_dead_lettered_and_not_forwarded(
+    deployment: tuple[Deployment, Processors], case: str, expected: str
+) -> None:
+    dep, _ = deployment
+    task = submission(user=ALICE)
+    submit(dep, task)
+    cancel = {
+        "wrong token": cancel_of(task, user=BOB, token="not-bobs-token"),
+        "unknown user": cancel_of(task, user=CAROL),
+        "private endpoint": msgspec.structs.replace(
+            cancel_of(task, user=BOB), endpoint_id=PRIVATE_EP
+        ),
+        "endpoint without queue": msgspec.structs.replace(
+            cancel_of(task, user=BOB), endpoint_id=NO_QUEUE_EP
+        ),
+    }[case]
+    value = encode(cancel)
+    dep.produce(dep.catalogue.tasks_submitted, task.task_id, value)
+    letter = decoded(
+        dep.reader(dep.catalogue.dead_letter).wait_for(
+            lambda m: (
+                m.key() == task.task_id.encode() and decoded(m, DeadLetter).original_value == value
+            )
+        ),
+        DeadLetter,
+    )
+    assert (letter.component, letter.error_type, letter.task_id) == (
+        "router",
+        "CancelRefused",
+        task.task_id,
+    )
+    assert expected in letter.reason, letter.reason
+    queue = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP))
+    queue.wait_for(key_is(task.task_id))  # the task itself was routed
+    later = submission()
+    submit(dep, later)  # on another key: once it is routed, the refused cancel had its turn
+    queue.wait_for(key_is(later.task_id))
+    assert all(record_kind(m.value()) == "dispatch" for m in queue.keyed(task.task_id))
+
+
+def test_a_malformed_cancel_is_dead_lettered_with_the_cancels_reason(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    dep, _ = deployment
+    key = new_task_id()
+    raw = msgspec.msgpack.decode(encode(cancel_of(submission(task_id=key))))
+    del raw["endpoint_id"]
+    value = msgspec.msgpack.encode(raw)
+    dep.produce(dep.catalogue.tasks_submitted, key, value)
+    letter = decoded(dep.reader(dep.catalogue.dead_letter).wait_for(key_is(key)), DeadLetter)
+    assert letter.error_type == "RecordDecodeError"
+    assert "not a valid cancel record" in letter.reason
+    assert "endpoint_id" in letter.reason

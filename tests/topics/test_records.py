@@ -21,6 +21,7 @@ from fxstream.topics import (
     Heartbeat,
     Record,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskErrorType,
@@ -37,6 +38,7 @@ from fxstream.topics import (
     decode,
     decode_any,
     encode,
+    record_kind,
 )
 
 NOW = time.time()
@@ -63,6 +65,14 @@ SAMPLES: list[Record] = [
     UserRecord(user_id="alice", name="Alice", token_sha256="b" * 64, created_at=NOW),
     SUBMISSION,
     TaskDispatch(task_id="t-1", endpoint_id="ep-1", routed_at=NOW, submission=encode(SUBMISSION)),
+    TaskCancel(
+        task_id="t-1",
+        user_id="alice",
+        endpoint_id="ep-1",
+        auth_token="secret-token",
+        requested_at=NOW,
+        reason="no longer needed",
+    ),
     TaskResult(
         task_id="t-1",
         user_id="alice",
@@ -228,6 +238,34 @@ def test_missing_field_is_named() -> None:
     del raw["function_id"]
     with pytest.raises(RecordDecodeError, match="function_id"):
         decode(msgspec.msgpack.encode(raw), TaskSubmission)
+
+
+def test_a_cancel_needs_the_endpoint_and_is_not_a_submission() -> None:
+    cancel = TaskCancel(
+        task_id="t-1", user_id="alice", endpoint_id="ep-1", auth_token="tok", requested_at=NOW
+    )
+    assert decode(encode(cancel), TaskCancel).reason == ""
+    raw = msgspec.msgpack.decode(encode(cancel))
+    del raw["endpoint_id"]
+    with pytest.raises(RecordDecodeError, match="endpoint_id"):
+        decode(msgspec.msgpack.encode(raw), TaskCancel)
+    with pytest.raises(RecordDecodeError, match="cancel"):
+        decode(encode(cancel), TaskSubmission)
+    with pytest.raises(RecordDecodeError, match="submission"):
+        decode(encode(SUBMISSION), TaskCancel)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+def test_record_kind_names_the_kind_without_checking_the_rest(record: Record) -> None:
+    raw = msgspec.msgpack.decode(encode(record))
+    assert record_kind(encode(record)) == raw["kind"]
+    del raw["v"]
+    assert record_kind(msgspec.msgpack.encode(raw)) == raw["kind"]
+
+
+@pytest.mark.parametrize("data", [None, b"", b"\x93\x01\x02", msgspec.msgpack.encode({"v": 1})])
+def test_record_kind_is_none_without_a_kind(data: bytes | None) -> None:
+    assert record_kind(data) is None
 
 
 @pytest.mark.parametrize("value", [None, b""])

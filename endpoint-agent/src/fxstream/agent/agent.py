@@ -26,6 +26,16 @@ nothing: its uncommitted tasks are delivered again when it (or a replacement)
 returns, and a result whose transaction did not commit was never visible. A
 task may therefore run twice, but only one of its results is committed by
 this hop.
+
+Cancel: a :class:`~fxstream.topics.TaskCancel` rides the queue behind its
+task (same key, same partition), so this agent reads a task before its cancel.
+A task still in the local queue (or waiting out a retry backoff) is taken out
+and answered ``TaskCancelled``; one in the pool is cancelled there (dropped if
+queued, its worker killed if running); either way the answer settles the
+task's offset and the cancel's. A cancel for a task no longer held (already
+answered) only settles its own offset, and one from another user than the
+submitter is dead-lettered. A cancelled task is never retried: a cancel asked
+while it ran wins over whatever its worker's death looked like.
 """
 
 from __future__ import annotations
@@ -68,6 +78,7 @@ from fxstream.topics import (
     Heartbeat,
     InvalidTopicName,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskErrorType,
@@ -82,6 +93,7 @@ from fxstream.topics import (
     code_sha256,
     decode,
     encode,
+    record_kind,
 )
 
 __all__ = ["AGENT_VERSION", "Agent"]
@@ -100,6 +112,8 @@ _NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESU
 CODE_RETRY_S = 2.0
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
+# The dead letter's error type for a cancel whose sender did not submit the task.
+CANCEL_REFUSED = "CancelRefused"
 
 
 @dataclass(frozen=True)
@@ -200,6 +214,8 @@ class Agent:
         self._retries: list[tuple[float, int, _Held]] = []
         self._retry_order = itertools.count()
         self.retries_scheduled = 0
+        # Held tasks a cancel asked to stop (task id -> reason), until they are answered.
+        self._cancelled: dict[str, str] = {}
         # Guards the fields above: the poll thread takes tasks, the pool's collector
         # thread publishes results and feeds the pool.
         self._lock = threading.Lock()
@@ -359,7 +375,16 @@ class Agent:
             dispatch = decode(value, TaskDispatch)
             submission = decode(dispatch.submission, TaskSubmission)
         except RecordDecodeError as exc:
-            self._dead_letter(message, exc.reason)
+            # Cancels are rare: only what is not a dispatch is tried as one.
+            if record_kind(value) != "cancel":
+                self._dead_letter(message, exc.reason)
+                return
+            try:
+                cancel = decode(value, TaskCancel)
+            except RecordDecodeError as cancel_exc:
+                self._dead_letter(message, cancel_exc.reason)
+                return
+            self._take_cancel(message, cancel)
             return
         held = _Held(
             partition,
@@ -434,6 +459,100 @@ class Agent:
         with self._lock:
             self._awaiting_code = still + self._awaiting_code
 
+    # --- cancel --------------------------------------------------------------------------
+
+    def _take_cancel(self, message: Message, cancel: TaskCancel) -> None:
+        """Stop a held task (see the module notes); on the poll thread, after its dispatch."""
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        task_id = cancel.task_id
+        reason = cancel.reason or f"cancelled by user {cancel.user_id}"
+        queued: _Held | None = None
+        refused = ""
+        with self._lock:
+            held = self._held.get(task_id)
+            if held is not None and held.submission.user_id != cancel.user_id:
+                refused = (
+                    f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
+                    "was submitted by another user; only its submitter may cancel it"
+                )
+            elif held is not None:
+                self._cancelled[task_id] = reason
+                queued = next(
+                    (h for h in self._local_queue if h.submission.task_id == task_id), None
+                )
+                if queued is not None:
+                    self._local_queue.remove(queued)
+                    self._local_queue_bytes -= queued.size
+                    self._cancelled.pop(task_id, None)
+                else:
+                    queued = self._take_waiting_retry(task_id)
+        publisher = self._publisher
+        assert publisher is not None
+        if held is None:
+            # Answered already (or its partition came here after the answer): the cancel
+            # changes nothing. Its offset commits now, with no record of its own.
+            log.info("cancel of task %s: not held here (already answered)", task_id)
+            publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+            return
+        if refused:
+            log.warning("%s", refused)
+            self._settle_with_dead_letter(
+                partition,
+                offset,
+                self._epoch,
+                key=message.key(),
+                value=message.value(),
+                headers=_headers(message),
+                reason=refused,
+                error_type=CANCEL_REFUSED,
+            )
+            return
+        # The task's offset is below the cancel's, so the cancel's position can only commit
+        # in (or after) the transaction that commits the task's answer.
+        self._tracker.done(partition, offset)
+        log.info("cancel of task %s: %s", task_id, "skipped (queued)" if queued else "stopping")
+        if queued is not None:
+            self._publish(queued, _cancelled(queued.submission, reason, started_at=None))
+            return
+        pool = self._pool
+        assert pool is not None
+        # False while the collector thread is between taking it off the local queue and
+        # submitting it: _feed_pool then sees it in _cancelled and cancels it itself.
+        pool.cancel(task_id, reason)
+
+    def _take_waiting_retry(self, task_id: str) -> _Held | None:
+        """Take a task out of its retry backoff, or out of the wait for its function's
+        code (for a cancel); the caller holds the lock."""
+        for entry in self._retries:
+            if entry[2].submission.task_id == task_id:
+                self._retries.remove(entry)
+                heapq.heapify(self._retries)
+                self._cancelled.pop(task_id, None)
+                return entry[2]
+        for held in self._awaiting_code:
+            if held.submission.task_id == task_id:
+                self._awaiting_code.remove(held)
+                self._cancelled.pop(task_id, None)
+                return held
+        return None
+
+    def _cancel_requested(self, task_id: str) -> str | None:
+        """The reason a cancel gave for a held task, or None: a cancelled task is never retried."""
+        with self._lock:
+            return self._cancelled.get(task_id)
+
+    def _cancel_wins(self, held: _Held, outcome: WorkOutcome) -> WorkOutcome:
+        """The outcome to answer: a cancelled task's failure (say its worker died under the
+        kill) is reported as the cancel, so it is never retried; a success stays one."""
+        if not self._cancelled:  # the common case, without the lock: nothing cancelled
+            return outcome
+        with self._lock:
+            reason = self._cancelled.pop(held.submission.task_id, None)
+        if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
+            return outcome
+        return _cancelled(held.submission, reason, started_at=outcome.started_at)
+
     def _feed_pool(self) -> None:
         """Give the pool tasks from the local queue, up to workers + prefetch in it."""
         pool = self._pool
@@ -459,10 +578,13 @@ class Agent:
             )
             future = pool.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
+            reason = self._cancel_requested(submission.task_id) if self._cancelled else None
+            if reason is not None:  # cancelled between the local queue and the pool
+                pool.cancel(submission.task_id, reason)
 
     def _finished(self, held: _Held, future: Future[WorkOutcome]) -> None:
         # On the pool's collector thread: answer at once, then give the slot new work.
-        outcome = future.result()
+        outcome = self._cancel_wins(held, future.result())
         with self._lock:
             self._in_pool -= 1
             self._given_to_pool.pop(held.submission.task_id, None)
@@ -749,6 +871,7 @@ class Agent:
             return
         for task_id in gone:
             self._held.pop(task_id, None)
+            self._cancelled.pop(task_id, None)
         self._local_queue = deque(h for h in self._local_queue if h.submission.task_id not in gone)
         self._local_queue_bytes = sum(h.size for h in self._local_queue)
         self._retries = [r for r in self._retries if r[2].submission.task_id not in gone]
@@ -837,5 +960,19 @@ def _failed(submission: TaskSubmission, error_type: str, exc: BaseException) -> 
         traceback="",
         worker="",
         started_at=None,
+        finished_at=time.time(),
+    )
+
+
+def _cancelled(submission: TaskSubmission, reason: str, *, started_at: float | None) -> WorkOutcome:
+    return WorkOutcome(
+        task_id=submission.task_id,
+        ok=False,
+        value=None,
+        error_type=TaskErrorType.CANCELLED,
+        error_message=f"task {submission.task_id} was cancelled: {reason}",
+        traceback="",
+        worker="",
+        started_at=started_at,
         finished_at=time.time(),
     )

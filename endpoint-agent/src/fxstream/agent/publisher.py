@@ -48,9 +48,13 @@ SLOW_TRANSACTION_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """A record to write, and the queue record (partition, offset) it settles."""
+    """A record to write, and the queue record (partition, offset) it settles.
 
-    topic: str
+    ``topic`` None writes nothing and only settles the offset (a cancel for a task
+    already answered): its commit needs a transaction all the same.
+    """
+
+    topic: str | None
     key: bytes | None
     value: bytes
     partition: int
@@ -71,7 +75,7 @@ class TransactionalPublisher:
     at each rebalance). It must not call the consumer: ``consumer_group_metadata()``
     blocks while another thread is in the consumer's ``poll``, so the poll thread
     fetches it (on assignment) and this returns the cached value. ``on_committed`` is
-    called with how many results were committed after each transaction.
+    called with how many records were committed after each transaction.
     :meth:`publish` never blocks.
 
     ``epoch`` returns the agent's current assignment epoch, which the agent bumps
@@ -226,7 +230,7 @@ class TransactionalPublisher:
             self._pending -= committed
             self._idle.notify_all()
         if self._on_committed is not None and batch:
-            self._on_committed(len(batch))
+            self._on_committed(sum(1 for answer in batch if answer.topic is not None))
 
     def _current(self, batch: list[Answer]) -> list[Answer]:
         """The answers of ``batch`` whose partitions were not lost since they were taken."""
@@ -247,7 +251,8 @@ class TransactionalPublisher:
         producer = self._producer
         producer.begin_transaction()
         for answer in batch:
-            producer.produce(answer.topic, key=answer.key, value=answer.value)
+            if answer.topic is not None:
+                producer.produce(answer.topic, key=answer.key, value=answer.value)
             # Done once it is in this transaction: the offset commits with it or not at all.
             self._tracker.done(answer.partition, answer.offset)
             producer.poll(0)

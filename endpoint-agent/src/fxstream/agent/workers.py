@@ -33,6 +33,12 @@ Design choices the agent relies on:
   faulthandler's dump as its traceback after a segfault) and the items queued
   behind it on that worker, which never started, run elsewhere. A task over
   its walltime gets its worker killed and a ``WalltimeExceeded`` outcome.
+* **Cancel.** :meth:`WorkerPool.cancel` drops a queued item and kills the
+  worker running a started one (the pool replaces it, and kills the task's own
+  child processes with it); either way the outcome is ``TaskCancelled``, not
+  retryable. An item batched behind another on the same worker cannot be taken
+  back from it: its outcome is ``TaskCancelled`` at once, but being a short
+  function (batching is only for those), it may still run.
   Walltime covers loading the function too. Each worker leads its own process
   group, and the pool kills the whole group whenever a worker ends, so
   programs a task started do not outlive it.
@@ -84,6 +90,7 @@ __all__ = [
     "POOL_CLOSED",
     "RETRYABLE_ERRORS",
     "RUNNER_UNAVAILABLE",
+    "TASK_CANCELLED",
     "WALLTIME_EXCEEDED",
     "WORKER_LOST",
     "WORKER_START_FAILED",
@@ -118,6 +125,8 @@ CODE_REQUIRED: Final = "CodeRequired"
 CODE_HASH_MISMATCH: Final = "CodeHashMismatch"
 RUNNER_UNAVAILABLE: Final = "RunnerUnavailable"
 WORKER_START_FAILED: Final = "WorkerStartFailed"
+# The same name as fxstream.topics.TaskErrorType.CANCELLED (the pool stays free of topics).
+TASK_CANCELLED: Final = "TaskCancelled"
 
 RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
 """Error types caused by the platform rather than the task: a retry may succeed."""
@@ -399,7 +408,7 @@ def _worker_main(
 class _Task:
     """An item inside the pool: its sequence number, code and future."""
 
-    __slots__ = ("claimed", "code", "force_code", "future", "item", "key", "seq")
+    __slots__ = ("cancelled", "claimed", "code", "force_code", "future", "item", "key", "seq")
 
     def __init__(self, seq: int, item: WorkItem, code: bytes, future: Future[WorkOutcome]) -> None:
         self.seq = seq
@@ -409,6 +418,7 @@ class _Task:
         self.key: _Key = (item.function_id, item.code_sha256)
         self.claimed = False  # the future was moved to "running"
         self.force_code = False  # the worker said it lacks the function
+        self.cancelled = False  # cancel() was asked while a worker held it
 
 
 class _Slot:
@@ -456,7 +466,8 @@ class _Slot:
         self.outstanding: OrderedDict[int, _Task] = OrderedDict()
         # The pool's mirror of the worker's function cache (LRU order).
         self.warm: OrderedDict[_Key, None] = OrderedDict()
-        # Why the pool killed it: ("walltime", seq), ("closed", -1) or ("protocol", -1).
+        # Why the pool killed it: ("walltime", seq), ("cancelled", seq), ("closed", -1) or
+        # ("protocol", -1).
         self.kill_reason: tuple[str, int] | None = None
 
     def running_seq(self) -> int:
@@ -594,6 +605,8 @@ class WorkerPool:
         self._start_failures = 0
         self._walltime_items = 0
         self._closed = False
+        # Outcomes decided off the collector thread (cancel), resolved on it.
+        self._deferred: list[_Resolution] = []
 
         self._crash_dir = tempfile.mkdtemp(prefix="fxstream-workers-")
         self._selector = selectors.DefaultSelector()
@@ -684,6 +697,52 @@ class WorkerPool:
             _resolve([_failure(task, *problem)])
         return future
 
+    def cancel(self, task_id: str, reason: str = "") -> bool:
+        """Cancel the item of ``task_id``; False when the pool does not hold it.
+
+        A queued item is dropped; a worker that has started it (or was sent it
+        next) is SIGKILLed with whatever the task started, and replaced. Its
+        future resolves with a ``TaskCancelled`` outcome (``reason`` in its
+        message), on the collector thread like every outcome. An item the
+        worker finished just before the kill keeps its real outcome.
+        """
+        message = f"task {task_id} was cancelled" + (f": {reason}" if reason else "")
+        resolutions: list[_Resolution] = []
+        with self._lock:
+            found = self._cancel_pending(task_id, message, resolutions)
+            if not found:
+                found = self._cancel_held(task_id, message, resolutions)
+            self._deferred.extend(resolutions)
+        if resolutions:
+            self._wake()
+        return found
+
+    def _cancel_pending(self, task_id: str, message: str, out: list[_Resolution]) -> bool:
+        for task in self._pending:
+            if task.item.task_id == task_id:
+                self._pending.remove(task)
+                if task.claimed or task.future.set_running_or_notify_cancel():
+                    out.append(_failure(task, TASK_CANCELLED, message))
+                return True
+        return False
+
+    def _cancel_held(self, task_id: str, message: str, out: list[_Resolution]) -> bool:
+        for slot in self._live_slots():
+            for position, task in enumerate(slot.outstanding.values()):
+                if task.item.task_id != task_id:
+                    continue
+                if task.cancelled:
+                    return True
+                task.cancelled = True
+                if position == 0:
+                    # Running, loading, or next up: only killing the worker stops it. Its
+                    # death (seen by the collector) resolves the item as cancelled.
+                    self._kill(slot, ("cancelled", task.seq))
+                else:
+                    out.append(_failure(task, TASK_CANCELLED, message))
+                return True
+        return False
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop every worker and reap it; idempotent.
 
@@ -708,6 +767,9 @@ class WorkerPool:
         if self._collector.is_alive():
             self._kill_all(("closed", -1))
             self._collector.join()
+        with self._lock:
+            deferred, self._deferred = self._deferred, []
+        _resolve(deferred)  # cancels the collector did not get to
         self._release()
 
     def __enter__(self) -> WorkerPool:
@@ -867,6 +929,9 @@ class WorkerPool:
         if data is None:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_r, 4096)
+            with self._lock:
+                deferred, self._deferred = self._deferred, []
+            _resolve(deferred)
             return
         kind, slot = data
         if slot.dead:
@@ -1048,6 +1113,12 @@ class WorkerPool:
         if slot.running_seq() == head.seq:
             resolutions.append(self._lost(slot, head, crash_dump))
             tasks = tasks[1:]
+        # A cancelled item that never started is not run elsewhere.
+        for task in tasks:
+            if task.cancelled:
+                message = f"task {task.item.task_id} was cancelled before it started"
+                resolutions.append(_failure(task, TASK_CANCELLED, message))
+        tasks = [task for task in tasks if not task.cancelled]
         return resolutions + self._requeue(tasks, "the pool was closed before the task started")
 
     def _lost(self, slot: _Slot, task: _Task, crash_dump: str) -> _Resolution:
@@ -1061,6 +1132,12 @@ class WorkerPool:
                 f"{function_id}; worker {slot.pid} was killed"
             )
             return _failure(task, WALLTIME_EXCEEDED, message, **fields)
+        if slot.kill_reason == ("cancelled", task.seq):
+            message = (
+                f"task {task.item.task_id} was cancelled while running function {function_id}; "
+                f"worker {slot.pid} was killed"
+            )
+            return _failure(task, TASK_CANCELLED, message, **fields)
         if slot.kill_reason == ("closed", -1):
             message = (
                 f"the pool was closed and worker {slot.pid} killed while running "
@@ -1174,6 +1251,8 @@ class WorkerPool:
         with self._lock:
             self._closed = True
             resolutions = self._drop_pending("the worker pool failed")
+            resolutions += self._deferred
+            self._deferred = []
             for slot in self._live_slots():
                 _kill_group(slot)
                 for task in slot.outstanding.values():

@@ -11,9 +11,16 @@ import hmac
 import secrets
 from collections.abc import Sequence
 
-from fxstream.topics import EndpointRecord, FunctionRecord, TaskSubmission, UserRecord
+from fxstream.topics import EndpointRecord, FunctionRecord, TaskCancel, TaskSubmission, UserRecord
 
-__all__ = ["may_use", "new_token", "refusal_reason", "token_matches", "token_sha256"]
+__all__ = [
+    "cancel_refusal_reason",
+    "may_use",
+    "new_token",
+    "refusal_reason",
+    "token_matches",
+    "token_sha256",
+]
 
 
 def new_token() -> str:
@@ -71,5 +78,32 @@ def refusal_reason(
         return (
             f"endpoint {submission.endpoint_id!r} does not exist or is not shared with you: "
             "list the endpoints you may use with Client.list_endpoints"
+        )
+    return None
+
+
+def cancel_refusal_reason(
+    cancel: TaskCancel, user: UserRecord | None, endpoint: EndpointRecord | None
+) -> str | None:
+    """Why the router must not forward ``cancel``, or None when it may.
+
+    The router checks who asks (the token is the user's) and that the user may
+    use the endpoint; whether the task is the user's own is checked by the agent
+    that holds the task, the only place that knows its submitter without a join.
+    """
+    if user is None or not token_matches(cancel.auth_token, user):
+        return (
+            f"cancel of task {cancel.task_id}: user {cancel.user_id!r} is unknown or its token "
+            "is wrong: cancel with the token of the user who submitted the task"
+        )
+    if endpoint is None or not may_use(
+        user.user_id,
+        owner_id=endpoint.owner_id,
+        public=endpoint.public,
+        allowed_users=endpoint.allowed_users,
+    ):
+        return (
+            f"cancel of task {cancel.task_id}: endpoint {cancel.endpoint_id!r} does not exist or "
+            "is not shared with you: name the endpoint the task was submitted to"
         )
     return None

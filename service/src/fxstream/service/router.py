@@ -13,6 +13,15 @@ the user, function and endpoint in a :class:`RegistryView`, and applies
   dead letter;
 - undecodable: a dead letter only.
 
+``tasks.submitted`` also carries :class:`TaskCancel` records, keyed by task id
+like the submission they follow. An authorised cancel (the token is the user's,
+the endpoint is one the user may use) is forwarded, bytes untouched, to
+``tasks.ep.<endpoint>`` after the batch's dispatches; a refused one is
+dead-lettered (``CancelRefused``) and changes nothing else. Same key, same
+partition number: the cancel reaches the endpoint queue after its task's
+dispatch, so the agent holding the task reads the task first and its cancel
+next, without any lookup of task state here (see docs/architecture.md).
+
 Every record is keyed by task id, so Kafka's default partitioner puts all of a
 task's records on the same partition number of each topic. :meth:`Router.plan`
 does no writing: the faust agent in :mod:`fxstream.service.processors` sends
@@ -27,7 +36,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from fxstream.service.auth import refusal_reason
+from fxstream.service.auth import cancel_refusal_reason, refusal_reason
 from fxstream.service.deadletter import RawRecord, dead_letter_for, normalise_headers
 from fxstream.service.outgoing import Outgoing, fits
 from fxstream.service.registry import RegistryView
@@ -35,6 +44,7 @@ from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskErrorType,
@@ -45,9 +55,17 @@ from fxstream.topics import (
     TaskTimings,
     decode,
     encode,
+    record_kind,
 )
 
-__all__ = ["COMPONENT", "REJECTED_ERROR_TYPE", "RoutePlan", "Router", "RouterStats"]
+__all__ = [
+    "CANCEL_REFUSED_ERROR_TYPE",
+    "COMPONENT",
+    "REJECTED_ERROR_TYPE",
+    "RoutePlan",
+    "Router",
+    "RouterStats",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +73,9 @@ COMPONENT = "router"
 # The error type of a refused task's result; the task-state processor leaves these
 # alone, since the router writes the rejected state itself.
 REJECTED_ERROR_TYPE = str(TaskErrorType.REJECTED)
+# The dead letter's error type for a cancel the router will not forward.
+CANCEL_REFUSED_ERROR_TYPE = "CancelRefused"
+_CANCEL_KIND = "cancel"
 
 
 @dataclass
@@ -65,6 +86,8 @@ class RouterStats:
     rejected: int = 0
     dead_lettered: int = 0
     catch_ups: int = 0
+    cancels_forwarded: int = 0
+    cancels_refused: int = 0
 
 
 @dataclass
@@ -130,12 +153,22 @@ class Router:
         """Decide what to write for a batch of ``tasks.submitted`` records."""
         plan = RoutePlan()
         submissions: list[tuple[RawRecord, TaskSubmission]] = []
+        cancels: list[tuple[RawRecord, TaskCancel]] = []
         for record in records:
             try:
                 submissions.append((record, decode(record.value, TaskSubmission)))
             except RecordDecodeError as exc:
-                self._dead_letter(plan, record, str(exc), "RecordDecodeError")
-        if any(self._has_unknown(s) for _, s in submissions):
+                # Cancels are rare: only bytes that are not a submission are tried as one.
+                if record_kind(record.value) != _CANCEL_KIND:
+                    self._dead_letter(plan, record, str(exc), "RecordDecodeError")
+                    continue
+                try:
+                    cancels.append((record, decode(record.value, TaskCancel)))
+                except RecordDecodeError as cancel_exc:
+                    self._dead_letter(plan, record, str(cancel_exc), "RecordDecodeError")
+        if any(self._has_unknown(s) for _, s in submissions) or any(
+            self._cancel_has_unknown(c) for _, c in cancels
+        ):
             await self._catch_up()
         decisions = [_Decision(r, s, self._refusal(s)) for r, s in submissions]
         decisions = await self._refuse_unroutable(decisions)
@@ -149,7 +182,46 @@ class Router:
             except Exception as exc:  # a bug here must cost one task, not the router
                 log.exception("router: cannot plan task %s", decision.submission.task_id)
                 self._dead_letter(plan, decision.record, f"router failed: {exc!r}", "RouterError")
+        if cancels:
+            # After every dispatch of the batch: a cancel follows its task on the queue.
+            await self._plan_cancels(plan, cancels)
         return plan
+
+    async def _plan_cancels(
+        self, plan: RoutePlan, cancels: list[tuple[RawRecord, TaskCancel]]
+    ) -> None:
+        refusals = [
+            cancel_refusal_reason(
+                cancel, self._view.user(cancel.user_id), self._view.endpoint(cancel.endpoint_id)
+            )
+            for _, cancel in cancels
+        ]
+        present = await self._directory.present(
+            self._catalogue.endpoint_queue(cancel.endpoint_id)
+            for (_, cancel), refusal in zip(cancels, refusals, strict=True)
+            if refusal is None
+        )
+        for (record, cancel), refusal in zip(cancels, refusals, strict=True):
+            queue = self._catalogue.endpoint_queue(cancel.endpoint_id)
+            if refusal is None and queue not in present:
+                refusal = (
+                    f"cancel of task {cancel.task_id}: endpoint {cancel.endpoint_id!r} has no "
+                    f"queue topic {queue!r}, so it holds no task to cancel"
+                )
+            if refusal is not None:
+                self._dead_letter(plan, record, refusal, CANCEL_REFUSED_ERROR_TYPE, cancel.task_id)
+                self.stats.cancels_refused += 1
+                log.info("router: refused a cancel of task %s: %s", cancel.task_id, refusal)
+                continue
+            plan.dispatches.append(
+                Outgoing(
+                    queue,
+                    cancel.task_id.encode(),
+                    record.value or b"",
+                    _forwarded_headers(record.headers),
+                )
+            )
+            self.stats.cancels_forwarded += 1
 
     def _plan_one(
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
@@ -172,6 +244,12 @@ class Router:
             self._view.user(submission.user_id) is None
             or self._view.function(submission.function_id) is None
             or self._view.endpoint(submission.endpoint_id) is None
+        )
+
+    def _cancel_has_unknown(self, cancel: TaskCancel) -> bool:
+        return (
+            self._view.user(cancel.user_id) is None
+            or self._view.endpoint(cancel.endpoint_id) is None
         )
 
     async def _catch_up(self) -> None:
@@ -304,7 +382,7 @@ class Router:
         )
         plan.first.append(Outgoing(self._catalogue.dead_letter, record.key, encode(letter)))
         self.stats.dead_lettered += 1
-        if error_type != REJECTED_ERROR_TYPE:
+        if error_type not in (REJECTED_ERROR_TYPE, CANCEL_REFUSED_ERROR_TYPE):
             log.warning(
                 "router: dead-lettered %s[%d]@%d: %s",
                 record.topic,

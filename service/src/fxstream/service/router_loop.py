@@ -138,6 +138,12 @@ class RouterLoop(StoppableLoop):
         """
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             try:
+                # aiokafka 0.14 fails a transaction (NotLeaderForPartition, after the whole
+                # request timeout) that learns a topic's metadata mid-transaction, as for
+                # the first task of an endpoint (or refusal of a user) registered after
+                # this producer started. Known topics answer at once.
+                for topic in {record.topic for record in records}:
+                    await self._producer.partitions_for(topic)
                 async with self._producer.transaction():
                     sent = [
                         await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)

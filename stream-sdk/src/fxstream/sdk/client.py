@@ -11,6 +11,8 @@ listener thread reading ``results.<user_id>``.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
@@ -31,10 +33,18 @@ from fxstream.sdk.futures import TaskFuture, Timings, timings_of
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, DEFAULT_TOPIC_PREFIX, ClientSettings
-from fxstream.sdk.submit import PreparedTask, TaskProducer, build_task, pack_arguments
+from fxstream.sdk.submit import (
+    PreparedTask,
+    TaskProducer,
+    build_cancel,
+    build_task,
+    pack_arguments,
+)
 from fxstream.topics import Catalogue, Serializer, TaskError, TaskTimings
 
 __all__ = ["Client", "RegisteredUser"]
+
+log = logging.getLogger(__name__)
 
 _STATUS_CHUNK: Final = 1_000
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
@@ -337,6 +347,7 @@ class Client:
             endpoint_id=task.endpoint_id,
             submitted_at=task.submitted_at,
         )
+        future._remote_cancel = self._send_remote_cancel
         listener.track(future)
         if retain:
             with self._lock:
@@ -352,18 +363,26 @@ class Client:
     def send(self, tasks: Sequence[tuple[PreparedTask, TaskFuture]]) -> None:
         """Produce tracked tasks without waiting; a refused record fails its future."""
         producer, listener = self._streams()
-        futures = {task.task_id: future for task, future in tasks}
+        live: list[tuple[PreparedTask, TaskFuture]] = []
+        for task, future in tasks:
+            if future._mark_sent():
+                live.append((task, future))
+            else:  # cancelled before it went out: never sent, nothing to cancel remotely
+                listener.untrack(task.task_id)
+        futures = {task.task_id: future for task, future in live}
 
         def on_delivery(task_id: str, failure: SubmissionFailed | None) -> None:
             if failure is not None:
                 listener.untrack(task_id)
                 futures[task_id]._resolve_exception(failure)
 
-        producer.send([task for task, _ in tasks], on_delivery)
+        producer.send([task for task, _ in live], on_delivery)
 
     def _run_tasks(self, tasks: list[PreparedTask]) -> list[str]:
         producer = self._streams()[0]
         futures = [self.track(task, retain=True) for task in tasks]
+        for future in futures:
+            future._mark_sent()  # nobody else has these futures yet: never refused
         try:
             producer.send_and_wait(tasks)
         except SubmissionFailed as exc:
@@ -394,6 +413,92 @@ class Client:
             for function_id, payload in batch
         ]
         return self._run_tasks(tasks)
+
+    # --- cancel --------------------------------------------------------------------------
+
+    def cancel(
+        self,
+        task_id: str,
+        *,
+        endpoint_id: str | None = None,
+        reason: str = "",
+        timeout: float = 30.0,
+    ) -> None:
+        """Cancel a task; returns once Kafka has acknowledged the cancel record.
+
+        The cancel follows the task (same key, so the same partitions, in order):
+        the agent holding the task skips it if it is still queued, or kills its
+        worker if it runs, and answers it ``TaskCancelled``: its state becomes
+        ``cancelled``, and its future (here, or in the client that submitted it)
+        ends cancelled. A task that already finished keeps its result. Only the
+        task's submitter may cancel it: a cancel from another user is refused
+        (dead-lettered) by the router or the agent, and the task runs on.
+
+        ``endpoint_id`` is needed only for a task this client did not submit and
+        the service does not know yet; otherwise it is taken from the task.
+        Raises :class:`~fxstream.sdk.errors.SubmissionFailed` when Kafka does not
+        acknowledge the cancel within ``timeout`` seconds, and
+        :class:`~fxstream.sdk.errors.NotFound` for a task nobody knows.
+        """
+        future = self._tracked(task_id)
+        if endpoint_id is None:
+            if future is not None:
+                endpoint_id = future.endpoint_id
+            else:
+                endpoint_id = str(self._rest.get(f"/tasks/{task_id}")["endpoint_id"])
+        producer = self._streams()[0]
+        record = build_cancel(
+            user_id=self.user_id,
+            token=self._require_token(),
+            task_id=task_id,
+            endpoint_id=endpoint_id,
+            reason=reason,
+        )
+        acknowledged: concurrent.futures.Future[SubmissionFailed | None] = (
+            concurrent.futures.Future()
+        )
+        producer.send_record(task_id, record, lambda _, failure: acknowledged.set_result(failure))
+        try:
+            failure = acknowledged.result(timeout)
+        except TimeoutError:
+            raise SubmissionFailed(
+                f"the cancel of task {task_id} was not acknowledged by Kafka within "
+                f"{timeout:.0f} s (is the broker up, and is FXSTREAM_BOOTSTRAP right?); it may "
+                "still be delivered"
+            ) from None
+        if failure is not None:
+            raise failure
+        if future is not None:
+            future._cancel_here()  # the cancel is on its way: do not send another
+
+    def _send_remote_cancel(self, future: TaskFuture) -> None:
+        """Send a cancelled future's remote cancel without waiting (TaskFuture.cancel)."""
+        with self._lock:
+            producer = None if self._closed else self._producer
+        if producer is None:
+            log.warning(
+                "task %s: the client is closed, its remote cancel is not sent", future.task_id
+            )
+            return
+        record = build_cancel(
+            user_id=self.user_id,
+            token=self._require_token(),
+            task_id=future.task_id,
+            endpoint_id=future.endpoint_id,
+        )
+
+        def delivered(task_id: str, failure: SubmissionFailed | None) -> None:
+            if failure is not None:
+                log.warning("the remote cancel of task %s was not sent: %s", task_id, failure)
+
+        producer.send_record(future.task_id, record, delivered)
+
+    def _tracked(self, task_id: str) -> TaskFuture | None:
+        """This client's future of a task, kept (``run``) or only awaiting its result."""
+        future = self._local(task_id)
+        if future is None and self._listener is not None:
+            future = self._listener.future(task_id)
+        return future
 
     # --- results and status ------------------------------------------------------------
 

@@ -39,9 +39,12 @@ class Executor(concurrent.futures.Executor):
     per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
     to every task submitted (see :meth:`Client.prepare_task`).
 
-    Cancelling: a future whose task is still queued here is never sent. Once
-    sent, a task cannot be recalled (there is no remote cancel yet); cancelling
-    its future only stops waiting, and its result is discarded.
+    Cancelling (``future.cancel()``, ``shutdown(cancel_futures=True)``, a
+    ``map`` that times out): a future whose task is still queued here is never
+    sent. A task already sent gets a remote cancel: the agent holding it skips
+    it if it is queued there, or kills its worker if it runs (a task that
+    finished first keeps its result, which is discarded). The future is
+    cancelled at once either way. See :class:`~fxstream.sdk.futures.TaskFuture`.
     """
 
     def __init__(
@@ -220,7 +223,9 @@ class Executor(concurrent.futures.Executor):
         """Stop accepting tasks; optionally cancel the unfinished ones, and wait.
 
         ``cancel_futures`` cancels every future not done: queued tasks are not
-        sent, and results of tasks already sent are discarded. ``wait`` returns
+        sent, and tasks already sent are cancelled remotely (skipped, or their
+        worker killed; the cancels are sent before a client the executor
+        created is closed). ``wait`` returns
         once every remaining future has its result (as Globus Compute's does).
         A client the executor created is closed once nothing is outstanding.
         """

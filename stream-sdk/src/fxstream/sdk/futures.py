@@ -9,12 +9,17 @@ polled.
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Final
 
 from fxstream.topics import TaskTimings
 
 __all__ = ["TIMING_KEYS", "TaskFuture", "Timings", "timings_of"]
+
+log = logging.getLogger(__name__)
 
 Timings = dict[str, float | None]
 """Hop name -> seconds since the Unix epoch (None for a hop not reported)."""
@@ -59,9 +64,16 @@ class TaskFuture(Future[Any]):
     ``duplicates`` counts further result records for this task, which are
     ignored (a result is delivered once).
 
-    Cancelling a future whose task was already sent to Kafka only stops this
-    future from waiting: there is no remote cancel yet, so the task may still
-    run, and its result is discarded.
+    :meth:`cancel` follows ``concurrent.futures``: it returns True unless the
+    future is done, and the future is cancelled at once. If the task was
+    already sent, a remote cancel follows it (without waiting for Kafka; use
+    ``Client.cancel`` to wait): the agent holding the task skips it if queued or
+    kills its worker if running, and its ``TaskCancelled`` answer is discarded.
+    A task cancelled from elsewhere (``Client.cancel`` in another process) ends
+    this future the same way: :meth:`cancelled` is True and :meth:`result`
+    raises ``concurrent.futures.CancelledError``, as for any cancelled future;
+    :attr:`cancelled_remotely` tells the two apart. A task that finished before
+    its cancel reached it keeps its result.
     """
 
     def __init__(
@@ -75,6 +87,11 @@ class TaskFuture(Future[Any]):
         self.worker: str | None = None
         self.attempt: int | None = None
         self.duplicates = 0
+        self.cancelled_remotely = False
+        # Set by the Client: sends this task's remote cancel (never blocks).
+        self._remote_cancel: Callable[[TaskFuture], None] | None = None
+        self._sent = False
+        self._sent_lock = threading.Lock()
 
     def cancel(self) -> bool:
         """Cancel the future unless it is done; True if it is now cancelled.
@@ -82,6 +99,21 @@ class TaskFuture(Future[Any]):
         Unlike a plain ``Future``, it is at once reported to ``wait`` and
         ``as_completed`` (no executor worker is going to pick it up to notice).
         """
+        if not self._cancel_here():
+            return False
+        with self._sent_lock:
+            sent = self._sent
+        remote_cancel = self._remote_cancel
+        if sent and remote_cancel is not None and not self.cancelled_remotely:
+            self._remote_cancel = None  # once is enough
+            try:
+                remote_cancel(self)
+            except Exception:  # cancel() must not raise; the task then runs on, discarded
+                log.warning("cannot send the remote cancel of task %s", self.task_id, exc_info=True)
+        return True
+
+    def _cancel_here(self) -> bool:
+        """Cancel this future only (no remote cancel); True if it is cancelled now."""
         if self.cancelled():
             return True
         if not super().cancel():
@@ -91,6 +123,30 @@ class TaskFuture(Future[Any]):
         with contextlib.suppress(RuntimeError):
             self.set_running_or_notify_cancel()
         return True
+
+    def _mark_sent(self) -> bool:
+        """Note that the task is about to be produced; False (send nothing) if cancelled.
+
+        With :meth:`cancel` checking the flag under the same lock, a cancel racing
+        the send either stops the send or sees it and sends a remote cancel.
+        """
+        with self._sent_lock:
+            if self.cancelled():
+                return False
+            self._sent = True
+            return True
+
+    def _resolve_cancelled_remotely(self) -> bool:
+        """End the future as cancelled because its task was (a ``TaskCancelled`` result)."""
+        if self.done():
+            return False
+        self.cancelled_remotely = True
+        if super().cancel():
+            with contextlib.suppress(RuntimeError):
+                self.set_running_or_notify_cancel()
+            return True
+        self.cancelled_remotely = False
+        return False
 
     def _resolve_result(self, value: Any) -> bool:
         """Set the result unless the future is already done or cancelled; True if it was set."""

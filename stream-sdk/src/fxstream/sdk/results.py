@@ -28,7 +28,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 
 from fxstream.sdk.errors import FxstreamError, ResultsTopicMissing, task_failure
 from fxstream.sdk.futures import TaskFuture, timings_of
-from fxstream.topics import RecordDecodeError, Serializer, TaskResult, decode
+from fxstream.topics import RecordDecodeError, Serializer, TaskErrorType, TaskResult, decode
 
 __all__ = ["ResultListener"]
 
@@ -172,6 +172,11 @@ class ResultListener:
         with self._lock:
             self._futures[future.task_id] = future
 
+    def future(self, task_id: str) -> TaskFuture | None:
+        """The tracked future of ``task_id`` (None once its result arrived, or if untracked)."""
+        with self._lock:
+            return self._futures.get(task_id)
+
     def untrack(self, task_id: str) -> None:
         """Stop tracking a task (its record was never sent)."""
         with self._lock:
@@ -269,6 +274,14 @@ class ResultListener:
         future.attempt = result.attempt
         if future.cancelled():
             self.discarded += 1
+            return
+        if result.error is not None and result.error.type == TaskErrorType.CANCELLED:
+            # Cancelled from elsewhere (Client.cancel): the future ends as a cancelled
+            # concurrent.futures.Future does, so result() raises CancelledError.
+            if future._resolve_cancelled_remotely():
+                self.delivered += 1
+            else:
+                self.discarded += 1
             return
         outcome: BaseException | None = None
         value: Any = None

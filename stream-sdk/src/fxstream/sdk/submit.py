@@ -26,6 +26,7 @@ from fxstream.topics import (
     Catalogue,
     RecordDecodeError,
     Serializer,
+    TaskCancel,
     TaskSubmission,
     client_info,
     decode,
@@ -37,6 +38,7 @@ __all__ = [
     "DeliveryCallback",
     "PreparedTask",
     "TaskProducer",
+    "build_cancel",
     "build_task",
     "pack_arguments",
 ]
@@ -156,6 +158,27 @@ def build_task(
     )
 
 
+def build_cancel(
+    *, user_id: str, token: str, task_id: str, endpoint_id: str, reason: str = ""
+) -> bytes:
+    """The encoded ``cancel`` record for a task; ``ValueError`` if a field is invalid."""
+    record = encode(
+        TaskCancel(
+            task_id=task_id,
+            user_id=user_id,
+            endpoint_id=endpoint_id,
+            auth_token=token,
+            requested_at=time.time(),
+            reason=reason,
+        )
+    )
+    try:
+        decode(record, TaskCancel)
+    except RecordDecodeError as exc:
+        raise ValueError(f"cannot cancel task {task_id!r}: {exc.reason}") from None
+    return record
+
+
 class TaskProducer:
     """The Client's Kafka producer for ``tasks.submitted``, with its own delivery thread.
 
@@ -201,15 +224,17 @@ class TaskProducer:
     def send(self, tasks: Iterable[PreparedTask], on_delivery: DeliveryCallback) -> None:
         """Queue each task's record (key: task id); ``on_delivery`` reports each outcome."""
         for task in tasks:
-            callback = self._callback(task.task_id, on_delivery)
-            while True:
-                try:
-                    self._producer.produce(
-                        self.topic, key=task.task_id, value=task.record, on_delivery=callback
-                    )
-                    break
-                except BufferError:  # the local queue is full: let deliveries drain it
-                    self._producer.poll(0.05)
+            self.send_record(task.task_id, task.record, on_delivery)
+
+    def send_record(self, task_id: str, record: bytes, on_delivery: DeliveryCallback) -> None:
+        """Queue one record keyed by ``task_id`` (a submission, or that task's cancel)."""
+        callback = self._callback(task_id, on_delivery)
+        while True:
+            try:
+                self._producer.produce(self.topic, key=task_id, value=record, on_delivery=callback)
+                break
+            except BufferError:  # the local queue is full: let deliveries drain it
+                self._producer.poll(0.05)
 
     def _callback(
         self, task_id: str, on_delivery: DeliveryCallback

@@ -20,6 +20,7 @@ from fxstream.topics.records import (
     Heartbeat,
     Record,
     RecordDecodeError,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskErrorType,
@@ -36,6 +37,7 @@ from fxstream.topics.records import (
     decode,
     decode_any,
     encode,
+    record_kind,
 )
 from fxstream.topics.serialize import (
     PAYLOAD_HEADER_LENGTH,
@@ -90,6 +92,7 @@ __all__ = [
     "Serializer",
     "Strategy",
     "StrategyKind",
+    "TaskCancel",
     "TaskDispatch",
     "TaskError",
     "TaskErrorType",
@@ -113,6 +116,7 @@ __all__ = [
     "ensure_topics",
     "explain_load_failure",
     "get_strategy",
+    "record_kind",
     "register_strategy",
     "registered_strategies",
     "strategy_of",

@@ -110,7 +110,8 @@ ENDPOINTS = TopicSpec(
 TASKS_SUBMITTED = TopicSpec(
     name="tasks.submitted",
     key="task id",
-    summary="Every task as submitted, before authorisation and routing.",
+    summary="Every task as submitted, before authorisation and routing, and cancel requests "
+    "for tasks (after the task, on its partition).",
     written_by="SDK, triggers",
     read_by="router",
     cleanup_policy=CleanupPolicy.DELETE,
@@ -120,8 +121,8 @@ TASKS_SUBMITTED = TopicSpec(
 ENDPOINT_QUEUE = TopicSpec(
     name="tasks.ep.{endpoint_id}",
     key="task id",
-    summary="One endpoint's durable queue of routed tasks; it waits here while the endpoint is "
-    "offline.",
+    summary="One endpoint's durable queue of routed tasks (and their authorised cancels); it "
+    "waits here while the endpoint is offline.",
     written_by="router",
     read_by="that endpoint's agent only",
     cleanup_policy=CleanupPolicy.DELETE,

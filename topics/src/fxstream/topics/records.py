@@ -32,6 +32,7 @@ __all__ = [
     "Heartbeat",
     "Record",
     "RecordDecodeError",
+    "TaskCancel",
     "TaskDispatch",
     "TaskError",
     "TaskErrorType",
@@ -48,6 +49,7 @@ __all__ = [
     "decode",
     "decode_any",
     "encode",
+    "record_kind",
 ]
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
@@ -144,6 +146,27 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
     routed_at: Timestamp
     attempt: Annotated[int, Meta(ge=1, description="1 for the first delivery")] = 1
     submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
+
+
+class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
+    """A request to cancel a task (key: task id).
+
+    The SDK writes it to ``tasks.submitted``; the router checks the token and
+    forwards the same bytes to ``tasks.ep.<endpoint_id>``. Keyed by task id, it
+    lands on the partition of the task's own submission (and then dispatch),
+    after it, so whoever holds the task reads its cancel after the task itself:
+    per-task order with no join against task state. The agent that holds the
+    task skips it if queued or kills its worker if running, and answers it with
+    a ``TaskCancelled`` error result; a cancel for a task it no longer holds
+    changes nothing.
+    """
+
+    task_id: Id
+    user_id: Annotated[Id, Meta(description="who asks; must be the task's submitter")]
+    endpoint_id: Annotated[Id, Meta(description="the endpoint the task was submitted to")]
+    auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
+    requested_at: Timestamp
+    reason: Annotated[str, Meta(max_length=1024, description="why, for the task's error")] = ""
 
 
 class TaskTimings(msgspec.Struct, kw_only=True, frozen=True):
@@ -418,6 +441,7 @@ class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
 AnyRecord = (
     UserRecord
     | TaskSubmission
+    | TaskCancel
     | TaskDispatch
     | TaskResult
     | TaskState
@@ -434,6 +458,7 @@ AnyRecord = (
 RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     UserRecord,
     TaskSubmission,
+    TaskCancel,
     TaskDispatch,
     TaskResult,
     TaskState,
@@ -498,6 +523,28 @@ def decode(data: bytes | None, expected: type[R]) -> R:
         raise RecordDecodeError(str(exc), expected=kind) from exc
     _check_version(record)
     return record
+
+
+class _KindOnly(msgspec.Struct):
+    kind: str
+
+
+_kind_decoder = msgspec.msgpack.Decoder(_KindOnly)
+
+
+def record_kind(data: bytes | None) -> str | None:
+    """The ``kind`` a record's bytes claim to be, or None when they hold no such field.
+
+    For a reader of a topic that carries more than one kind (``tasks.submitted``:
+    submissions and cancels) to pick the decoder whose error explains bad bytes
+    best; nothing else is checked, so :func:`decode` the bytes afterwards.
+    """
+    if not data:
+        return None
+    try:
+        return _kind_decoder.decode(data).kind
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def decode_any(data: bytes | None) -> AnyRecord:

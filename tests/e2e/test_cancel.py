@@ -1,0 +1,413 @@
+"""Remote cancel with every real part: SDK -> router -> agent -> worker, and back.
+
+One platform for the module (as `./fx up` starts it), plus a second, public
+endpoint with one worker and no prefetch, so a second task waits in that
+agent's local queue while the first runs. Side-effect files prove what ran; the
+agent's committed queue offsets prove a cancel record was settled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+
+from fxstream.ops import Platform
+from fxstream.ops.process import ManagedProcess
+from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.topics import (
+    Catalogue,
+    DeadLetter,
+    TaskErrorType,
+    TaskResult,
+    decode,
+    record_kind,
+)
+from tests.conftest import private_config
+
+pytestmark = pytest.mark.platform
+
+WAIT_S = 60.0
+
+
+@dataclass
+class Stack:
+    """The module's platform, its local endpoint and the one-worker endpoint."""
+
+    platform: Platform
+    bootstrap: str
+    catalogue: Catalogue
+    settings: ClientSettings
+    local_endpoint: str
+    single_endpoint: str
+
+    def client(self) -> Client:
+        """A client of the platform's user (the caller closes it)."""
+        return Client.from_settings(self.settings)
+
+    def records(self, topic: str, key: str) -> list[Message]:
+        """Every committed record of ``topic`` with this key, read from the beginning."""
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"e2e-{uuid.uuid4()}",
+                "isolation.level": "read_committed",
+                "enable.partition.eof": True,
+                "log_level": 2,
+            }
+        )
+        try:
+            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            found: list[Message] = []
+            at_end: set[int] = set()
+            deadline = time.monotonic() + 30
+            while len(at_end) < len(partitions) and time.monotonic() < deadline:
+                message = consumer.poll(0.2)
+                if message is None:
+                    continue
+                if message.error() is not None:
+                    at_end.add(message.partition() or 0)  # _PARTITION_EOF
+                elif message.key() == key.encode():
+                    found.append(message)
+            return found
+        finally:
+            consumer.close()
+
+    def wait_for_record(
+        self, topic: str, key: str, predicate: Callable[[Message], bool]
+    ) -> Message:
+        """The first record of ``topic`` with ``key`` that matches, waiting up to a minute."""
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            matching = [m for m in self.records(topic, key) if predicate(m)]
+            if matching:
+                return matching[0]
+            assert time.monotonic() < deadline, f"no matching record for {key} on {topic}"
+            time.sleep(0.5)
+
+    def results_of(self, task_id: str) -> list[TaskResult]:
+        """Every committed result record of a task."""
+        topic = self.catalogue.results(self.settings.user_id or "")
+        return [decode(m.value(), TaskResult) for m in self.records(topic, task_id)]
+
+    def wait_until_cancel_settled(self, endpoint_id: str, task_id: str) -> None:
+        """Wait until the endpoint's group committed past the task's cancel record."""
+        queue = self.catalogue.endpoint_queue(endpoint_id)
+        cancel = self.wait_for_record(queue, task_id, lambda m: record_kind(m.value()) == "cancel")
+        consumer = Consumer(
+            {
+                "bootstrap.servers": self.bootstrap,
+                "group.id": f"fxstream-endpoint-{endpoint_id}",
+                "log_level": 2,
+            }
+        )
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                partition = TopicPartition(queue, cancel.partition() or 0)
+                [committed] = consumer.committed([partition], timeout=10)
+                if committed.offset > (cancel.offset() or 0):
+                    return
+                assert time.monotonic() < deadline, (
+                    f"the cancel at offset {cancel.offset()} was never committed "
+                    f"(committed: {committed.offset})"
+                )
+                time.sleep(0.2)
+        finally:
+            consumer.close()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    home = tmp_path_factory.mktemp("cancel")
+    platform = Platform(private_config(home))
+    single: ManagedProcess | None = None
+    try:
+        connection = platform.up(services=True)
+        services = platform.services()
+        local_endpoint = services.local_endpoint_id()
+        assert local_endpoint is not None
+        settings = ClientSettings.from_environment(
+            {"FXSTREAM_CREDENTIALS": str(services.credentials_file)}
+        )
+        with Client.from_settings(settings) as owner:
+            single_endpoint = owner.register_endpoint("single", public=True)
+        endpoints_dir = home / "more-endpoints"
+        env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir)}
+        endpoint_cli = str(Path(sys.executable).parent / "fxstream-endpoint")
+        subprocess.run(
+            [
+                endpoint_cli,
+                "configure",
+                "single",
+                "--endpoint-id",
+                single_endpoint,
+                "--service-url",
+                settings.service_url,
+                "--bootstrap",
+                settings.bootstrap_servers,
+                "--token",
+                settings.token or "",
+                "--prefix",
+                connection.topic_prefix,
+                "--workers",
+                "1",
+                "--prefetch",
+                "0",
+                "--heartbeat-period",
+                "1",
+            ],
+            env=env,
+            check=True,
+            capture_output=True,
+        )
+        single = ManagedProcess(
+            name="endpoint single",
+            argv=[endpoint_cli, "start", "single"],
+            pid_file=home / "single.pid",
+            log_file=home / "single.log",
+            env=env,
+            die_with_parent=True,
+        )
+        single.start()
+        with Client.from_settings(settings) as owner:
+            deadline = time.monotonic() + WAIT_S
+            while owner.get_endpoint_status(single_endpoint)["state"] != "online":
+                single.check_alive()
+                assert time.monotonic() < deadline, "the one-worker endpoint never came online"
+                time.sleep(0.3)
+        yield Stack(
+            platform,
+            connection.bootstrap_servers,
+            Catalogue(prefix=connection.topic_prefix),
+            settings,
+            local_endpoint,
+            single_endpoint,
+        )
+    finally:
+        if single is not None:
+            single.stop(timeout_s=60)
+        platform.down()
+
+
+@contextmanager
+def executor_on(client: Client, endpoint_id: str) -> Iterator[Executor]:
+    """An executor that never waits at exit: a failed test must not hang on its futures."""
+    executor = Executor(endpoint_id=endpoint_id, client=client)
+    try:
+        yield executor
+    finally:
+        executor.shutdown(wait=False, cancel_futures=True)
+
+
+def mark_then_sleep(path: str, seconds: float) -> int:
+    """Write this worker's pid to ``path`` (proof the task ran), then sleep."""
+    with open(path, "w") as out:
+        out.write(str(os.getpid()))
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def double(x: int) -> int:
+    return 2 * x
+
+
+def wait_for_file(path: Path) -> int:
+    """The pid a ``mark_then_sleep`` task wrote, once it has."""
+    deadline = time.monotonic() + WAIT_S
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"the task never started ({path} missing)"
+        time.sleep(0.05)
+    return int(path.read_text())
+
+
+def cancelled_result(stack: Stack, task_id: str) -> TaskResult:
+    """The task's TaskCancelled result, once the agent has published it."""
+    topic = stack.catalogue.results(stack.settings.user_id or "")
+    message = stack.wait_for_record(
+        topic,
+        task_id,
+        lambda m: (
+            (error := decode(m.value(), TaskResult).error) is not None
+            and error.type == TaskErrorType.CANCELLED
+        ),
+    )
+    return decode(message.value(), TaskResult)
+
+
+def test_a_queued_task_is_skipped_and_its_future_cancelled(stack: Stack, tmp_path: Path) -> None:
+    client = stack.client()
+    try:
+        with executor_on(client, stack.single_endpoint) as executor:
+            running = executor.submit(mark_then_sleep, str(tmp_path / "first"), 3.0)
+            wait_for_file(tmp_path / "first")  # the one worker is busy: the next task waits
+            function_id = executor.register_function(mark_then_sleep)
+            # run() returns once Kafka has the task: its cancel must go remote.
+            queued_id = client.run(
+                str(tmp_path / "never"),
+                0.0,
+                endpoint_id=stack.single_endpoint,
+                function_id=function_id,
+            )
+            queued = client.future(queued_id)
+            assert queued.cancel()
+            assert queued.cancelled()
+            after = executor.submit(double, 21)
+            assert running.result(timeout=WAIT_S) > 0
+            assert after.result(timeout=WAIT_S) == 42
+        result = cancelled_result(stack, queued.task_id)
+        assert result.error is not None and not result.error.retryable
+        assert result.timings.started_at is None
+        assert not (tmp_path / "never").exists(), "the cancelled task ran"
+        assert len(stack.results_of(queued.task_id)) == 1
+        stack.wait_until_cancel_settled(stack.single_endpoint, queued.task_id)
+    finally:
+        client.close()
+
+
+def test_a_running_task_is_killed_and_the_next_task_runs(stack: Stack, tmp_path: Path) -> None:
+    client = stack.client()
+    try:
+        with executor_on(client, stack.single_endpoint) as executor:
+            sleeper = executor.submit(mark_then_sleep, str(tmp_path / "sleeper"), 60.0)
+            worker = wait_for_file(tmp_path / "sleeper")
+            cancelled_at = time.monotonic()
+            assert sleeper.cancel()
+            psutil.wait_procs([psutil.Process(worker)], timeout=10)
+            killed_s = time.monotonic() - cancelled_at
+            assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"
+            assert killed_s < 5, f"the worker took {killed_s:.1f} s to die"
+            assert sleeper.cancelled()
+            # The pool replaced the worker: the endpoint serves the next task.
+            assert executor.submit(double, 5).result(timeout=WAIT_S) == 10
+        result = cancelled_result(stack, sleeper.task_id)
+        assert result.error is not None
+        assert "was killed" in result.error.message
+        assert not result.error.retryable
+        stack.wait_until_cancel_settled(stack.single_endpoint, sleeper.task_id)
+    finally:
+        client.close()
+
+
+def test_client_cancel_from_elsewhere_ends_the_submitters_future_cancelled(
+    stack: Stack, tmp_path: Path
+) -> None:
+    submitter, other = stack.client(), stack.client()
+    try:
+        function_id = submitter.register_function(mark_then_sleep)
+        task_id = submitter.run(
+            str(tmp_path / "long"), 60.0, endpoint_id=stack.local_endpoint, function_id=function_id
+        )
+        wait_for_file(tmp_path / "long")
+        # This client never saw the task: it asks the service for the task's endpoint.
+        other.cancel(task_id, reason="stopped from another session")
+        future = submitter.future(task_id)
+        done, _ = concurrent.futures.wait([future], timeout=WAIT_S)
+        assert done == {future}
+        assert future.cancelled() and future.cancelled_remotely
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result()
+        assert submitter.get_task(task_id)["state"] == "cancelled"
+        result = cancelled_result(stack, task_id)
+        assert result.error is not None and "was killed" in result.error.message
+        # The task-state processor folded the TaskCancelled result: the service says so.
+        deadline = time.monotonic() + WAIT_S
+        while (state := other.get_task(task_id))["state"] != "cancelled":
+            assert time.monotonic() < deadline, state
+            time.sleep(0.2)
+        with pytest.raises(concurrent.futures.CancelledError):
+            other.get_result(task_id)
+    finally:
+        submitter.close()
+        other.close()
+
+
+def test_cancelling_a_finished_task_changes_nothing(stack: Stack) -> None:
+    client = stack.client()
+    try:
+        function_id = client.register_function(double)
+        task_id = client.run(4, endpoint_id=stack.single_endpoint, function_id=function_id)
+        assert client.future(task_id).result(timeout=WAIT_S) == 8
+        client.cancel(task_id)
+        stack.wait_until_cancel_settled(stack.single_endpoint, task_id)
+        assert client.get_result(task_id) == 8
+        assert [r.outcome for r in stack.results_of(task_id)] == ["success"]
+        later = client.run(5, endpoint_id=stack.single_endpoint, function_id=function_id)
+        assert client.future(later).result(timeout=WAIT_S) == 10
+    finally:
+        client.close()
+
+
+def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
+    stack: Stack, tmp_path: Path
+) -> None:
+    owner = stack.client()
+    mallory_id, mallory_token = Client.register_user(stack.settings.service_url, "mallory")
+    mallory = Client(
+        stack.settings.service_url,
+        bootstrap_servers=stack.bootstrap,
+        topic_prefix=stack.catalogue.prefix,
+        user_id=mallory_id,
+        token=mallory_token,
+    )
+    try:
+        function_id = owner.register_function(mark_then_sleep)
+        task_id = owner.run(
+            str(tmp_path / "owned"), 5.0, endpoint_id=stack.single_endpoint, function_id=function_id
+        )
+        wait_for_file(tmp_path / "owned")
+        # Her own token on a public endpoint passes the router; the agent, which holds the
+        # task and knows its submitter, refuses it.
+        mallory.cancel(task_id, endpoint_id=stack.single_endpoint)
+        assert owner.future(task_id).result(timeout=WAIT_S) > 0, "the task ran to its end"
+
+        def refused(component: str) -> Callable[[Message], bool]:
+            def matches(message: Message) -> bool:
+                letter = decode(message.value(), DeadLetter)
+                return letter.error_type == "CancelRefused" and letter.component == component
+
+            return matches
+
+        letter = decode(
+            stack.wait_for_record(
+                stack.catalogue.dead_letter,
+                task_id,
+                refused(f"agent {stack.single_endpoint}"),
+            ).value(),
+            DeadLetter,
+        )
+        assert "only its submitter may cancel it" in letter.reason
+        assert record_kind(letter.original_value) == "cancel"
+        # Her token with the owner's user id is refused by the router, before any queue.
+        impostor = Client(
+            stack.settings.service_url,
+            bootstrap_servers=stack.bootstrap,
+            topic_prefix=stack.catalogue.prefix,
+            user_id=stack.settings.user_id,
+            token=mallory_token,
+        )
+        try:
+            impostor.cancel(task_id, endpoint_id=stack.single_endpoint)
+        finally:
+            impostor.close()
+        letter = decode(
+            stack.wait_for_record(stack.catalogue.dead_letter, task_id, refused("router")).value(),
+            DeadLetter,
+        )
+        assert "token is wrong" in letter.reason
+        assert [r.outcome for r in stack.results_of(task_id)] == ["success"]
+    finally:
+        owner.close()
+        mallory.close()
