@@ -37,9 +37,12 @@ class Writer:
             assert error is None, error
             landed.append((message.partition(), message.offset()))  # type: ignore[attr-defined]
 
-        extra = {} if stamped_at is None else {"timestamp": int(stamped_at * 1000)}
         self._producer.produce(
-            self._topic, key=result.task_id, value=encode(result), on_delivery=report, **extra
+            self._topic,
+            key=result.task_id,
+            value=encode(result),
+            on_delivery=report,
+            timestamp=0 if stamped_at is None else int(stamped_at * 1000),
         )
         assert self._producer.flush(30) == 0
         return landed[0]
@@ -179,8 +182,9 @@ def test_read_back_finds_the_first_result_of_each_task_stamped_since_its_submiss
     found = read_back_results(sdk_topics.bootstrap, sdk_topics.results, wanted, ends)
     assert set(found) == {skewed, first, duplicate}
     serializer = Serializer()
-    assert found[duplicate].value is not None
-    assert serializer.deserialize(found[duplicate].value) == "first"
+    value = found[duplicate].value
+    assert value is not None
+    assert serializer.deserialize(value) == "first"
 
     # An end beyond what the topic holds is waited for, up to the timeout.
     beyond = {partition: end + 1 for partition, end in ends.items()}
