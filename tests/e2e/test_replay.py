@@ -30,6 +30,7 @@ from fxstream.sdk import (
     Client,
     ClientSettings,
     Executor,
+    NotFound,
     PermissionDenied,
     TaskExecutionFailed,
     TaskFuture,
@@ -103,9 +104,14 @@ def wait_for_gate(path: str, answer: str) -> str:
 
 
 def eventually(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
-    """Wait until ``check()`` holds."""
+    """Wait until ``check()`` holds (a task or group the service does not list yet is not)."""
     deadline = time.monotonic() + timeout
-    while not check():
+    while True:
+        try:
+            if check():
+                return
+        except NotFound:
+            pass
         assert time.monotonic() < deadline, f"not true within {timeout:g} s: {what}"
         time.sleep(0.1)
 

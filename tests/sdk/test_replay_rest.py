@@ -21,6 +21,7 @@ from fxstream.ops.process import free_ports
 from fxstream.sdk import Client, NotFound, TaskExecutionFailed, TaskRejected
 from fxstream.service.api import MAX_GROUP_PAGE, create_app
 from fxstream.topics import (
+    Attempt,
     Catalogue,
     Serializer,
     TaskError,
@@ -78,6 +79,7 @@ def state_of(
     *,
     value: object = None,
     error: TaskError | None = None,
+    attempts: list[Attempt] | None = None,
 ) -> TaskState:
     """A task-state record as the processors write it."""
     now = time.time()
@@ -91,6 +93,7 @@ def state_of(
         updated_at=now,
         timings=TaskTimings(submitted_at=now - 5, routed_at=now - 4),
         error=error,
+        attempts=attempts or [],
         value=None if value is None else Serializer().serialize_value(value),
     )
 
@@ -116,6 +119,18 @@ def test_a_group_of_every_state_over_several_pages_is_reloaded(service: Service)
                 group,
                 TaskStateName.FAILED,
                 error=TaskError(type="ZeroDivisionError", message="division by zero"),
+                attempts=[
+                    Attempt(
+                        attempt=1,
+                        worker="lost-host:1",
+                        error=TaskError(type="WorkerLost", message="worker died"),
+                    ),
+                    Attempt(
+                        attempt=2,
+                        worker="host:2",
+                        error=TaskError(type="ZeroDivisionError", message="division by zero"),
+                    ),
+                ],
             ),
             state_of(
                 rejected,
@@ -148,7 +163,10 @@ def test_a_group_of_every_state_over_several_pages_is_reloaded(service: Service)
         assert all(by_id[t].result(timeout=0) == i for t, i in succeeded.items())
         with pytest.raises(ZeroDivisionError):
             by_id[failed].result(timeout=0)
-        assert isinstance(by_id[failed].exception(timeout=0), TaskExecutionFailed)
+        failure = by_id[failed].exception(timeout=0)
+        assert isinstance(failure, TaskExecutionFailed)
+        assert [a.worker for a in failure.earlier_attempts] == ["lost-host:1"]
+        assert by_id[failed].attempt == 2
         with pytest.raises(TaskRejected, match="not shared"):
             by_id[rejected].result(timeout=0)
         with pytest.raises(CancelledError):

@@ -36,7 +36,7 @@ from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, DEFAULT_TOPIC_PREFIX, ClientSettings
 from fxstream.sdk.submit import PreparedTask, TaskProducer, build_task, pack_arguments
-from fxstream.topics import Catalogue, Serializer, TaskError, TaskTimings
+from fxstream.topics import Attempt, Catalogue, Serializer, TaskError, TaskTimings
 
 __all__ = ["Client", "RegisteredUser"]
 
@@ -514,15 +514,27 @@ class Client:
             future.worker = str(attempts[-1].get("worker") or "") or None
             future.attempt = int(attempts[-1].get("attempt") or 1)
         name = str(state.get("state"))
+        error = state.get("error")
         if name == "cancelled":
             future.cancel()
-            return
-        try:
-            value = self._value_of(state)
-        except Exception as exc:  # the task's error, or a value that does not load here
-            future._resolve_exception(exc)
+        elif name in ("failed", "rejected") and isinstance(error, dict):
+            attempts = _attempts(state.get("attempts"))
+            future._resolve_exception(
+                task_failure(
+                    future.task_id,
+                    _task_error(error),
+                    endpoint_id=future.endpoint_id,
+                    attempt=future.attempt,
+                    earlier_attempts=attempts[:-1],
+                )
+            )
         else:
-            future._resolve_result(value)
+            try:
+                value = self._value_of(state)
+            except Exception as exc:  # a value that does not load here, or a state without one
+                future._resolve_exception(exc)
+            else:
+                future._resolve_result(value)
 
     # --- results and status ------------------------------------------------------------
 
@@ -724,6 +736,24 @@ def _task_error(data: Mapping[str, Any]) -> TaskError:
         traceback=str(data.get("traceback", "")),
         retryable=bool(data.get("retryable", False)),
     )
+
+
+def _attempts(data: Any) -> list[Attempt]:
+    attempts: list[Attempt] = []
+    for item in data if isinstance(data, list) else []:
+        if not isinstance(item, dict):
+            continue
+        error = item.get("error")
+        attempts.append(
+            Attempt(
+                attempt=int(item.get("attempt") or 1),
+                worker=str(item.get("worker") or ""),
+                started_at=item.get("started_at"),
+                finished_at=item.get("finished_at"),
+                error=_task_error(error) if isinstance(error, dict) else None,
+            )
+        )
+    return attempts
 
 
 def _service_timings(data: Any) -> Timings:
