@@ -30,6 +30,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("DELETE", "/v1/endpoints/{id}"),
     ("GET", "/v1/tasks/{id}"),
     ("POST", "/v1/tasks/status"),
+    ("GET", "/v1/task-groups/{id}/tasks"),
     ("GET", "/v1/health"),
 )
 

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
 from confluent_kafka.admin import AdminClient
-from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -65,6 +65,10 @@ log = logging.getLogger(__name__)
 # accepts is refused when the record is read back.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
 MAX_STATUS_QUERY = 1_000
+MAX_GROUP_PAGE = 1_000
+# A page of a task group stops growing once its values reach this many bytes (a
+# task-state value may be up to the topic's record limit); it always holds one task.
+MAX_GROUP_PAGE_VALUE_BYTES = 8 * 1024 * 1024
 MAX_SHARED_WITH = 10_000
 
 # Kafka counts the key, headers and batch framing against max.message.bytes.
@@ -199,6 +203,16 @@ class TaskIds(_Body):
     """``POST /v1/tasks/status``."""
 
     task_ids: Annotated[list[Id], Field(max_length=MAX_STATUS_QUERY)]
+
+
+class TaskGroupPage(BaseModel):
+    """``GET /v1/task-groups/{id}/tasks``: one page of the caller's tasks of a group."""
+
+    task_group_id: str
+    total: int = Field(description="how many of the caller's tasks the group has now")
+    offset: int
+    next_offset: int | None = Field(description="the offset of the next page; null at the end")
+    tasks: list[dict[str, Any]] = Field(description="task-state records, as GET /v1/tasks/{id}")
 
 
 class Health(BaseModel):
@@ -692,6 +706,57 @@ def read_task_states(
     return {
         task_id: None if state is None else _record_json(state) for task_id, state in states.items()
     }
+
+
+@router.get("/task-groups/{task_group_id}/tasks", tags=["tasks"])
+def read_task_group(
+    task_group_id: Annotated[str, Path(pattern=ID_PATTERN, description="the task group id")],
+    caller: CallerDep,
+    runtime: RuntimeDep,
+    offset: Annotated[int, Query(ge=0, description="the first task to return")] = 0,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_GROUP_PAGE, description="the most tasks to return")
+    ] = MAX_GROUP_PAGE,
+) -> TaskGroupPage:
+    """The caller's tasks of a task group with their states, in the order first seen.
+
+    Paged: follow ``next_offset`` until it is null. A page also ends early once
+    its values pass 8 MiB. Tasks appear once the router has seen them.
+    """
+    task_ids = runtime.view.task_group(task_group_id, caller.user_id)
+    if not task_ids:
+        if runtime.view.task_group_users(task_group_id):
+            raise ApiError(
+                403,
+                "forbidden",
+                f"task group {task_group_id!r} holds only another user's tasks; use a task "
+                "group id of your own (a new Executor picks a fresh one)",
+            )
+        raise ApiError(
+            404,
+            "not-found",
+            f"no task of task group {task_group_id!r} is known (yet): a task appears once "
+            "the router has seen its submission; check the id (Executor.task_group_id)",
+        )
+    tasks: list[dict[str, Any]] = []
+    value_bytes = 0
+    position = offset
+    while position < len(task_ids) and len(tasks) < limit:
+        state = runtime.view.task(task_ids[position])
+        if state is not None:
+            size = len(state.value or b"")
+            if tasks and value_bytes + size > MAX_GROUP_PAGE_VALUE_BYTES:
+                break
+            value_bytes += size
+            tasks.append(_record_json(state))
+        position += 1
+    return TaskGroupPage(
+        task_group_id=task_group_id,
+        total=len(task_ids),
+        offset=offset,
+        next_offset=position if position < len(task_ids) else None,
+        tasks=tasks,
+    )
 
 
 @router.get("/health", tags=["health"])

@@ -104,6 +104,9 @@ class RegistryView:
             self._kinds[topic] = (followed, record_type)
         self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in ALL_FOLLOWED}
         self._token_index: dict[str, UserRecord] = {}
+        # task group id -> user id -> task ids (a dict used as an insertion-ordered set),
+        # so a group's tasks are listed in the order task-state first saw them.
+        self._groups: dict[str, dict[str, dict[str, None]]] = {}
         self._positions: dict[tuple[str, int], int] = {}
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -211,6 +214,15 @@ class RegistryView:
         """The latest state of a task."""
         return _as(self._tables["task-state"].get(task_id), TaskState)
 
+    def task_group(self, task_group_id: str, user_id: str) -> list[str]:
+        """The ids of ``user_id``'s tasks in ``task_group_id``, in the order first seen."""
+        members = self._groups.get(task_group_id, {}).get(user_id)
+        return list(members.copy()) if members is not None else []
+
+    def task_group_users(self, task_group_id: str) -> set[str]:
+        """The users with at least one task in ``task_group_id`` (a client picks group ids)."""
+        return set(self._groups.get(task_group_id, {}).copy())
+
     def endpoint_status(self, endpoint_id: str, now: float | None = None) -> EndpointStatus:
         """Online while the last heartbeat is younger than LIVENESS_PERIODS periods."""
         beat = _as(self._tables["heartbeats"].get(endpoint_id), Heartbeat)
@@ -288,6 +300,10 @@ class RegistryView:
             if previous is None or previous.sent_at <= record.sent_at:
                 table[record.endpoint_id] = record
             return
+        if isinstance(record, TaskState):
+            self._index_task(key, _as(table.get(key), TaskState), record)
+            table[key] = record
+            return
         self._remove(followed, key)
         table[key] = record
         if isinstance(record, UserRecord):
@@ -297,6 +313,33 @@ class RegistryView:
         old = self._tables[followed].pop(key, None)
         if isinstance(old, UserRecord):
             self._token_index.pop(old.token_sha256, None)
+        elif isinstance(old, TaskState):
+            self._unindex_task(key, old)
+
+    def _index_task(self, key: str, old: TaskState | None, new: TaskState) -> None:
+        # A task's later states keep its place in its group, so a listing paged by
+        # position neither skips nor repeats a task while the group's tasks progress.
+        if old is not None:
+            if (old.task_group_id, old.user_id) == (new.task_group_id, new.user_id):
+                return
+            self._unindex_task(key, old)
+        if new.task_group_id is not None:
+            users = self._groups.setdefault(new.task_group_id, {})
+            users.setdefault(new.user_id, {})[key] = None
+
+    def _unindex_task(self, key: str, old: TaskState) -> None:
+        if old.task_group_id is None:
+            return
+        users = self._groups.get(old.task_group_id)
+        if users is None:
+            return
+        members = users.get(old.user_id)
+        if members is not None:
+            members.pop(key, None)
+            if not members:
+                del users[old.user_id]
+        if not users:
+            del self._groups[old.task_group_id]
 
     def _reached(self, targets: dict[tuple[str, int], int]) -> bool:
         return all(self._positions.get(tp, 0) >= end for tp, end in targets.items() if end > 0)

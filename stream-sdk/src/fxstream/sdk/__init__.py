@@ -8,8 +8,8 @@
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
-listener thread), ``submit`` (records and the producer), ``rest``,
-``settings``, ``shell``, ``errors``.
+listener thread), ``history`` (results read back for replay), ``submit``
+(records and the producer), ``rest``, ``settings``, ``shell``, ``errors``.
 """
 
 from fxstream.sdk.batch import Batch

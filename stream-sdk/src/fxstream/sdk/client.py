@@ -13,7 +13,9 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import logging
+import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, Final, NamedTuple
@@ -30,6 +32,7 @@ from fxstream.sdk.errors import (
     task_failure,
 )
 from fxstream.sdk.futures import TaskFuture, Timings, timings_of
+from fxstream.sdk.history import read_back_results
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, DEFAULT_TOPIC_PREFIX, ClientSettings
@@ -40,7 +43,7 @@ from fxstream.sdk.submit import (
     build_task,
     pack_arguments,
 )
-from fxstream.topics import Catalogue, Serializer, TaskError, TaskTimings
+from fxstream.topics import Attempt, Catalogue, Serializer, TaskError, TaskTimings
 
 __all__ = ["Client", "RegisteredUser"]
 
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 
 _STATUS_CHUNK: Final = 1_000
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
+_TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
+_ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 
 
 class RegisteredUser(NamedTuple):
@@ -309,6 +314,20 @@ class Client:
         )
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:
+        listener = self._started_listener()
+        with self._lock:
+            if self._closed:
+                raise FxstreamError("this Client is closed")
+            if self._producer is None:
+                self._producer = TaskProducer(
+                    self.bootstrap_servers,
+                    self.catalogue.tasks_submitted,
+                    max_message_bytes=self.catalogue.spec("tasks.submitted").max_message_bytes,
+                    kafka_config=self._kafka_config,
+                )
+            return self._producer, listener
+
+    def _started_listener(self) -> ResultListener:
         with self._lock:
             if self._closed:
                 raise FxstreamError("this Client is closed")
@@ -321,14 +340,7 @@ class Client:
                 )
                 listener.start()
                 self._listener = listener
-            if self._producer is None:
-                self._producer = TaskProducer(
-                    self.bootstrap_servers,
-                    self.catalogue.tasks_submitted,
-                    max_message_bytes=self.catalogue.spec("tasks.submitted").max_message_bytes,
-                    kafka_config=self._kafka_config,
-                )
-            return self._producer, self._listener
+            return self._listener
 
     def start(self) -> None:
         """Start the results listener and the producer now (else the first submission does)."""
@@ -500,6 +512,132 @@ class Client:
             future = self._listener.future(task_id)
         return future
 
+    # --- replay ------------------------------------------------------------------------
+
+    def get_taskgroup_tasks(self, task_group_id: str) -> list[dict[str, Any]]:
+        """The caller's tasks of ``task_group_id`` with their latest states.
+
+        Each is the service's task-state record as JSON (``GET /v1/tasks/{id}``),
+        in the order the service first saw them; every page of ``GET
+        /v1/task-groups/{id}/tasks`` is fetched. Raises
+        :class:`~fxstream.sdk.errors.NotFound` when the service knows no task
+        of the group (yet: a task appears once the router has seen it) and
+        :class:`~fxstream.sdk.errors.PermissionDenied` when the group holds
+        only another user's tasks.
+        """
+        _check_group_id(task_group_id)
+        tasks: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page: dict[str, Any] = self._rest.get(
+                f"/task-groups/{task_group_id}/tasks?offset={offset}"
+            )
+            tasks.extend(page["tasks"])
+            following = page.get("next_offset")
+            offset = int(following) if following is not None else None
+        return tasks
+
+    def reload_task_group(
+        self, task_group_id: str, *, read_back_timeout: float = 120.0
+    ) -> list[TaskFuture]:
+        """A future for each of the caller's tasks of ``task_group_id``, sent by any process.
+
+        What ``Executor.reload_tasks`` runs. A task that has ended gets a future
+        resolved at once from the service's task-state (its value, error or
+        cancellation). A task that has not gets a future the results listener
+        resolves when its result arrives. Results that reached the topic before
+        this call but that task-state does not show (yet), and values too large
+        for task-state, are read back from ``results.<user>`` (from the task's
+        submission time; at most ``read_back_timeout`` seconds). A task already
+        tracked by this client keeps its future. Each result reaches its
+        future once.
+
+        Raises :class:`~fxstream.sdk.errors.NotFound` (no task of the group
+        known) and :class:`~fxstream.sdk.errors.PermissionDenied` (another
+        user's group), as :meth:`get_taskgroup_tasks` does.
+        """
+        _check_group_id(task_group_id)
+        listener = self._started_listener()
+        # The capture starts before the service is asked: a result that arrives while
+        # we ask is kept, and everything before the boundary is read back below.
+        with listener.capture(task_group_id) as boundary:
+            states = self.get_taskgroup_tasks(task_group_id)
+            futures: list[TaskFuture] = []
+            unfinished: dict[str, float] = {}
+            values_elsewhere: dict[str, TaskFuture] = {}
+            for state in states:
+                fresh = _future_of(state)
+                future = listener.adopt(fresh)
+                futures.append(future)
+                if future is not fresh or future.done():
+                    continue
+                name = str(state.get("state"))
+                if name not in _TERMINAL or (name == "succeeded" and state.get("value") is None):
+                    unfinished[future.task_id] = _submitted_at(state)
+                    if name == "succeeded":
+                        values_elsewhere[future.task_id] = future
+                elif listener.settle(future):
+                    self._resolve_from_state(future, state)
+            if unfinished:
+                found = read_back_results(
+                    self.bootstrap_servers,
+                    listener.topic,
+                    unfinished,
+                    boundary,
+                    timeout=read_back_timeout,
+                    kafka_config=self._kafka_config,
+                )
+                received = time.time()
+                for result in found.values():
+                    listener.offer(result, received)
+        for task_id, future in values_elsewhere.items():
+            if listener.settle(future):
+                future._resolve_exception(
+                    FxstreamError(
+                        f"task {task_id} succeeded, but its value was too large for the "
+                        f"service's task-state and {listener.topic} no longer holds its result "
+                        "(deleted by the topic's retention)"
+                    )
+                )
+        log.info(
+            "reloaded task group %s: %d tasks, %d done, %d read back",
+            task_group_id,
+            len(futures),
+            sum(f.done() for f in futures),
+            len(unfinished),
+        )
+        return futures
+
+    def _resolve_from_state(self, future: TaskFuture, state: Mapping[str, Any]) -> None:
+        future.timings = _service_timings(state.get("timings"))
+        future.timings["delivered"] = time.time()
+        attempts = state.get("attempts") or []
+        if attempts and isinstance(attempts[-1], dict):
+            future.worker = str(attempts[-1].get("worker") or "") or None
+            future.attempt = int(attempts[-1].get("attempt") or 1)
+        name = str(state.get("state"))
+        error = state.get("error")
+        if name == "cancelled":
+            future.cancel()
+        elif name in ("failed", "rejected") and isinstance(error, dict):
+            attempts = _attempts(state.get("attempts"))
+            future._resolve_exception(
+                task_failure(
+                    future.task_id,
+                    _task_error(error),
+                    endpoint_id=future.endpoint_id,
+                    attempt=future.attempt,
+                    earlier_attempts=attempts[:-1],
+                )
+            )
+        else:
+            try:
+                value = self._value_of(state)
+            except Exception as exc:  # a value that does not load here, or a state without one
+                future._resolve_exception(exc)
+            else:
+                future._resolve_result(value)
+
     # --- results and status ------------------------------------------------------------
 
     def future(self, task_id: str) -> TaskFuture:
@@ -665,6 +803,34 @@ class Client:
 # --- status answers ----------------------------------------------------------------------
 
 
+def _check_group_id(task_group_id: str) -> None:
+    if not isinstance(task_group_id, str) or not _ID_RE.match(task_group_id):
+        raise ValueError(
+            f"task_group_id {task_group_id!r} is not an id: use 1-128 letters, digits and '-' "
+            "(Executor.task_group_id of the session to reload)"
+        )
+
+
+def _submitted_at(state: Mapping[str, Any]) -> float:
+    # Unknown submission time: read back from the start of the topic's retention.
+    timings = state.get("timings")
+    if isinstance(timings, dict):
+        for hop in ("submitted_at", "routed_at"):
+            moment = timings.get(hop)
+            if isinstance(moment, int | float):
+                return float(moment)
+    return 0.0
+
+
+def _future_of(state: Mapping[str, Any]) -> TaskFuture:
+    return TaskFuture(
+        str(state.get("task_id")),
+        function_id=str(state.get("function_id")),
+        endpoint_id=str(state.get("endpoint_id")),
+        submitted_at=_submitted_at(state) or time.time(),
+    )
+
+
 def _task_error(data: Mapping[str, Any]) -> TaskError:
     return TaskError(
         type=str(data.get("type", "")),
@@ -672,6 +838,24 @@ def _task_error(data: Mapping[str, Any]) -> TaskError:
         traceback=str(data.get("traceback", "")),
         retryable=bool(data.get("retryable", False)),
     )
+
+
+def _attempts(data: Any) -> list[Attempt]:
+    attempts: list[Attempt] = []
+    for item in data if isinstance(data, list) else []:
+        if not isinstance(item, dict):
+            continue
+        error = item.get("error")
+        attempts.append(
+            Attempt(
+                attempt=int(item.get("attempt") or 1),
+                worker=str(item.get("worker") or ""),
+                started_at=item.get("started_at"),
+                finished_at=item.get("finished_at"),
+                error=_task_error(error) if isinstance(error, dict) else None,
+            )
+        )
+    return attempts
 
 
 def _service_timings(data: Any) -> Timings:

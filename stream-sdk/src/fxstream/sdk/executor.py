@@ -12,6 +12,7 @@ listener.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import queue
 import threading
 import uuid
@@ -19,10 +20,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ParamSpec, TypeVar
 
 from fxstream.sdk.client import Client
+from fxstream.sdk.errors import NotFound
 from fxstream.sdk.futures import TaskFuture
 from fxstream.sdk.submit import PreparedTask
 
 __all__ = ["Executor"]
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -38,6 +42,10 @@ class Executor(concurrent.futures.Executor):
     every task. ``batch_size`` is the most tasks the sender thread produces
     per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
     to every task submitted (see :meth:`Client.prepare_task`).
+
+    Replay: ``Executor(task_group_id=...).reload_tasks()`` in a new process
+    rebuilds a future for every task of that group sent by an earlier one
+    (see :meth:`reload_tasks`).
 
     Cancelling (``future.cancel()``, ``shutdown(cancel_futures=True)``, a
     ``map`` that times out): a future whose task is still queued here is never
@@ -148,6 +156,37 @@ class Executor(concurrent.futures.Executor):
             self._queue.put((task, future))
         future.add_done_callback(self._forget)
         return future
+
+    def reload_tasks(self, task_group_id: str | None = None) -> list[TaskFuture]:
+        """A future for each task of this executor's task group, e.g. after a restart.
+
+        Like Globus Compute's ``Executor.reload_tasks``: ``task_group_id``, if
+        given, becomes the executor's. Tasks that have ended come back with
+        futures already resolved (value, error or cancellation), including
+        those that finished while no client was running; the others resolve
+        when their results arrive. Each result is delivered once, and a task
+        this executor's client already tracks keeps its future. An unknown
+        group (or one whose tasks the router has not seen yet) gives an empty
+        list and a warning; another user's group raises
+        :class:`~fxstream.sdk.errors.PermissionDenied`. The futures count as
+        outstanding for :meth:`shutdown`. See ``Client.reload_task_group``.
+        """
+        if task_group_id is not None:
+            self.task_group_id = task_group_id
+        self._check_open()
+        try:
+            futures = self.client.reload_task_group(self.task_group_id)
+        except NotFound:
+            log.warning(
+                "no task of task group %s is known to the service (yet); nothing to reload",
+                self.task_group_id,
+            )
+            return []
+        with self._lock:
+            self._outstanding.update(f for f in futures if not f.done())
+        for future in futures:
+            future.add_done_callback(self._forget)
+        return futures
 
     def map(
         self,

@@ -11,6 +11,13 @@ No consumer group is joined and no offsets are committed: each Client reads
 its own results from the moment it starts. Results of tasks this Client does
 not track (other sessions of the same user) are counted and ignored; for those
 use ``Client.get_result``, which asks the service.
+
+Replay (``Client.reload_task_group``) adopts tasks sent by an earlier process:
+while it asks the service for a group's tasks, the listener *captures* the
+results of that group's untracked tasks instead of ignoring them, and reports
+the offsets it had handled when the capture began, so everything before them
+can be read back from the topic (:mod:`fxstream.sdk.history`) and everything
+after reaches the listener: no result falls in between.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, Final
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -89,6 +97,11 @@ class ResultListener:
         self._lock = threading.Lock()
         self._futures: dict[str, TaskFuture] = {}
         self._resolved: OrderedDict[str, weakref.ref[TaskFuture]] = OrderedDict()
+        # Per partition, the offset after the last record handled (what a capture reports).
+        self._handled: dict[int, int] = {}
+        # task group id -> how many captures of it are open; task id -> its captured result.
+        self._capturing: dict[str, int] = {}
+        self._captured: dict[str, dict[str, tuple[TaskResult, float]]] = {}
         self._consumer: Consumer | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -124,6 +137,7 @@ class ResultListener:
                 consumer.close()
                 raise
             self.start_offsets = {tp.partition: tp.offset for tp in assignment}
+            self._handled = dict(self.start_offsets)
             self._consumer = consumer
             self._thread = threading.Thread(
                 target=self._run, name=f"fxstream-results-{self.topic}", daemon=True
@@ -182,6 +196,110 @@ class ResultListener:
         with self._lock:
             self._futures.pop(task_id, None)
 
+    def adopt(self, future: TaskFuture) -> TaskFuture:
+        """The future for ``future.task_id``: one this listener already has, or ``future``.
+
+        A task tracked here, or resolved here and still referenced, keeps its
+        future (so a task is never delivered to two futures). Otherwise
+        ``future`` is tracked, and resolved at once if a capture holds its result.
+        """
+        with self._lock:
+            known = self._futures.get(future.task_id)
+            if known is None and future.task_id in self._resolved:
+                known = self._resolved[future.task_id]()
+            if known is not None:
+                return known
+            captured = self._take_captured(future.task_id)
+            if captured is None:
+                self._futures[future.task_id] = future
+                return future
+            self._mark_resolved(future)
+        self._resolve(future, *captured)
+        return future
+
+    def settle(self, future: TaskFuture) -> bool:
+        """Claim ``future`` (tracked here) for resolving elsewhere, e.g. from the service's state.
+
+        True if the caller should now resolve it; False if a result already
+        did. The task counts as delivered once: a later result is a duplicate.
+        """
+        with self._lock:
+            if self._futures.get(future.task_id) is not future:
+                return False
+            del self._futures[future.task_id]
+            self._mark_resolved(future)
+            if self._take_captured(future.task_id) is not None:
+                self.duplicates += 1
+                future.duplicates += 1
+        self.delivered += 1
+        return True
+
+    def offer(self, result: TaskResult, received: float | None = None) -> None:
+        """Handle a result found elsewhere (read back from the topic) as if it had arrived."""
+        with self._lock:
+            future = self._claim(result)
+        if future is not None:
+            self._resolve(future, result, time.time() if received is None else received)
+
+    @contextmanager
+    def capture(self, task_group_id: str) -> Iterator[dict[int, int]]:
+        """Keep the results of ``task_group_id``'s untracked tasks while the block runs.
+
+        Yields, per partition, the offset after the last record handled before
+        the capture began: every later record is captured (or resolves a
+        tracked future), every earlier one is for the caller to read back. A
+        task adopted inside the block takes its captured result; what is left
+        is dropped when the block ends.
+        """
+        if not self.started:
+            raise FxstreamError("start the results listener before capturing")
+        with self._lock:
+            self._capturing[task_group_id] = self._capturing.get(task_group_id, 0) + 1
+            boundary = dict(self._handled)
+        try:
+            yield boundary
+        finally:
+            with self._lock:
+                left = self._capturing[task_group_id] - 1
+                if left:
+                    self._capturing[task_group_id] = left
+                else:
+                    del self._capturing[task_group_id]
+                    self._captured.pop(task_group_id, None)
+
+    def _take_captured(self, task_id: str) -> tuple[TaskResult, float] | None:
+        for results in self._captured.values():
+            captured = results.pop(task_id, None)
+            if captured is not None:
+                return captured
+        return None
+
+    def _mark_resolved(self, future: TaskFuture) -> None:
+        self._resolved[future.task_id] = weakref.ref(future)
+        if len(self._resolved) > _REMEMBERED:
+            self._resolved.popitem(last=False)
+
+    def _claim(self, result: TaskResult) -> TaskFuture | None:
+        """The tracked future ``result`` resolves, or None (it is counted or captured)."""
+        future = self._futures.pop(result.task_id, None)
+        if future is not None:
+            self._mark_resolved(future)
+            return future
+        if result.task_id in self._resolved:
+            self.duplicates += 1
+            earlier = self._resolved[result.task_id]()
+            if earlier is not None:
+                earlier.duplicates += 1
+        elif result.task_group_id is not None and result.task_group_id in self._capturing:
+            captured = self._captured.setdefault(result.task_group_id, {})
+            if result.task_id in captured:
+                self.duplicates += 1
+            else:
+                captured[result.task_id] = (result, time.time())
+        else:
+            self.unknown += 1
+        return None
+
     @property
     def tracked(self) -> int:
         """How many tracked tasks have no result yet."""
@@ -213,34 +331,28 @@ class ResultListener:
             if error.code() != KafkaError._PARTITION_EOF:
                 log.warning("results consumer on %s: %s", self.topic, error)
             return
+        partition, offset = message.partition(), message.offset()
         try:
-            result = decode(message.value(), TaskResult)
+            result: TaskResult | None = decode(message.value(), TaskResult)
         except RecordDecodeError as exc:
+            result = None
             self.malformed += 1
             log.warning(
                 "ignoring a record at %s [%s] offset %s: %s",
                 message.topic(),
-                message.partition(),
-                message.offset(),
+                partition,
+                offset,
                 exc,
             )
             self._fail_keyed(message, exc)
-            return
         with self._lock:
-            future = self._futures.pop(result.task_id, None)
-            if future is None:
-                if result.task_id in self._resolved:
-                    self.duplicates += 1
-                    earlier = self._resolved[result.task_id]()
-                    if earlier is not None:
-                        earlier.duplicates += 1
-                else:
-                    self.unknown += 1
-                return
-            self._resolved[result.task_id] = weakref.ref(future)
-            if len(self._resolved) > _REMEMBERED:
-                self._resolved.popitem(last=False)
-        self._resolve(future, result, received)
+            # Under the same lock as the decision, so a capture's boundary never
+            # splits a record from what was decided about it.
+            if partition is not None and offset is not None:
+                self._handled[partition] = offset + 1
+            future = self._claim(result) if result is not None else None
+        if future is not None and result is not None:
+            self._resolve(future, result, received)
 
     def _fail_keyed(self, message: Message, exc: RecordDecodeError) -> None:
         """A bad record keyed by a task this listener waits for fails that task's future:
@@ -256,7 +368,7 @@ class ResultListener:
             future = self._futures.pop(task_id, None)
             if future is None:
                 return
-            self._resolved[task_id] = weakref.ref(future)
+            self._mark_resolved(future)
         failure = FxstreamError(
             f"the result record of task {task_id} at {message.topic()} "
             f"[{message.partition()}] offset {message.offset()} cannot be read: {exc.reason}. "
