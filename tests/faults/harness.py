@@ -39,7 +39,14 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, ManagedProcess
 from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet
 from fxstream.sdk import Client, ClientSettings, Executor, TaskFuture
-from fxstream.topics import Catalogue, TaskResult, decode, ensure_topics
+from fxstream.topics import (
+    Catalogue,
+    RecordDecodeError,
+    TaskDispatch,
+    TaskResult,
+    decode,
+    ensure_topics,
+)
 from tests.conftest import RunningPlatform, private_config
 
 __all__ = [
@@ -487,3 +494,46 @@ def executor_on(stack: FaultStack, client: Client, **options: Any) -> Iterator[E
         yield executor
     finally:
         executor.shutdown(wait=False, cancel_futures=True)
+
+
+def dispatch_counts(stack: FaultStack, task_ids: Sequence[str]) -> Counter[str]:
+    """How many committed dispatches the endpoint queue holds for each of ``task_ids``
+    (the router's own output: more than one means the router routed a task twice)."""
+    topic = stack.catalogue.endpoint_queue(stack.endpoint_id)
+    consumer = Consumer(
+        {
+            "bootstrap.servers": stack.bootstrap,
+            "group.id": f"faults-dispatches-{uuid.uuid4()}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "isolation.level": "read_committed",
+            "log_level": 2,
+        }
+    )
+    wanted = set(task_ids)
+    counts: Counter[str] = Counter()
+    try:
+        partitions = list(consumer.list_topics(topic, timeout=30).topics[topic].partitions)
+        consumer.assign([TopicPartition(topic, p, 0) for p in partitions])
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30)[1]
+            for p in partitions
+        }
+        deadline = time.monotonic() + 60
+        # Where each partition last reported its end (past any transaction marker).
+        eof_at = dict.fromkeys(partitions, -1)
+        while any(eof_at[p] < ends[p] for p in partitions):
+            assert time.monotonic() < deadline, "the endpoint queue was not read to its end"
+            for message in consumer.consume(500, timeout=0.2):
+                partition = message.partition()
+                assert partition is not None
+                if message.error() is not None:
+                    eof_at[partition] = message.offset() or 0
+                    continue
+                with contextlib.suppress(RecordDecodeError):  # a cancel, not a dispatch
+                    dispatch = decode(message.value(), TaskDispatch)
+                    if dispatch.task_id in wanted:
+                        counts[dispatch.task_id] += 1
+        return counts
+    finally:
+        consumer.close()
