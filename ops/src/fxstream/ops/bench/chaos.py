@@ -435,6 +435,8 @@ class Killer:
         self._on_kill = on_kill
         self._started = time.monotonic()
         self._stop = threading.Event()
+        self._quiet = threading.Event()
+        self._released = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fxstream-chaos-killer", daemon=True)
 
     def start(self) -> None:
@@ -443,9 +445,19 @@ class Killer:
         self._thread.start()
 
     def stop(self, timeout_s: float = 180.0) -> None:
-        """Stop after the kill in hand is restarted."""
+        """Stop killing, once the kill in hand is restarted."""
         self._stop.set()
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._quiet.wait(timeout_s)
+
+    def release(self) -> None:
+        """Let the killer thread end: only once the platform is no longer needed, since
+        Linux sends a parent-death signal (``PR_SET_PDEATHSIG``, see ManagedProcess) when
+        the *thread* that started a process exits, and this thread restarts processes."""
+        self._stop.set()
+        self._released.set()
+        if self._thread.is_alive():
+            self._thread.join(30)
 
     def counts(self) -> dict[str, int]:
         """Kills per component."""
@@ -460,6 +472,8 @@ class Killer:
             except Exception as exc:  # a failed restart is reported, and the next kill waits
                 self.failures.append(f"{component}: {exc}")
                 self.last_restart_at = time.monotonic()
+        self._quiet.set()
+        self._released.wait()
 
     def kill_and_restart(self, component: str) -> Kill | None:
         """Kill ``component`` now and bring it back; the kill, or None if nothing was killed."""
@@ -695,6 +709,7 @@ def _chaos_on(
         killer.stop()
         executor.shutdown(wait=False, cancel_futures=True)
         client.close()
+        killer.release()
     return {
         "bench": "chaos",
         "brokers": len(cluster.nodes),
