@@ -10,11 +10,12 @@ until it is killed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
 
-from fxstream.sdk import Client, Executor
+from fxstream.sdk import Client, Executor, NotFound
 
 QUICK = 20
 
@@ -46,12 +47,10 @@ def main(endpoint_id: str, task_group_id: str, gate_dir: str) -> None:
     gate_a = executor.submit(wait_for_gate, f"{gate_dir}/a", "A")
     gate_b = executor.submit(wait_for_gate, f"{gate_dir}/b", "B")
     deadline = time.monotonic() + 120
-    while True:
-        try:
-            if len(client.get_taskgroup_tasks(task_group_id)) == QUICK + 2:
-                break
-        except Exception:  # NotFound until the router has seen the tasks
-            pass
+    listed = 0
+    while listed != QUICK + 2:
+        with contextlib.suppress(NotFound):  # until the router has seen the tasks
+            listed = len(client.get_taskgroup_tasks(task_group_id))
         if time.monotonic() > deadline:
             raise SystemExit("the service did not list the whole group within 120 s")
         time.sleep(0.1)

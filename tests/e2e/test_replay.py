@@ -9,6 +9,7 @@ which end after the new client has reloaded.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -18,17 +19,14 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 from confluent_kafka import Producer
 
-from fxstream.ops import Platform
 from fxstream.sdk import (
     Client,
-    ClientSettings,
     Executor,
     NotFound,
     PermissionDenied,
@@ -36,50 +34,16 @@ from fxstream.sdk import (
     TaskFuture,
 )
 from fxstream.topics import Catalogue, TaskState, TaskStateName, TaskTimings, encode
-from tests.conftest import private_config
+from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.platform
 
 CHILD = Path(__file__).with_name("replay_child.py")
 
 
-@dataclass
-class Stack:
-    """The module's running platform and how to reach it."""
-
-    platform: Platform
-    bootstrap: str
-    prefix: str
-    credentials: Path
-    endpoint_id: str
-
-    @property
-    def settings(self) -> ClientSettings:
-        """The local user's client settings."""
-        return ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(self.credentials)})
-
-    def client(self) -> Client:
-        """A client of the local user (the caller closes it)."""
-        return Client.from_settings(self.settings)
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    platform = Platform(private_config(tmp_path_factory.mktemp("replay")))
-    try:
-        connection = platform.up(services=True)
-        services = platform.services()
-        endpoint_id = services.local_endpoint_id()
-        assert endpoint_id is not None
-        yield Stack(
-            platform,
-            connection.bootstrap_servers,
-            connection.topic_prefix,
-            services.credentials_file,
-            endpoint_id,
-        )
-    finally:
-        platform.down()
+    yield from running_stack(tmp_path_factory.mktemp("replay"))
 
 
 def double(x: int) -> int:
@@ -107,11 +71,9 @@ def eventually(check: Callable[[], bool], what: str, timeout: float = 60.0) -> N
     """Wait until ``check()`` holds (a task or group the service does not list yet is not)."""
     deadline = time.monotonic() + timeout
     while True:
-        try:
+        with contextlib.suppress(NotFound):  # the service does not list it yet
             if check():
                 return
-        except NotFound:
-            pass
         assert time.monotonic() < deadline, f"not true within {timeout:g} s: {what}"
         time.sleep(0.1)
 

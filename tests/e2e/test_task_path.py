@@ -12,15 +12,12 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 from confluent_kafka import Consumer, Producer
 
-from fxstream.ops import Platform
 from fxstream.sdk import (
     Client,
     ClientSettings,
@@ -33,54 +30,14 @@ from fxstream.sdk import (
     WorkerLost,
 )
 from fxstream.topics import DeadLetter, decode
-from tests.conftest import private_config
+from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.platform
 
 
-@dataclass
-class Stack:
-    """The module's running platform and how to reach it."""
-
-    platform: Platform
-    bootstrap: str
-    prefix: str
-    credentials: Path
-    endpoint_id: str
-
-    def client(self) -> Client:
-        """A client of the local user (the caller closes it)."""
-        env = {"FXSTREAM_CREDENTIALS": str(self.credentials)}
-        return Client.from_settings(ClientSettings.from_environment(env))
-
-    @contextmanager
-    def executor(self) -> Iterator[Executor]:
-        """An executor on the local endpoint whose client is closed with it."""
-        client = self.client()
-        try:
-            with Executor(endpoint_id=self.endpoint_id, client=client) as executor:
-                yield executor
-        finally:
-            client.close()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    platform = Platform(private_config(tmp_path_factory.mktemp("e2e")))
-    try:
-        connection = platform.up(services=True)
-        services = platform.services()
-        endpoint_id = services.local_endpoint_id()
-        assert endpoint_id is not None
-        yield Stack(
-            platform,
-            connection.bootstrap_servers,
-            connection.topic_prefix,
-            services.credentials_file,
-            endpoint_id,
-        )
-    finally:
-        platform.down()
+    yield from running_stack(tmp_path_factory.mktemp("e2e"))
 
 
 def double(x: int) -> int:

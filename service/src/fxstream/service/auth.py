@@ -43,6 +43,15 @@ def may_use(user_id: str, *, owner_id: str, public: bool, allowed_users: Sequenc
     return user_id == owner_id or public or user_id in allowed_users
 
 
+def _shared_with(user: UserRecord, record: FunctionRecord | EndpointRecord | None) -> bool:
+    return record is not None and may_use(
+        user.user_id,
+        owner_id=record.owner_id,
+        public=record.public,
+        allowed_users=record.allowed_users,
+    )
+
+
 def refusal_reason(
     submission: TaskSubmission,
     user: UserRecord | None,
@@ -59,22 +68,12 @@ def refusal_reason(
             f"user {submission.user_id!r} is unknown or its token is wrong: "
             "register with POST /v1/users and use the token it returns"
         )
-    if function is None or not may_use(
-        user.user_id,
-        owner_id=function.owner_id,
-        public=function.public,
-        allowed_users=function.allowed_users,
-    ):
+    if not _shared_with(user, function):
         return (
             f"function {submission.function_id!r} does not exist or is not shared with you: "
             "register it with Client.register_function, or ask its owner to share it"
         )
-    if endpoint is None or not may_use(
-        user.user_id,
-        owner_id=endpoint.owner_id,
-        public=endpoint.public,
-        allowed_users=endpoint.allowed_users,
-    ):
+    if not _shared_with(user, endpoint):
         return (
             f"endpoint {submission.endpoint_id!r} does not exist or is not shared with you: "
             "list the endpoints you may use with Client.list_endpoints"
@@ -96,12 +95,7 @@ def cancel_refusal_reason(
             f"cancel of task {cancel.task_id}: user {cancel.user_id!r} is unknown or its token "
             "is wrong: cancel with the token of the user who submitted the task"
         )
-    if endpoint is None or not may_use(
-        user.user_id,
-        owner_id=endpoint.owner_id,
-        public=endpoint.public,
-        allowed_users=endpoint.allowed_users,
-    ):
+    if not _shared_with(user, endpoint):
         return (
             f"cancel of task {cancel.task_id}: endpoint {cancel.endpoint_id!r} does not exist or "
             "is not shared with you: name the endpoint the task was submitted to"
