@@ -30,8 +30,10 @@ __all__ = [
     "Event",
     "FunctionRecord",
     "Heartbeat",
+    "ObjectReference",
     "Record",
     "RecordDecodeError",
+    "StorageTier",
     "TaskCancel",
     "TaskDispatch",
     "TaskError",
@@ -394,14 +396,47 @@ class WarmAdvert(Record, tag="warm", kw_only=True, frozen=True):
     workers: list[WarmWorker] = []
 
 
-class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):
-    """Where a proxied object lives (topic ``data-locations``, compacted, key: object key)."""
+class StorageTier(enum.StrEnum):
+    """How a store keeps its objects (docs/data-plane.md, "Tiers")."""
 
-    object_key: Annotated[str, Meta(min_length=1, max_length=1024)]
+    DURABLE = "durable"
+    """Survives a restart and is reachable from every node: Redis with AOF, shared files."""
+    EPHEMERAL = "ephemeral"
+    """Node-local, no replication: written once, read many, lost with the node."""
+
+
+ObjectKey = Annotated[str, Meta(min_length=1, max_length=1024)]
+
+
+class ObjectReference(msgspec.Struct, kw_only=True, frozen=True):
+    """A proxied object that a payload refers to (what data-locations and eviction need)."""
+
+    object_key: ObjectKey
+    store: Annotated[str, Meta(max_length=256, description="the store's name, e.g. 'redis'")]
+    size_bytes: Count
+    tier: StorageTier = StorageTier.DURABLE
+    site: Annotated[str, Meta(max_length=256, description="an endpoint id, or '' for a client")] = (
+        ""
+    )
+    node: Annotated[str, Meta(max_length=256, description="the host that wrote it")] = ""
+
+
+class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):
+    """Where a proxied object lives (topic ``data-locations``, compacted, key: object key).
+
+    Published when an object is created (``complete`` false while a stream is
+    still being written) and again when a stream closes; a tombstone (null
+    value) under the same key says the object was evicted.
+    """
+
+    object_key: ObjectKey
     store: Annotated[str, Meta(max_length=256, description="the store's name, e.g. 'redis'")]
     site: Annotated[str, Meta(max_length=256, description="where the store is (an endpoint id)")]
     size_bytes: Count
     updated_at: Timestamp
+    tier: StorageTier = StorageTier.DURABLE
+    node: Annotated[str, Meta(max_length=256, description="the host that wrote it")] = ""
+    complete: bool = True
 
 
 # --- events and failures -------------------------------------------------------------------

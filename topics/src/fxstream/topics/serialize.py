@@ -60,7 +60,7 @@ from typing import Any, Final, Literal, cast
 import dill  # type: ignore[import-untyped]
 import msgspec
 
-from fxstream.topics.records import ClientInfo, TaskError
+from fxstream.topics.records import ClientInfo, ObjectReference, TaskError
 
 __all__ = [
     "PAYLOAD_HEADER_LENGTH",
@@ -80,9 +80,11 @@ __all__ = [
     "describe_exception",
     "explain_load_failure",
     "get_strategy",
+    "payload_references",
     "register_strategy",
     "registered_strategies",
     "strategy_of",
+    "wrap_references",
 ]
 
 PAYLOAD_MAGIC: Final = b"fx"
@@ -90,6 +92,9 @@ PAYLOAD_MAGIC: Final = b"fx"
 
 PAYLOAD_HEADER_LENGTH: Final = 5
 """Bytes before the body: magic (2), strategy id (2), newline (1)."""
+
+REFERENCES_ID: Final = "rf"
+"""The header id of a by-reference envelope (see :func:`wrap_references`)."""
 
 # Pinned rather than pickle.DEFAULT_PROTOCOL so the bytes do not change when a
 # newer Python raises its default; every Python fxstream supports reads 5.
@@ -558,10 +563,57 @@ def strategy_of(payload: bytes) -> Strategy:
     strategy is unknown here.
     """
     strategy_id, _ = _split(payload)
+    if strategy_id == REFERENCES_ID:
+        strategy_id, _ = _split(payload_references(payload)[1])
     found = _REGISTRY.get(strategy_id)
     if found is None:
         raise _unknown_strategy(strategy_id)
     return found
+
+
+class _ReferencedPayload(msgspec.Struct, frozen=True):
+    references: list[ObjectReference]
+    payload: bytes
+
+
+_REFERENCED_DECODER: Final = msgspec.msgpack.Decoder(_ReferencedPayload)
+
+
+def wrap_references(payload: bytes, references: list[ObjectReference]) -> bytes:
+    """Wrap a payload that holds proxies with the list of objects they refer to.
+
+    The envelope (header id ``rf``, body a msgpack map of ``references`` and the
+    inner ``payload``) lets the agent publish data-locations and the SDK evict
+    objects without loading the payload. With no references the payload is
+    returned unchanged; every loader here unwraps the envelope transparently.
+    """
+    if not references:
+        return payload
+    body = msgspec.msgpack.encode(_ReferencedPayload(list(references), payload))
+    return PAYLOAD_MAGIC + REFERENCES_ID.encode("ascii") + b"\n" + body
+
+
+def payload_references(payload: bytes) -> tuple[list[ObjectReference], bytes]:
+    """The objects a payload refers to and the payload inside its envelope.
+
+    A payload without an envelope gives ``([], payload)``. Raises
+    :class:`DeserializationError` for a malformed envelope.
+    """
+    strategy_id, body = _split(payload)
+    if strategy_id != REFERENCES_ID:
+        return [], payload
+    try:
+        envelope = _REFERENCED_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise DeserializationError(
+            f"cannot load the by-reference envelope ({_quote_exception(exc)})",
+            strategy=REFERENCES_ID,
+        ) from exc
+    if envelope.payload[:PAYLOAD_HEADER_LENGTH] == payload[:PAYLOAD_HEADER_LENGTH]:
+        raise DeserializationError(
+            "a by-reference envelope may not hold another envelope", strategy=REFERENCES_ID
+        )
+    return envelope.references, envelope.payload
 
 
 for _builtin in (DillCode(), PickleData(), DillData(), JsonData()):
@@ -800,6 +852,9 @@ class Serializer:
     def _load(self, payload: bytes, submitted_by: ClientInfo | None) -> tuple[Strategy, Any]:
         try:
             strategy_id, _ = _split(payload)
+            if strategy_id == REFERENCES_ID:
+                payload = payload_references(payload)[1]
+                strategy_id, _ = _split(payload)
             if strategy_id == self.code.id:
                 strategy = self.code
             elif strategy_id == self.data.id:

@@ -1,0 +1,166 @@
+"""A ProxyStore connector on a directory: a shared file system, or node-local disk.
+
+Two tiers (docs/data-plane.md, "Tiers"):
+
+* ``durable``: the directory is on a shared file system (Lustre, GPFS, NFS)
+  every node of the site mounts; objects survive a node.
+* ``ephemeral``: the directory is node-local (``/tmp``, a local SSD); nothing
+  is replicated, so the key names the node that wrote it and a reader on
+  another node gets an error that says so instead of a missing file.
+
+Objects are written once, read many: ``put`` writes a temporary file and
+renames it into place, so a reader never sees half an object. Leases are file
+modification times: :meth:`FileConnector.sweep_expired` deletes objects older
+than ``lease_s`` (the agent calls it periodically).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from fxstream.topics import StorageTier
+
+__all__ = ["FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
+
+_SUFFIX = ".fxobj"
+
+
+class ObjectOnOtherNode(FileNotFoundError):
+    """An ephemeral object was written on another node, and ephemeral objects are not replicated."""
+
+
+class FileObjectKey(NamedTuple):
+    """An object's file name, the node that wrote it (ephemeral tier) and its size."""
+
+    filename: str
+    node: str = ""
+    size_bytes: int = 0
+
+
+class FileConnector:
+    """A ProxyStore connector storing each object as one file in ``store_dir``.
+
+    Args:
+        store_dir: The directory (created if missing).
+        tier: ``durable`` for a shared file system, ``ephemeral`` for node-local disk.
+        lease_s: Age after which :meth:`sweep_expired` deletes an object (None: never).
+    """
+
+    def __init__(
+        self,
+        store_dir: str | os.PathLike[str],
+        *,
+        tier: StorageTier | str = StorageTier.DURABLE,
+        lease_s: float | None = None,
+    ) -> None:
+        if lease_s is not None and lease_s <= 0:
+            raise ValueError(f"lease_s must be positive (or None for no lease), not {lease_s}")
+        self.store_dir = Path(store_dir).resolve()
+        self.tier = StorageTier(tier)
+        self.lease_s = lease_s
+        self.node = socket.gethostname()
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"FileConnector({str(self.store_dir)!r}, tier={self.tier.value})"
+
+    # --- Connector protocol ----------------------------------------------------------------
+
+    def close(self) -> None:
+        """Nothing to release; stored objects stay."""
+
+    def config(self) -> dict[str, Any]:
+        """Everything :meth:`from_config` needs."""
+        return {"store_dir": str(self.store_dir), "tier": self.tier.value, "lease_s": self.lease_s}
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> FileConnector:
+        """A connector from :meth:`config`'s output."""
+        return cls(**config)
+
+    def evict(self, key: FileObjectKey) -> None:
+        """Delete the object's file (a missing one is not an error)."""
+        self._path(key).unlink(missing_ok=True)
+
+    def exists(self, key: FileObjectKey) -> bool:
+        """Whether the object's file is there (on this node, for the ephemeral tier)."""
+        return self._path(key).exists()
+
+    def get(self, key: FileObjectKey) -> bytes | None:
+        """The object's bytes, or None when it is gone.
+
+        Raises :class:`ObjectOnOtherNode` for an ephemeral object written on
+        another node.
+        """
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            if self.tier is StorageTier.EPHEMERAL and key.node and key.node != self.node:
+                raise ObjectOnOtherNode(
+                    f"object {key.filename} is in the ephemeral store {self.store_dir} on node "
+                    f"{key.node}, and this is {self.node}: ephemeral objects are node-local and "
+                    "not replicated. Run the consumer on that node, or use a durable store "
+                    "(shared files or Redis)."
+                ) from None
+            return None
+
+    def get_batch(self, keys: Sequence[FileObjectKey]) -> list[bytes | None]:
+        """:meth:`get` for each key, in order."""
+        return [self.get(key) for key in keys]
+
+    def put(self, obj: bytes | bytearray | memoryview) -> FileObjectKey:
+        """Write ``obj`` to a new file, atomically (temporary file, then rename)."""
+        size = memoryview(obj).nbytes
+        key = FileObjectKey(f"{uuid.uuid4().hex}{_SUFFIX}", self.node, size)
+        final = self._path(key)
+        partial = final.with_name(f".{final.name}.partial")
+        with partial.open("wb") as out:
+            out.write(obj)
+        partial.replace(final)
+        return key
+
+    def put_batch(self, objs: Sequence[bytes | bytearray | memoryview]) -> list[FileObjectKey]:
+        """:meth:`put` for each object, in order."""
+        return [self.put(obj) for obj in objs]
+
+    # --- fxstream extras -------------------------------------------------------------------
+
+    def object_key(self, key: FileObjectKey) -> str:
+        """The key as data-locations names it: the file's path."""
+        return str(self._path(key))
+
+    def size_of(self, key: FileObjectKey) -> int:
+        """The object's size in bytes, as recorded when it was put."""
+        return key.size_bytes
+
+    def count_objects(self) -> int:
+        """How many objects are stored in the directory now."""
+        return sum(1 for _ in self.store_dir.glob(f"*{_SUFFIX}"))
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Delete objects whose lease ran out (older than ``lease_s``); returns how many."""
+        if self.lease_s is None:
+            return 0
+        cutoff = (time.time() if now is None else now) - self.lease_s
+        removed = 0
+        for path in self.store_dir.glob(f"*{_SUFFIX}"):
+            try:
+                if path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:
+                continue
+        return removed
+
+    def _path(self, key: FileObjectKey) -> Path:
+        name = Path(key.filename).name
+        if name != key.filename or not name.endswith(_SUFFIX):
+            raise ValueError(f"not a key of this connector: {key.filename!r}")
+        return self.store_dir / name

@@ -1,0 +1,225 @@
+"""Automatic pass-by-reference: large arguments and results go to a store, proxies travel.
+
+The SDK packs a task's arguments with :meth:`ByReference.pack_arguments`, the
+worker packs a result with :meth:`ByReference.pack_value`. A value whose
+serialized size is above ``threshold_bytes`` is written to the store *as the
+fxstream payload already serialized* (so it is serialized once: the size test
+and the stored bytes are the same work) and replaced in the payload by a
+reference of a few hundred bytes; small values stay inline. The payload is
+then wrapped (:func:`~fxstream.topics.wrap_references`) with the list of
+objects it refers to, so the agent can publish data-locations and the SDK
+can evict them without loading anything.
+
+How a reference resolves, in the process that loads the payload:
+
+* bytes-like values (``bytes``, ``bytearray``, ``memoryview``) are fetched when
+  the payload is loaded, because a proxy cannot offer the buffer protocol
+  (``hashlib.sha256(proxy)`` would fail);
+* anything else arrives as a ProxyStore :class:`~proxystore.proxy.Proxy` and
+  is fetched lazily, on first use inside the function;
+* results are always fetched by the SDK before the future resolves.
+
+Explicit proxies (``store.proxy(obj)``) pass through untouched: their owner
+manages their lifetime.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from proxystore.proxy import Proxy
+from proxystore.store.base import Store
+from proxystore.store.factory import StoreFactory
+
+from fxstream.topics import ObjectReference, Serializer, StorageTier, wrap_references
+
+__all__ = [
+    "DEFAULT_PROXY_THRESHOLD_BYTES",
+    "ByReference",
+    "Packed",
+    "StoredObject",
+    "collect_references",
+    "evict_objects",
+    "load_payload",
+]
+
+DEFAULT_PROXY_THRESHOLD_BYTES: Final = 64 * 1024
+"""Values that serialize above this many bytes travel by reference (``./fx bench payload``)."""
+
+_SERIALIZER: Final = Serializer()
+_BYTES_LIKE: Final = (bytes, bytearray, memoryview)
+
+
+def load_payload(data: Any) -> Any:
+    """Deserializer of stored objects: they are fxstream payloads (any strategy)."""
+    return _SERIALIZER.deserialize(bytes(data) if not isinstance(data, bytes) else data)
+
+
+_loaded: contextvars.ContextVar[list[StoreFactory[Any, Any]] | None] = contextvars.ContextVar(
+    "fxstream_loaded_references", default=None
+)
+
+
+def _fetch_on_load(factory: StoreFactory[Any, Any]) -> Any:
+    found = _loaded.get()
+    if found is not None:
+        found.append(factory)
+    return factory.resolve()
+
+
+class _FetchOnLoad:
+    """Pickles as "fetch this object while loading the payload" (for bytes-like values)."""
+
+    __slots__ = ("factory",)
+
+    def __init__(self, factory: StoreFactory[Any, Any]) -> None:
+        self.factory = factory
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return _fetch_on_load, (self.factory,)
+
+
+@contextlib.contextmanager
+def collect_references() -> Iterator[list[StoreFactory[Any, Any]]]:
+    """Collect the factories of the by-reference values fetched while loading a payload.
+
+    The SDK loads a result inside this block and then evicts what it fetched
+    with :func:`evict_objects` once the value is delivered.
+    """
+    found: list[StoreFactory[Any, Any]] = []
+    token = _loaded.set(found)
+    try:
+        yield found
+    finally:
+        _loaded.reset(token)
+
+
+def evict_objects(objects: Sequence[StoredObject | StoreFactory[Any, Any]]) -> int:
+    """Evict objects (from :class:`Packed` or :func:`collect_references`); returns how many.
+
+    A store that cannot be reached is skipped: the object's lease reclaims it.
+    """
+    evicted = 0
+    for item in objects:
+        try:
+            if isinstance(item, StoredObject):
+                item.store.evict(item.key)
+            else:
+                item.get_store().evict(item.key)
+            evicted += 1
+        except Exception:
+            continue
+    return evicted
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """An object this process put in a store: enough to evict it later."""
+
+    store: Store[Any]
+    key: Any
+    reference: ObjectReference
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A packed payload and the objects it put in the store (empty when all inline)."""
+
+    payload: bytes
+    stored: list[StoredObject] = field(default_factory=list)
+
+    @property
+    def references(self) -> list[ObjectReference]:
+        """What data-locations should say about :attr:`stored`."""
+        return [item.reference for item in self.stored]
+
+
+class ByReference:
+    """Decides which values travel inline and puts the others in ``store``.
+
+    Args:
+        store: Where large values go; None means everything must fit inline.
+        threshold_bytes: Values that serialize above this go by reference.
+        serializer: The payload serializer (its data strategy must be able to
+            pickle a proxy: pickle or dill).
+        site: What data-locations calls the writer (an endpoint id, or '' for a client).
+    """
+
+    def __init__(
+        self,
+        store: Store[Any] | None,
+        *,
+        threshold_bytes: int = DEFAULT_PROXY_THRESHOLD_BYTES,
+        serializer: Serializer | None = None,
+        site: str = "",
+    ) -> None:
+        if threshold_bytes < 0:
+            raise ValueError(f"threshold_bytes must not be negative, not {threshold_bytes}")
+        self.store = store
+        self.threshold_bytes = threshold_bytes
+        self.serializer = serializer or _SERIALIZER
+        self.site = site
+        self._node = socket.gethostname()
+
+    def pack_arguments(
+        self, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> Packed:
+        """``(args, kwargs)`` as a payload, with each large argument put in the store."""
+        kwargs = {} if kwargs is None else dict(kwargs)
+        whole = self.serializer.pack_arguments(tuple(args), kwargs)
+        if len(whole) <= self.threshold_bytes or self.store is None:
+            return Packed(whole)
+        stored: list[StoredObject] = []
+        new_args = [self._maybe_stored(value, stored) for value in args]
+        new_kwargs = {name: self._maybe_stored(value, stored) for name, value in kwargs.items()}
+        if not stored:
+            return Packed(whole)
+        payload = self.serializer.pack_arguments(tuple(new_args), new_kwargs)
+        return Packed(wrap_references(payload, [s.reference for s in stored]), stored)
+
+    def pack_value(self, value: Any) -> Packed:
+        """A result as a payload: the whole value goes by reference when it is large."""
+        payload = self.serializer.serialize_value(value)
+        if len(payload) <= self.threshold_bytes or self.store is None:
+            return Packed(payload)
+        stored_object, factory = self._put(payload)
+        reference = self.serializer.serialize_value(_FetchOnLoad(factory))
+        return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
+
+    def _maybe_stored(self, value: Any, stored: list[StoredObject]) -> Any:
+        if isinstance(value, Proxy):
+            return value
+        if isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes <= self.threshold_bytes:
+            return value
+        payload = self.serializer.serialize_value(value)
+        if len(payload) <= self.threshold_bytes:
+            return value
+        stored_object, factory = self._put(payload)
+        stored.append(stored_object)
+        if isinstance(value, _BYTES_LIKE):
+            return _FetchOnLoad(factory)
+        return Proxy(factory)
+
+    def _put(self, payload: bytes) -> tuple[StoredObject, StoreFactory[Any, Any]]:
+        assert self.store is not None
+        connector = self.store.connector
+        key = connector.put(payload)
+        tier = getattr(connector, "tier", StorageTier.DURABLE)
+        object_key = connector.object_key(key) if hasattr(connector, "object_key") else str(key)
+        reference = ObjectReference(
+            object_key=object_key,
+            store=self.store.name,
+            size_bytes=len(payload),
+            tier=StorageTier(tier),
+            site=self.site,
+            node=self._node,
+        )
+        factory: StoreFactory[Any, Any] = StoreFactory(
+            key, store_config=self.store.config(), deserializer=load_payload
+        )
+        return StoredObject(self.store, key, reference), factory

@@ -1,0 +1,159 @@
+"""Store URLs: how a user or an endpoint names the store its bulk data goes to.
+
+A store is a ProxyStore :class:`~proxystore.store.base.Store` around one of
+fxstream's connectors, named by a URL (the ``store_url`` client setting, or an
+endpoint config's ``store.url``):
+
+=====================================================  =====================================
+URL                                                    store
+=====================================================  =====================================
+``redis://HOST:PORT[/DB]``                             :class:`RedisConnector` (durable: AOF)
+``file:///shared/dir``                                 :class:`FileConnector`, durable tier
+``file:///local/dir?tier=ephemeral``                   :class:`FileConnector`, node-local
+=====================================================  =====================================
+
+Query parameters common to all: ``lease_s`` (how long an object nobody
+evicted lives; default :data:`DEFAULT_LEASE_S`), ``tier`` (``durable`` or
+``ephemeral``) and ``name`` (the ProxyStore store name; default derived from
+the URL, so every process that opens the same URL shares one registered store).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any, Final
+
+from proxystore.store import get_or_create_store
+from proxystore.store.base import Store
+from proxystore.store.config import ConnectorConfig, StoreConfig
+
+from fxstream.connectors.file import FileConnector
+from fxstream.connectors.redis import RedisConnector
+from fxstream.topics import Catalogue, StorageTier
+
+__all__ = ["DEFAULT_LEASE_S", "StoreSpec", "StoreURLError", "open_store"]
+
+
+def _longest_replay_window_s() -> float:
+    catalogue = Catalogue()
+    families = ("tasks.submitted", "tasks.ep.{endpoint_id}", "results.{user_id}")
+    return max(catalogue.spec(name).retention_ms for name in families) / 1000
+
+
+DEFAULT_LEASE_S: Final = _longest_replay_window_s()
+"""An object's lease: the longest retention of a topic whose records can refer to it.
+
+A task's input must outlive every replay of its submission (a retry, an agent
+restarted from committed offsets), so the lease is at least that retention.
+Objects are evicted sooner once their task's result is consumed (see
+docs/data-plane.md, "Lifetimes"); the lease only reclaims what a dead client
+never evicted.
+"""
+
+_SCHEMES: Final = ("redis", "file")
+
+
+class StoreURLError(ValueError):
+    """A store URL that does not name a store fxstream can open."""
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """A parsed store URL: what connector, where, which tier and lease."""
+
+    url: str
+    scheme: str
+    name: str
+    tier: StorageTier
+    lease_s: float | None
+    options: dict[str, Any]
+
+    @classmethod
+    def parse(cls, url: str) -> StoreSpec:
+        """Parse a store URL; :class:`StoreURLError` says what is wrong and what is accepted."""
+        parsed = urllib.parse.urlsplit(url)
+        if parsed.scheme not in _SCHEMES:
+            raise StoreURLError(
+                f"store URL {url!r}: unknown scheme {parsed.scheme!r}; use redis://HOST:PORT "
+                "or file:///DIRECTORY (add ?tier=ephemeral for node-local disk)"
+            )
+        query = dict(urllib.parse.parse_qsl(parsed.query, strict_parsing=False))
+        unknown = sorted(set(query) - {"lease_s", "tier", "name", "chunk_bytes"})
+        if unknown:
+            raise StoreURLError(
+                f"store URL {url!r}: unknown parameters {unknown}; known: lease_s, tier, name, "
+                "chunk_bytes (redis only)"
+            )
+        try:
+            tier = StorageTier(query.get("tier", StorageTier.DURABLE.value))
+        except ValueError:
+            raise StoreURLError(
+                f"store URL {url!r}: tier must be 'durable' or 'ephemeral', not {query['tier']!r}"
+            ) from None
+        lease_s = _positive(url, "lease_s", query.get("lease_s"), DEFAULT_LEASE_S)
+        options: dict[str, Any]
+        if parsed.scheme == "redis":
+            if not parsed.hostname or parsed.port is None:
+                raise StoreURLError(f"store URL {url!r}: a Redis URL is redis://HOST:PORT[/DB]")
+            db_text = parsed.path.strip("/") or "0"
+            if not db_text.isdigit():
+                raise StoreURLError(f"store URL {url!r}: the Redis database must be a number")
+            options = {
+                "hostname": parsed.hostname,
+                "port": parsed.port,
+                "db": int(db_text),
+                "lease_s": lease_s,
+                "tier": tier.value,
+            }
+            if "chunk_bytes" in query:
+                options["chunk_bytes"] = int(_positive(url, "chunk_bytes", query["chunk_bytes"], 0))
+        else:
+            if parsed.netloc not in ("", "localhost") or not parsed.path:
+                raise StoreURLError(
+                    f"store URL {url!r}: a file store URL is file:///ABSOLUTE/DIRECTORY"
+                )
+            options = {"store_dir": urllib.parse.unquote(parsed.path), "tier": tier.value}
+            options["lease_s"] = lease_s
+        digest = hashlib.sha256(url.encode()).hexdigest()[:12]
+        name = query.get("name") or f"fx-{parsed.scheme}-{digest}"
+        return cls(url, parsed.scheme, name, tier, lease_s, options)
+
+    def connector_type(self) -> type[RedisConnector | FileConnector]:
+        """The connector class this URL names."""
+        return RedisConnector if self.scheme == "redis" else FileConnector
+
+    def store_config(self) -> StoreConfig:
+        """The ProxyStore config that recreates this store in any process (a worker's)."""
+        kind = f"{self.connector_type().__module__}.{self.connector_type().__qualname__}"
+        # No cache: a worker's resolved 1 GB argument must not outlive its task.
+        return StoreConfig(
+            name=self.name,
+            connector=ConnectorConfig(kind=kind, options=dict(self.options)),
+            serializer=None,
+            deserializer=None,
+            cache_size=0,
+            metrics=False,
+            populate_target=False,
+            auto_register=False,
+        )
+
+
+def open_store(spec: StoreSpec | str) -> Store[Any]:
+    """The process-wide ProxyStore store for a URL (created and registered on first use)."""
+    if isinstance(spec, str):
+        spec = StoreSpec.parse(spec)
+    return get_or_create_store(spec.store_config())
+
+
+def _positive(url: str, name: str, text: str | None, default: float) -> float:
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise StoreURLError(f"store URL {url!r}: {name} must be a positive number, not {text!r}")
+    return value
