@@ -60,16 +60,18 @@ def load_payload(data: Any) -> Any:
     return _SERIALIZER.deserialize(bytes(data) if not isinstance(data, bytes) else data)
 
 
-_loaded: contextvars.ContextVar[list[StoreFactory[Any, Any]] | None] = contextvars.ContextVar(
-    "fxstream_loaded_references", default=None
+_loaded: contextvars.ContextVar[tuple[list[StoreFactory[Any, Any]], bool] | None] = (
+    contextvars.ContextVar("fxstream_loaded_references", default=None)
 )
 
 
 def _fetch_on_load(factory: StoreFactory[Any, Any]) -> Any:
-    found = _loaded.get()
-    if found is not None:
-        found.append(factory)
-    return factory.resolve()
+    collecting = _loaded.get()
+    if collecting is None:
+        return factory.resolve()
+    found, fetch = collecting
+    found.append(factory)
+    return factory.resolve() if fetch else None
 
 
 class _FetchOnLoad:
@@ -85,36 +87,44 @@ class _FetchOnLoad:
 
 
 @contextlib.contextmanager
-def collect_references() -> Iterator[list[StoreFactory[Any, Any]]]:
-    """Collect the factories of the by-reference values fetched while loading a payload.
+def collect_references(*, fetch: bool = True) -> Iterator[list[StoreFactory[Any, Any]]]:
+    """Collect the factories of the by-reference values met while loading a payload.
 
     The SDK loads a result inside this block and then evicts what it fetched
-    with :func:`evict_objects` once the value is delivered.
+    with :func:`evict_objects` once the value is delivered. With ``fetch=False``
+    nothing is fetched (the values load as None): only what to evict is found.
     """
     found: list[StoreFactory[Any, Any]] = []
-    token = _loaded.set(found)
+    token = _loaded.set((found, fetch))
     try:
         yield found
     finally:
         _loaded.reset(token)
 
 
-def evict_objects(objects: Sequence[StoredObject | StoreFactory[Any, Any]]) -> int:
-    """Evict objects (from :class:`Packed` or :func:`collect_references`); returns how many.
+def evict_objects(objects: Sequence[StoredObject | StoreFactory[Any, Any]]) -> list[str]:
+    """Evict objects (from :class:`Packed` or :func:`collect_references`).
 
-    A store that cannot be reached is skipped: the object's lease reclaims it.
+    Returns the object keys evicted (what data-locations tombstones name). A
+    store that cannot be reached is skipped: the object's lease reclaims it.
     """
-    evicted = 0
+    evicted: list[str] = []
     for item in objects:
         try:
             if isinstance(item, StoredObject):
                 item.store.evict(item.key)
+                evicted.append(item.reference.object_key)
             else:
-                item.get_store().evict(item.key)
-            evicted += 1
-        except Exception:
+                store = item.get_store()
+                store.evict(item.key)
+                evicted.append(_object_key(store.connector, item.key))
+        except Exception:  # eviction is best effort; the lease is the backstop
             continue
     return evicted
+
+
+def _object_key(connector: Any, key: Any) -> str:
+    return str(connector.object_key(key)) if hasattr(connector, "object_key") else str(key)
 
 
 @dataclass(frozen=True)
@@ -210,7 +220,7 @@ class ByReference:
         connector = self.store.connector
         key = connector.put(payload)
         tier = getattr(connector, "tier", StorageTier.DURABLE)
-        object_key = connector.object_key(key) if hasattr(connector, "object_key") else str(key)
+        object_key = _object_key(connector, key)
         reference = ObjectReference(
             object_key=object_key,
             store=self.store.name,

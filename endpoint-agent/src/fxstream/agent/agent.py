@@ -69,12 +69,14 @@ from confluent_kafka import (
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.publisher import Answer, TransactionalPublisher
-from fxstream.agent.runner import RUNNER
-from fxstream.agent.workers import WorkerPool, WorkItem, WorkOutcome
+from fxstream.agent.runner import runner_for
+from fxstream.agent.workers import RunnerSpec, WorkerPool, WorkItem, WorkOutcome
+from fxstream.connectors import LocationPublisher
 from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetter,
+    DeserializationError,
     Heartbeat,
     InvalidTopicName,
     RecordDecodeError,
@@ -93,6 +95,7 @@ from fxstream.topics import (
     code_sha256,
     decode,
     encode,
+    payload_references,
     record_kind,
 )
 
@@ -190,13 +193,19 @@ class _CodeCache:
 class Agent:
     """Serves one endpoint until :meth:`stop` (or the ``stop`` event passed to :meth:`run`)."""
 
-    def __init__(self, config: EndpointConfig, *, runner: str = RUNNER) -> None:
+    def __init__(self, config: EndpointConfig, *, runner: RunnerSpec | None = None) -> None:
         config.validate()
         self.config = config
         self.agent_id = str(uuid.uuid4())
         self.catalogue = Catalogue(prefix=config.topic_prefix)
         self.queue_topic = self.catalogue.endpoint_queue(config.endpoint_id)
-        self._runner = runner
+        self._runner: RunnerSpec = (
+            runner
+            if runner is not None
+            else runner_for(
+                config.store_url, proxy_threshold=config.proxy_threshold, site=config.endpoint_id
+            )
+        )
         self._hostname = socket.gethostname()
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
@@ -700,9 +709,10 @@ class Agent:
                     "ResultTooLarge",
                     ValueError(
                         f"the result is {size:,} bytes, above this endpoint's max_result_bytes "
-                        f"({self.config.max_result_bytes:,}); return a smaller value, or raise "
-                        "max_result_bytes in the endpoint config (up to the results topic's "
-                        "max.message.bytes)"
+                        f"({self.config.max_result_bytes:,}). Set store_url in the endpoint "
+                        "config (e.g. redis://HOST:6379) so results above proxy_threshold "
+                        "travel by reference, return a smaller value, or raise "
+                        "max_result_bytes (up to the results topic's max.message.bytes)"
                     ),
                 ),
             )
@@ -719,6 +729,22 @@ class Agent:
                 del self._held[submission.task_id]
         key = submission.task_id.encode()
         publisher.publish(Answer(topic, key, value, held.partition, held.offset, held.epoch))
+        if result.value is not None:
+            self._publish_locations(result.value)
+
+    def _publish_locations(self, payload: bytes) -> None:
+        """Say where a result stored by reference lives (best effort: routing hints only)."""
+        events = self._events
+        try:
+            references = payload_references(payload)[0]
+        except DeserializationError:
+            return
+        if events is None or not references:
+            return
+        try:
+            LocationPublisher(events, self.catalogue.data_locations).created(references)
+        except (BufferError, KafkaException) as exc:
+            log.warning("cannot publish data locations: %s", exc)
 
     def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from fxstream.agent.agent import Agent
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
+from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 
 __all__ = ["app", "main", "register_endpoint"]
 
@@ -87,6 +88,13 @@ def configure(
     workers: Annotated[int, typer.Option(help="Warm worker processes.")] = 2,
     prefetch: Annotated[int, typer.Option(help="Tasks fetched beyond idle workers.")] = 16,
     heartbeat_period: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
+    store_url: Annotated[
+        str | None,
+        typer.Option(help="Proxy store for large results (redis://HOST:PORT or file:///DIR)."),
+    ] = None,
+    proxy_threshold: Annotated[
+        int, typer.Option(help="Results above this many bytes go to the proxy store.")
+    ] = DEFAULT_PROXY_THRESHOLD_BYTES,
 ) -> None:
     """Write the endpoint's YAML config (registering the endpoint with the service if needed)."""
     try:
@@ -102,6 +110,8 @@ def configure(
             workers=workers,
             prefetch=prefetch,
             heartbeat_period_s=heartbeat_period,
+            store_url=store_url,
+            proxy_threshold=proxy_threshold,
         )
         path = config.save()
     except (ConfigError, httpx.HTTPError) as exc:

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import yaml
 
+from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
+
 __all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
@@ -63,6 +65,10 @@ class EndpointConfig:
     # Backoff before retry n of a task (n = 1, 2, ...): min(base * 2**(n-1), max).
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
+    # The endpoint's proxy store (a store URL: redis://HOST:PORT, file:///DIR): results
+    # above proxy_threshold bytes go there and only a reference goes to Kafka.
+    store_url: str | None = None
+    proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the field when a value cannot work."""
@@ -87,6 +93,13 @@ class EndpointConfig:
             )
         if self.retry_backoff_s < 0 or self.retry_backoff_max_s < self.retry_backoff_s:
             raise ConfigError("retry_backoff_s must be >= 0 and <= retry_backoff_max_s")
+        if self.proxy_threshold < 0:
+            raise ConfigError("proxy_threshold must be 0 or more bytes")
+        if self.store_url is not None:
+            try:
+                StoreSpec.parse(self.store_url)
+            except StoreURLError as exc:
+                raise ConfigError(f"store_url: {exc}") from None
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "

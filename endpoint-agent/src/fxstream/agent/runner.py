@@ -6,24 +6,57 @@ inside the worker, never in the agent's poll loop. The submitter's
 :class:`~fxstream.topics.ClientInfo` travels in that record, so a payload that
 cannot be loaded yields an error naming both sides' Python and serializer
 versions rather than a bare failure.
+
+Bulk data never passes through the agent: arguments sent by reference are
+fetched here from the proxy store (lazily, on first use, except bytes-like
+values, fetched as the payload loads), and with the endpoint's ``store_url``
+set a result above ``proxy_threshold`` is written to that store here and only
+its reference goes back to the agent (:mod:`fxstream.connectors.reference`).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
+from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, ByReference, open_store
 from fxstream.topics import ClientInfo, Serializer, TaskSubmission, decode
 
-__all__ = ["RUNNER", "load_function"]
+__all__ = ["RUNNER", "load_function", "runner_for"]
 
 RUNNER = "fxstream.agent.runner:load_function"
-"""The runner spec the agent gives its :class:`~fxstream.agent.WorkerPool`."""
+"""The runner spec the agent gives its :class:`~fxstream.agent.WorkerPool` (no proxy store)."""
 
 _serializer = Serializer()
 
 
-def load_function(code: bytes) -> Callable[[bytes], bytes]:
+@functools.cache
+def _results_by_reference(store_url: str, threshold: int, site: str) -> ByReference:
+    # One store per worker process, opened at its first task.
+    return ByReference(
+        open_store(store_url), threshold_bytes=threshold, serializer=_serializer, site=site
+    )
+
+
+def runner_for(
+    store_url: str | None, *, proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES, site: str = ""
+) -> Callable[[bytes], Callable[[bytes], bytes]] | str:
+    """The runner spec for an endpoint: results by reference through ``store_url`` if set."""
+    if store_url is None:
+        return RUNNER
+    return functools.partial(
+        load_function, store_url=store_url, proxy_threshold=proxy_threshold, site=site
+    )
+
+
+def load_function(
+    code: bytes,
+    *,
+    store_url: str | None = None,
+    proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES,
+    site: str = "",
+) -> Callable[[bytes], bytes]:
     """Loader for the worker pool: ``code`` is a serialized function (any code strategy).
 
     The function itself is deserialized at the first call, where the
@@ -42,6 +75,9 @@ def load_function(code: bytes) -> Callable[[bytes], bytes]:
         args, kwargs = _serializer.unpack_arguments(
             submission.payload, submitted_by=submission.client
         )
-        return _serializer.serialize_value(function(*args, **kwargs))
+        value = function(*args, **kwargs)
+        if store_url is None:
+            return _serializer.serialize_value(value)
+        return _results_by_reference(store_url, proxy_threshold, site).pack_value(value).payload
 
     return call

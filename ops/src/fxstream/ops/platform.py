@@ -209,7 +209,9 @@ class Platform:
         if services:
             step("starting the service, the stream processors and the local endpoint")
             try:
-                self.services().start(connection.bootstrap_servers, connection.topic_prefix)
+                self.services().start(
+                    connection.bootstrap_servers, connection.topic_prefix, connection.redis_url
+                )
             except (ProcessStartError, TimeoutError):
                 self.down()
                 raise

@@ -9,6 +9,7 @@ configured under ``<home>/endpoints``.
 
 from __future__ import annotations
 
+import dataclasses
 import getpass
 import json
 import os
@@ -49,6 +50,7 @@ class Credentials:
     topic_prefix: str
     user_id: str
     token: str
+    store_url: str | None = None
 
     def save(self, path: Path) -> None:
         """Write the file readable by its owner only (it holds a token)."""
@@ -127,10 +129,14 @@ class ServiceSet:
 
     # --- start / stop ------------------------------------------------------------------
 
-    def start(self, bootstrap_servers: str, topic_prefix: str) -> tuple[Credentials, str]:
+    def start(
+        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None = None
+    ) -> tuple[Credentials, str]:
         """Start the API and processors, ensure the local user and endpoint, start the endpoint.
 
-        Returns the local user's credentials and the local endpoint's id.
+        ``store_url`` (the platform's Redis) becomes the proxy store of the local
+        user's credentials and of the local endpoint. Returns the local user's
+        credentials and the local endpoint's id.
         """
         self.config.home.joinpath("services").mkdir(parents=True, exist_ok=True)
         if not self.api.is_running():
@@ -138,7 +144,7 @@ class ServiceSet:
         self.api.start()
         self.processors.start()
         self._wait_for_api()
-        credentials = self._ensure_user(bootstrap_servers, topic_prefix)
+        credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url)
         endpoint_id = self._ensure_endpoint(credentials)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
@@ -204,9 +210,14 @@ class ServiceSet:
 
     # --- the local user and endpoint ---------------------------------------------------
 
-    def _ensure_user(self, bootstrap_servers: str, topic_prefix: str) -> Credentials:
+    def _ensure_user(
+        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None
+    ) -> Credentials:
         saved = Credentials.load(self.credentials_file)
         if saved is not None and self._token_works(saved.token):
+            if saved.store_url != store_url:
+                saved = dataclasses.replace(saved, store_url=store_url)
+                saved.save(self.credentials_file)
             return saved
         response = httpx.post(
             f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
@@ -222,6 +233,7 @@ class ServiceSet:
             topic_prefix=topic_prefix,
             user_id=body["user_id"],
             token=body["token"],
+            store_url=store_url,
         )
         credentials.save(self.credentials_file)
         return credentials
@@ -241,8 +253,16 @@ class ServiceSet:
 
     def _ensure_endpoint(self, credentials: Credentials) -> str:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
-        if config_file.is_file() and _token_of(config_file) == credentials.token:
+        if (
+            config_file.is_file()
+            and _setting(config_file, "token") == credentials.token
+            and _setting(config_file, "store_url") == credentials.store_url
+        ):
             return _endpoint_id(config_file)
+        store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
+        if config_file.is_file() and _setting(config_file, "token") == credentials.token:
+            # Same owner, new settings: keep the registered endpoint.
+            store += ["--endpoint-id", _endpoint_id(config_file)]
         done = subprocess.run(
             [
                 _bin("fxstream-endpoint"),
@@ -256,6 +276,7 @@ class ServiceSet:
                 credentials.token,
                 "--prefix",
                 credentials.topic_prefix,
+                *store,
             ],
             env=self._endpoint_env(),
             capture_output=True,
@@ -266,8 +287,8 @@ class ServiceSet:
         return _endpoint_id(config_file)
 
 
-def _token_of(config_file: Path) -> object:
-    return yaml.safe_load(config_file.read_text()).get("token")
+def _setting(config_file: Path, name: str) -> object:
+    return yaml.safe_load(config_file.read_text()).get(name)
 
 
 def _endpoint_id(config_file: Path) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
+from fxstream.connectors import Packed
+
 __all__ = ["Batch", "Packer"]
 
-Packer = Callable[[str, tuple[Any, ...], Mapping[str, Any] | None], bytes]
+Packer = Callable[[str, tuple[Any, ...], Mapping[str, Any] | None], Packed]
 """(function_id, args, kwargs) -> the task's argument payload (raises if it cannot be sent)."""
 
 
@@ -16,13 +18,13 @@ class Batch:
 
     Arguments are serialized and size-checked in :meth:`add`, so a bad
     argument raises there, not at ``batch_run``; the endpoint is chosen at
-    ``batch_run``. Iterating gives ``(function_id, payload)`` pairs.
+    ``batch_run``. Iterating gives ``(function_id, packed payload)`` pairs.
     """
 
     def __init__(self, pack: Packer, task_group_id: str | None = None) -> None:
         self.task_group_id = task_group_id
         self._pack = pack
-        self._tasks: list[tuple[str, bytes]] = []
+        self._tasks: list[tuple[str, Packed]] = []
 
     def add(
         self,
@@ -41,7 +43,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self._tasks)
 
-    def __iter__(self) -> Iterator[tuple[str, bytes]]:
+    def __iter__(self) -> Iterator[tuple[str, Packed]]:
         return iter(self._tasks)
 
     def __repr__(self) -> str:

@@ -20,6 +20,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, Final, NamedTuple
 
+from proxystore.store.base import Store
+
+from fxstream.connectors import ByReference, LocationPublisher, Packed, evict_objects, open_store
 from fxstream.sdk.batch import Batch
 from fxstream.sdk.errors import (
     ConfigurationError,
@@ -35,7 +38,12 @@ from fxstream.sdk.futures import TaskFuture, Timings, timings_of
 from fxstream.sdk.history import read_back_results
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener
-from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, DEFAULT_TOPIC_PREFIX, ClientSettings
+from fxstream.sdk.settings import (
+    DEFAULT_MAX_INLINE_BYTES,
+    DEFAULT_PROXY_THRESHOLD,
+    DEFAULT_TOPIC_PREFIX,
+    ClientSettings,
+)
 from fxstream.sdk.submit import (
     PreparedTask,
     TaskProducer,
@@ -69,8 +77,15 @@ class Client:
     the Kafka brokers; ``topic_prefix`` the deployment's topic prefix. A task
     needs ``token`` (and ``user_id``, which is asked from the service when not
     given). ``serializer`` encodes functions, arguments and results (default:
-    dill by value for code, pickle for data). Argument payloads above
-    ``max_inline_bytes`` are refused with
+    dill by value for code, pickle for data).
+
+    Large arguments travel by reference: with a ``store`` (a store URL such as
+    ``redis://HOST:PORT``, or a ProxyStore ``Store``), each argument that
+    serializes above ``proxy_threshold`` bytes is put there and the task
+    carries a reference; results come back the same way from the endpoint's
+    store and are fetched before the future resolves. Both are evicted once the
+    result is consumed (docs/data-plane.md). What stays inline above
+    ``max_inline_bytes`` is refused with
     :class:`~fxstream.sdk.errors.PayloadTooLarge` before anything is sent.
 
     Nothing connects until used. The first submission starts the results
@@ -88,16 +103,28 @@ class Client:
         token: str | None = None,
         serializer: Serializer | None = None,
         max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        store: str | Store[Any] | None = None,
+        proxy_threshold: int = DEFAULT_PROXY_THRESHOLD,
         request_timeout: float = DEFAULT_TIMEOUT_S,
         kafka_config: Mapping[str, Any] | None = None,
     ) -> None:
         if max_inline_bytes <= 0:
             raise ValueError(f"max_inline_bytes must be positive, not {max_inline_bytes}")
+        if proxy_threshold < 0:
+            raise ValueError(f"proxy_threshold must not be negative, not {proxy_threshold}")
         self.service_url = service_url
         self.bootstrap_servers = bootstrap_servers
         self.catalogue = Catalogue(prefix=topic_prefix)
         self.serializer = serializer if serializer is not None else Serializer()
         self.max_inline_bytes = max_inline_bytes
+        self.store: Store[Any] | None = open_store(store) if isinstance(store, str) else store
+        self._by_reference = (
+            None
+            if self.store is None
+            else ByReference(
+                self.store, threshold_bytes=proxy_threshold, serializer=self.serializer
+            )
+        )
         self._user_id = user_id
         self._token = token
         self._kafka_config = dict(kafka_config or {})
@@ -123,6 +150,8 @@ class Client:
             token=settings.token,
             serializer=serializer,
             max_inline_bytes=settings.max_inline_bytes,
+            store=settings.store_url,
+            proxy_threshold=settings.proxy_threshold,
         )
 
     @classmethod
@@ -269,10 +298,19 @@ class Client:
         function_id: str,
         args: Iterable[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
-    ) -> bytes:
-        """Serialize one task's arguments, refusing them above ``max_inline_bytes``."""
+    ) -> Packed:
+        """Serialize one task's arguments, large ones by reference (see the class docs).
+
+        Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` when what stays
+        inline exceeds ``max_inline_bytes``.
+        """
         return pack_arguments(
-            self.serializer, function_id, args, kwargs, max_inline_bytes=self.max_inline_bytes
+            self.serializer,
+            function_id,
+            args,
+            kwargs,
+            max_inline_bytes=self.max_inline_bytes,
+            by_reference=self._by_reference,
         )
 
     def prepare_task(
@@ -283,7 +321,7 @@ class Client:
         kwargs: Mapping[str, Any] | None = None,
         *,
         task_group_id: str | None = None,
-        payload: bytes | None = None,
+        payload: bytes | Packed | None = None,
         max_retries: int = 0,
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
@@ -337,6 +375,7 @@ class Client:
                     self.catalogue.results(self.user_id),
                     self.serializer,
                     kafka_config=self._kafka_config,
+                    release=self._release,
                 )
                 listener.start()
                 self._listener = listener
@@ -360,6 +399,7 @@ class Client:
             submitted_at=task.submitted_at,
         )
         future._remote_cancel = self._send_remote_cancel
+        future._stored = list(task.stored)
         listener.track(future)
         if retain:
             with self._lock:
@@ -386,9 +426,13 @@ class Client:
         def on_delivery(task_id: str, failure: SubmissionFailed | None) -> None:
             if failure is not None:
                 listener.untrack(task_id)
-                futures[task_id]._resolve_exception(failure)
+                future = futures[task_id]
+                self._release(future._stored)
+                future._stored = []
+                future._resolve_exception(failure)
 
         producer.send([task for task, _ in live], on_delivery)
+        self._publish_locations(producer, [task for task, _ in live])
 
     def _run_tasks(self, tasks: list[PreparedTask]) -> list[str]:
         producer = self._streams()[0]
@@ -396,12 +440,31 @@ class Client:
         for future in futures:
             future._mark_sent()  # nobody else has these futures yet: never refused
         try:
+            self._publish_locations(producer, tasks)
             producer.send_and_wait(tasks)
         except SubmissionFailed as exc:
             for future in futures:
+                self._release(future._stored)
+                future._stored = []
                 future._resolve_exception(exc)
             raise
         return [task.task_id for task in tasks]
+
+    # --- objects passed by reference ---------------------------------------------------
+
+    def _publish_locations(self, producer: TaskProducer, tasks: Iterable[PreparedTask]) -> None:
+        references = [item.reference for task in tasks for item in task.stored]
+        if references:
+            LocationPublisher(producer.producer, self.catalogue.data_locations).created(references)
+
+    def _release(self, objects: list[Any]) -> None:
+        """Evict objects a consumed task no longer needs, and say so on data-locations."""
+        if not objects:
+            return
+        evicted = evict_objects(objects)
+        producer = self._producer
+        if evicted and producer is not None:
+            LocationPublisher(producer.producer, self.catalogue.data_locations).removed(evicted)
 
     def run(self, *args: Any, endpoint_id: str, function_id: str, **kwargs: Any) -> str:
         """Run ``function_id(*args, **kwargs)`` on ``endpoint_id``; returns the task id.

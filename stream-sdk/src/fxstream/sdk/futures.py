@@ -92,6 +92,8 @@ class TaskFuture(Future[Any]):
         self._remote_cancel: Callable[[TaskFuture], None] | None = None
         self._sent = False
         self._sent_lock = threading.Lock()
+        # Objects its arguments put in the proxy store: released once its result is consumed.
+        self._stored: list[Any] = []
 
     def cancel(self) -> bool:
         """Cancel the future unless it is done; True if it is now cancelled.

@@ -22,21 +22,33 @@ after reaches the listener: no result falls in between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, Final
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
+from fxstream.connectors import collect_references
 from fxstream.sdk.errors import FxstreamError, ResultsTopicMissing, task_failure
 from fxstream.sdk.futures import TaskFuture, timings_of
-from fxstream.topics import RecordDecodeError, Serializer, TaskErrorType, TaskResult, decode
+from fxstream.topics import (
+    PAYLOAD_HEADER_LENGTH,
+    PAYLOAD_MAGIC,
+    DeserializationError,
+    RecordDecodeError,
+    Serializer,
+    TaskErrorType,
+    TaskResult,
+    decode,
+)
 
 __all__ = ["ResultListener"]
 
@@ -59,6 +71,12 @@ _TRANSIENT: Final = frozenset(
 # Task ids remembered after their result, so a duplicate is recognised (and counted).
 _REMEMBERED: Final = 1_000_000
 
+_FETCH_THREADS: Final = 4
+
+Release = Callable[[list[Any]], None]
+"""Called with the proxy-store objects a consumed task no longer needs (its arguments and
+its fetched result); the Client evicts them and publishes their tombstones."""
+
 
 class ResultListener:
     """Consumes ``topic`` in a daemon thread and resolves the tracked :class:`TaskFuture` s.
@@ -78,9 +96,16 @@ class ResultListener:
         serializer: Serializer,
         *,
         kafka_config: Mapping[str, Any] | None = None,
+        release: Release | None = None,
     ) -> None:
         self.topic = topic
         self._serializer = serializer
+        self._release = release
+        # Results that went by reference are fetched here, off the consumer thread, so
+        # one 1 GB result does not hold back every other task's.
+        self._fetcher = ThreadPoolExecutor(
+            max_workers=_FETCH_THREADS, thread_name_prefix="fx-fetch"
+        )
         self._config: dict[str, Any] = {
             "bootstrap.servers": bootstrap_servers,
             # Required by librdkafka even though no group is joined (assign, no commits).
@@ -351,8 +376,12 @@ class ResultListener:
             if partition is not None and offset is not None:
                 self._handled[partition] = offset + 1
             future = self._claim(result) if result is not None else None
+            ours = result is not None and future is None and result.task_id in self._resolved
         if future is not None and result is not None:
             self._resolve(future, result, received)
+        elif ours and result is not None and result.value is not None:
+            # A second result of a task resolved here: its objects are nobody's but ours.
+            self._release_objects([], self._references_of(result.value))
 
     def _fail_keyed(self, message: Message, exc: RecordDecodeError) -> None:
         """A bad record keyed by a task this listener waits for fails that task's future:
@@ -378,23 +407,43 @@ class ResultListener:
         if future._resolve_exception(failure):
             self.delivered += 1
 
-    def _resolve(self, future: TaskFuture, result: TaskResult, received: float) -> None:
+    def _resolve(
+        self, future: TaskFuture, result: TaskResult, received: float, *, fetching: bool = False
+    ) -> None:
+        if (
+            not fetching
+            and result.outcome == "success"
+            and result.value is not None
+            and _by_reference(result.value)
+        ):
+            self._fetcher.submit(self._resolve, future, result, received, fetching=True)
+            return
+        fetched: list[Any] = []
+        try:
+            finish = self._settle(future, result, received, fetched)
+        finally:
+            # Before the future resolves: its waiter may close the Client at once.
+            self._release_objects(future._stored, fetched)
+            future._stored = []
+        finish()
+
+    def _settle(
+        self, future: TaskFuture, result: TaskResult, received: float, fetched: list[Any]
+    ) -> Callable[[], None]:
+        """Read ``result`` for ``future``; returns what resolves the future (and counts it)."""
         future.timings = timings_of(
             result.timings, submitted=future.timings["submitted"], delivered=received
         )
         future.worker = result.worker or None
         future.attempt = result.attempt
         if future.cancelled():
-            self.discarded += 1
-            return
+            if result.value is not None:
+                fetched.extend(self._references_of(result.value))
+            return self._count_discarded
         if result.error is not None and result.error.type == TaskErrorType.CANCELLED:
             # Cancelled from elsewhere (Client.cancel): the future ends as a cancelled
             # concurrent.futures.Future does, so result() raises CancelledError.
-            if future._resolve_cancelled_remotely():
-                self.delivered += 1
-            else:
-                self.discarded += 1
-            return
+            return lambda: self._count(future._resolve_cancelled_remotely())
         outcome: BaseException | None = None
         value: Any = None
         if result.outcome == "success":
@@ -405,9 +454,13 @@ class ResultListener:
                 )
             else:
                 try:
-                    value = self._serializer.deserialize(result.value)
-                except Exception as exc:  # DeserializationError, or a user __setstate__
-                    outcome = exc
+                    with collect_references() as found:
+                        try:
+                            value = self._serializer.deserialize(result.value)
+                        finally:
+                            fetched.extend(found)
+                except Exception as exc:  # DeserializationError, a user __setstate__, a fetch
+                    outcome = _unreadable_result(result.task_id, exc)
         elif result.error is not None:
             outcome = task_failure(
                 result.task_id,
@@ -421,13 +474,39 @@ class ResultListener:
                 f"task {result.task_id} failed but its result record carries no error "
                 "(the agent must set TaskResult.error)"
             )
-        done = (
-            future._resolve_result(value) if outcome is None else future._resolve_exception(outcome)
-        )
-        if done:
+        if outcome is None:
+            return lambda: self._count(future._resolve_result(value))
+        failure = outcome
+        return lambda: self._count(future._resolve_exception(failure))
+
+    def _count(self, delivered: bool) -> None:
+        if delivered:
             self.delivered += 1
         else:
             self.discarded += 1
+
+    def _count_discarded(self) -> None:
+        self.discarded += 1
+
+    def _references_of(self, payload: bytes) -> list[Any]:
+        """The stored objects a result payload refers to, without fetching them."""
+        if not _by_reference(payload):
+            return []
+        found: list[Any] = []
+        # An unreadable payload: what was not found is left to its lease.
+        with contextlib.suppress(Exception), collect_references(fetch=False) as collected:
+            try:
+                self._serializer.deserialize(payload)
+            finally:
+                found.extend(collected)
+        return found
+
+    def _release_objects(self, stored: list[Any], fetched: list[Any]) -> None:
+        if self._release is not None and (stored or fetched):
+            try:
+                self._release([*stored, *fetched])
+            except Exception as exc:  # never let cleanup fail a delivery
+                log.warning("could not release proxy-store objects: %s", exc)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the thread and close the consumer; tracked futures stay unresolved."""
@@ -439,3 +518,21 @@ class ResultListener:
         if consumer is not None:
             consumer.close()
             self._consumer = None
+        self._fetcher.shutdown(wait=True, cancel_futures=False)
+
+
+def _by_reference(payload: bytes) -> bool:
+    return payload[:PAYLOAD_HEADER_LENGTH] == _ENVELOPE_HEADER
+
+
+_ENVELOPE_HEADER: Final = PAYLOAD_MAGIC + b"rf\n"
+
+
+def _unreadable_result(task_id: str, exc: Exception) -> Exception:
+    if isinstance(exc, DeserializationError):
+        return exc
+    return FxstreamError(
+        f"task {task_id} succeeded but its result, stored by reference, could not be fetched: "
+        f"{type(exc).__name__}: {exc}. Is the endpoint's proxy store reachable from here (its "
+        "store_url), and was the object evicted or its lease over?"
+    )

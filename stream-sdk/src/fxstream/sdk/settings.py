@@ -13,7 +13,14 @@ variable                       credentials file key    meaning
 ``FXSTREAM_USER_ID``           ``user_id``             your user id
 ``FXSTREAM_TOKEN``             ``token``               your API token
 ``FXSTREAM_MAX_INLINE_BYTES``  ``max_inline_bytes``    largest argument payload sent inline
+``FXSTREAM_STORE_URL``         ``store_url``           proxy store for large arguments
+``FXSTREAM_PROXY_THRESHOLD``   ``proxy_threshold``     bytes above which a value goes
+                                                       by reference (default 64 KiB)
 =============================  ======================  ============================
+
+``store_url`` is a store URL (``redis://HOST:PORT``, ``file:///DIR``; see
+:mod:`fxstream.connectors.stores`); ``./fx up`` writes the platform's Redis.
+Without one, every argument must fit inline.
 """
 
 from __future__ import annotations
@@ -25,11 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.sdk.errors import ConfigurationError
 
 __all__ = [
     "CREDENTIALS_VARIABLE",
     "DEFAULT_MAX_INLINE_BYTES",
+    "DEFAULT_PROXY_THRESHOLD",
     "DEFAULT_TOPIC_PREFIX",
     "ENV_VARIABLES",
     "ClientSettings",
@@ -38,7 +47,10 @@ __all__ = [
 DEFAULT_TOPIC_PREFIX: Final = "fx."
 
 DEFAULT_MAX_INLINE_BYTES: Final = 512 * 1024
-"""Argument payloads above this many bytes are refused until the proxy store exists."""
+"""Largest argument payload sent inside the task record (after large values went by reference)."""
+
+DEFAULT_PROXY_THRESHOLD: Final = DEFAULT_PROXY_THRESHOLD_BYTES
+"""Arguments that serialize above this many bytes go to the proxy store (when one is set)."""
 
 CREDENTIALS_VARIABLE: Final = "FXSTREAM_CREDENTIALS"
 
@@ -49,6 +61,8 @@ ENV_VARIABLES: Final[dict[str, str]] = {
     "user_id": "FXSTREAM_USER_ID",
     "token": "FXSTREAM_TOKEN",
     "max_inline_bytes": "FXSTREAM_MAX_INLINE_BYTES",
+    "store_url": "FXSTREAM_STORE_URL",
+    "proxy_threshold": "FXSTREAM_PROXY_THRESHOLD",
 }
 """Setting name -> environment variable (the setting name is also the credentials file key)."""
 
@@ -63,6 +77,8 @@ class ClientSettings:
     user_id: str | None = None
     token: str | None = None
     max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES
+    store_url: str | None = None
+    proxy_threshold: int = DEFAULT_PROXY_THRESHOLD
 
     @classmethod
     def from_environment(cls, env: Mapping[str, str] | None = None) -> ClientSettings:
@@ -93,7 +109,9 @@ class ClientSettings:
             topic_prefix=str(values.get("topic_prefix") or DEFAULT_TOPIC_PREFIX),
             user_id=_optional_str(values.get("user_id")),
             token=_optional_str(values.get("token")),
-            max_inline_bytes=_size(values.get("max_inline_bytes")),
+            max_inline_bytes=_size(values.get("max_inline_bytes"), "max_inline_bytes"),
+            store_url=_optional_str(values.get("store_url")),
+            proxy_threshold=_size(values.get("proxy_threshold"), "proxy_threshold"),
         )
 
 
@@ -101,16 +119,22 @@ def _optional_str(value: Any) -> str | None:
     return None if value is None or value == "" else str(value)
 
 
-def _size(value: Any) -> int:
+_SIZE_DEFAULTS: Final = {
+    "max_inline_bytes": DEFAULT_MAX_INLINE_BYTES,
+    "proxy_threshold": DEFAULT_PROXY_THRESHOLD,
+}
+
+
+def _size(value: Any, setting: str) -> int:
     if value is None or value == "":
-        return DEFAULT_MAX_INLINE_BYTES
+        return _SIZE_DEFAULTS[setting]
     try:
         size = int(value)
     except (TypeError, ValueError):
         size = -1
     if size <= 0:
         raise ConfigurationError(
-            f"max_inline_bytes ({ENV_VARIABLES['max_inline_bytes']}) must be a positive number "
+            f"{setting} ({ENV_VARIABLES[setting]}) must be a positive number "
             f"of bytes, not {value!r}"
         )
     return size

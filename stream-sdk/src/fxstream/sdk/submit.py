@@ -4,9 +4,13 @@ Tasks go straight to Kafka, never through the REST service. The producer is
 idempotent with ``acks=all``, so an acknowledged task is durable and a retried
 send never duplicates it; records are keyed by task id.
 
-Size limits are checked *before* anything is sent: an argument payload above
-``max_inline_bytes`` (default 512 KiB) or a record above the topic's
-``max.message.bytes`` raises :class:`~fxstream.sdk.errors.PayloadTooLarge`.
+Large arguments travel by reference: with a proxy store configured, each
+argument that serializes above ``proxy_threshold`` goes to the store and the
+record carries a reference (:mod:`fxstream.connectors.reference`). Size limits
+are checked *before* anything is sent: what is left inline above
+``max_inline_bytes`` (default 512 KiB), or a record above the topic's
+``max.message.bytes``, raises :class:`~fxstream.sdk.errors.PayloadTooLarge`
+naming the setting to change.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any, Final
 
 from confluent_kafka import KafkaError, Message, Producer
 
+from fxstream.connectors import ByReference, Packed, StoredObject, evict_objects
 from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
 from fxstream.topics import (
@@ -46,9 +51,14 @@ __all__ = [
 RECORD_OVERHEAD_BYTES: Final = 512
 """Headroom for Kafka's batch and record framing when comparing a record with the topic limit."""
 
+_NO_STORE_NOTE: Final = (
+    "Configure a proxy store so large arguments travel by reference: set store_url "
+    f"({ENV_VARIABLES['store_url']}, e.g. redis://HOST:6379; the credentials `./fx up` writes "
+    "name the platform's Redis) or pass Client(store=...)"
+)
 _PROXY_NOTE: Final = (
-    "bulk data by reference comes with the proxy store; until then pass smaller arguments, "
-    "or a path or URL the function can read"
+    "Arguments above the proxy threshold travel by reference when a proxy store is configured "
+    f"(store_url, {ENV_VARIABLES['store_url']})"
 )
 
 DeliveryCallback = Callable[[str, "SubmissionFailed | None"], None]
@@ -65,6 +75,8 @@ class PreparedTask:
     submitted_at: float
     record: bytes
     task_group_id: str | None = None
+    stored: tuple[StoredObject, ...] = ()
+    """Objects its arguments put in the proxy store (evicted once its result is consumed)."""
 
 
 def pack_arguments(
@@ -74,24 +86,43 @@ def pack_arguments(
     kwargs: Mapping[str, Any] | None = None,
     *,
     max_inline_bytes: int,
-) -> bytes:
-    """Serialize ``(args, kwargs)`` into a task payload, refusing one above ``max_inline_bytes``.
+    by_reference: ByReference | None = None,
+) -> Packed:
+    """Serialize ``(args, kwargs)`` into a task payload, large arguments by reference.
 
-    Raises :class:`PayloadTooLarge` (naming the size, the limit and the
-    setting) or :class:`~fxstream.topics.SerializationError`.
+    Without ``by_reference`` (no store) everything is inline. Raises
+    :class:`PayloadTooLarge` (naming the size, the limit and the setting) when
+    what stays inline exceeds ``max_inline_bytes``, after evicting anything it
+    put in the store; or :class:`~fxstream.topics.SerializationError`.
     """
-    payload = serializer.pack_arguments(tuple(args), kwargs)
-    if len(payload) > max_inline_bytes:
-        raise PayloadTooLarge(
-            f"the arguments of the task for function {function_id} serialize to "
-            f"{len(payload):,} bytes, above the inline limit of {max_inline_bytes:,} bytes "
-            f"(setting max_inline_bytes, variable {ENV_VARIABLES['max_inline_bytes']}); "
-            f"nothing was sent. {_PROXY_NOTE}",
-            size=len(payload),
-            limit=max_inline_bytes,
-            setting="max_inline_bytes",
+    if by_reference is None:
+        packed = Packed(serializer.pack_arguments(tuple(args), kwargs))
+    else:
+        packed = by_reference.pack_arguments(tuple(args), kwargs)
+    size = len(packed.payload)
+    if size <= max_inline_bytes:
+        return packed
+    evict_objects(packed.stored)
+    limit = (
+        f"above the inline limit of {max_inline_bytes:,} bytes (setting max_inline_bytes, "
+        f"variable {ENV_VARIABLES['max_inline_bytes']}); nothing was sent."
+    )
+    if by_reference is None or by_reference.store is None:
+        advice = _NO_STORE_NOTE
+    else:
+        advice = (
+            f"Each argument above proxy_threshold ({by_reference.threshold_bytes:,} bytes, "
+            f"{ENV_VARIABLES['proxy_threshold']}) already went by reference: what is left is "
+            "many smaller values. Lower proxy_threshold, pass them as one larger value (a list "
+            "or an array), or raise max_inline_bytes"
         )
-    return payload
+    raise PayloadTooLarge(
+        f"the arguments of the task for function {function_id} serialize to {size:,} bytes, "
+        f"{limit} {advice}.",
+        size=size,
+        limit=max_inline_bytes,
+        setting="max_inline_bytes",
+    )
 
 
 def build_task(
@@ -101,7 +132,7 @@ def build_task(
     token: str,
     endpoint_id: str,
     function_id: str,
-    payload: bytes,
+    payload: bytes | Packed,
     task_group_id: str | None = None,
     max_retries: int = 0,
     walltime_s: float | None = None,
@@ -111,8 +142,42 @@ def build_task(
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``tasks.submitted``, and ``ValueError`` when a field is invalid (an id that
-    is not an id, a token too long).
+    is not an id, a token too long); either way the payload's stored objects
+    are evicted.
     """
+    packed = payload if isinstance(payload, Packed) else Packed(payload)
+    try:
+        return _build_task(
+            catalogue=catalogue,
+            user_id=user_id,
+            token=token,
+            endpoint_id=endpoint_id,
+            function_id=function_id,
+            packed=packed,
+            task_group_id=task_group_id,
+            max_retries=max_retries,
+            walltime_s=walltime_s,
+            retry_user_errors=retry_user_errors,
+        )
+    except (PayloadTooLarge, ValueError):
+        evict_objects(packed.stored)
+        raise
+
+
+def _build_task(
+    *,
+    catalogue: Catalogue,
+    user_id: str,
+    token: str,
+    endpoint_id: str,
+    function_id: str,
+    packed: Packed,
+    task_group_id: str | None,
+    max_retries: int,
+    walltime_s: float | None,
+    retry_user_errors: bool,
+) -> PreparedTask:
+    payload = packed.payload
     task_id = str(uuid.uuid4())
     submitted_at = time.time()
     submission = TaskSubmission(
@@ -155,6 +220,7 @@ def build_task(
         submitted_at=submitted_at,
         record=record,
         task_group_id=task_group_id,
+        stored=tuple(packed.stored),
     )
 
 
@@ -287,6 +353,11 @@ class TaskProducer:
             )
         if failures:
             raise failures[0]
+
+    @property
+    def producer(self) -> Producer:
+        """The underlying producer (data-locations records ride on it too)."""
+        return self._producer
 
     def flush(self, timeout: float = 30.0) -> int:
         """Wait until queued records are delivered; the number still queued after ``timeout``."""
