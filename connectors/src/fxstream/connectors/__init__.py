@@ -5,9 +5,18 @@
 - :mod:`~fxstream.connectors.stores`: store URLs (``redis://``, ``file://``) and tiers.
 - :mod:`~fxstream.connectors.reference`: automatic pass-by-reference of large values.
 - :mod:`~fxstream.connectors.locations`: the ``data-locations`` publisher.
+- :mod:`~fxstream.connectors.globus`: Globus transfers between sites (helper and connector).
 """
 
 from fxstream.connectors.file import FileConnector, FileObjectKey, ObjectOnOtherNode
+from fxstream.connectors.globus import (
+    GlobusAuthConfig,
+    GlobusConnector,
+    GlobusKey,
+    GlobusSite,
+    GlobusTransferError,
+    GlobusTransferHelper,
+)
 from fxstream.connectors.locations import LocationPublisher, location_of
 from fxstream.connectors.redis import RedisConnector, RedisObjectKey
 from fxstream.connectors.reference import (
@@ -27,6 +36,12 @@ __all__ = [
     "ByReference",
     "FileConnector",
     "FileObjectKey",
+    "GlobusAuthConfig",
+    "GlobusConnector",
+    "GlobusKey",
+    "GlobusSite",
+    "GlobusTransferError",
+    "GlobusTransferHelper",
     "LocationPublisher",
     "ObjectOnOtherNode",
     "Packed",
