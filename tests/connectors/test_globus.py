@@ -428,3 +428,29 @@ def test_proxy_resolves_in_a_process_at_the_other_site(
             COLLECTION_B,
         )
         store.evict(key)
+
+
+def test_unreachable_api_says_so(collections: dict[str, Path]) -> None:
+    """A Transfer API that does not answer gives an error naming the URL and what to check."""
+    with GlobusTransferStub(collections, tokens={TOKEN}) as gone:
+        url = gone.url  # a port that was just closed: nothing listens there any more
+    helper = GlobusTransferHelper(
+        globus_sdk.AccessTokenAuthorizer(TOKEN), base_url=url, max_retries=0
+    )
+    with pytest.raises(GlobusTransferError, match="cannot reach the Globus Transfer API at"):
+        helper.status("00000000-0000-0000-0000-000000000000")
+    helper.close()
+
+
+def test_connector_get_surfaces_a_faulting_transfer(
+    stub: GlobusTransferStub, collections: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get whose transfer keeps faulting raises (not None, not a hang) and leaves nothing."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    at_a = connector_at("site-a", collections, stub)
+    at_b = connector_at("site-b", collections, stub)
+    key = at_a.put(b"data")
+    stub.fault_code = "PERMISSION_DENIED"
+    with pytest.raises(GlobusTransferFaulted, match="PERMISSION_DENIED"):
+        at_b.get(key)
+    assert list((collections[COLLECTION_B] / "fxstream").iterdir()) == []

@@ -29,7 +29,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, NamedTuple
@@ -37,6 +37,7 @@ from typing import Any, Literal, NamedTuple
 import globus_sdk
 from globus_sdk.authorizers import GlobusAuthorizer
 from globus_sdk.scopes import TransferScopes
+from globus_sdk.transport import RetryConfig
 from proxystore.serialize import BytesLike
 
 __all__ = [
@@ -192,6 +193,13 @@ def _activity_link(task_id: str) -> str:
     return f"https://app.globus.org/activity/{task_id}"
 
 
+def _unreachable(action: str, base_url: str, error: globus_sdk.NetworkError) -> GlobusTransferError:
+    return GlobusTransferError(
+        f"cannot reach the Globus Transfer API at {base_url} to {action} ({error}). What to "
+        "do: check that this host reaches it (network, HTTPS proxy, firewall) and retry"
+    )
+
+
 def _rejection(action: str, error: globus_sdk.GlobusAPIError) -> GlobusTransferRejected:
     """Translate an API error into one that names the likely fix."""
     if error.http_status == 401:
@@ -233,6 +241,8 @@ class GlobusTransferHelper:
             more faults than this (Globus otherwise retries until the task's
             deadline); ``None`` tolerates any number.
         cancel_on_timeout: Cancel a task still running at the end of ``wait``.
+        max_retries: globus-sdk's retries of one request on network errors and
+            transient HTTP statuses (``None``: its default, 5, with backoff).
     """
 
     def __init__(
@@ -246,6 +256,7 @@ class GlobusTransferHelper:
         max_faults: int | None = 5,
         cancel_on_timeout: bool = True,
         app_name: str = "fxstream",
+        max_retries: int | None = None,
     ) -> None:
         if poll_initial_s <= 0 or poll_max_s < poll_initial_s:
             raise ValueError(
@@ -255,7 +266,13 @@ class GlobusTransferHelper:
         if max_faults is not None and max_faults < 0:
             raise ValueError(f"max_faults must be >= 0 or None, got {max_faults}")
         self.client = globus_sdk.TransferClient(
-            authorizer=authorizer, base_url=base_url, environment=environment, app_name=app_name
+            authorizer=authorizer,
+            base_url=base_url,
+            environment=environment,
+            app_name=app_name,
+            retry_config=RetryConfig()
+            if max_retries is None
+            else RetryConfig(max_retries=max_retries),
         )
         self.poll_initial_s = poll_initial_s
         self.poll_max_s = poll_max_s
@@ -265,6 +282,16 @@ class GlobusTransferHelper:
     def close(self) -> None:
         """Release the HTTP session."""
         self.client.close()
+
+    @contextlib.contextmanager
+    def _api(self, action: str) -> Iterator[None]:
+        """Turn globus-sdk's API and network errors into ones that say what to do."""
+        try:
+            yield
+        except globus_sdk.GlobusAPIError as error:
+            raise _rejection(action, error) from error
+        except globus_sdk.NetworkError as error:
+            raise _unreachable(action, self.client.base_url, error) from error
 
     def submit(
         self,
@@ -309,12 +336,8 @@ class GlobusTransferHelper:
         )
         for item in transfer_items:
             data.add_item(item.source_path, item.destination_path, recursive=item.recursive)
-        try:
+        with self._api(f"submit a transfer {source_collection} -> {destination_collection}"):
             response = self.client.submit_transfer(data)
-        except globus_sdk.GlobusAPIError as error:
-            raise _rejection(
-                f"submit a transfer {source_collection} -> {destination_collection}", error
-            ) from error
         task_id = str(response["task_id"])
         logger.debug("submitted Globus transfer %s (%d items)", task_id, len(transfer_items))
         return task_id
@@ -339,33 +362,25 @@ class GlobusTransferHelper:
             count += 1
         if count == 0:
             raise ValueError("a Globus delete needs at least one path")
-        try:
+        with self._api(f"submit a delete on {collection}"):
             response = self.client.submit_delete(data)
-        except globus_sdk.GlobusAPIError as error:
-            raise _rejection(f"submit a delete on {collection}", error) from error
         return str(response["task_id"])
 
     def status(self, task_id: str) -> TransferTaskStatus:
         """The task's current status document."""
-        try:
+        with self._api(f"read task {task_id}"):
             return TransferTaskStatus.from_document(self.client.get_task(task_id).data)
-        except globus_sdk.GlobusAPIError as error:
-            raise _rejection(f"read task {task_id}", error) from error
 
     def events(self, task_id: str, *, limit: int = 10) -> list[TransferEvent]:
         """The task's latest events (faults, errors), newest first."""
-        try:
+        with self._api(f"read the events of task {task_id}"):
             response = self.client.task_event_list(task_id, limit=limit)
-        except globus_sdk.GlobusAPIError as error:
-            raise _rejection(f"read the events of task {task_id}", error) from error
         return [TransferEvent.from_document(doc) for doc in response]
 
     def cancel(self, task_id: str) -> None:
         """Ask Globus to cancel the task (it then ends ``FAILED``)."""
-        try:
+        with self._api(f"cancel task {task_id}"):
             self.client.cancel_task(task_id)
-        except globus_sdk.GlobusAPIError as error:
-            raise _rejection(f"cancel task {task_id}", error) from error
 
     def wait(self, task_id: str, *, timeout_s: float) -> TransferTaskStatus:
         """Poll the task until it succeeds; raise if it fails, keeps faulting or times out.
@@ -468,22 +483,23 @@ class GlobusTransferHelper:
 
     def stat(self, collection: str, path: str) -> dict[str, Any] | None:
         """The file document of ``path`` on ``collection``, or ``None`` if it does not exist."""
-        try:
-            response = self.client.operation_stat(collection, path)
-        except globus_sdk.GlobusAPIError as error:
-            if error.http_status == 404 and error.code in ("NotFound", "ClientError.NotFound"):
-                return None
-            raise _rejection(f"stat {path} on {collection}", error) from error
+        with self._api(f"stat {path} on {collection}"):
+            try:
+                response = self.client.operation_stat(collection, path)
+            except globus_sdk.GlobusAPIError as error:
+                if error.http_status == 404 and error.code in ("NotFound", "ClientError.NotFound"):
+                    return None
+                raise
         return dict(response.data)
 
     def mkdir(self, collection: str, path: str) -> None:
         """Create a directory on ``collection``; an existing one is fine."""
-        try:
-            self.client.operation_mkdir(collection, path)
-        except globus_sdk.GlobusAPIError as error:
-            if error.code == _MKDIR_EXISTS:
-                return
-            raise _rejection(f"create directory {path} on {collection}", error) from error
+        with self._api(f"create directory {path} on {collection}"):
+            try:
+                self.client.operation_mkdir(collection, path)
+            except globus_sdk.GlobusAPIError as error:
+                if error.code != _MKDIR_EXISTS:
+                    raise
 
 
 def _summarise(events: Sequence[TransferEvent], limit: int = 3) -> str:
@@ -893,14 +909,20 @@ class GlobusConnector:
             )
             for key in present
         ]
-        self.helper.transfer(
-            source.collection_id,
-            self.local.collection_id,
-            items,
-            timeout_s=self.timeout_s,
-            label=f"fxstream {source.name} to {self.local.name}",
-            verify_checksum=self.verify_checksum,
-        )
-        for key in present:
-            incoming = self.local.local_file(f".{key.object_id}.{suffix}.incoming")
-            os.replace(incoming, self._local_file(key))
+        incoming = [self.local.local_file(f".{key.object_id}.{suffix}.incoming") for key in present]
+        try:
+            self.helper.transfer(
+                source.collection_id,
+                self.local.collection_id,
+                items,
+                timeout_s=self.timeout_s,
+                label=f"fxstream {source.name} to {self.local.name}",
+                verify_checksum=self.verify_checksum,
+            )
+        except BaseException:
+            for path in incoming:  # a failed or cancelled task may leave partial files
+                with contextlib.suppress(FileNotFoundError):
+                    path.unlink()
+            raise
+        for key, path in zip(present, incoming, strict=True):
+            os.replace(path, self._local_file(key))
