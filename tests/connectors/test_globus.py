@@ -27,6 +27,7 @@ import pytest
 from proxystore.store import Store
 from proxystore.store.utils import get_key
 
+from fxstream.connectors import ByReference, evict_objects, location_of
 from fxstream.connectors.globus import (
     GlobusAuthConfig,
     GlobusConnector,
@@ -40,6 +41,7 @@ from fxstream.connectors.globus import (
     GlobusTransferTimeout,
     TransferItem,
 )
+from fxstream.topics import StorageTier
 
 from .globus_stub import GlobusTransferStub
 
@@ -454,3 +456,27 @@ def test_connector_get_surfaces_a_faulting_transfer(
     with pytest.raises(GlobusTransferFaulted, match="PERMISSION_DENIED"):
         at_b.get(key)
     assert list((collections[COLLECTION_B] / "fxstream").iterdir()) == []
+
+
+def test_auto_proxy_references_name_the_globus_object(
+    stub: GlobusTransferStub, collections: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ByReference over a Globus store yields data-locations records for the object."""
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)
+    at_a = connector_at("site-a", collections, stub)
+    with Store("fxstream-globus-byref", at_a) as store:
+        packer = ByReference(store, threshold_bytes=1000, site="endpoint-a")
+        packed = packer.pack_arguments((os.urandom(50_000),))
+        [reference] = packed.references
+        [stored] = packed.stored
+        assert reference.object_key == at_a.object_key(stored.key)
+        assert reference.object_key.startswith("globus:site-a:")
+        assert reference.tier == StorageTier.DURABLE
+        assert reference.size_bytes == at_a.size_of(stored.key)
+        location = location_of(reference)
+        assert (location.object_key, location.size_bytes) == (
+            reference.object_key,
+            reference.size_bytes,
+        )
+        assert evict_objects(packed.stored) == 1
+        assert not (collections[COLLECTION_A] / "fxstream" / stored.key.object_id).exists()

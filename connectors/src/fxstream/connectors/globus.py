@@ -40,6 +40,8 @@ from globus_sdk.scopes import TransferScopes
 from globus_sdk.transport import RetryConfig
 from proxystore.serialize import BytesLike
 
+from fxstream.topics import StorageTier
+
 __all__ = [
     "DEFAULT_SITE_ENV_VAR",
     "GlobusAuthConfig",
@@ -660,7 +662,7 @@ class GlobusObjectLocation:
     key: str
     """The object key as one string, ``globus:<site>:<object id>``."""
     size_bytes: int
-    tier: Literal["durable"]
+    tier: StorageTier
     site: str
     collection_id: str
     path: str
@@ -669,6 +671,9 @@ class GlobusObjectLocation:
 
 class GlobusConnector:
     """ProxyStore connector that moves objects between sites with Globus transfers.
+
+    Objects are files on a collection's storage, which survives restarts and
+    is reachable from the whole site: the connector's ``tier`` is durable.
 
     ``put`` writes the object as a file in the local site's directory (no
     transfer). ``get`` of an object written at another site stats it on the
@@ -698,6 +703,9 @@ class GlobusConnector:
         default_site: Site used when neither ``local_site`` nor the variable is set.
         site_env_var: Name of the variable that declares the local site.
     """
+
+    tier = StorageTier.DURABLE
+    """Collections are shared, persistent storage (see `fxstream.topics.StorageTier`)."""
 
     def __init__(
         self,
@@ -850,18 +858,25 @@ class GlobusConnector:
 
     # -- data locations --
 
+    def object_key(self, key: GlobusKey) -> str:
+        """The key as data-locations names it: ``globus:<site>:<object id>``."""
+        return f"globus:{key.site}:{key.object_id}"
+
+    def size_of(self, key: GlobusKey) -> int:
+        """The size in bytes of the object's copy at this site (``FileNotFoundError`` if none)."""
+        self._check_key(key)
+        return self._local_file(key).stat().st_size
+
     def describe(self, key: GlobusKey) -> GlobusObjectLocation:
         """Where the object is and its size, for the ``data-locations`` publisher.
 
         Describes the local copy (the object's own file at its site, or the
         copy fetched here). Raises ``FileNotFoundError`` if there is none.
         """
-        self._check_key(key)
-        size = self._local_file(key).stat().st_size
         return GlobusObjectLocation(
-            key=f"globus:{key.site}:{key.object_id}",
-            size_bytes=size,
-            tier="durable",
+            key=self.object_key(key),
+            size_bytes=self.size_of(key),
+            tier=self.tier,
             site=self.local.name,
             collection_id=self.local.collection_id,
             path=self.local.collection_file(key.object_id),
