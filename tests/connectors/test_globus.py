@@ -478,5 +478,5 @@ def test_auto_proxy_references_name_the_globus_object(
             reference.object_key,
             reference.size_bytes,
         )
-        assert evict_objects(packed.stored) == 1
+        assert evict_objects(packed.stored) == [reference.object_key]
         assert not (collections[COLLECTION_A] / "fxstream" / stored.key.object_id).exists()
