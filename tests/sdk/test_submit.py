@@ -95,7 +95,7 @@ def test_arguments_above_the_inline_limit_are_refused_before_sending(
     assert error.setting == "max_inline_bytes"
     assert f"{error.size:,} bytes" in message and "524,288 bytes" in message
     assert "max_inline_bytes" in message and "FXSTREAM_MAX_INLINE_BYTES" in message
-    assert "bulk data by reference comes with the proxy store" in message
+    assert "store_url" in message and "FXSTREAM_STORE_URL" in message
 
     ex = Executor(endpoint_id=ENDPOINT, client=client)
     with pytest.raises(PayloadTooLarge):
