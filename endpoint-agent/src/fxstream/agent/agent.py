@@ -71,7 +71,7 @@ from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.publisher import Answer, TransactionalPublisher
 from fxstream.agent.runner import runner_for
 from fxstream.agent.workers import RunnerSpec, WorkerPool, WorkItem, WorkOutcome
-from fxstream.connectors import LocationPublisher
+from fxstream.connectors import FileConnector, LocationPublisher, StoreSpec
 from fxstream.topics import (
     Attempt,
     Catalogue,
@@ -113,6 +113,9 @@ STOP_GRACE_S = 30.0
 _NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESULT_TOO_LARGE)})
 # How often tasks waiting for an unreachable service try to fetch their code again.
 CODE_RETRY_S = 2.0
+
+SWEEP_PERIOD_S = 300.0
+"""How often an endpoint with a file store deletes objects whose lease ended."""
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
 # The dead letter's error type for a cancel whose sender did not submit the task.
@@ -251,6 +254,7 @@ class Agent:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         pool = WorkerPool(self.config.workers, self._runner)
         codes = _CodeCache(self.config.service_url, self.config.token)
+        self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
             {
@@ -309,6 +313,27 @@ class Agent:
 
     def _count_committed(self, answers: int) -> None:
         self.results_published += answers
+
+    def _start_lease_sweeper(self) -> None:
+        """A file store has no TTLs: a thread deletes its objects past their lease."""
+        if self.config.store_url is None:
+            return
+        spec = StoreSpec.parse(self.config.store_url)
+        if spec.connector_type() is not FileConnector:
+            return
+        connector = FileConnector.from_config(spec.options)
+
+        def sweep() -> None:
+            while not self._stop.wait(SWEEP_PERIOD_S):
+                try:
+                    removed = connector.sweep_expired()
+                except OSError as exc:
+                    log.warning("cannot sweep the file store %s: %s", connector.store_dir, exc)
+                    continue
+                if removed:
+                    log.info("swept %d objects past their lease from %s", removed, spec.url)
+
+        threading.Thread(target=sweep, name="fxstream-lease-sweeper", daemon=True).start()
 
     # --- the loop ----------------------------------------------------------------------
 
