@@ -19,6 +19,7 @@ DESIGN_TOPICS = {
     "task-state": CleanupPolicy.COMPACT,
     "task-events": CleanupPolicy.DELETE,
     "events.{source}": CleanupPolicy.DELETE,
+    "streams.{stream}": CleanupPolicy.DELETE,
     "dead-letter": CleanupPolicy.DELETE,
 }
 
@@ -41,6 +42,7 @@ def test_templates_fill_ids() -> None:
     assert catalogue.endpoint_queue("3f2c-ep") == "fx.tasks.ep.3f2c-ep"
     assert catalogue.results("alice") == "fx.results.alice"
     assert catalogue.events("detector-7") == "fx.events.detector-7"
+    assert catalogue.stream("camera-1") == "fx.streams.camera-1"
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "under_score", "dot.ted", "-lead", "x" * 129])

@@ -5,11 +5,13 @@
 - :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
   ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
 - :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
+  Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
 listener thread), ``history`` (results read back for replay), ``submit``
-(records and the producer), ``rest``, ``settings``, ``shell``, ``errors``.
+(records and the producer), ``rest``, ``settings``, ``shell``, ``errors``, ``streams``.
 """
 
 from fxstream.sdk.batch import Batch
@@ -25,6 +27,9 @@ from fxstream.sdk.errors import (
     ResultsTopicMissing,
     ServiceError,
     ServiceUnavailable,
+    StreamDeliveryFailed,
+    StreamError,
+    StreamTimeout,
     SubmissionFailed,
     TaskExecutionFailed,
     TaskPending,
@@ -36,6 +41,14 @@ from fxstream.sdk.executor import Executor
 from fxstream.sdk.futures import TIMING_KEYS, TaskFuture
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, ClientSettings
 from fxstream.sdk.shell import ShellFunction, ShellResult
+from fxstream.sdk.streams import (
+    KafkaPublisher,
+    KafkaStreamConsumer,
+    KafkaStreamProducer,
+    KafkaSubscriber,
+    stream_consumer,
+    stream_producer,
+)
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",
@@ -48,6 +61,10 @@ __all__ = [
     "Executor",
     "FxstreamError",
     "InvalidRequest",
+    "KafkaPublisher",
+    "KafkaStreamConsumer",
+    "KafkaStreamProducer",
+    "KafkaSubscriber",
     "NotFound",
     "PayloadTooLarge",
     "PermissionDenied",
@@ -57,6 +74,9 @@ __all__ = [
     "ServiceUnavailable",
     "ShellFunction",
     "ShellResult",
+    "StreamDeliveryFailed",
+    "StreamError",
+    "StreamTimeout",
     "SubmissionFailed",
     "TaskExecutionFailed",
     "TaskFuture",
@@ -64,4 +84,6 @@ __all__ = [
     "TaskRejected",
     "WalltimeExceeded",
     "WorkerLost",
+    "stream_consumer",
+    "stream_producer",
 ]

@@ -26,6 +26,9 @@ __all__ = [
     "ResultsTopicMissing",
     "ServiceError",
     "ServiceUnavailable",
+    "StreamDeliveryFailed",
+    "StreamError",
+    "StreamTimeout",
     "SubmissionFailed",
     "TaskExecutionFailed",
     "TaskPending",
@@ -105,6 +108,25 @@ class SubmissionFailed(FxstreamError):
 
 class ResultsTopicMissing(FxstreamError):
     """The user's results topic does not exist, so no result could ever arrive."""
+
+
+# --- streams -----------------------------------------------------------------------------
+
+
+class StreamError(FxstreamError):
+    """A stream's Kafka producer or consumer failed (the message says what and what to do)."""
+
+
+class StreamDeliveryFailed(StreamError):
+    """Kafka did not acknowledge stream records; ``failures`` holds each record's error text."""
+
+    def __init__(self, message: str, *, failures: Sequence[str]) -> None:
+        super().__init__(message)
+        self.failures = list(failures)
+
+
+class StreamTimeout(StreamError, TimeoutError):
+    """No stream record arrived within the consumer's ``timeout_s``."""
 
 
 # --- task outcomes -----------------------------------------------------------------------

@@ -204,6 +204,19 @@ EVENTS = TopicSpec(
     retention_ms=7 * DAY_MS,
     template_field="source",
 )
+STREAMS = TopicSpec(
+    name="streams.{stream}",
+    key="stream name (or the producer's chosen key)",
+    summary="One SDK stream (StreamProducer -> StreamConsumer): each value is an opaque "
+    "ProxyStore event batch (proxystore.stream.events bytes, not a fxstream record) carrying "
+    "store keys of bulk objects, or small objects inline, and the end-of-stream marker.",
+    written_by="SDK stream producers",
+    read_by="SDK stream consumers (a consumer group each)",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    template_field="stream",
+)
 DEAD_LETTER = TopicSpec(
     name="dead-letter",
     key="original key",
@@ -232,6 +245,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     TASK_STATE,
     TASK_EVENTS,
     EVENTS,
+    STREAMS,
     DEAD_LETTER,
 )
 
@@ -383,3 +397,7 @@ class Catalogue:
     def events(self, source: str) -> str:
         """The event topic of one event source."""
         return self.topic(EVENTS, source=source)
+
+    def stream(self, name: str) -> str:
+        """The topic of one SDK stream (``streams.<name>``)."""
+        return self.topic(STREAMS, stream=name)
