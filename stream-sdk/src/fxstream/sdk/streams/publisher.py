@@ -111,8 +111,14 @@ class KafkaPublisher:
         self._failures: list[str] = []
         self._failures_lock = threading.Lock()
         self._closed = False
+        streams_spec = self.catalogue.spec_for_topic(self.catalogue.stream("x"))
+        assert streams_spec is not None
         config: dict[str, Any] = {
             "bootstrap.servers": bootstrap_servers,
+            # librdkafka's own cap (1,000,000) is below the topic's; records are checked
+            # against the topic's limit in send_events, and batches stay within batch.size.
+            "message.max.bytes": streams_spec.max_message_bytes,
+            "batch.size": min(1_000_000, streams_spec.max_message_bytes),
             "enable.idempotence": True,
             "acks": "all",
             "linger.ms": linger_ms,
