@@ -24,10 +24,10 @@ from urllib.parse import urlparse
 
 import numpy as np
 import numpy.typing as npt
-from proxystore.connectors.redis import RedisConnector
 from proxystore.proxy import Proxy, extract
 from proxystore.store import Store
 
+from fxstream.connectors import RedisConnector
 from fxstream.sdk import stream_consumer
 
 __all__ = ["array_index", "check_array", "indexed_array", "redis_store"]
@@ -59,11 +59,18 @@ def check_array(item: Any, nbytes: int | None = None) -> int:
     return index
 
 
-def redis_store(redis_url: str, name: str) -> Store[Any]:
-    """A ProxyStore store on the platform's Redis."""
+STREAM_LEASE_S = 7 * 24 * 3600
+"""Objects outlive the stream topic's retention unless a consumer evicts them first."""
+
+
+def redis_store(redis_url: str, name: str) -> Store[RedisConnector]:
+    """A ProxyStore store on the platform's Redis, its keys under a prefix of ``name``'s own."""
     url = urlparse(redis_url)
     assert url.hostname is not None and url.port is not None, redis_url
-    return Store(name, RedisConnector(url.hostname, url.port))
+    connector = RedisConnector(
+        url.hostname, url.port, lease_s=STREAM_LEASE_S, key_prefix=f"fxobj:{name}:"
+    )
+    return Store(name, connector)
 
 
 def _emit(line: dict[str, Any]) -> None:

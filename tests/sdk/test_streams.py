@@ -24,7 +24,6 @@ from typing import Any, Final
 
 import numpy as np
 import pytest
-import redis
 from confluent_kafka import Consumer, Producer, TopicPartition
 from proxystore.store import unregister_store
 from proxystore.stream import StreamProducer
@@ -60,14 +59,6 @@ class StreamEnv:
     def prefix(self) -> str:
         """The module's topic prefix."""
         return self.catalogue.prefix
-
-    def redis_keys(self) -> int:
-        """How many keys the platform's Redis holds."""
-        client = redis.Redis.from_url(self.redis_url)
-        try:
-            return int(client.dbsize())
-        finally:
-            client.close()
 
 
 @pytest.fixture(scope="module")
@@ -147,9 +138,9 @@ def test_arrays_stream_by_proxy_in_order_and_are_evicted_after_commit(
     env: StreamEnv, stream: str, store_name: str
 ) -> None:
     count = 24
-    keys_before = env.redis_keys()
+    objects = redis_store(env.redis_url, store_name).connector
     produce_arrays(env, stream, store_name, count, MB)
-    assert env.redis_keys() == keys_before + count, "each array should sit in Redis"
+    assert objects.count_objects() == count, "each array should sit in Redis"
 
     with consumer_for(env, stream, "readers") as consumer:
         indices = []
@@ -159,7 +150,7 @@ def test_arrays_stream_by_proxy_in_order_and_are_evicted_after_commit(
             # Resolving twice must work: the object lives until its record is committed.
             check_array(item, MB)
     assert indices == list(range(count))
-    assert env.redis_keys() == keys_before, "committed items' objects should be evicted"
+    assert objects.count_objects() == 0, "committed items' objects should be evicted"
 
 
 def test_end_of_stream_ends_iteration_and_is_committed_with_the_items(

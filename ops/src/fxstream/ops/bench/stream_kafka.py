@@ -31,11 +31,11 @@ from urllib.parse import urlparse
 
 import numpy as np
 from confluent_kafka.admin import AdminClient
-from proxystore.connectors.redis import RedisConnector
 from proxystore.proxy import Proxy, extract
 from proxystore.store import Store, unregister_store
 from proxystore.stream.events import EventBatch, NewObjectEvent, event_to_bytes
 
+from fxstream.connectors import RedisConnector
 from fxstream.ops.bench.stack import BenchError
 from fxstream.sdk.streams import (
     KafkaStreamConsumer,
@@ -119,7 +119,8 @@ def _redis_store(redis_url: str, name: str) -> Store[Any]:
     url = urlparse(redis_url)
     if url.hostname is None or url.port is None:
         raise BenchError(f"cannot read host and port from the Redis URL {redis_url!r}")
-    return Store(name, RedisConnector(url.hostname, url.port))
+    # A lease well above the run: the consumer evicts each array once it committed it.
+    return Store(name, RedisConnector(url.hostname, url.port, lease_s=3600))
 
 
 def _produce(
