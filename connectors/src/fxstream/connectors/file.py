@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from proxystore.serialize import BytesLike
+
 from fxstream.topics import StorageTier
 
 __all__ = ["FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
@@ -111,7 +113,7 @@ class FileConnector:
                 ) from None
             return None
 
-    def get_batch(self, keys: Sequence[FileObjectKey]) -> list[bytes | None]:
+    def get_batch(self, keys: Sequence[FileObjectKey]) -> list[BytesLike | None]:
         """:meth:`get` for each key, in order."""
         return [self.get(key) for key in keys]
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
 import redis
+from proxystore.serialize import BytesLike
 
 from fxstream.topics import StorageTier
 
@@ -122,7 +123,7 @@ class RedisConnector:
             return None
         return b"".join(part for part in parts if part is not None)
 
-    def get_batch(self, keys: Sequence[RedisObjectKey]) -> list[bytes | None]:
+    def get_batch(self, keys: Sequence[RedisObjectKey]) -> list[BytesLike | None]:
         """:meth:`get` for each key, in order."""
         return [self.get(key) for key in keys]
 
