@@ -6,9 +6,23 @@
 - :mod:`~fxstream.connectors.reference`: automatic pass-by-reference of large values.
 - :mod:`~fxstream.connectors.locations`: the ``data-locations`` publisher.
 - :mod:`~fxstream.connectors.globus`: Globus transfers between sites (helper and connector).
+- :mod:`~fxstream.connectors.adios`: a ProxyStore connector on ADIOS2 BP5 files.
+- :mod:`~fxstream.connectors.adios_stream`: producer -> consumer array streams over
+  ADIOS2 (SST over TCP, or BP5 read while written).
+- :mod:`~fxstream.connectors.file_stream`: read-while-writing byte streams on files.
+- :mod:`~fxstream.connectors.liveness`: stream writer leases, and ``StreamAborted``.
+- :mod:`~fxstream.connectors.descriptions`: (key, size, tier) of what a connector made.
+
+The ADIOS2 names are imported on first use: ``adios2`` takes about 0.3 s to import,
+which every user of this package would otherwise pay.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from fxstream.connectors.descriptions import ObjectDescription
 from fxstream.connectors.file import FileConnector, FileObjectKey, ObjectOnOtherNode
+from fxstream.connectors.file_stream import FileStreamReader, FileStreamWriter
 from fxstream.connectors.globus import (
     GlobusAuthConfig,
     GlobusConnector,
@@ -17,6 +31,7 @@ from fxstream.connectors.globus import (
     GlobusTransferError,
     GlobusTransferHelper,
 )
+from fxstream.connectors.liveness import StreamAborted
 from fxstream.connectors.locations import LocationPublisher, location_of
 from fxstream.connectors.redis import RedisConnector, RedisObjectKey
 from fxstream.connectors.reference import (
@@ -30,12 +45,37 @@ from fxstream.connectors.reference import (
 )
 from fxstream.connectors.stores import DEFAULT_LEASE_S, StoreSpec, StoreURLError, open_store
 
+if TYPE_CHECKING:
+    from fxstream.connectors.adios import Adios2Connector, Adios2Key
+    from fxstream.connectors.adios_stream import (
+        Adios2Stream,
+        Adios2StreamReader,
+        Adios2StreamWriter,
+        StreamStep,
+    )
+
+_ADIOS2_NAMES = {
+    "Adios2Connector": "fxstream.connectors.adios",
+    "Adios2Key": "fxstream.connectors.adios",
+    "Adios2Stream": "fxstream.connectors.adios_stream",
+    "Adios2StreamReader": "fxstream.connectors.adios_stream",
+    "Adios2StreamWriter": "fxstream.connectors.adios_stream",
+    "StreamStep": "fxstream.connectors.adios_stream",
+}
+
 __all__ = [
     "DEFAULT_LEASE_S",
     "DEFAULT_PROXY_THRESHOLD_BYTES",
+    "Adios2Connector",
+    "Adios2Key",
+    "Adios2Stream",
+    "Adios2StreamReader",
+    "Adios2StreamWriter",
     "ByReference",
     "FileConnector",
     "FileObjectKey",
+    "FileStreamReader",
+    "FileStreamWriter",
     "GlobusAuthConfig",
     "GlobusConnector",
     "GlobusKey",
@@ -43,6 +83,7 @@ __all__ = [
     "GlobusTransferError",
     "GlobusTransferHelper",
     "LocationPublisher",
+    "ObjectDescription",
     "ObjectOnOtherNode",
     "Packed",
     "RedisConnector",
@@ -50,9 +91,19 @@ __all__ = [
     "StoreSpec",
     "StoreURLError",
     "StoredObject",
+    "StreamAborted",
+    "StreamStep",
     "collect_references",
     "evict_objects",
     "load_payload",
     "location_of",
     "open_store",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import an ADIOS2 name from its module on first use."""
+    module = _ADIOS2_NAMES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
