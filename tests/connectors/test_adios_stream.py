@@ -184,3 +184,12 @@ def test_a_reader_without_a_writer_times_out_clearly(workdir: Path) -> None:
     stream = Adios2Stream(str(workdir / "nobody"), engine="bp5", open_timeout=1)
     with pytest.raises(TimeoutError, match="is its writer running"):
         stream.reader()
+
+
+def test_an_sst_writer_without_a_reader_times_out_clearly(workdir: Path) -> None:
+    stream = Adios2Stream(str(workdir / "lonely"), engine="sst", open_timeout=1)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="no reader connected"):
+        stream.writer()
+    assert 1 <= time.monotonic() - started < 5
+    assert not any(workdir.iterdir()), "the writer left its lease or contact file behind"

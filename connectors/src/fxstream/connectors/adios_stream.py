@@ -14,9 +14,10 @@ Engines (``engine=``):
   ``interface``, ``lo`` = 127.0.0.1 by default). Nothing is stored: the tier is
   ``"ephemeral"``. Verified with the PyPI ``adios2`` wheel on this machine by
   ``tests/connectors/test_adios_stream.py`` (a writer process and a reader process).
-  The writer's ``open`` waits until ``rendezvous_readers`` readers have connected, and
-  at most ``queue_limit`` steps wait in its memory for a slow reader (then ``send``
-  blocks: back-pressure, not loss).
+  The writer's ``open`` waits until ``rendezvous_readers`` readers have connected
+  (at most ``open_timeout`` seconds for them to announce themselves, then
+  TimeoutError), and at most ``queue_limit`` steps wait in its memory for a slow
+  reader (then ``send`` blocks: back-pressure, not loss).
 - ``"bp5"``: read-while-writing on a BP5 file (a directory ``<path>``): the writer
   appends one step per array, the reader opens the file while it grows and polls for
   new steps. Works on any shared file system; the data stays afterwards (tier
@@ -48,8 +49,10 @@ import contextlib
 import json
 import os
 import shutil
+import time
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal, NamedTuple, Self, cast
@@ -62,6 +65,7 @@ from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
+    WriterIdentity,
     WriterLease,
     lease_path_for,
 )
@@ -78,6 +82,8 @@ __all__ = [
 StreamEngine = Literal["sst", "bp5"]
 ADIOS_STREAM_ENGINES: Final[tuple[StreamEngine, ...]] = ("sst", "bp5")
 _META, _ARRAY = "meta", "array"
+# SST readers announce themselves here before they connect (see Adios2StreamWriter._open).
+_READERS_SUFFIX = ".readers"
 # The user attributes of one step travel as JSON in its metadata: keep them small.
 _MAX_ATTRIBUTES_BYTES = 64 * 1024
 
@@ -152,6 +158,7 @@ class Adios2Stream:
     def remove(self) -> None:
         """Delete what the stream left on disk (BP5 data, SST contact file, lease)."""
         shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(f"{self.path}{_READERS_SUFFIX}", ignore_errors=True)
         for leftover in (f"{self.path}.sst", os.fspath(lease_path_for(self.path))):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(leftover)
@@ -213,10 +220,48 @@ class Adios2StreamWriter:
             self._array = self._io.DefineVariable(
                 _ARRAY, np.zeros(1, dtype=np.uint8), [], [], [1], False
             )
-            self._engine = self._io.Open(stream.path, adios2_bindings.Mode.Write)
+            self._engine = self._open()
         except BaseException:
             self._lease.release()
             raise
+
+    def _open(self) -> Any:
+        """The engine, opened for writing; for SST, once a reader has announced itself.
+
+        SST's writer open waits for ``rendezvous_readers`` readers inside ADIOS2, holding
+        the GIL and ignoring ``OpenTimeoutSecs`` (measured: still waiting after 10
+        minutes), so it cannot be bounded from Python. Readers therefore announce
+        themselves first (a marker file in ``<path>.readers/``, removed once connected),
+        and the writer opens only when enough live readers are announced, or raises
+        TimeoutError after ``open_timeout``. A reader that dies between its marker and
+        its connection still leaves the writer waiting: the window is one open call.
+        """
+        if self.stream.engine == "sst":
+            self._await_readers()
+        return self._io.Open(self.stream.path, adios2_bindings.Mode.Write)
+
+    def _await_readers(self) -> None:
+        deadline = time.monotonic() + self.stream.open_timeout
+        readers = Path(f"{self.stream.path}{_READERS_SUFFIX}")
+        while True:
+            live = 0
+            for marker in readers.glob("*"):
+                try:
+                    identity = WriterIdentity(**json.loads(marker.read_text()))
+                except (OSError, ValueError, TypeError):
+                    continue  # being written or removed
+                if identity.on_this_machine() and identity.process_gone():
+                    continue  # a reader that died before it connected
+                live += 1
+            if live >= self.stream.rendezvous_readers:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no reader connected to the SST stream {self.stream.path} within "
+                    f"{self.stream.open_timeout} s: start the consumer (on a file system "
+                    "shared with this writer), or raise open_timeout"
+                )
+            time.sleep(0.02)
 
     @property
     def sent(self) -> int:
@@ -320,6 +365,7 @@ class Adios2StreamReader:
         self._watcher = LeaseWatcher(lease_path_for(stream.path), stream.stale_after)
         self._adios = adios2_bindings.ADIOS()
         self._io = stream._io(self._adios, "fxstream-stream-reader", writing=False)
+        marker = self._announce() if stream.engine == "sst" else None
         try:
             self._engine: Any = self._io.Open(stream.path, adios2_bindings.Mode.Read)
         except Exception as error:
@@ -328,6 +374,20 @@ class Adios2StreamReader:
                 f"{stream.open_timeout} s ({error}): is its writer running, on a file system "
                 "this reader shares?"
             ) from error
+        finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
+
+    def _announce(self) -> Path:
+        """Tell an SST writer a reader is coming (see Adios2StreamWriter._open)."""
+        readers = Path(f"{self.stream.path}{_READERS_SUFFIX}")
+        readers.mkdir(parents=True, exist_ok=True)
+        identity = WriterIdentity.current()
+        marker = readers / f"{identity.host}-{identity.pid}-{uuid.uuid4().hex[:8]}"
+        temporary = readers / f".{marker.name}.tmp"
+        temporary.write_text(json.dumps(asdict(identity)))
+        temporary.replace(marker)
+        return marker
 
     @property
     def received(self) -> int:
