@@ -17,7 +17,8 @@ Engines (``engine=``):
   The writer's ``open`` waits until ``rendezvous_readers`` readers have connected
   (at most ``open_timeout`` seconds for them to announce themselves, then
   TimeoutError), and at most ``queue_limit`` steps wait in its memory for a slow
-  reader (then ``send`` blocks: back-pressure, not loss).
+  reader (then ``send`` blocks: back-pressure, not loss). If the reader dies, SST
+  drops it and the writer carries on, discarding later steps without an error.
 - ``"bp5"``: read-while-writing on a BP5 file (a directory ``<path>``): the writer
   appends one step per array, the reader opens the file while it grows and polls for
   new steps. Works on any shared file system; the data stays afterwards (tier

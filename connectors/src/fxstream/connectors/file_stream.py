@@ -36,9 +36,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
-
-from proxystore.serialize import BytesLike
+from typing import TYPE_CHECKING, Final, Self
 
 from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
 from fxstream.connectors.liveness import (
@@ -47,6 +45,10 @@ from fxstream.connectors.liveness import (
     WriterLease,
     lease_path_for,
 )
+
+if TYPE_CHECKING:
+    # Only the type: importing proxystore.serialize imports numpy (~0.3 s).
+    from proxystore.serialize import BytesLike
 
 __all__ = ["FILE_STREAM_MAGIC", "FileStreamReader", "FileStreamWriter"]
 
