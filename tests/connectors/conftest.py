@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,3 +15,13 @@ def workdir(tmp_path: Path) -> Iterator[Path]:
     """A private directory for stores and streams, removed after the test."""
     yield tmp_path
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def no_adios_profiles_left_in_tmp() -> Iterator[None]:
+    """ADIOS2's BP5 reader writes /tmp/<name>_<pid>_profiling.json on every close: the
+    connectors remove theirs, and this checks that no test (or process it ran) left one."""
+    before = set(glob.glob("/tmp/*_profiling.json"))
+    yield
+    left = set(glob.glob("/tmp/*_profiling.json")) - before
+    assert not left, f"ADIOS2 reader profiles left in /tmp: {sorted(left)[:5]}"

@@ -19,6 +19,7 @@ for the data-locations topic (:meth:`Adios2Connector.describe`) without touching
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -34,10 +35,25 @@ from proxystore.serialize import BytesLike
 
 from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
 
-__all__ = ["Adios2Connector", "Adios2Key"]
+__all__ = ["Adios2Connector", "Adios2Key", "remove_bp5_reader_profile"]
 
 _VARIABLE = "object"
+# Where ADIOS2's BP5 reader writes a profile on every close, whatever its parameters say.
+_BP5_READER_PROFILE = "/tmp/{name}_{pid:x}_profiling.json"
 _SIZE_ATTRIBUTE = "fxstream.size"
+
+
+def remove_bp5_reader_profile(path: str | os.PathLike[str]) -> None:
+    """Remove the profile ADIOS2's BP5 reader left in /tmp when it closed ``path``.
+
+    ``BP5Reader::Close`` writes ``/tmp/<file name>_<pid in hex>_profiling.json``
+    unconditionally (the ``Profile`` engine parameter does not stop it in 2.12), so a
+    store read 10,000 times would leave 10,000 files in /tmp. The name is fixed by the
+    file's name and our PID, so the reader removes exactly its own file.
+    """
+    profile = _BP5_READER_PROFILE.format(name=Path(path).name, pid=os.getpid())
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(profile)
 
 
 class Adios2Key(NamedTuple):
@@ -192,6 +208,7 @@ class Adios2Connector:
                     return size, buffer
                 finally:
                     engine.Close()
+                    remove_bp5_reader_profile(path)
             finally:
                 adios.RemoveIO(io_name)
 

@@ -62,6 +62,7 @@ import adios2.bindings as adios2_bindings  # type: ignore[import-untyped]
 import numpy as np
 import numpy.typing as npt
 
+from fxstream.connectors.adios import remove_bp5_reader_profile
 from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
@@ -463,6 +464,8 @@ class Adios2StreamReader:
             with contextlib.suppress(Exception):
                 self._engine.Close()
             self._engine = None
+            if self.stream.engine == "bp5":
+                remove_bp5_reader_profile(self.stream.path)
 
     def __enter__(self) -> Self:
         return self
