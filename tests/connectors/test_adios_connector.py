@@ -7,6 +7,8 @@ import hashlib
 import json
 import os
 import pickle
+import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from proxystore.connectors.protocols import Connector
 from proxystore.store import Store
 
 from fxstream.connectors import Adios2Connector, Adios2Key
+from fxstream.topics import StorageTier
 from tests.connectors.roles import chunk_bytes, start_role
 
 LARGE = 50 * 1024 * 1024
@@ -113,7 +116,7 @@ def test_concurrent_writer_processes_share_one_directory(workdir: Path) -> None:
 
 
 def test_config_round_trip_tier_and_description(workdir: Path) -> None:
-    connector = Adios2Connector(workdir / "local", tier="ephemeral")
+    connector = Adios2Connector(workdir / "local", tier="ephemeral", lease_s=60.0)
     rebuilt = Adios2Connector.from_config(connector.config())
     assert (
         rebuilt.config()
@@ -121,17 +124,37 @@ def test_config_round_trip_tier_and_description(workdir: Path) -> None:
         == {
             "store_dir": str(workdir / "local"),
             "tier": "ephemeral",
+            "lease_s": 60.0,
             "clear": False,
         }
     )
     key = connector.put(b"12345")
     assert rebuilt.get(key) == b"12345"
-    assert rebuilt.describe(key) == (key.object_id, 5, "ephemeral")
-    assert Adios2Connector(workdir / "shared").describe(key).tier == "durable"
+    object_path = str(workdir / "local" / f"{key.object_id}.bp")
+    assert rebuilt.describe(key) == (object_path, 5, "ephemeral", socket.gethostname(), True)
+    assert rebuilt.object_key(key) == object_path and rebuilt.size_of(key) == 5
+    reference = rebuilt.describe(key).reference("adios", site="endpoint-1")
+    assert (reference.object_key, reference.tier, reference.site) == (
+        object_path,
+        StorageTier.EPHEMERAL,
+        "endpoint-1",
+    )
+    assert Adios2Connector(workdir / "shared").describe(key).tier is StorageTier.DURABLE
     with pytest.raises(ValueError, match="unknown storage tier 'fast'"):
         Adios2Connector(workdir / "x", tier="fast")
     with pytest.raises(ValueError, match="not an Adios2Connector key"):
         connector.get(Adios2Key("../escape", 1))
+
+
+def test_objects_past_their_lease_are_swept(workdir: Path) -> None:
+    connector = Adios2Connector(workdir / "store", lease_s=100.0)
+    keys = [connector.put(b"old"), connector.put(b"older")]
+    assert connector.count_objects() == 2
+    assert connector.sweep_expired() == 0, "nothing is past a 100 s lease yet"
+    assert connector.sweep_expired(now=time.time() + 101) == 2
+    assert connector.count_objects() == 0
+    assert not any(connector.exists(key) for key in keys)
+    assert Adios2Connector(workdir / "forever").sweep_expired(now=time.time() + 1e9) == 0
 
 
 def test_a_proxy_resolves_in_a_separate_process(workdir: Path) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -62,7 +63,9 @@ def test_a_reader_process_receives_every_step_then_the_end(workdir: Path, engine
         assert writer.reports_until("closed")[-1]["described"] == [
             stream.path,
             20 * 50000 * 8,
-            stream.storage_tier,
+            stream.storage_tier.value,
+            socket.gethostname(),
+            True,
         ]
         assert writer.wait() == 0 and reader.wait() == 0
     steps = [r for r in reports if "seq" in r]
@@ -164,7 +167,9 @@ def test_bp5_carries_any_numeric_dtype_and_shape(workdir: Path) -> None:
         assert step.array.dtype == array.dtype and step.array.shape == array.shape
         assert np.array_equal(step.array, array)
         assert step.attributes == {"dtype": str(array.dtype)}
-    assert writer.describe().size_bytes == sum(a.nbytes for a in arrays)
+    described = writer.describe()
+    assert described.size_bytes == sum(a.nbytes for a in arrays)
+    assert (described.key, described.tier, described.complete) == (stream.path, "durable", True)
     stream.remove()
     assert not any(workdir.iterdir())
 

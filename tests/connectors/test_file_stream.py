@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -120,9 +121,10 @@ def test_writer_describes_itself_and_refuses_misuse(workdir: Path) -> None:
         writer.write(b"abc")
         writer.write(bytearray(10))
         writer.write(memoryview(b"x" * 5))
-        assert writer.describe() == (str(path), 18, "ephemeral")
+        assert writer.describe() == (str(path), 18, "ephemeral", socket.gethostname(), False)
         assert (workdir / "stream.writer").exists()
     assert not (workdir / "stream.writer").exists()
+    assert writer.describe().complete
     with pytest.raises(ValueError, match="is closed"):
         writer.write(b"late")
     with pytest.raises(FileExistsError, match="written once"):

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +35,8 @@ import adios2.bindings as adios2_bindings  # type: ignore[import-untyped]
 import numpy as np
 from proxystore.serialize import BytesLike
 
-from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
+from fxstream.connectors.descriptions import ObjectDescription, check_tier
+from fxstream.topics import StorageTier
 
 __all__ = ["Adios2Connector", "Adios2Key", "remove_bp5_reader_profile"]
 
@@ -74,18 +77,27 @@ class Adios2Connector:
     Args:
         store_dir: the directory that holds the objects (created if missing). For the
             durable tier it must be on a file system every reader shares.
-        tier: ``"durable"`` (shared directory) or ``"ephemeral"`` (node-local
+        tier: ``durable`` (shared directory) or ``ephemeral`` (node-local
             directory), recorded for the data-locations topic.
+        lease_s: age after which :meth:`sweep_expired` deletes an object (None: never),
+            as with the file connector.
         clear: remove ``store_dir`` and every object in it on :meth:`close`. Off by
             default, because a store directory is usually shared with other processes
             that still resolve proxies after this one closes.
     """
 
     def __init__(
-        self, store_dir: str | os.PathLike[str], *, tier: str = "durable", clear: bool = False
+        self,
+        store_dir: str | os.PathLike[str],
+        *,
+        tier: StorageTier | str = StorageTier.DURABLE,
+        lease_s: float | None = None,
+        clear: bool = False,
     ) -> None:
         self.store_dir = Path(store_dir).absolute()
-        self.tier: Tier = check_tier(tier)
+        self.tier = check_tier(tier)
+        self.lease_s = lease_s
+        self.node = socket.gethostname()
         self.clear = clear
         self.store_dir.mkdir(parents=True, exist_ok=True)
         # One ADIOS2 instance per connector, made on first use (from_config in a worker
@@ -94,7 +106,7 @@ class Adios2Connector:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(store_dir={str(self.store_dir)!r}, tier={self.tier!r})"
+        return f"{type(self).__name__}({str(self.store_dir)!r}, tier={self.tier.value})"
 
     def _instance(self) -> Any:
         if self._adios is None:
@@ -108,20 +120,56 @@ class Adios2Connector:
 
     def config(self) -> dict[str, Any]:
         """Everything needed to rebuild this connector in another process."""
-        return {"store_dir": str(self.store_dir), "tier": self.tier, "clear": self.clear}
+        return {
+            "store_dir": str(self.store_dir),
+            "tier": self.tier.value,
+            "lease_s": self.lease_s,
+            "clear": self.clear,
+        }
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> Adios2Connector:
         """A connector rebuilt from :meth:`config`."""
         return cls(
             config["store_dir"],
-            tier=config.get("tier", "durable"),
+            tier=config.get("tier", StorageTier.DURABLE),
+            lease_s=config.get("lease_s"),
             clear=config.get("clear", False),
         )
 
     def describe(self, key: Adios2Key) -> ObjectDescription:
-        """(object id, size in bytes, tier) of the object at ``key``, for data-locations."""
-        return ObjectDescription(key.object_id, key.size_bytes, self.tier)
+        """(path, size in bytes, tier, node) of the object at ``key``, for data-locations."""
+        return ObjectDescription(self.object_key(key), key.size_bytes, self.tier, self.node)
+
+    def object_key(self, key: Adios2Key) -> str:
+        """The key as data-locations names it: the object's BP5 file (a directory)."""
+        return str(self._path(key))
+
+    def size_of(self, key: Adios2Key) -> int:
+        """The object's size in bytes, as recorded when it was put."""
+        return key.size_bytes
+
+    def count_objects(self) -> int:
+        """How many objects are stored in the directory now (no file is opened)."""
+        return sum(1 for entry in self.store_dir.glob("*.bp") if not entry.name.startswith("."))
+
+    def sweep_expired(self, now: float | None = None) -> int:
+        """Evict objects older than ``lease_s`` (by their file's mtime); returns how many."""
+        if self.lease_s is None:
+            return 0
+        cutoff = (time.time() if now is None else now) - self.lease_s
+        removed = 0
+        for entry in self.store_dir.glob("*.bp"):
+            if entry.name.startswith("."):
+                continue
+            try:
+                expired = entry.stat().st_mtime < cutoff
+            except FileNotFoundError:
+                continue
+            if expired:
+                self.evict(Adios2Key(entry.name.removesuffix(".bp"), 0))
+                removed += 1
+        return removed
 
     def put(self, obj: BytesLike) -> Adios2Key:
         """Write ``obj`` as a new BP5 file; returns its key."""
@@ -230,7 +278,7 @@ class Adios2Connector:
         """Put each object; keys in the same order."""
         return [self.put(obj) for obj in objs]
 
-    def get_batch(self, keys: Sequence[Adios2Key]) -> list[bytearray | None]:
+    def get_batch(self, keys: Sequence[Adios2Key]) -> list[BytesLike | None]:
         """Get each key's object (None where missing), in the same order."""
         return [self.get(key) for key in keys]
 

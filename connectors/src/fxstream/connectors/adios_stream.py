@@ -63,7 +63,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fxstream.connectors.adios import remove_bp5_reader_profile
-from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
+from fxstream.connectors.descriptions import ObjectDescription, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
@@ -71,6 +71,7 @@ from fxstream.connectors.liveness import (
     WriterLease,
     lease_path_for,
 )
+from fxstream.topics import StorageTier
 
 __all__ = [
     "ADIOS_STREAM_ENGINES",
@@ -114,7 +115,7 @@ class Adios2Stream:
 
     path: str
     engine: StreamEngine = "sst"
-    tier: Tier | None = None
+    tier: StorageTier | str | None = None
     interface: str = "lo"
     queue_limit: int = 4
     rendezvous_readers: int = 1
@@ -122,7 +123,7 @@ class Adios2Stream:
     poll_interval: float = 0.25
     stale_after: float = 10.0
     lease_interval: float = 1.0
-    _resolved_tier: Tier = field(init=False, repr=False, compare=False)
+    _resolved_tier: StorageTier = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.engine not in ADIOS_STREAM_ENGINES:
@@ -131,7 +132,7 @@ class Adios2Stream:
                 "or 'bp5' (a file read while it is written)"
             )
         tier = check_tier(self.tier or ("ephemeral" if self.engine == "sst" else "durable"))
-        if self.engine == "sst" and tier == "durable":
+        if self.engine == "sst" and tier is StorageTier.DURABLE:
             raise ValueError(
                 "an SST stream stores nothing, so it cannot be 'durable': use "
                 "engine='bp5' on a shared directory for a durable stream"
@@ -145,7 +146,7 @@ class Adios2Stream:
         object.__setattr__(self, "_resolved_tier", tier)
 
     @property
-    def storage_tier(self) -> Tier:
+    def storage_tier(self) -> StorageTier:
         """The tier this stream's data lives in."""
         return self._resolved_tier
 
@@ -271,8 +272,15 @@ class Adios2StreamWriter:
         return self._sent
 
     def describe(self) -> ObjectDescription:
-        """(stream path, array bytes sent so far, tier) for the data-locations topic."""
-        return ObjectDescription(self.stream.path, self._bytes, self.stream.storage_tier)
+        """The stream for data-locations: path, array bytes sent so far, tier, node, and
+        ``complete`` once the writer has closed (ended or aborted)."""
+        return ObjectDescription(
+            self.stream.path,
+            self._bytes,
+            self.stream.storage_tier,
+            self._lease.identity.host,
+            complete=self._engine is None,
+        )
 
     def _step(self, meta: dict[str, Any], raw: npt.NDArray[np.uint8] | None) -> None:
         if self._engine is None:

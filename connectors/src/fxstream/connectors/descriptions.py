@@ -1,46 +1,57 @@
-"""What a connector says about an object it created, for the ``data-locations`` topic.
+"""What a connector says about an object or stream it created, for ``data-locations``.
 
-Every object or stream that an fxstream connector creates can describe itself as an
-:class:`ObjectDescription` (its key, its size in bytes and its storage tier). The
-data-locations publisher turns that into a record; connectors never publish themselves.
-
-Tiers:
-
-- ``"durable"``: the bytes survive the process that wrote them and are visible from
-  other nodes (a shared file system directory, Redis with AOF);
-- ``"ephemeral"``: node-local or in-memory bytes, written once and read many times,
-  with no replication (a node-local directory, an in-flight SST stream).
+Every object or stream that the ADIOS2 and file-stream connectors create can describe
+itself as an :class:`ObjectDescription`: its key, its size in bytes, its storage tier
+(:class:`~fxstream.topics.StorageTier`), the node that wrote it and whether it is
+complete (a stream still being written is not). The data-locations publisher
+(:mod:`fxstream.connectors.locations`) turns that into a record; connectors never
+publish themselves.
 """
 
 from __future__ import annotations
 
-from typing import Final, Literal, NamedTuple
+from typing import NamedTuple
 
-__all__ = ["TIERS", "ObjectDescription", "Tier", "check_tier"]
+from fxstream.topics import ObjectReference, StorageTier
 
-Tier = Literal["durable", "ephemeral"]
-TIERS: Final[tuple[Tier, ...]] = ("durable", "ephemeral")
+__all__ = ["ObjectDescription", "check_tier"]
 
 
 class ObjectDescription(NamedTuple):
     """One stored object or stream as the data-locations topic sees it.
 
     Attributes:
-        key: the object's key as a string (unique within its store).
+        key: the object's key as a string (its path, unique within its store).
         size_bytes: the bytes the object holds (for a stream: the bytes written so far).
-        tier: ``"durable"`` or ``"ephemeral"``.
+        tier: durable (shared, survives the writer) or ephemeral (node-local / in memory).
+        node: the host that wrote it.
+        complete: False while a stream is still being written.
     """
 
     key: str
     size_bytes: int
-    tier: Tier
+    tier: StorageTier
+    node: str = ""
+    complete: bool = True
+
+    def reference(self, store: str, site: str = "") -> ObjectReference:
+        """The :class:`~fxstream.topics.ObjectReference` that data-locations publishes."""
+        return ObjectReference(
+            object_key=self.key,
+            store=store,
+            size_bytes=self.size_bytes,
+            tier=self.tier,
+            site=site,
+            node=self.node,
+        )
 
 
-def check_tier(tier: str) -> Tier:
-    """``tier`` if it is a known tier, else a ValueError that lists the valid ones."""
-    if tier not in TIERS:
+def check_tier(tier: StorageTier | str) -> StorageTier:
+    """``tier`` as a StorageTier, or a ValueError that lists the valid ones."""
+    try:
+        return StorageTier(tier)
+    except ValueError:
         raise ValueError(
             f"unknown storage tier {tier!r}: use 'durable' (shared, survives the writer) "
             "or 'ephemeral' (node-local, written once, no replication)"
-        )
-    return tier
+        ) from None

@@ -38,13 +38,14 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
-from fxstream.connectors.descriptions import ObjectDescription, Tier, check_tier
+from fxstream.connectors.descriptions import ObjectDescription, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
     WriterLease,
     lease_path_for,
 )
+from fxstream.topics import StorageTier
 
 if TYPE_CHECKING:
     # Only the type: importing proxystore.serialize imports numpy (~0.3 s).
@@ -77,10 +78,14 @@ class FileStreamWriter:
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, tier: str = "durable", lease_interval: float = 1.0
+        self,
+        path: str | os.PathLike[str],
+        *,
+        tier: StorageTier | str = StorageTier.DURABLE,
+        lease_interval: float = 1.0,
     ) -> None:
         self.path = Path(path).absolute()
-        self.tier: Tier = check_tier(tier)
+        self.tier = check_tier(tier)
         if self.path.exists():
             raise FileExistsError(
                 f"stream file {self.path} already exists: a stream is written once; "
@@ -110,8 +115,15 @@ class FileStreamWriter:
         return self._chunks
 
     def describe(self) -> ObjectDescription:
-        """(path, payload bytes written so far, tier) for the data-locations topic."""
-        return ObjectDescription(str(self.path), self._bytes_written, self.tier)
+        """The stream for data-locations: path, payload bytes written so far, tier, node,
+        and ``complete`` once the writer has closed (ended or aborted)."""
+        return ObjectDescription(
+            str(self.path),
+            self._bytes_written,
+            self.tier,
+            self._lease.identity.host,
+            complete=self._fd is None,
+        )
 
     def _frame(self, kind: int, payload: BytesLike) -> None:
         if self._fd is None:
@@ -132,7 +144,7 @@ class FileStreamWriter:
             return
         try:
             self._frame(kind, payload)
-            if self.tier == "durable":
+            if self.tier is StorageTier.DURABLE:
                 os.fsync(self._fd)
         finally:
             os.close(self._fd)
