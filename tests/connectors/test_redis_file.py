@@ -137,6 +137,13 @@ def test_file_store_through_proxystore(tmp_path: Path) -> None:
     assert sum(proxy) == 6
 
 
+def test_an_adios2_store_url_round_trips_through_proxystore(tmp_path: Path) -> None:
+    store = open_store(f"adios2://{tmp_path}/bp5?lease_s=60")
+    proxy = store.proxy(b"bp5 bytes" * 1000)
+    assert len(proxy) == 9000
+    assert store.connector.count_objects() == 1
+
+
 def test_store_urls_parse_and_refuse_clearly() -> None:
     spec = StoreSpec.parse("redis://127.0.0.1:6379/2?lease_s=60")
     assert spec.options["db"] == 2 and spec.lease_s == 60 and spec.tier is StorageTier.DURABLE
@@ -151,6 +158,7 @@ def test_store_urls_parse_and_refuse_clearly() -> None:
         ("file:///d?lease_s=-1", "positive"),
         ("file:///d?colour=red", "unknown parameters"),
         ("file://otherhost/d", "file:///ABSOLUTE"),
+        ("adios2://otherhost/d", "adios2:///ABSOLUTE"),
     ]:
         with pytest.raises(StoreURLError, match=message):
             StoreSpec.parse(url)

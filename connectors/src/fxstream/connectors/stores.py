@@ -10,6 +10,7 @@ URL                                                    store
 ``redis://HOST:PORT[/DB]``                             :class:`RedisConnector` (durable: AOF)
 ``file:///shared/dir``                                 :class:`FileConnector`, durable tier
 ``file:///local/dir?tier=ephemeral``                   :class:`FileConnector`, node-local
+``adios2:///shared/dir``                               :class:`Adios2Connector` (BP5 files)
 =====================================================  =====================================
 
 Query parameters common to all: ``lease_s`` (how long an object nobody
@@ -29,6 +30,7 @@ from proxystore.store import get_or_create_store
 from proxystore.store.base import Store
 from proxystore.store.config import ConnectorConfig, StoreConfig
 
+from fxstream.connectors.adios import Adios2Connector
 from fxstream.connectors.file import FileConnector
 from fxstream.connectors.redis import RedisConnector
 from fxstream.topics import Catalogue, StorageTier
@@ -52,7 +54,7 @@ docs/data-plane.md, "Lifetimes"); the lease only reclaims what a dead client
 never evicted.
 """
 
-_SCHEMES: Final = ("redis", "file")
+_SCHEMES: Final = ("redis", "file", "adios2")
 
 
 class StoreURLError(ValueError):
@@ -76,8 +78,9 @@ class StoreSpec:
         parsed = urllib.parse.urlsplit(url)
         if parsed.scheme not in _SCHEMES:
             raise StoreURLError(
-                f"store URL {url!r}: unknown scheme {parsed.scheme!r}; use redis://HOST:PORT "
-                "or file:///DIRECTORY (add ?tier=ephemeral for node-local disk)"
+                f"store URL {url!r}: unknown scheme {parsed.scheme!r}; use redis://HOST:PORT, "
+                "file:///DIRECTORY (add ?tier=ephemeral for node-local disk) or "
+                "adios2:///DIRECTORY"
             )
         query = dict(urllib.parse.parse_qsl(parsed.query, strict_parsing=False))
         unknown = sorted(set(query) - {"lease_s", "tier", "name", "chunk_bytes"})
@@ -112,7 +115,8 @@ class StoreSpec:
         else:
             if parsed.netloc not in ("", "localhost") or not parsed.path:
                 raise StoreURLError(
-                    f"store URL {url!r}: a file store URL is file:///ABSOLUTE/DIRECTORY"
+                    f"store URL {url!r}: a directory store URL is "
+                    f"{parsed.scheme}:///ABSOLUTE/DIRECTORY"
                 )
             options = {"store_dir": urllib.parse.unquote(parsed.path), "tier": tier.value}
             options["lease_s"] = lease_s
@@ -120,8 +124,10 @@ class StoreSpec:
         name = query.get("name") or f"fx-{parsed.scheme}-{digest}"
         return cls(url, parsed.scheme, name, tier, lease_s, options)
 
-    def connector_type(self) -> type[RedisConnector | FileConnector]:
+    def connector_type(self) -> type[RedisConnector | FileConnector | Adios2Connector]:
         """The connector class this URL names."""
+        if self.scheme == "adios2":
+            return Adios2Connector
         return RedisConnector if self.scheme == "redis" else FileConnector
 
     def store_config(self) -> StoreConfig:
