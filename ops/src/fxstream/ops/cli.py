@@ -267,7 +267,9 @@ def bench_payload(
     ] = "10kB,100kB,1MB,10MB,100MB,1GB",
     repeats: Annotated[
         int | None,
-        typer.Option(min=1, help="Round trips per size [default: 5; 3 from 100MB; 2 from 1GB]."),
+        typer.Option(
+            min=1, help="Round trips per size [default: 10; 5 from 10MB; 3 from 100MB; 2 from 1GB]."
+        ),
     ] = None,
     time_limit: Annotated[
         float, typer.Option(min=1.0, help="Seconds one size may take on one system.")

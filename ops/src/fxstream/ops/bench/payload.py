@@ -37,7 +37,6 @@ import gc
 import json
 import logging
 import os
-import random
 import re
 import statistics
 import tempfile
@@ -88,9 +87,10 @@ DEFAULT_SWEEP_SIZES: Final = ("16kB", "32kB", "64kB", "128kB", "256kB", "512kB")
 DEFAULT_TIME_LIMIT_S: Final = 300.0
 DEFAULT_SWEEP_REPEATS: Final = 15
 TARGET_RATIO_10MB_VS_DASK: Final = 0.5
-# Untimed round trips on each system before the timed ones: one inline, one large
-# enough to go by reference (connections to Redis opened, the function loaded).
-_WARMUP_BYTES: Final = (1_000, 1_000_000)
+# Untimed round trips on each system before the timed ones: inline ones, then some large
+# enough to go by reference (connections to Redis opened, the function loaded). A fresh
+# platform's first few dozen tasks are slower (consumer groups settling, JIT of the broker).
+_WARMUP_BYTES: Final = (1_000,) * 30 + (1_000_000,) * 3
 # Above the largest sweep size: the threshold that keeps every value inline.
 _ALL_INLINE: Final = 1 << 30
 _SAMPLE_S: Final = 0.02
@@ -121,7 +121,9 @@ def parse_size(label: str) -> int:
 
 
 def default_repeats(size: int) -> int:
-    """Round trips timed per size: 5 below 100 MB, 3 up to 1 GB, 2 from 1 GB."""
+    """Round trips timed per size: 10 below 10 MB, 5 below 100 MB, 3 below 1 GB, then 2."""
+    if size < 10_000_000:
+        return 10
     if size < 100_000_000:
         return 5
     if size < 1_000_000_000:
@@ -178,7 +180,7 @@ class PayloadSettings:
 
 def _payload(size: int) -> bytes:
     """``size`` random bytes (nothing on the way can compress them)."""
-    return random.Random(size).randbytes(size)
+    return os.urandom(size)
 
 
 # --- resident set sampling -----------------------------------------------------------------
@@ -347,8 +349,9 @@ def _run_sizes(
         meter = Meter(display, f"{name} {label}", repeats, step=1)
         if sampler is not None:
             sampler.phase(label)
-        data = _payload(size)
+        data = b""
         try:
+            data = _payload(size)
             trips = _one_size(trip, data, repeats, settings.time_limit_s, meter)
         except Exception as exc:  # any failure of the system is a finding, not a crash
             run.medians_ms[label] = None
