@@ -144,10 +144,9 @@ class RedisConnector:
             for part_name, start in zip(
                 self._keys_of(key), range(0, max(size, 1), self.chunk_bytes), strict=True
             ):
-                # redis-py sends bytes; slicing the view copies one chunk at a time only.
-                pipeline.set(
-                    part_name, bytes(view[start : start + self.chunk_bytes]), ex=self._ttl()
-                )
+                # redis-py sends a memoryview as is: no chunk is copied (a 1 GB object
+                # queued in the pipeline as bytes would be a second 1 GB in memory).
+                pipeline.set(part_name, view[start : start + self.chunk_bytes], ex=self._ttl())
             keys.append(key)
         pipeline.execute()
         return keys

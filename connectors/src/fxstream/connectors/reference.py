@@ -181,14 +181,20 @@ class ByReference:
     ) -> Packed:
         """``(args, kwargs)`` as a payload, with each large argument put in the store."""
         kwargs = {} if kwargs is None else dict(kwargs)
-        whole = self.serializer.pack_arguments(tuple(args), kwargs)
-        if len(whole) <= self.threshold_bytes or self.store is None:
-            return Packed(whole)
+        # A buffer above the threshold goes by reference whatever the rest is: no need to
+        # serialize all the arguments first only to learn that (a copy of every byte).
+        whole: bytes | None = None
+        if self.store is None or not any(
+            self._large_buffer(value) for value in (*args, *kwargs.values())
+        ):
+            whole = self.serializer.pack_arguments(tuple(args), kwargs)
+            if len(whole) <= self.threshold_bytes or self.store is None:
+                return Packed(whole)
         stored: list[StoredObject] = []
         new_args = [self._maybe_stored(value, stored) for value in args]
         new_kwargs = {name: self._maybe_stored(value, stored) for name, value in kwargs.items()}
         if not stored:
-            return Packed(whole)
+            return Packed(whole or self.serializer.pack_arguments(tuple(args), kwargs))
         payload = self.serializer.pack_arguments(tuple(new_args), new_kwargs)
         return Packed(wrap_references(payload, [s.reference for s in stored]), stored)
 
@@ -200,6 +206,9 @@ class ByReference:
         stored_object, factory = self._put(payload)
         reference = self.serializer.serialize_value(_FetchOnLoad(factory))
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
+
+    def _large_buffer(self, value: Any) -> bool:
+        return isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes > self.threshold_bytes
 
     def _maybe_stored(self, value: Any, stored: list[StoredObject]) -> Any:
         if isinstance(value, Proxy):

@@ -260,6 +260,66 @@ def bench_latency(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("payload")
+def bench_payload(
+    sizes: Annotated[
+        str, typer.Option(help="Argument (and result) sizes, comma-separated: 10kB, 1MB, 1GB.")
+    ] = "10kB,100kB,1MB,10MB,100MB,1GB",
+    repeats: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Round trips per size [default: 10; 5 from 10MB; 3 from 100MB; 2 from 1GB]."
+        ),
+    ] = None,
+    time_limit: Annotated[
+        float, typer.Option(min=1.0, help="Seconds one size may take on one system.")
+    ] = 300.0,
+    sweep_sizes: Annotated[
+        str,
+        typer.Option(help="Sizes of the inline vs by-reference sweep ('' skips it)."),
+    ] = "16kB,32kB,64kB,128kB,256kB,512kB",
+    sweep_repeats: Annotated[
+        int, typer.Option(min=1, help="Round trips per size and mode in the sweep.")
+    ] = 15,
+    skip_dask: Annotated[
+        bool, typer.Option("--skip-dask", help="Leave Dask distributed out.")
+    ] = False,
+    skip_parsl: Annotated[bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out.")] = False,
+    store_url: Annotated[
+        str | None,
+        typer.Option(help="Proxy store of client and endpoint [default: the platform's Redis]."),
+    ] = None,
+) -> None:
+    """Round trip of bytes 10 kB..1 GB: fxstream (by reference via Redis) vs Dask, Parsl HTEX."""
+    from fxstream.ops.bench.payload import PayloadSettings, run_payload_bench
+
+    settings = PayloadSettings(
+        sizes=_labels(sizes),
+        repeats=repeats,
+        time_limit_s=time_limit,
+        skip_dask=skip_dask,
+        skip_parsl=skip_parsl,
+        sweep_sizes=_labels(sweep_sizes),
+        sweep_repeats=sweep_repeats,
+        store_url=store_url,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]bench payload:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        run_payload_bench(console=console, settings=settings)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench payload failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
+def _labels(text: str) -> tuple[str, ...]:
+    """Comma-separated labels, blanks dropped."""
+    return tuple(label.strip() for label in text.split(",") if label.strip())
+
+
 @bench_app.command("chaos")
 def bench_chaos(
     tasks: Annotated[int, typer.Option(min=1, help="Tasks to run under chaos.")] = 50_000,

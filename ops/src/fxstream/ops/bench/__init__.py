@@ -7,6 +7,9 @@
   HighThroughputExecutor with 2 workers.
 - :mod:`~fxstream.ops.bench.latency`: sequential round trips of a warm no-op task
   (p50/p95/p99 and a hop-by-hop breakdown), beside Parsl's HTEX.
+- :mod:`~fxstream.ops.bench.payload`: round trips of one task with a bytes argument and
+  result of 10 kB to 1 GB (by reference through Redis), beside Dask distributed and Parsl's
+  HTEX; and the inline vs by-reference sweep around the proxy threshold.
 - :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
   no-op task).
 
@@ -15,6 +18,7 @@ Parsl is imported only when a bench runs it.
 
 from fxstream.ops.bench.kafka import run_kafka_bench
 from fxstream.ops.bench.latency import run_latency_bench
+from fxstream.ops.bench.payload import run_payload_bench
 from fxstream.ops.bench.throughput import run_throughput_bench
 
-__all__ = ["run_kafka_bench", "run_latency_bench", "run_throughput_bench"]
+__all__ = ["run_kafka_bench", "run_latency_bench", "run_payload_bench", "run_throughput_bench"]

@@ -291,8 +291,10 @@ def _htex_config(run_dir: Path, workers: int) -> Config:
 
 
 @contextmanager
-def parsl_htex(run_dir: Path, workers: int = WORKERS) -> Iterator[Callable[..., Any]]:
-    """Parsl loaded with one HTEX of ``workers`` workers; yields the no-op python_app.
+def parsl_htex(
+    run_dir: Path, workers: int = WORKERS, function: Callable[..., Any] = noop
+) -> Iterator[Callable[..., Any]]:
+    """Parsl loaded with one HTEX of ``workers`` workers; yields ``function`` as a python_app.
 
     Everything Parsl starts (the interchange, the worker pool) is stopped after the
     block by ``cleanup()``, and the loaded config is cleared.
@@ -302,7 +304,7 @@ def parsl_htex(run_dir: Path, workers: int = WORKERS) -> Iterator[Callable[..., 
     with sigterm_as_exit():
         dfk = parsl.load(_htex_config(run_dir, workers))
         try:
-            yield parsl.python_app(noop, data_flow_kernel=dfk)
+            yield parsl.python_app(function, data_flow_kernel=dfk)
         finally:
             dfk.cleanup()
             parsl.clear()
