@@ -260,6 +260,31 @@ def bench_latency(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("stream")
+def bench_stream(
+    items_1mb: Annotated[int, typer.Option(min=1, help="1 MB arrays per mode.")] = 200,
+    items_10mb: Annotated[int, typer.Option(min=1, help="10 MB arrays per mode.")] = 40,
+    modes: Annotated[
+        str,
+        typer.Option(help="Comma-separated: kafka+redis, adios2-sst, adios2-bp5, kafka-inline."),
+    ] = "kafka+redis,adios2-sst,adios2-bp5,kafka-inline",
+) -> None:
+    """Stream 1 MB and 10 MB arrays to a consumer: Kafka+Redis, ADIOS2 SST/BP5, inline Kafka."""
+    from fxstream.ops.bench.stream import run_stream_bench
+
+    chosen = tuple(mode.strip() for mode in modes.split(",") if mode.strip())
+    try:
+        run_stream_bench(
+            console=console, items={1_000_000: items_1mb, 10_000_000: items_10mb}, modes=chosen
+        )
+    except ValueError as exc:
+        err.print(f"[red]bench stream:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench stream failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 @bench_app.command("payload")
 def bench_payload(
     sizes: Annotated[
