@@ -244,7 +244,7 @@ def test_consumer_stopped_in_process_resumes_where_it_was(
     produce_arrays(env, stream, store_name, count, 4096)
 
     class Stop(Exception):
-        pass
+        """Raised inside the consumer's block to leave it by an exception."""
 
     first = []
     expected_error = pytest.raises(Stop) if stop == "by-exception" else contextlib.nullcontext()
