@@ -7,6 +7,7 @@ service API, the stream processors and a local endpoint, each its own process).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import time
@@ -206,9 +207,13 @@ def test_another_users_private_function_is_refused(stack: Stack) -> None:
 
 
 def test_an_argument_too_large_names_the_setting(stack: Stack) -> None:
+    # With the platform's store it would go by reference (tests/e2e/test_data_plane.py);
+    # without one it must be refused, naming both ways out.
+    settings = dataclasses.replace(stack.settings, store_url=None)
     with (
-        stack.executor() as executor,
-        pytest.raises(PayloadTooLarge, match="FXSTREAM_MAX_INLINE_BYTES"),
+        Client.from_settings(settings) as client,
+        Executor(endpoint_id=stack.endpoint_id, client=client) as executor,
+        pytest.raises(PayloadTooLarge, match=r"FXSTREAM_MAX_INLINE_BYTES.*FXSTREAM_STORE_URL"),
     ):
         executor.submit(double, b"x" * 2_000_000).result(timeout=60)
 
