@@ -22,7 +22,7 @@ from confluent_kafka import Consumer, TopicPartition
 from proxystore.proxy import get_factory
 
 from fxstream.connectors import RedisConnector, StoreSpec, open_store
-from fxstream.sdk import Client, Executor, PayloadTooLarge
+from fxstream.sdk import Client, Executor, FxstreamError, PayloadTooLarge
 from fxstream.topics import DataLocation, decode
 from tests.e2e.stack import Stack, running_stack
 
@@ -62,6 +62,23 @@ def digest(data: bytes) -> tuple[str, int, str]:
 
 def array_facts(array: Any) -> tuple[str, float, tuple[int, ...]]:
     return type(array).__name__, float(np.sum(array)), tuple(array.shape)
+
+
+def test_a_consumed_result_is_evicted_and_asking_again_says_so(stack: Stack) -> None:
+    data = os.urandom(300_000)
+    client = stack.client()
+    try:
+        with Executor(stack.endpoint_id, client) as executor:
+            future = executor.submit(echo, data)
+            assert future.result(timeout=60) == data
+        deadline = time.monotonic() + 30
+        while client.get_task(future.task_id)["state"] != "succeeded":
+            assert time.monotonic() < deadline, "task-state never showed the result"
+            time.sleep(0.2)
+        with pytest.raises(FxstreamError, match="evicted from the store once its client consumed"):
+            client.get_result(future.task_id)
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("size", [10_000, 100_000, MB, 10 * MB])

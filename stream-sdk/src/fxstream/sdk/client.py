@@ -37,7 +37,7 @@ from fxstream.sdk.errors import (
 from fxstream.sdk.futures import TaskFuture, Timings, timings_of
 from fxstream.sdk.history import read_back_results
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
-from fxstream.sdk.results import ResultListener
+from fxstream.sdk.results import ResultListener, unreadable_result
 from fxstream.sdk.settings import (
     DEFAULT_MAX_INLINE_BYTES,
     DEFAULT_PROXY_THRESHOLD,
@@ -761,7 +761,11 @@ class Client:
             value = state.get("value")
             if value is None:
                 raise FxstreamError(f"task {task_id} succeeded but the service holds no value")
-            return self.serializer.deserialize(base64.b64decode(value))
+            payload = base64.b64decode(value)
+            try:
+                return self.serializer.deserialize(payload)
+            except Exception as exc:  # a by-reference result whose object was evicted
+                raise unreadable_result(task_id, exc, payload) from exc
         error = state.get("error")
         if name in ("failed", "rejected") and isinstance(error, dict):
             raise task_failure(task_id, _task_error(error), endpoint_id=state.get("endpoint_id"))

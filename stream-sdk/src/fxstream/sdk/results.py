@@ -42,7 +42,6 @@ from fxstream.sdk.futures import TaskFuture, timings_of
 from fxstream.topics import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
-    DeserializationError,
     RecordDecodeError,
     Serializer,
     TaskErrorType,
@@ -50,7 +49,7 @@ from fxstream.topics import (
     decode,
 )
 
-__all__ = ["ResultListener"]
+__all__ = ["ResultListener", "unreadable_result"]
 
 log = logging.getLogger(__name__)
 
@@ -460,7 +459,7 @@ class ResultListener:
                         finally:
                             fetched.extend(found)
                 except Exception as exc:  # DeserializationError, a user __setstate__, a fetch
-                    outcome = _unreadable_result(result.task_id, exc)
+                    outcome = unreadable_result(result.task_id, exc, result.value)
         elif result.error is not None:
             outcome = task_failure(
                 result.task_id,
@@ -528,11 +527,17 @@ def _by_reference(payload: bytes) -> bool:
 _ENVELOPE_HEADER: Final = PAYLOAD_MAGIC + b"rf\n"
 
 
-def _unreadable_result(task_id: str, exc: Exception) -> Exception:
-    if isinstance(exc, DeserializationError):
+def unreadable_result(task_id: str, exc: Exception, payload: bytes) -> Exception:
+    """The error for a result payload that cannot be loaded.
+
+    A result stored by reference gets an error about the store (an evicted
+    object, an unreachable store); any other keeps its own error.
+    """
+    if not _by_reference(payload):
         return exc
     return FxstreamError(
         f"task {task_id} succeeded but its result, stored by reference, could not be fetched: "
         f"{type(exc).__name__}: {exc}. Is the endpoint's proxy store reachable from here (its "
-        "store_url), and was the object evicted or its lease over?"
+        "store_url)? A result is evicted from the store once its client consumed it, and "
+        "any object once its lease is over (docs/data-plane.md, Lifetimes)"
     )
