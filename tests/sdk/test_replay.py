@@ -164,7 +164,7 @@ def test_a_settled_future_is_claimed_once_and_its_later_result_is_a_duplicate(
 def test_a_capture_needs_a_started_listener(sdk_topics: SdkTopics) -> None:
     idle = ResultListener(sdk_topics.bootstrap, sdk_topics.results, Serializer())
     with pytest.raises(FxstreamError, match="start the results listener"), idle.capture("g"):
-        pass
+        raise AssertionError("a capture on a listener that never started must not begin")
 
 
 def test_read_back_finds_the_first_result_of_each_task_stamped_since_its_submission(

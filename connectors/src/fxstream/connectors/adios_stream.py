@@ -67,6 +67,7 @@ from fxstream.connectors.descriptions import ObjectDescription, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
+    StreamWriterExit,
     WriterIdentity,
     WriterLease,
     lease_path_for,
@@ -205,7 +206,7 @@ class StreamStep(NamedTuple):
     attributes: dict[str, Any]
 
 
-class Adios2StreamWriter:
+class Adios2StreamWriter(StreamWriterExit):
     """The producer side of an :class:`Adios2Stream`: ``send`` arrays, then ``close``."""
 
     def __init__(self, stream: Adios2Stream) -> None:
@@ -349,20 +350,6 @@ class Adios2StreamWriter:
     def abort(self, reason: str) -> None:
         """End the stream as aborted: its reader raises StreamAborted with ``reason``."""
         self._finish({"kind": "abort", "seq": self._sent, "reason": reason[:4096]})
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.abort(f"the writer raised {exc!r}")
 
 
 class Adios2StreamReader:

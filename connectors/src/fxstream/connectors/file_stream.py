@@ -42,6 +42,7 @@ from fxstream.connectors.descriptions import ObjectDescription, check_tier
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
+    StreamWriterExit,
     WriterLease,
     lease_path_for,
 )
@@ -67,7 +68,7 @@ def _write_all(fd: int, data: BytesLike) -> None:
         view = view[written:]
 
 
-class FileStreamWriter:
+class FileStreamWriter(StreamWriterExit):
     """Appends chunks to a stream file that readers can tail while it grows.
 
     Args:
@@ -158,20 +159,6 @@ class FileStreamWriter:
     def abort(self, reason: str) -> None:
         """End the stream as aborted: readers raise StreamAborted with ``reason``."""
         self._finish(_ABORT, reason.encode()[:65536])
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.abort(f"the writer raised {exc!r}")
 
 
 class FileStreamReader:

@@ -28,6 +28,7 @@ end marker written just before the lease was removed is never mistaken for an ab
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -43,6 +44,7 @@ __all__ = [
     "LEASE_SUFFIX",
     "LeaseWatcher",
     "StreamAborted",
+    "StreamWriterExit",
     "WriterIdentity",
     "WriterLease",
     "lease_path_for",
@@ -93,6 +95,37 @@ def _pid_namespace() -> str:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
         return ""
+
+
+class StreamWriterExit(abc.ABC):
+    """Context-manager behaviour shared by stream writers.
+
+    Leaving the ``with`` block normally ends the stream (:meth:`close`); leaving
+    it by an exception aborts it, so readers raise :class:`StreamAborted`
+    naming the error instead of waiting for steps that never come.
+    """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """End the stream: write its end-of-stream marker."""
+
+    @abc.abstractmethod
+    def abort(self, reason: str) -> None:
+        """End the stream as aborted: write its abort marker with ``reason``."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.abort(f"the writer raised {exc!r}")
 
 
 @dataclass(frozen=True)
