@@ -18,6 +18,34 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.process import free_ports
 
+# What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
+_SLOW_MARKS = ("platform", "faults", "cluster")
+_PLATFORM_FIXTURE = "kafka_platform"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    """``--fast``: the edit loop's lane, with no broker, no platform and no process kills."""
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="run only tests that need no Kafka/Redis platform and kill nothing",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In the fast lane, deselect tests marked slow or needing the session platform."""
+    if not config.getoption("--fast"):
+        return
+    keep: list[pytest.Item] = []
+    dropped: list[pytest.Item] = []
+    for item in items:
+        slow = any(item.get_closest_marker(mark) for mark in _SLOW_MARKS)
+        needs_platform = _PLATFORM_FIXTURE in getattr(item, "fixturenames", ())
+        (dropped if slow or needs_platform else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
 
 def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:
     """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.

@@ -6,13 +6,15 @@ its own process in a private home on free ports; stopped by PID at the end.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from fxstream.ops import Platform
-from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.sdk import Client, ClientSettings, Executor, NotFound
 from tests.conftest import private_config
 
 
@@ -63,3 +65,20 @@ def running_stack(home: Path) -> Iterator[Stack]:
         )
     finally:
         platform.down()
+
+
+def wait_for_state(client: Client, task_id: str, state: str, *, timeout_s: float = 30.0) -> None:
+    """Wait until the service shows ``task_id`` in ``state``.
+
+    ``NotFound`` is expected at first: a future can resolve (the SDK reads the results
+    topic itself) before the task-state processor has folded the task at all.
+    """
+    deadline = time.monotonic() + timeout_s
+    seen = "not yet known to the service"
+    while True:
+        with contextlib.suppress(NotFound):
+            seen = client.get_task(task_id)["state"]
+            if seen == state:
+                return
+        assert time.monotonic() < deadline, f"task {task_id} never showed {state}; last: {seen}"
+        time.sleep(0.2)

@@ -35,6 +35,7 @@ from fxstream.topics import (
     record_kind,
 )
 from tests.conftest import private_config
+from tests.e2e.stack import wait_for_state
 
 pytestmark = pytest.mark.platform
 
@@ -319,7 +320,7 @@ def test_client_cancel_from_elsewhere_ends_the_submitters_future_cancelled(
         assert future.cancelled() and future.cancelled_remotely
         with pytest.raises(concurrent.futures.CancelledError):
             future.result()
-        assert submitter.get_task(task_id)["state"] == "cancelled"
+        wait_for_state(submitter, task_id, "cancelled")
         result = cancelled_result(stack, task_id)
         assert result.error is not None and "was killed" in result.error.message
         # The task-state processor folded the TaskCancelled result: the service says so.

@@ -24,7 +24,7 @@ from proxystore.proxy import get_factory
 from fxstream.connectors import RedisConnector, StoreSpec, open_store
 from fxstream.sdk import Client, Executor, FxstreamError, PayloadTooLarge
 from fxstream.topics import DataLocation, decode
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, running_stack, wait_for_state
 
 MB = 1024 * 1024
 
@@ -71,10 +71,7 @@ def test_a_consumed_result_is_evicted_and_asking_again_says_so(stack: Stack) -> 
         with Executor(stack.endpoint_id, client) as executor:
             future = executor.submit(echo, data)
             assert future.result(timeout=60) == data
-        deadline = time.monotonic() + 30
-        while client.get_task(future.task_id)["state"] != "succeeded":
-            assert time.monotonic() < deadline, "task-state never showed the result"
-            time.sleep(0.2)
+        wait_for_state(client, future.task_id, "succeeded")
         with pytest.raises(FxstreamError, match="evicted from the store once its client consumed"):
             client.get_result(future.task_id)
     finally:

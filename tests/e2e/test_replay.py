@@ -85,7 +85,10 @@ def states_of(client: Client, group: str) -> dict[str, dict[str, Any]]:
 
 def ended(client: Client, task_id: str) -> bool:
     """True once the service shows the task succeeded or failed."""
-    return client.get_task(task_id)["state"] in ("succeeded", "failed")
+    try:
+        return client.get_task(task_id)["state"] in ("succeeded", "failed")
+    except NotFound:  # the task-state processor has not folded it yet
+        return False
 
 
 def assert_delivered_once(client: Client, futures: list[TaskFuture]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -141,13 +141,18 @@ def _run(step: str, argv: list[str]) -> None:
 def test(ctx: typer.Context) -> None:
     """Install what is missing, check style (ruff) and types (mypy), then run pytest.
 
-    Extra arguments go to pytest, e.g. ``./fx test -k topics -x``.
+    Extra arguments go to pytest, e.g. ``./fx test -k topics -x``. ``./fx test --fast`` is the
+    edit loop's lane: no Kafka, Redis or platform is started and nothing is killed (tests
+    marked platform/faults/cluster, or needing the session broker, are deselected).
     """
+    fast = "--fast" in ctx.args
     python = sys.executable
     sources = [f"{d}/src" for d in PACKAGE_DIRS]
     _run("ruff format --check", [python, "-m", "ruff", "format", "--check", *PACKAGE_DIRS, "tests"])
     _run("ruff check", [python, "-m", "ruff", "check", *PACKAGE_DIRS, "tests"])
     _run("mypy", [python, "-m", "mypy", *sources])
+    if fast:
+        _pytest(ctx.args)
     console.rule("[bold]requirements (Java, Apache Kafka, Redis)")
     try:
         for name, where in ensure_requirements(_config()).items():
@@ -155,9 +160,13 @@ def test(ctx: typer.Context) -> None:
     except InstallError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
+    _pytest(ctx.args)
+
+
+def _pytest(args: list[str]) -> NoReturn:
     console.rule("[bold]pytest")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run([python, "-m", "pytest", *ctx.args], cwd=repo_root(), env=env)
+    done = subprocess.run([sys.executable, "-m", "pytest", *args], cwd=repo_root(), env=env)
     raise typer.Exit(done.returncode)
 
 
