@@ -24,7 +24,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ class ProcessFigures:
     series_mb: list[float | None] = field(default_factory=list)
 
 
-def slope_per_10min(points: list[tuple[float, float]]) -> float:
+def slope_per_10min(points: Sequence[tuple[float, float]]) -> float:
     """The least-squares slope of ``(seconds, MB)`` points, in MB per 10 minutes."""
     if len(points) < 2:
         return 0.0
@@ -111,7 +111,7 @@ def slope_per_10min(points: list[tuple[float, float]]) -> float:
 def judge(
     label: str,
     pids: list[int],
-    series: list[tuple[float, float | None]],
+    series: Sequence[tuple[float, float | None]],
     settings: SoakSettings,
 ) -> ProcessFigures | None:
     """The figures of one process from its ``(seconds, MB or None)`` samples.
