@@ -123,6 +123,8 @@ class TaskStateTable:
 
     def put(self, state: TaskState, encoded: bytes) -> None:
         """Store ``state`` (``encoded`` is its record) as its task's latest, and index it."""
+        if self._closed:
+            return
         task_id = state.task_id.encode()
         batch = WriteBatch(raw_mode=True)
         batch.put(_STATE + task_id, encoded)
@@ -142,11 +144,14 @@ class TaskStateTable:
             batch.put(key, task_id)
             batch.put(_MEMBER + task_id, key)
         with self._lock:
-            self._db.write(batch)
+            if not self._closed:
+                self._db.write(batch)
             self._cache.pop(state.task_id, None)
 
     def delete(self, task_id: str) -> None:
         """Forget a task (its tombstone)."""
+        if self._closed:
+            return
         key = task_id.encode()
         batch = WriteBatch(raw_mode=True)
         batch.delete(_STATE + key)
@@ -155,7 +160,8 @@ class TaskStateTable:
             batch.delete(group)
             batch.delete(_MEMBER + key)
         with self._lock:
-            self._db.write(batch)
+            if not self._closed:
+                self._db.write(batch)
             self._cache.pop(task_id, None)
 
     # --- reading -------------------------------------------------------------------------
