@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -152,6 +153,11 @@ def _short(process: psutil.Process) -> str:
         return "gone"
     if "-m" in argv and argv.index("-m") + 1 < len(argv):
         return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+    if "-c" in argv and argv.index("-c") + 1 < len(argv):
+        # multiprocessing's children: "from multiprocessing.spawn import spawn_main; ..."
+        found = re.search(r"(?:from|import)\s+([\w.]+)", argv[argv.index("-c") + 1])
+        module = found.group(1).rsplit(".", 1)[-1] if found else "python -c"
+        return "worker" if module == "spawn" else module
     for arg in argv[1:]:
         if not arg.startswith("-"):
             return os.path.basename(arg)
