@@ -371,7 +371,9 @@ def _print_table(console: Console, figures: list[ProcessFigures], settings: Soak
             f"{f.ratio:.3f}",
             "[green]yes[/green]" if f.flat else "[red]NO[/red]",
         )
-    console.print(table)
+    # One line per process also when stdout is not a terminal (rich then assumes 80 columns).
+    wide = console if console.is_terminal else Console(file=console.file, width=150)
+    wide.print(table)
 
 
 def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any]:
