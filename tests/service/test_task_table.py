@@ -76,7 +76,7 @@ def table(tmp_path: Path) -> Iterator[TaskStateTable]:
 
 def put(table: TaskStateTable, record: TaskState) -> None:
     """Store a state as the view does (with its encoded record)."""
-    table.put(record, encode(record))
+    table.put(record.task_id, record, encode(record))
 
 
 def test_a_state_evicted_from_the_cache_is_read_back_from_disk(table: TaskStateTable) -> None:

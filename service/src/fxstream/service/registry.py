@@ -320,7 +320,7 @@ class RegistryView:
             return
         if isinstance(record, TaskState):
             if self._task_table is not None and value is not None:
-                self._task_table.put(record, value)
+                self._task_table.put(key, record, value)
             return
         self._remove(followed, key)
         table[key] = record

@@ -121,11 +121,12 @@ class TaskStateTable:
 
     # --- writing (the follower thread) ---------------------------------------------------
 
-    def put(self, state: TaskState, encoded: bytes) -> None:
-        """Store ``state`` (``encoded`` is its record) as its task's latest, and index it."""
+    def put(self, key: str, state: TaskState, encoded: bytes) -> None:
+        """Store ``state`` (``encoded`` is its record) as the latest under ``key`` (the
+        record's Kafka key, its task id), and index it in its group."""
         if self._closed:
             return
-        task_id = state.task_id.encode()
+        task_id = key.encode()
         batch = WriteBatch(raw_mode=True)
         batch.put(_STATE + task_id, encoded)
         old_group = self._db.get(_MEMBER + task_id)
@@ -140,13 +141,13 @@ class TaskStateTable:
             old_group = None
         if new_group is not None and old_group is None:
             self._sequence += 1
-            key = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
-            batch.put(key, task_id)
-            batch.put(_MEMBER + task_id, key)
+            member = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
+            batch.put(member, task_id)
+            batch.put(_MEMBER + task_id, member)
         with self._lock:
             if not self._closed:
                 self._db.write(batch)
-            self._cache.pop(state.task_id, None)
+            self._cache.pop(key, None)
 
     def delete(self, task_id: str) -> None:
         """Forget a task (its tombstone)."""
