@@ -155,17 +155,21 @@ class FunctionUnavailable(Exception):
 
 
 class _CodeCache:
-    """Function code by id, fetched from the service's API on a miss."""
+    """Function code by id, fetched from the service's API on a miss; the ``capacity``
+    most recently used functions are kept (a client that registers a fresh function per
+    task must not grow the agent)."""
 
-    def __init__(self, service_url: str, token: str) -> None:
+    def __init__(self, service_url: str, token: str, capacity: int = 1_024) -> None:
         self._http = httpx.Client(
             base_url=service_url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0
         )
+        self._capacity = capacity
         self._code: dict[str, tuple[str, bytes]] = {}
 
     def get(self, function_id: str) -> tuple[str, bytes]:
-        cached = self._code.get(function_id)
+        cached = self._code.pop(function_id, None)
         if cached is not None:
+            self._code[function_id] = cached  # re-inserted last: the dict is in LRU order
             return cached
         try:
             response = self._http.get(f"/v1/functions/{function_id}")
@@ -187,6 +191,8 @@ class _CodeCache:
         code = base64.b64decode(response.json()["code"])
         entry = (code_sha256(code), code)
         self._code[function_id] = entry
+        if len(self._code) > self._capacity:
+            del self._code[next(iter(self._code))]
         return entry
 
     def close(self) -> None:

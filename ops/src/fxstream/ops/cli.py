@@ -349,6 +349,44 @@ def bench_payload(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("soak")
+def bench_soak(
+    rate: Annotated[int, typer.Option(min=1, help="No-op tasks submitted per second.")] = 500,
+    minutes: Annotated[float, typer.Option(min=0.1, help="How long the load runs.")] = 10.0,
+    warmup_minutes: Annotated[
+        float, typer.Option(min=0.0, help="Minutes before RSS is judged (under half the run).")
+    ] = 2.0,
+    interval: Annotated[float, typer.Option(min=0.5, help="Seconds between RSS samples.")] = 10.0,
+    max_slope: Annotated[
+        float, typer.Option(min=0.0, help="Flat: at most this many MB per 10 min (2nd half).")
+    ] = 5.0,
+    max_growth: Annotated[
+        float, typer.Option(min=0.0, help="Flat: end at most (1 + this) x post-warm-up RSS.")
+    ] = 0.10,
+) -> None:
+    """RSS of every process (broker, Redis, service, agent, workers, SDK) under steady load."""
+    from fxstream.ops.bench.soak import SoakSettings, run_soak_bench
+
+    settings = SoakSettings(
+        rate=rate,
+        minutes=minutes,
+        warmup_minutes=warmup_minutes,
+        interval_s=interval,
+        max_slope_mb=max_slope,
+        max_growth=max_growth,
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]bench soak:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        run_soak_bench(console=console, settings=settings)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench soak failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 def _labels(text: str) -> tuple[str, ...]:
     """Comma-separated labels, blanks dropped."""
     return tuple(label.strip() for label in text.split(",") if label.strip())

@@ -41,12 +41,13 @@ from typing import Any, cast
 import faust
 from faust.types import StreamT
 
+from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import LivenessMonitor, Transition
 from fxstream.service.outgoing import Outgoing, send_all
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
-from fxstream.service.task_state import ResultsFollower, TaskStatePlanner
+from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import Catalogue
 
@@ -128,13 +129,23 @@ def build_app(
     router_loop = RouterLoop(
         bootstrap_servers, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
     )
-    planner = TaskStatePlanner(catalogue)
+    # The planner's memory of tasks: the most recent in memory, the rest read back from
+    # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
+    # Its directory is a fresh temporary one per process (faust's data_dir is shared by
+    # every platform on the machine that uses the default app id).
+    states = RegistryView(bootstrap_servers, catalogue, follow=("task-state",))
+    planner = TaskStatePlanner(catalogue, memory=TaskMemory(recall=recall_from(states)))
 
     async def write(records: Sequence[Outgoing]) -> None:
         await _write_or_exit(app, records)
 
     follower = ResultsFollower(
-        bootstrap_servers, planner, write, group_id=f"{app_id}-task-state", batch_size=batch_size
+        bootstrap_servers,
+        planner,
+        write,
+        group_id=f"{app_id}-task-state",
+        batch_size=batch_size,
+        states=states,
     )
 
     liveness = LivenessMonitor(catalogue)

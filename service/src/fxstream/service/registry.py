@@ -7,6 +7,12 @@ record per key (a tombstone deletes), and keeps following them. Heartbeats
 liveness processor's output: an endpoint's status is computed from its last
 heartbeat when asked. Kill the service and restart it, and the view is back
 as it was.
+
+Task states are not held in memory: ``task-state`` grows with every task ever
+run, so the view folds it into a :class:`~fxstream.service.task_table.TaskStateTable`
+(RocksDB on local disk, rebuilt at every start) whose memory is bounded by its
+settings. The other tables grow with the registry (users, functions, endpoints),
+not with tasks.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, TypeVar
 
 from confluent_kafka import (
@@ -27,6 +34,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from fxstream.service.task_table import TaskStateTable
 from fxstream.topics import (
     Catalogue,
     EndpointRecord,
@@ -89,6 +97,7 @@ class RegistryView:
         *,
         follow: Iterable[Followed] = ALL_FOLLOWED,
         on_bad_record: BadRecord | None = None,
+        task_table_dir: Path | None = None,
     ) -> None:
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
@@ -104,9 +113,10 @@ class RegistryView:
             self._kinds[topic] = (followed, record_type)
         self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in ALL_FOLLOWED}
         self._token_index: dict[str, UserRecord] = {}
-        # task group id -> user id -> task ids (a dict used as an insertion-ordered set),
-        # so a group's tasks are listed in the order task-state first saw them.
-        self._groups: dict[str, dict[str, dict[str, None]]] = {}
+        # Task states and task groups live on disk (a temporary directory by default).
+        self._task_table: TaskStateTable | None = None
+        if "task-state" in (followed for followed, _ in self._kinds.values()):
+            self._task_table = TaskStateTable(task_table_dir)
         self._positions: dict[tuple[str, int], int] = {}
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -171,6 +181,8 @@ class RegistryView:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._consumer.close()
+        if self._task_table is not None:
+            self._task_table.close()
 
     def wait_until_current(self, timeout_s: float = 30.0) -> bool:
         """Wait until everything that existed at ``start`` has been read."""
@@ -211,17 +223,20 @@ class RegistryView:
         ]
 
     def task(self, task_id: str) -> TaskState | None:
-        """The latest state of a task."""
-        return _as(self._tables["task-state"].get(task_id), TaskState)
+        """The latest state of a task (None unless this view follows task-state)."""
+        return None if self._task_table is None else self._task_table.get(task_id)
 
     def task_group(self, task_group_id: str, user_id: str) -> list[str]:
         """The ids of ``user_id``'s tasks in ``task_group_id``, in the order first seen."""
-        members = self._groups.get(task_group_id, {}).get(user_id)
-        return list(members.copy()) if members is not None else []
+        if self._task_table is None:
+            return []
+        return self._task_table.group(task_group_id, user_id)
 
     def task_group_users(self, task_group_id: str) -> set[str]:
         """The users with at least one task in ``task_group_id`` (a client picks group ids)."""
-        return set(self._groups.get(task_group_id, {}).copy())
+        if self._task_table is None:
+            return set()
+        return self._task_table.group_users(task_group_id)
 
     def endpoint_status(self, endpoint_id: str, now: float | None = None) -> EndpointStatus:
         """Online while the last heartbeat is younger than LIVENESS_PERIODS periods."""
@@ -286,7 +301,10 @@ class RegistryView:
         value = message.value()
         table = self._tables[followed]
         if value is None and followed != "heartbeats":
-            self._remove(followed, key)
+            if followed == "task-state" and self._task_table is not None:
+                self._task_table.delete(key)
+            else:
+                self._remove(followed, key)
             return
         try:
             record = decode(value, record_type)
@@ -301,8 +319,8 @@ class RegistryView:
                 table[record.endpoint_id] = record
             return
         if isinstance(record, TaskState):
-            self._index_task(key, _as(table.get(key), TaskState), record)
-            table[key] = record
+            if self._task_table is not None and value is not None:
+                self._task_table.put(key, record, value)
             return
         self._remove(followed, key)
         table[key] = record
@@ -313,33 +331,6 @@ class RegistryView:
         old = self._tables[followed].pop(key, None)
         if isinstance(old, UserRecord):
             self._token_index.pop(old.token_sha256, None)
-        elif isinstance(old, TaskState):
-            self._unindex_task(key, old)
-
-    def _index_task(self, key: str, old: TaskState | None, new: TaskState) -> None:
-        # A task's later states keep its place in its group, so a listing paged by
-        # position neither skips nor repeats a task while the group's tasks progress.
-        if old is not None:
-            if (old.task_group_id, old.user_id) == (new.task_group_id, new.user_id):
-                return
-            self._unindex_task(key, old)
-        if new.task_group_id is not None:
-            users = self._groups.setdefault(new.task_group_id, {})
-            users.setdefault(new.user_id, {})[key] = None
-
-    def _unindex_task(self, key: str, old: TaskState) -> None:
-        if old.task_group_id is None:
-            return
-        users = self._groups.get(old.task_group_id)
-        if users is None:
-            return
-        members = users.get(old.user_id)
-        if members is not None:
-            members.pop(key, None)
-            if not members:
-                del users[old.user_id]
-        if not users:
-            del self._groups[old.task_group_id]
 
     def _reached(self, targets: dict[tuple[str, int], int]) -> bool:
         return all(self._positions.get(tp, 0) >= end for tp, end in targets.items() if end > 0)

@@ -19,6 +19,7 @@ attempt is kept in the state with its error and host.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -36,11 +37,14 @@ from fxstream.service.lifecycle import (
     EVENT_STATES,
     TERMINAL_STATES,
     KnownTask,
+    Recall,
     TaskMemory,
+    known_from_state,
     may_follow,
 )
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.outgoing import Outgoing, fits
+from fxstream.service.registry import RegistryView
 from fxstream.topics import (
     Attempt,
     Catalogue,
@@ -61,6 +65,7 @@ __all__ = [
     "TaskStatePlanner",
     "TaskStateStats",
     "fold_result",
+    "recall_from",
     "results_pattern",
 ]
 
@@ -70,6 +75,19 @@ COMPONENT = "task-state"
 Send = Callable[[Sequence[Outgoing]], Awaitable[None]]
 # A lone task's attempt history is kept to this many entries (the latest ones).
 MAX_ATTEMPTS_KEPT = 50
+# How long the processor waits, at start, for its task-state table to catch up.
+CATCH_UP_S = 120.0
+
+
+def recall_from(view: RegistryView) -> Recall:
+    """A :class:`TaskMemory` recall that reads a task's state from ``view``'s on-disk
+    task-state table (a view following ``task-state``)."""
+
+    def recall(task_id: str) -> KnownTask | None:
+        state = view.task(task_id)
+        return None if state is None else known_from_state(state)
+
+    return recall
 
 
 def results_pattern(catalogue: Catalogue) -> str:
@@ -292,7 +310,9 @@ class ResultsFollower(StoppableLoop):
     then commits.
 
     Offsets are committed only after the batch's writes are acknowledged, so a
-    crash re-reads (at least once) and never skips a result.
+    crash re-reads (at least once) and never skips a result. ``states`` is the view
+    of task-state the planner's memory recalls from (``recall_from``): it is started,
+    and read to its end, before the first batch, and closed at the end.
     """
 
     name = "task-state"
@@ -306,8 +326,10 @@ class ResultsFollower(StoppableLoop):
         group_id: str,
         batch_size: int = 500,
         metadata_max_age_ms: int = 5_000,
+        states: RegistryView | None = None,
     ) -> None:
         super().__init__()
+        self._states = states
         self._planner = planner
         self._send = send
         self._batch_size = batch_size
@@ -332,6 +354,7 @@ class ResultsFollower(StoppableLoop):
         # aiokafka binds a consumer to the running loop, so it is made here, not in __init__.
         self._consumer = AIOKafkaConsumer(**self._consumer_settings)
         try:
+            await self._start_states()
             await self._consumer.start()
             self._consumer.subscribe(pattern=_inputs_pattern(self._planner.catalogue))
             while not self._stopping.is_set():
@@ -342,7 +365,22 @@ class ResultsFollower(StoppableLoop):
                     await self._commit(batch)
         finally:
             await self._consumer.stop()
+            if self._states is not None:
+                await asyncio.to_thread(self._states.close)
             self._done.set()
+
+    async def _start_states(self) -> None:
+        if self._states is None:
+            return
+        await asyncio.to_thread(self._states.start)
+        if not await asyncio.to_thread(self._states.wait_until_current, CATCH_UP_S):
+            # Not fatal: a restart would only read the same topic again. Until the table
+            # is current, a task seen only before the restart counts as routed.
+            log.warning(
+                "task-state: the task-state table did not catch up in %.0f s; folding "
+                "anyway (it keeps reading)",
+                CATCH_UP_S,
+            )
 
     async def _commit(self, batch: dict[Any, list[Any]]) -> None:
         try:

@@ -58,6 +58,9 @@ __all__ = ["Client", "RegisteredUser"]
 log = logging.getLogger(__name__)
 
 _STATUS_CHUNK: Final = 1_000
+# Futures of run/batch_run kept for get_result: beyond this many, the oldest finished one
+# is dropped per new task (get_result then asks the service, as after forget()).
+_RETAINED: Final = 100_000
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
 _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
@@ -389,7 +392,9 @@ class Client:
         """The future of ``task``, registered with the results listener (before it is sent).
 
         With ``retain``, the client keeps the future so ``get_result`` and
-        ``get_task`` answer from it (what ``run`` and ``batch_run`` do).
+        ``get_task`` answer from it (what ``run`` and ``batch_run`` do); the
+        newest 100,000 finished ones at most, plus every unfinished one (older
+        tasks are answered by the service).
         """
         listener = self._streams()[1]
         future = TaskFuture(
@@ -404,6 +409,11 @@ class Client:
         if retain:
             with self._lock:
                 self._futures[task.task_id] = future
+                if len(self._futures) > _RETAINED:
+                    oldest = next(iter(self._futures))
+                    kept = self._futures.pop(oldest)
+                    if not kept.done():  # still waited for: to the back of the line
+                        self._futures[oldest] = kept
         return future
 
     def untrack(self, task_id: str) -> None:

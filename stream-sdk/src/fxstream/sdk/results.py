@@ -67,8 +67,9 @@ _TRANSIENT: Final = frozenset(
         KafkaError._TRANSPORT,
     }
 )
-# Task ids remembered after their result, so a duplicate is recognised (and counted).
-_REMEMBERED: Final = 1_000_000
+# Task ids remembered after their result, so a duplicate is recognised (and counted);
+# ~270 B each, so at most ~27 MB. An older task's duplicate counts as unknown (ignored).
+_REMEMBERED: Final = 100_000
 
 _FETCH_THREADS: Final = 4
 

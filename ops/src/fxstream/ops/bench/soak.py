@@ -1,0 +1,423 @@
+"""Memory under steady load: does every process's RSS stay flat once warmed up?
+
+A private platform (broker, Redis, REST API, stream processors, one local endpoint with
+its 2 workers) on free ports in a temporary home gets no-op tasks through
+``Executor.submit`` at a steady ``rate`` for ``minutes``. Every ``interval_s`` seconds
+the resident set size (RSS) of every process is sampled: each broker node, Redis, each
+service process and every process below it (the processors, the agent, its workers),
+and the SDK itself (this process). Futures are not kept: a done callback counts them.
+
+Flatness is judged per process on the samples after ``warmup_minutes``:
+
+- ``slope``: the least-squares slope of RSS over the second half of the run, in MB per
+  10 minutes (what a process that grows with every task shows);
+- ``ratio``: the last sample over the first one after the warm-up.
+
+A process is flat when ``slope <= max_slope_mb`` and ``ratio <= 1 + max_growth``. At the
+end, the first task of the run is read back from the service (``get_task``): a view that
+bounds its memory must still answer for a task long evicted from its cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from fxstream.ops.bench.stack import (
+    IDLE_TIMEOUT_S,
+    WORKERS,
+    BenchError,
+    PrivatePlatform,
+    noop,
+    private_platform,
+)
+from fxstream.ops.platform import Platform
+from fxstream.sdk import Client, Executor, TaskFuture
+
+__all__ = ["ProcessFigures", "SoakSettings", "judge", "run_soak_bench", "slope_per_10min"]
+
+MB = 1_000_000
+# How often the pacing loop wakes to submit what is due.
+_TICK_S = 0.02
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    """What ``./fx bench soak`` runs."""
+
+    rate: int = 500
+    minutes: float = 10.0
+    warmup_minutes: float = 2.0
+    interval_s: float = 10.0
+    max_slope_mb: float = 5.0
+    max_growth: float = 0.10
+
+    def validate(self) -> None:
+        """Raise ValueError naming the option that is out of range."""
+        if self.rate < 1:
+            raise ValueError("--rate must be at least 1 task/s")
+        if self.minutes <= 0:
+            raise ValueError("--minutes must be positive")
+        if not 0 <= self.warmup_minutes < self.minutes / 2:
+            raise ValueError(
+                "--warmup-minutes must be under half of --minutes: flatness is judged on "
+                "the second half of the run, after the warm-up"
+            )
+        if self.interval_s <= 0:
+            raise ValueError("--interval must be positive")
+        if self.minutes * 60 / self.interval_s < 6:
+            raise ValueError("--interval too long for --minutes: fewer than 6 samples")
+
+
+@dataclass
+class ProcessFigures:
+    """One process's RSS over the run and the verdict on it."""
+
+    label: str
+    pids: list[int]
+    first_mb: float
+    post_warmup_mb: float
+    end_mb: float
+    max_mb: float
+    slope_mb_per_10min: float
+    ratio: float
+    flat: bool
+    series_mb: list[float | None] = field(default_factory=list)
+
+
+def slope_per_10min(points: Sequence[tuple[float, float]]) -> float:
+    """The least-squares slope of ``(seconds, MB)`` points, in MB per 10 minutes."""
+    if len(points) < 2:
+        return 0.0
+    n = len(points)
+    mean_t = sum(t for t, _ in points) / n
+    mean_v = sum(v for _, v in points) / n
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    cov = sum((t - mean_t) * (v - mean_v) for t, v in points)
+    return cov / var * 600.0
+
+
+def judge(
+    label: str,
+    pids: list[int],
+    series: Sequence[tuple[float, float | None]],
+    settings: SoakSettings,
+) -> ProcessFigures | None:
+    """The figures of one process from its ``(seconds, MB or None)`` samples.
+
+    None when the process was never sampled after the warm-up.
+    """
+    warmup_s = settings.warmup_minutes * 60
+    half_s = settings.minutes * 60 / 2
+    present = [(t, v) for t, v in series if v is not None]
+    after = [(t, v) for t, v in present if t >= warmup_s]
+    if not present or not after:
+        return None
+    post, end = after[0][1], after[-1][1]
+    slope = slope_per_10min([(t, v) for t, v in after if t >= half_s])
+    ratio = end / post if post > 0 else 1.0
+    return ProcessFigures(
+        label=label,
+        pids=pids,
+        first_mb=round(present[0][1], 1),
+        post_warmup_mb=round(post, 1),
+        end_mb=round(end, 1),
+        max_mb=round(max(v for _, v in present), 1),
+        slope_mb_per_10min=round(slope, 2),
+        ratio=round(ratio, 3),
+        flat=slope <= settings.max_slope_mb and ratio <= 1 + settings.max_growth,
+        series_mb=[None if v is None else round(v, 1) for _, v in series],
+    )
+
+
+# --- which processes -----------------------------------------------------------------------
+
+
+def _short(process: psutil.Process) -> str:
+    """A short name for a child process: its module (``-m x.y``) or its program's name."""
+    try:
+        argv = process.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return "gone"
+    if "-m" in argv and argv.index("-m") + 1 < len(argv):
+        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
+    if "-c" in argv and argv.index("-c") + 1 < len(argv):
+        # multiprocessing's children: "from multiprocessing.spawn import spawn_main; ..."
+        found = re.search(r"(?:from|import)\s+([\w.]+)", argv[argv.index("-c") + 1])
+        module = found.group(1).rsplit(".", 1)[-1] if found else "python -c"
+        return "worker" if module == "spawn" else module
+    for arg in argv[1:]:
+        if not arg.startswith("-"):
+            return os.path.basename(arg)
+    return os.path.basename(argv[0]) if argv else process.name()
+
+
+def _roots(platform: Platform) -> list[tuple[str, int]]:
+    """The platform's own processes, by name: brokers, Redis, each service process."""
+    found: list[tuple[str, int]] = []
+    for node in platform.nodes(cluster=platform.running_mode() == "cluster"):
+        pid = node.process.pid()
+        if pid is not None:
+            found.append((f"kafka node {node.node_id}", pid))
+    redis_pid = platform.redis().process.pid()
+    if redis_pid is not None:
+        found.append(("redis", redis_pid))
+    for process in platform.services().processes():
+        pid = process.pid()
+        if pid is not None:
+            found.append((process.name, pid))
+    return found
+
+
+def _walk(platform: Platform) -> Iterator[tuple[str, int, int]]:
+    """``(label, pid, rss)`` of every platform process and its descendants, and this one.
+
+    Children with the same short name under one parent are numbered in pid order
+    (``worker#1``, ``worker#2``), so a restarted worker keeps its label.
+    """
+    for name, pid in _roots(platform):
+        try:
+            root = psutil.Process(pid)
+            yield name, pid, root.memory_info().rss
+            children = sorted(root.children(recursive=True), key=lambda p: p.pid)
+        except psutil.NoSuchProcess:
+            continue
+        seen: dict[str, int] = {}
+        for child in children:
+            short = _short(child)
+            seen[short] = seen.get(short, 0) + 1
+            try:
+                rss = child.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+            yield f"{name} / {short}#{seen[short]}", child.pid, rss
+    yield "sdk (this bench)", os.getpid(), psutil.Process().memory_info().rss
+
+
+# --- the run -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Counts:
+    submitted: int = 0
+    succeeded: int = 0
+    failed: int = 0
+    first_error: str = ""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def done(self, future: Any) -> None:
+        error = None if future.cancelled() else future.exception()
+        with self.lock:
+            if error is None and not future.cancelled():
+                self.succeeded += 1
+            else:
+                self.failed += 1
+                self.first_error = self.first_error or repr(error or "cancelled")
+
+    @property
+    def finished(self) -> int:
+        with self.lock:
+            return self.succeeded + self.failed
+
+
+@dataclass
+class _Samples:
+    times: list[float] = field(default_factory=list)
+    rss: dict[str, dict[int, float]] = field(default_factory=dict)  # label -> index -> MB
+    pids: dict[str, list[int]] = field(default_factory=dict)
+    backlog: list[int] = field(default_factory=list)
+
+    def take(self, platform: Platform, at: float, backlog: int) -> None:
+        index = len(self.times)
+        self.times.append(round(at, 1))
+        self.backlog.append(backlog)
+        for label, pid, rss in _walk(platform):
+            self.rss.setdefault(label, {})[index] = rss / MB
+            pids = self.pids.setdefault(label, [])
+            if pid not in pids:
+                pids.append(pid)
+
+    def series(self, label: str) -> list[tuple[float, float | None]]:
+        values = self.rss[label]
+        return [(t, values.get(i)) for i, t in enumerate(self.times)]
+
+
+def _load(
+    console: Console,
+    private: PrivatePlatform,
+    platform: Platform,
+    settings: SoakSettings,
+    samples: _Samples,
+) -> dict[str, Any]:
+    """Submit at ``rate`` for ``minutes``, sampling; then drain and read the first task back."""
+    counts = _Counts()
+    duration = settings.minutes * 60
+    first_task: TaskFuture | None = None
+    with private.executor() as executor:
+        executor.submit(noop).result(timeout=IDLE_TIMEOUT_S)  # registered, warm
+        start = time.monotonic()
+        next_sample = start
+        while (now := time.monotonic()) - start < duration:
+            due = int(settings.rate * (now - start))
+            while counts.submitted < due:
+                future = executor.submit(noop, counts.submitted)
+                if first_task is None:
+                    first_task = future
+                counts.submitted += 1
+                future.add_done_callback(counts.done)
+            if now >= next_sample:
+                backlog = counts.submitted - counts.finished
+                samples.take(platform, now - start, backlog)
+                _progress(console, samples, now - start, counts)
+                if backlog > settings.rate * IDLE_TIMEOUT_S:
+                    raise BenchError(
+                        f"{backlog:,} tasks behind after {now - start:.0f} s: the platform "
+                        f"does not keep up with {settings.rate:,} tasks/s on this machine; "
+                        "run with a lower --rate"
+                    )
+                next_sample += settings.interval_s
+            time.sleep(_TICK_S)
+        load_s = time.monotonic() - start
+        samples.take(platform, load_s, counts.submitted - counts.finished)
+        drained = _drain(executor, counts)
+        first_state = _read_back(private, first_task)
+    return {
+        "submitted": counts.submitted,
+        "succeeded": counts.succeeded,
+        "failed": counts.failed,
+        "first_error": counts.first_error,
+        "achieved_rate": round(counts.submitted / load_s) if load_s > 0 else 0,
+        "drained_in_s": drained,
+        "first_task_state": first_state,
+    }
+
+
+def _drain(executor: Executor, counts: _Counts) -> float:
+    """Wait for the outstanding tasks; seconds it took. Raises if none finishes for a while."""
+    start = last_change = time.monotonic()
+    last = counts.finished
+    while executor.outstanding:
+        time.sleep(0.2)
+        finished = counts.finished
+        if finished != last:
+            last, last_change = finished, time.monotonic()
+        elif time.monotonic() - last_change > IDLE_TIMEOUT_S:
+            raise BenchError(
+                f"{executor.outstanding:,} tasks still without a result {IDLE_TIMEOUT_S:.0f} s "
+                "after the load stopped: the platform stalled or lost them"
+            )
+    return round(time.monotonic() - start, 1)
+
+
+def _read_back(private: PrivatePlatform, first: TaskFuture | None) -> str:
+    """The service's state of the run's first task (asked over REST, not the future)."""
+    if first is None:
+        return "none submitted"
+    client: Client = private.client()
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            state = str(client.get_task(first.task_id).get("state"))
+            if state == "succeeded" or time.monotonic() > deadline:
+                return state
+            time.sleep(0.5)
+    finally:
+        client.close()
+
+
+def _progress(console: Console, samples: _Samples, at: float, counts: _Counts) -> None:
+    total = sum(values.get(len(samples.times) - 1, 0.0) for values in samples.rss.values())
+    console.print(
+        f"  {at:6.0f} s  submitted {counts.submitted:,}  done {counts.finished:,}  "
+        f"backlog {samples.backlog[-1]:,}  RSS of all processes {total:,.0f} MB",
+        highlight=False,
+    )
+
+
+# --- report --------------------------------------------------------------------------------
+
+
+def _print_table(console: Console, figures: list[ProcessFigures], settings: SoakSettings) -> None:
+    table = Table(
+        title=f"RSS under {settings.rate:,} no-op tasks/s for {settings.minutes:g} min "
+        f"(warm-up {settings.warmup_minutes:g} min; flat: slope <= {settings.max_slope_mb:g} "
+        f"MB/10 min and end/post-warm-up <= {1 + settings.max_growth:g})"
+    )
+    for column in ("process", "first MB", "post-warm-up MB", "end MB", "max MB"):
+        table.add_column(column, justify="left" if column == "process" else "right")
+    for column in ("slope MB/10 min", "end/post", "flat"):
+        table.add_column(column, justify="right")
+    for f in figures:
+        restarts = f" (restarted x{len(f.pids) - 1})" if len(f.pids) > 1 else ""
+        table.add_row(
+            f.label + restarts,
+            f"{f.first_mb:,.1f}",
+            f"{f.post_warmup_mb:,.1f}",
+            f"{f.end_mb:,.1f}",
+            f"{f.max_mb:,.1f}",
+            f"{f.slope_mb_per_10min:+.1f}",
+            f"{f.ratio:.3f}",
+            "[green]yes[/green]" if f.flat else "[red]NO[/red]",
+        )
+    # One line per process also when stdout is not a terminal (rich then assumes 80 columns).
+    wide = console if console.is_terminal else Console(file=console.file, width=150)
+    wide.print(table)
+
+
+def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any]:
+    """Run the soak; print a table and, as the last line of stdout, one JSON object.
+
+    Every process started here is stopped before it returns.
+    """
+    settings.validate()
+    started = time.perf_counter()
+    samples = _Samples()
+    with private_platform(console, services=True) as private:
+        platform = Platform(private.config)
+        console.print(
+            f"soak: {settings.rate:,} tasks/s for {settings.minutes:g} min, RSS every "
+            f"{settings.interval_s:g} s"
+        )
+        load = _load(console, private, platform, settings, samples)
+    figures = [
+        judged
+        for label in samples.rss
+        if (judged := judge(label, samples.pids[label], samples.series(label), settings))
+        is not None
+    ]
+    _print_table(console, figures, settings)
+    flat = all(f.flat for f in figures)
+    report: dict[str, Any] = {
+        "bench": "soak",
+        **asdict(settings),
+        "workers": WORKERS,
+        "cpu_count": os.cpu_count() or 0,
+        **load,
+        "flat": flat,
+        "not_flat": [f.label for f in figures if not f.flat],
+        "sample_times_s": samples.times,
+        "backlog": samples.backlog,
+        "processes": [asdict(f) for f in figures],
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    verdict = (
+        "[green]flat[/green]" if flat else "[red]NOT flat[/red]: " + ", ".join(report["not_flat"])
+    )
+    console.print(
+        f"{load['submitted']:,} tasks ({load['achieved_rate']:,}/s), {load['failed']:,} failed; "
+        f"first task read back: {load['first_task_state']}; memory after warm-up: {verdict}"
+    )
+    print(json.dumps(report), flush=True)
+    return report
