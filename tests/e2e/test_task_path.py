@@ -336,16 +336,20 @@ def test_status_reports_every_service_and_a_stopped_one(stack: Stack) -> None:
     status = stack.platform.status()
     assert status.healthy, status.to_json()
     names = {c.name for c in status.components}
-    assert {"service api", "stream processors", "endpoint local"} <= names
+    assert {"supervisor", "service api", "router", "task-state", "liveness"} <= names
+    assert "endpoint local" in names
     services = stack.platform.services()
-    assert services.processors.stop(timeout_s=60)
+    assert services.task_state.stop(timeout_s=60)
     try:
         stopped = stack.platform.status()
         assert not stopped.healthy
-        processors = next(c for c in stopped.components if c.name == "stream processors")
-        assert processors.pid is None and processors.detail == "not running"
+        task_state = next(c for c in stopped.components if c.name == "task-state")
+        assert task_state.pid is None and task_state.detail == "not running"
+        # Held stopped, not crashed: the supervisor leaves it stopped.
+        time.sleep(2.0)
+        assert services.task_state.pid() is None
     finally:
-        services.processors.start()
+        services.task_state.start()
 
 
 def test_the_quickstart_runs_and_reports_its_rate(stack: Stack) -> None:
