@@ -221,7 +221,8 @@ class ServiceSet:
         # Children of a supervisor that died get SIGTERM from the kernel; anything
         # still alive is stopped here, by PID.
         for process, _ in running:
-            process.stop(timeout_s)
+            if process.pid() is not None:
+                process.stop(timeout_s)
         return stopped
 
     def status(self, *, expected: bool) -> list[ComponentStatus]:
