@@ -6,6 +6,7 @@ The children are small Python programs (no broker needed); the supervisor runs a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -178,3 +179,32 @@ class _NoState:
 
 
 _NO = _NoState()
+
+
+def test_status_flags_a_crash_looping_service_process_as_unhealthy(tmp_path: Path) -> None:
+    """What ``./fx status`` shows from the supervisor's record of a crash-looping router."""
+    from fxstream.ops.services import ServiceSet
+    from tests.conftest import private_config
+
+    services = ServiceSet(private_config(tmp_path))
+    services.state_dir.mkdir(parents=True)
+    services.credentials_file.write_text("{}")
+    looping = {
+        "name": "router",
+        "state": "backoff",
+        "restarts": 7,
+        "exits_in_a_row": 4,
+        "crash_looping": True,
+        "last_exit_code": 75,
+        "last_restart_at": 1_700_000_000.0,
+    }
+    (services.state_dir / "supervisor.json").write_text(
+        json.dumps({"supervisor_pid": 0, "children": {"router": looping}})
+    )
+    found = {c.name: c for c in services.status(expected=True)}
+    router = found["router"]
+    assert not router.healthy and router.crash_looping
+    assert (router.restarts, router.last_exit_code) == (7, 75)
+    assert "crash-looping: exited 4 times in a row, last exit code 75" in router.detail
+    assert str(services.router.log_file) in router.detail
+    assert not found["supervisor"].healthy and found["supervisor"].detail == "not running"

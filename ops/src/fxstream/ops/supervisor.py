@@ -36,7 +36,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 
@@ -123,7 +123,11 @@ def read_states(state_dir: Path) -> dict[str, ChildState]:
     except (OSError, ValueError):
         return {}
     children = raw.get("children", {}) if isinstance(raw, dict) else {}
-    return {key: ChildState(**value) for key, value in children.items()}
+    known = {f.name for f in fields(ChildState)}
+    return {
+        key: ChildState(**{k: v for k, v in value.items() if k in known})
+        for key, value in children.items()
+    }
 
 
 @dataclass
