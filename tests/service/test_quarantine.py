@@ -221,8 +221,9 @@ def test_a_submission_whose_dispatch_is_over_the_queue_limit_is_refused_and_rout
     result = decoded(dep.reader(dep.catalogue.results(BOB)).wait_for(key_is(big_id)), TaskResult)
     assert result.error is not None and result.error.type == TaskErrorType.REJECTED
     assert "max.message.bytes" in result.error.message, result.error.message
-    states = [decoded(m, TaskState) for m in dep.reader(dep.catalogue.task_state).keyed(big_id)]
-    assert states and states[-1].state is TaskStateName.REJECTED
+    dep.reader(dep.catalogue.task_state).wait_for(
+        lambda m: key_is(big_id)(m) and decoded(m, TaskState).state is TaskStateName.REJECTED
+    )
     letters = _wait_letters(dep, big_id, want=True)
     assert letters and letters[-1].original_value == value
     assert not queue.keyed(big_id)

@@ -153,6 +153,10 @@ def build_app(
     app = faust.App(
         faust_id, broker=_broker_urls(bootstrap_servers), **_app_settings(catalogue, data_dir)
     )
+    if "liveness" not in roles:
+        # No faust agent: faust's own consumer would subscribe to no topic, which crashes
+        # its conductor. The router and task-state loops bring their own consumers.
+        app.producer_only = True
     stoppers: list[Callable[[], Awaitable[None]]] = []
     if "router" in roles:
         _add_router(app, bootstrap_servers, catalogue, app_id, batch_size, stoppers)

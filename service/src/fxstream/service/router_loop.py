@@ -186,7 +186,11 @@ class RouterLoop(StoppableLoop):
                 if refuses_record(exc) and rounds < QUARANTINE_ROUNDS:
                     rounds += 1
                     attempt -= 1  # the record's fault, not the broker's
-                    records = await self._quarantine(records, inputs, exc, rounds)
+                    try:
+                        records = await self._quarantine(records, inputs, exc, rounds)
+                    except Exception:
+                        # The broker failed while probing, or no single task is at fault.
+                        self._exit("router: cannot set aside the records Kafka refused")
                     continue
                 if attempt >= COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
                     self._exit("router: cannot commit a batch to Kafka")
