@@ -20,6 +20,9 @@ task(s) whose records Kafka refuses. The batch is then committed without them,
 each culprit refused instead (:meth:`Router.refuse`: an error result naming
 the limit, a ``rejected`` state, a dead letter). If even that is refused, the
 culprit is only dead-lettered, and at last dead-lettered without its value.
+After each refusal the producer is replaced (same transactional id, new
+epoch): the broker never took the refused batch's sequence numbers, and the
+old producer's next transaction would fail with OutOfOrderSequenceNumber.
 The router thus never stops for a record; it exits only when the broker
 fails (below).
 
@@ -187,6 +190,10 @@ class RouterLoop(StoppableLoop):
                     rounds += 1
                     attempt -= 1  # the record's fault, not the broker's
                     try:
+                        # The refused batch used up sequence numbers the broker never
+                        # accepted: without a new producer (new epoch) the next
+                        # transaction fails with OutOfOrderSequenceNumber.
+                        await self._restart_producer()
                         records = await self._quarantine(records, inputs, exc, rounds)
                     except Exception:
                         # The broker failed while probing, or no single task is at fault.
@@ -229,6 +236,7 @@ class RouterLoop(StoppableLoop):
         Raises any other failure (the broker's).
         """
         await self._producer.begin_transaction()
+        refused: BaseException | None = None
         try:
             sent = [
                 await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
@@ -238,10 +246,12 @@ class RouterLoop(StoppableLoop):
         except Exception as exc:
             if not refuses_record(exc):
                 raise
-            return exc
+            refused = exc
         finally:
             await self._producer.abort_transaction()
-        return None
+        if refused is not None:
+            await self._restart_producer()  # sequence numbers, as in _commit
+        return refused
 
     async def _bisect(
         self,
