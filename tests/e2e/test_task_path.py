@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -336,16 +339,53 @@ def test_status_reports_every_service_and_a_stopped_one(stack: Stack) -> None:
     status = stack.platform.status()
     assert status.healthy, status.to_json()
     names = {c.name for c in status.components}
-    assert {"service api", "stream processors", "endpoint local"} <= names
+    assert {"supervisor", "service api", "router", "task-state", "liveness"} <= names
+    assert "endpoint local" in names
     services = stack.platform.services()
-    assert services.processors.stop(timeout_s=60)
+    assert services.task_state.stop(timeout_s=60)
     try:
         stopped = stack.platform.status()
         assert not stopped.healthy
-        processors = next(c for c in stopped.components if c.name == "stream processors")
-        assert processors.pid is None and processors.detail == "not running"
+        task_state = next(c for c in stopped.components if c.name == "task-state")
+        assert task_state.pid is None and task_state.detail == "not running"
+        # Held stopped, not crashed: the supervisor leaves it stopped.
+        time.sleep(2.0)
+        assert services.task_state.pid() is None
     finally:
-        services.processors.start()
+        services.task_state.start()
+
+
+def test_a_service_process_killed_with_sigkill_is_restarted_and_status_json_shows_it(
+    stack: Stack,
+) -> None:
+    services = stack.platform.services()
+    before = services.router.state()
+    assert before is not None
+    pid = services.router.pid()
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while services.router.pid() in (None, pid):
+        assert time.monotonic() < deadline, "the supervisor did not restart the router"
+        time.sleep(0.1)
+    # The real CLI, as an operator runs it.
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "fxstream"), "status", "--json"],
+        env={**os.environ, "FXSTREAM_HOME": str(stack.platform.config.home)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    body = json.loads(done.stdout)
+    router = next(c for c in body["components"] if c["name"] == "router")
+    assert router["restarts"] == before.restarts + 1, router
+    assert router["last_exit_code"] == -signal.SIGKILL, router
+    assert router["pid"] not in (None, pid) and router["last_restart_at"] is not None
+    assert not router["crash_looping"] and router["healthy"], router
+    assert done.returncode == 0 and body["healthy"], done.stdout
+    # And the restarted router routes.
+    with stack.executor() as executor:
+        assert executor.submit(double, 4).result(timeout=60) == 8
 
 
 def test_the_quickstart_runs_and_reports_its_rate(stack: Stack) -> None:

@@ -139,8 +139,10 @@ class FaultStack:
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGCONT)
-        for process in processes:
+        for process in self.extra_agents:
             process.stop(timeout_s=30)
+        # The supervisor stops the service processes, by PID.
+        self.services.stop(timeout_s=30)
 
     def restore(self) -> None:
         """Undo a test's faults: stop the extra agents; continue or restart the services."""

@@ -100,8 +100,10 @@ def key_is(key: str) -> Callable[[Message], bool]:
 class Processors:
     """``python -m fxstream.service.processors`` in a subprocess, stopped by PID."""
 
-    def __init__(self, bootstrap: str, catalogue: Catalogue, workdir: Path) -> None:
-        self.log_path = workdir / "processors.log"
+    def __init__(
+        self, bootstrap: str, catalogue: Catalogue, workdir: Path, roles: tuple[str, ...] = ()
+    ) -> None:
+        self.log_path = workdir / f"processors{'-'.join(('', *roles))}.log"
         app_id = "test-processors-" + catalogue.prefix.strip(".")
         command = [
             sys.executable,
@@ -115,6 +117,7 @@ class Processors:
             app_id,
             "--data-dir",
             str(workdir / "faust"),
+            *(arg for role in roles for arg in ("--only", role)),
         ]
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Annotated, NoReturn
 
 import typer
@@ -44,11 +45,15 @@ def _config() -> PlatformConfig:
 
 def _print_status(status: PlatformStatus) -> None:
     table = Table(title=f"fxstream platform ({status.mode or 'stopped'})")
-    for column in ("component", "address", "pid", "health"):
+    for column in ("component", "address", "pid", "restarts", "health"):
         table.add_column(column)
     for c in status.components:
         health = "[green]healthy[/green]" if c.healthy else f"[red]{c.detail or 'unhealthy'}[/red]"
-        table.add_row(c.name, c.address, str(c.pid or "-"), health)
+        restarts = "-"
+        if c.restarts:
+            when = time.strftime("%H:%M:%S", time.localtime(c.last_restart_at or 0))
+            restarts = f"{c.restarts} (last {when}, exit code {c.last_exit_code})"
+        table.add_row(c.name, c.address, str(c.pid or "-"), restarts, health)
     console.print(table)
     if status.topics is not None:
         present = len(status.topics.unchanged) + len(status.topics.created)

@@ -65,6 +65,10 @@ class PlatformConfig:
     service_port: int = 19180
     kafka_heap_mb: int = 1024
     topic_prefix: str = "fx."
+    # The supervisor's restart backoff (1 s, doubling, at most this) and the run time
+    # after which a restarted service process counts as stable again (backoff reset).
+    restart_backoff_max_s: int = 60
+    restart_stable_s: int = 60
     # Not a file or environment setting: tests set it so every process they start is
     # stopped by the kernel if the test run itself dies before its teardown.
     tie_to_caller: bool = False
@@ -81,6 +85,8 @@ class PlatformConfig:
         "service_port": "FXSTREAM_SERVICE_PORT",
         "kafka_heap_mb": "FXSTREAM_KAFKA_HEAP_MB",
         "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
+        "restart_backoff_max_s": "FXSTREAM_RESTART_BACKOFF_MAX_S",
+        "restart_stable_s": "FXSTREAM_RESTART_STABLE_S",
     }
 
     @classmethod
@@ -150,6 +156,9 @@ class PlatformConfig:
                 )
         if len(set(ports.values())) != len(ports):
             raise ConfigError(f"ports must differ: {ports}")
+        for name in ("restart_backoff_max_s", "restart_stable_s"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} ({self.ENV_VARS[name]}) must be at least 1 second")
         if self.kafka_heap_mb < 256:
             raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")
 

@@ -30,6 +30,8 @@ __all__ = [
     "free_port_block",
     "free_ports",
     "stop_together",
+    "tail",
+    "terminate_with_parent",
 ]
 
 
@@ -75,13 +77,14 @@ def free_port_block(size: int, attempts: int = 50) -> int:
     raise ProcessStartError(f"no block of {size} free ports found on 127.0.0.1")
 
 
-def _terminate_with_parent() -> None:
-    # Runs in the child before exec: ask Linux to SIGTERM it when its parent exits.
+def terminate_with_parent() -> None:
+    """In a child before exec: ask Linux to SIGTERM it when its parent exits."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log file ("" if it cannot be read)."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
@@ -145,7 +148,7 @@ class ManagedProcess:
                 env=env,
                 # Its own session: a Ctrl-C in the terminal that ran `up` must not stop it.
                 start_new_session=True,
-                preexec_fn=_terminate_with_parent if self.die_with_parent else None,
+                preexec_fn=terminate_with_parent if self.die_with_parent else None,
             )
         started = psutil.Process(popen.pid).create_time()
         self.pid_file.write_text(f"{popen.pid} {started!r}\n")
@@ -156,7 +159,7 @@ class ManagedProcess:
         if self.pid() is None:
             raise ProcessStartError(
                 f"{self.name} exited during start-up; last lines of {self.log_file}:\n"
-                f"{_tail(self.log_file)}"
+                f"{tail(self.log_file)}"
             )
 
     def stop(self, timeout_s: float = 30.0) -> bool:

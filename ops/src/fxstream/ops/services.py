@@ -1,7 +1,11 @@
 """The platform's Python services: the REST API, the stream processors and one local endpoint.
 
-Each runs as its own process (started detached, tracked by PID like the
-broker and Redis). ``start_services`` also makes sure a local user exists
+Each runs as its own process under the platform's supervisor
+(:mod:`fxstream.ops.supervisor`): the API, the router, the task-state
+processor, the liveness processor and the local endpoint. The supervisor is
+itself a process started detached and tracked by PID (like the broker and
+Redis); it restarts a crashed child with backoff and records its restarts,
+which ``status`` reports. ``start`` also makes sure a local user exists
 (its credentials go to ``<home>/credentials.json``, mode 600, which the SDK
 reads through ``FXSTREAM_CREDENTIALS``) and that the local endpoint is
 configured under ``<home>/endpoints``.
@@ -24,6 +28,7 @@ import yaml
 
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
+from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
 
 __all__ = ["LOCAL_ENDPOINT", "ComponentStatus", "Credentials", "ServiceSet"]
 
@@ -39,6 +44,11 @@ class ComponentStatus:
     pid: int | None
     healthy: bool
     detail: str = ""
+    # Service processes only: how often the supervisor restarted it, and the last time.
+    restarts: int = 0
+    last_exit_code: int | None = None
+    last_restart_at: float | None = None
+    crash_looping: bool = False
 
 
 @dataclass(frozen=True)
@@ -71,44 +81,75 @@ def _bin(name: str) -> str:
 
 
 class ServiceSet:
-    """The API, processors and local endpoint of one platform home."""
+    """The supervisor, API, processors and local endpoint of one platform home."""
 
     def __init__(self, config: PlatformConfig) -> None:
         self.config = config
         self.service_url = f"http://127.0.0.1:{config.service_port}"
         logs = config.home / "logs"
-        services = config.home / "services"
+        self.state_dir = config.home / "services"
+        self.spec_file = self.state_dir / "supervisor-spec.json"
+        self.supervisor = ManagedProcess(
+            name="supervisor",
+            argv=[sys.executable, "-m", "fxstream.ops.supervisor", str(self.spec_file)],
+            pid_file=self.state_dir / "supervisor.pid",
+            log_file=logs / "supervisor.log",
+            die_with_parent=config.tie_to_caller,
+        )
         connection = str(config.home / "platform.json")
-        self.api = ManagedProcess(
-            name="service api",
-            argv=[
-                _bin("fxstream-service"),
-                "api",
-                "--connection",
-                connection,
-                "--port",
-                str(config.service_port),
-            ],
-            pid_file=services / "api.pid",
-            log_file=logs / "service-api.log",
-            die_with_parent=config.tie_to_caller,
-        )
-        self.processors = ManagedProcess(
-            name="stream processors",
-            argv=[_bin("fxstream-service"), "worker", "--connection", connection],
-            pid_file=services / "processors.pid",
-            log_file=logs / "service-processors.log",
-            cwd=services,
-            die_with_parent=config.tie_to_caller,
-        )
-        self.endpoint = ManagedProcess(
-            name=f"endpoint {LOCAL_ENDPOINT}",
-            argv=[_bin("fxstream-endpoint"), "start", LOCAL_ENDPOINT],
-            pid_file=services / "endpoint.pid",
-            log_file=logs / f"endpoint-{LOCAL_ENDPOINT}.log",
-            env=self._endpoint_env(),
-            die_with_parent=config.tie_to_caller,
-        )
+        worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
+        endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
+        self._specs = [
+            ChildSpec(
+                name="service api",
+                key="api",
+                argv=[
+                    _bin("fxstream-service"),
+                    "api",
+                    "--connection",
+                    connection,
+                    "--port",
+                    str(config.service_port),
+                ],
+                log_file=str(logs / "service-api.log"),
+            ),
+            *(
+                ChildSpec(
+                    name=role,
+                    key=role,
+                    argv=[*worker, role],
+                    log_file=str(logs / f"service-{role}.log"),
+                    cwd=str(self.state_dir),
+                    stop_wave=1,
+                )
+                for role in ("router", "task-state", "liveness")
+            ),
+            ChildSpec(
+                name=f"endpoint {LOCAL_ENDPOINT}",
+                key="endpoint",
+                argv=[_bin("fxstream-endpoint"), "start", LOCAL_ENDPOINT],
+                log_file=str(logs / f"endpoint-{LOCAL_ENDPOINT}.log"),
+                env=endpoints_env,
+                stop_wave=2,
+            ),
+        ]
+        handles = {
+            spec.key: SupervisedProcess(
+                name=spec.name,
+                key=spec.key,
+                argv=spec.argv,
+                log_file=Path(spec.log_file),
+                state_dir=self.state_dir,
+                supervisor=self.supervisor,
+                env_overrides=dict(spec.env),
+            )
+            for spec in self._specs
+        }
+        self.api = handles["api"]
+        self.router = handles["router"]
+        self.task_state = handles["task-state"]
+        self.liveness = handles["liveness"]
+        self.endpoint = handles["endpoint"]
 
     @property
     def credentials_file(self) -> Path:
@@ -120,9 +161,22 @@ class ServiceSet:
         """Where the local endpoint's config lives."""
         return self.config.home / "endpoints"
 
-    def processes(self) -> list[ManagedProcess]:
-        """Every service process, in start order."""
-        return [self.api, self.processors, self.endpoint]
+    def processes(self) -> list[SupervisedProcess]:
+        """Every supervised service process, in start order."""
+        return [self.api, self.router, self.task_state, self.liveness, self.endpoint]
+
+    def processors(self) -> list[SupervisedProcess]:
+        """The stream processors: router, task-state, liveness."""
+        return [self.router, self.task_state, self.liveness]
+
+    def supervisor_spec(self) -> SupervisorSpec:
+        """What the supervisor runs, with this platform's backoff settings."""
+        return SupervisorSpec(
+            state_dir=str(self.state_dir),
+            children=self._specs,
+            backoff_max_s=float(self.config.restart_backoff_max_s),
+            stable_s=float(self.config.restart_stable_s),
+        )
 
     def _endpoint_env(self) -> dict[str, str]:
         return {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(self.config.home / "endpoints")}
@@ -138,11 +192,16 @@ class ServiceSet:
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
         """
-        self.config.home.joinpath("services").mkdir(parents=True, exist_ok=True)
-        if not self.api.is_running():
-            ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
-        self.api.start()
-        self.processors.start()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        if not self.supervisor.is_running():
+            if not self.api.is_running():
+                ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
+            self.supervisor_spec().save(self.spec_file)
+            for process in self.processes():
+                process.hold_file.unlink(missing_ok=True)
+            # The endpoint starts once its user and config exist (below).
+            self.endpoint.hold_file.touch()
+            self.supervisor.start()
         self._wait_for_api()
         credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url)
         endpoint_id = self._ensure_endpoint(credentials)
@@ -151,29 +210,69 @@ class ServiceSet:
         return credentials, endpoint_id
 
     def stop(self, timeout_s: float = 60.0) -> list[str]:
-        """Stop the endpoint (it finishes what it holds), then the processors and the API."""
-        stopped = []
-        for process in reversed(self.processes()):
-            pid = process.pid()
-            if pid is not None and process.stop(timeout_s):
-                stopped.append(f"{process.name} (pid {pid})")
+        """Stop the supervisor by PID, which stops the endpoint (it finishes what it
+        holds), then the processors, then the API, each by PID."""
+        running = [(p, p.pid()) for p in reversed(self.processes())]
+        stopped = [f"{p.name} (pid {pid})" for p, pid in running if pid is not None]
+        pid = self.supervisor.pid()
+        # Its children stop in three waves of at most timeout_s each.
+        if pid is not None and self.supervisor.stop(3 * timeout_s + 10):
+            stopped.append(f"supervisor (pid {pid})")
+        # Children of a supervisor that died get SIGTERM from the kernel; anything
+        # still alive is stopped here, by PID.
+        for process, _ in running:
+            if process.pid() is not None:
+                process.stop(timeout_s)
         return stopped
 
     def status(self, *, expected: bool) -> list[ComponentStatus]:
-        """Each service process; once set up here, a stopped one is reported, not hidden."""
+        """The supervisor and each service process, with restarts; once set up here, a
+        stopped one is reported, not hidden. A crash-looping process is unhealthy."""
         configured = expected and self.credentials_file.is_file()
         found = []
+        supervisor_pid = self.supervisor.pid()
+        if supervisor_pid is not None or configured:
+            found.append(
+                ComponentStatus(
+                    "supervisor",
+                    "",
+                    supervisor_pid,
+                    supervisor_pid is not None,
+                    "" if supervisor_pid is not None else "not running",
+                )
+            )
         for process in self.processes():
             pid = process.pid()
             if pid is None and not configured:
                 continue
+            state = process.state()
             healthy = pid is not None
             address = ""
             if process is self.api:
                 address = self.service_url
                 healthy = healthy and self._api_answers()
             detail = "" if healthy else ("not running" if pid is None else "not answering")
-            found.append(ComponentStatus(process.name, address, pid, healthy, detail))
+            if state is not None and state.crash_looping:
+                healthy = False
+                detail = (
+                    f"crash-looping: exited {state.exits_in_a_row} times in a row, last exit "
+                    f"code {state.last_exit_code}; see {process.log_file}"
+                )
+            elif state is not None and pid is None and state.state == "backoff":
+                detail = f"restarting in {state.next_start_in_s} s"
+            found.append(
+                ComponentStatus(
+                    process.name,
+                    address,
+                    pid,
+                    healthy,
+                    detail,
+                    restarts=state.restarts if state else 0,
+                    last_exit_code=state.last_exit_code if state else None,
+                    last_restart_at=state.last_restart_at if state else None,
+                    crash_looping=state.crash_looping if state else False,
+                )
+            )
         return found
 
     def _api_answers(self) -> bool:
@@ -187,8 +286,8 @@ class ServiceSet:
     def _wait_for_api(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            self.api.check_alive()
-            self.processors.check_alive()
+            for process in (self.api, *self.processors()):
+                process.check_alive()
             if self._api_answers():
                 return
             time.sleep(0.2)

@@ -278,12 +278,27 @@ def api(
         fail("the API did not start (the log above says why); check that ./fx up succeeded")
 
 
+class Processor(StrEnum):
+    """The stream processors ``worker --only`` can run on their own."""
+
+    ROUTER = "router"
+    TASK_STATE = "task-state"
+    LIVENESS = "liveness"
+
+
 @app.command()
 def worker(
     bootstrap: Bootstrap = None,
     prefix: Prefix = None,
     connection: Connection = None,
     kafka_timeout: KafkaTimeout = KAFKA_TIMEOUT_S,
+    only: Annotated[
+        list[Processor] | None,
+        typer.Option(
+            "--only",
+            help="run only this processor, in this process (repeatable); all three by default",
+        ),
+    ] = None,
 ) -> None:
     """Run the stream processors (router, task state, liveness) until stopped."""
     try:
@@ -292,20 +307,21 @@ def worker(
     except StartError as exc:
         fail(str(exc))
     run_processors = _load_processors()
+    roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
-        run_processors(target.bootstrap_servers, target.catalogue)
+        run_processors(target.bootstrap_servers, target.catalogue, roles=roles)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
 
-def _load_processors() -> Callable[[str, Catalogue], None]:
+def _load_processors() -> Callable[..., None]:
     # Imported here, not at the top: the processors are their own module with heavier
     # dependencies, and the API must start without them.
     try:
         module = importlib.import_module("fxstream.service.processors")
     except ImportError as exc:
         fail(f"the stream processors are not available in this install ({exc})")
-    run: Callable[[str, Catalogue], None] | None = getattr(module, "run_processors", None)
+    run: Callable[..., None] | None = getattr(module, "run_processors", None)
     if run is None:
         fail("fxstream.service.processors has no run_processors; reinstall fxstream-service")
     return run

@@ -1,4 +1,4 @@
-"""The service's stream processors as one faust-streaming app: the router and task-state.
+"""The service's stream processors: the router, task-state and liveness, as faust apps.
 
 - The *router* reads ``tasks.submitted`` in batches, authorises each task and
   writes its dispatch, state, result or dead letter (decisions in
@@ -12,16 +12,23 @@
   leases into ``running`` and ``waiting-for-endpoint`` task events
   (:mod:`fxstream.service.liveness`).
 
-Both run as tasks of one faust app (its worker, signals and logging). Topics
+``--only ROLE`` runs one of them in its own process (what ``./fx up`` does,
+under its supervisor, so one cannot take the others down); without it all
+three run as tasks of one faust app (handy for development and tests). Topics
 come from the catalogue and are provisioned elsewhere (``ensure_topics``); the
-app never declares one. Consumer groups: the router ``<app id>-router``, the
-task-state processor ``<app id>-task-state``, the liveness agent the app id.
+app never declares one. Consumer groups, whichever way they run: the router
+``<app id>-router``, the task-state processor ``<app id>-task-state``, the
+liveness agent the app id.
 
 Run it with ``python -m fxstream.service.processors --bootstrap HOST:PORT
---prefix fx.``; SIGTERM or SIGINT stops it cleanly (the batch in hand is
-finished and committed). If Kafka refuses a write, the process exits at once
-with code 75 *without* acknowledging the batch, so a restart re-reads it: a
-task is never lost. The router's batch is a transaction, so a re-read batch was
+--prefix fx. [--only router|task-state|liveness]``; SIGTERM or SIGINT stops it
+cleanly (the batch in hand is finished and committed). An input whose output
+Kafka refuses for a reason of its own (too large, invalid, topic gone) is
+dead-lettered and the processor goes on (:mod:`fxstream.service.quarantine`).
+Only when the broker itself fails (no answer past the timeout, fenced,
+not authorised) does the process exit, with code 75 and *without*
+acknowledging the batch, so a restart (by the supervisor) re-reads it: a task
+is never lost. The router's batch is a transaction, so a re-read batch was
 never visible; the task-state processor may write a state twice.
 """
 
@@ -34,19 +41,23 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import faust
 from faust.types import StreamT
 
+from fxstream.service.deadletter import RawRecord
 from fxstream.service.lifecycle import TaskMemory
+from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
-from fxstream.service.outgoing import Outgoing, send_all
+from fxstream.service.outgoing import Outgoing
+from fxstream.service.quarantine import write_or_quarantine
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
+from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import Catalogue
@@ -54,6 +65,7 @@ from fxstream.topics import Catalogue
 __all__ = [
     "DEFAULT_APP_ID",
     "EXIT_WRITE_FAILED",
+    "ROLES",
     "build_app",
     "main",
     "run_processors",
@@ -62,6 +74,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_APP_ID = "fxstream-processors"
+# What --only can choose; all of them run in one process without it.
+ROLES = ("router", "task-state", "liveness")
 BATCH_SIZE = 500
 # How often endpoints whose heartbeats stopped are looked for.
 LIVENESS_CHECK_S = 1.0
@@ -104,6 +118,19 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
     }
 
 
+def faust_app_id(app_id: str, roles: Sequence[str]) -> str:
+    """The faust app id of a process running ``roles``.
+
+    The app id is the liveness agent's consumer group, so a process with the
+    liveness agent keeps it; a router or task-state process (whose loops have
+    their own groups) gets one of its own, so its idle faust consumer never
+    joins another process's group.
+    """
+    if "liveness" in roles:
+        return app_id
+    return f"{app_id}-{'-'.join(roles)}-app"
+
+
 def build_app(
     bootstrap_servers: str,
     catalogue: Catalogue,
@@ -111,17 +138,49 @@ def build_app(
     app_id: str = DEFAULT_APP_ID,
     data_dir: Path | None = None,
     batch_size: int = BATCH_SIZE,
+    roles: Sequence[str] = ROLES,
 ) -> faust.App:
-    """The faust app with the router agent and the task-state processor, not yet started.
+    """The faust app running ``roles`` (router, task-state, liveness), not yet started.
 
     ``data_dir`` is faust's working directory (nothing durable lives there: the
     store is in memory); by default a directory under the system temp dir.
     """
-    data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / app_id
+    unknown = set(roles) - set(ROLES)
+    if unknown or not roles:
+        raise ValueError(f"roles must be some of {', '.join(ROLES)}; got {list(roles)}")
+    faust_id = faust_app_id(app_id, roles)
+    data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / faust_id
     data_dir.mkdir(parents=True, exist_ok=True)
     app = faust.App(
-        app_id, broker=_broker_urls(bootstrap_servers), **_app_settings(catalogue, data_dir)
+        faust_id, broker=_broker_urls(bootstrap_servers), **_app_settings(catalogue, data_dir)
     )
+    if "liveness" not in roles:
+        # No faust agent: faust's own consumer would subscribe to no topic, which crashes
+        # its conductor. The router and task-state loops bring their own consumers.
+        app.producer_only = True
+    stoppers: list[Callable[[], Awaitable[None]]] = []
+    if "router" in roles:
+        _add_router(app, bootstrap_servers, catalogue, app_id, batch_size, stoppers)
+    if "task-state" in roles:
+        _add_task_state(app, bootstrap_servers, catalogue, app_id, batch_size, stoppers)
+    if "liveness" in roles:
+        _add_liveness(app, catalogue, batch_size)
+
+    async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
+        await asyncio.gather(*(stopper() for stopper in stoppers))
+
+    app.on_before_shutdown.connect(stop)
+    return app
+
+
+def _add_router(
+    app: faust.App,
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    app_id: str,
+    batch_size: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+) -> None:
     view = RegistryView(bootstrap_servers, catalogue, follow=("users", "functions", "endpoints"))
     router = Router(catalogue, view, TopicDirectory(bootstrap_servers))
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
@@ -129,6 +188,27 @@ def build_app(
     router_loop = RouterLoop(
         bootstrap_servers, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
     )
+
+    async def route() -> None:
+        await router_loop.run()
+
+    async def stop() -> None:
+        await router_loop.stop()
+        router.close()
+        log.info("router: %s", router.stats)
+
+    app.task(route)
+    stoppers.append(stop)
+
+
+def _add_task_state(
+    app: faust.App,
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    app_id: str,
+    batch_size: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+) -> None:
     # The planner's memory of tasks: the most recent in memory, the rest read back from
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
@@ -136,8 +216,8 @@ def build_app(
     states = RegistryView(bootstrap_servers, catalogue, follow=("task-state",))
     planner = TaskStatePlanner(catalogue, memory=TaskMemory(recall=recall_from(states)))
 
-    async def write(records: Sequence[Outgoing]) -> None:
-        await _write_or_exit(app, records)
+    async def write(records: Sequence[Outgoing], inputs: Sequence[RawRecord]) -> None:
+        await _write_or_exit(app, catalogue, TASK_STATE, records, inputs)
 
     follower = ResultsFollower(
         bootstrap_servers,
@@ -148,37 +228,35 @@ def build_app(
         states=states,
     )
 
+    async def follow_results() -> None:
+        await follower.run()
+
+    async def stop() -> None:
+        await follower.stop()
+        log.info("task-state: %s", planner.stats)
+
+    app.task(follow_results)
+    stoppers.append(stop)
+
+
+def _add_liveness(app: faust.App, catalogue: Catalogue, batch_size: int) -> None:
     liveness = LivenessMonitor(catalogue)
 
     async def watch_heartbeats(stream: StreamT[bytes]) -> None:
         batches = cast("faust.Stream[bytes]", stream).take_events(batch_size, within=0.5)
         async for events in batches:
-            transitions, records = liveness.observe([event.message for event in events])
+            inputs = [event.message for event in events]
+            transitions, records = liveness.observe(inputs)
             _log_transitions(transitions)
-            await write(records)
+            await _write_or_exit(app, catalogue, LIVENESS, records, inputs)
 
     async def check_liveness() -> None:
         transitions, records = liveness.lost(time.time())
         _log_transitions(transitions)
-        await write(records)
-
-    async def route() -> None:
-        await router_loop.run()
-
-    async def follow_results() -> None:
-        await follower.run()
-
-    async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
-        await asyncio.gather(router_loop.stop(), follower.stop())
-        router.close()
-        log.info("router: %s; task-state: %s", router.stats, planner.stats)
+        await _write_or_exit(app, catalogue, LIVENESS, records, ())
 
     app.agent(app.topic(catalogue.heartbeats), name="liveness")(watch_heartbeats)
     app.timer(LIVENESS_CHECK_S)(check_liveness)
-    app.task(route)
-    app.task(follow_results)
-    app.on_before_shutdown.connect(stop)
-    return app
 
 
 def _log_transitions(transitions: Sequence[Transition]) -> None:
@@ -186,13 +264,23 @@ def _log_transitions(transitions: Sequence[Transition]) -> None:
         log.info("liveness: agent %s of endpoint %s %s", t.agent_id, t.endpoint_id, t.change)
 
 
-async def _write_or_exit(app: faust.App, records: Sequence[Outgoing]) -> None:
+async def _write_or_exit(
+    app: faust.App,
+    catalogue: Catalogue,
+    component: str,
+    records: Sequence[Outgoing],
+    inputs: Sequence[RawRecord],
+) -> None:
+    """Write ``records``, dead-lettering the inputs of any Kafka refuses; exit if the
+    broker fails."""
     try:
-        await send_all(app.producer, records)
+        await write_or_quarantine(app.producer, catalogue, component, records, inputs)
     except Exception:
         # Exit at once, with no await in between: faust acknowledges a taken batch
         # when its generator is closed, and a commit of that batch would lose it.
-        log.critical("cannot write to Kafka; exiting so the batch is re-read", exc_info=True)
+        log.critical(
+            "%s: cannot write to Kafka; exiting so the batch is re-read", component, exc_info=True
+        )
         logging.shutdown()
         os._exit(EXIT_WRITE_FAILED)
 
@@ -205,8 +293,9 @@ def run_processors(
     data_dir: Path | None = None,
     log_level: str = "INFO",
     batch_size: int = BATCH_SIZE,
+    roles: Sequence[str] = ROLES,
 ) -> None:
-    """Run the processors until SIGTERM or SIGINT, then stop cleanly and return.
+    """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
 
     Raises what crashed the worker, if something did.
     """
@@ -216,6 +305,7 @@ def run_processors(
         app_id=app_id,
         data_dir=data_dir,
         batch_size=batch_size,
+        roles=roles,
     )
     worker = faust.Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -231,7 +321,7 @@ def run_processors(
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m fxstream.service.processors",
-        description="Run fxstream's stream processors (router, task-state) until SIGTERM.",
+        description="Run fxstream's stream processors (router, task-state, liveness).",
     )
     parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port,...")
     parser.add_argument("--prefix", default="fx.", help="topic prefix (default: fx.)")
@@ -239,6 +329,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=None, help="faust's working directory")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="records per batch")
+    parser.add_argument(
+        "--only",
+        choices=ROLES,
+        action="append",
+        default=None,
+        help="run only this processor (repeatable); all of them by default",
+    )
     return parser
 
 
@@ -252,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=args.data_dir,
         log_level=args.log_level,
         batch_size=args.batch_size,
+        roles=tuple(args.only) if args.only else ROLES,
     )
     return 0
 

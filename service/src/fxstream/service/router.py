@@ -33,12 +33,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fxstream.service.auth import cancel_refusal_reason, refusal_reason
 from fxstream.service.deadletter import RawRecord, dead_letter_for, normalise_headers
 from fxstream.service.outgoing import Outgoing, fits
+from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
@@ -185,6 +186,34 @@ class Router:
         if cancels:
             # After every dispatch of the batch: a cancel follows its task on the queue.
             await self._plan_cancels(plan, cancels)
+        return plan
+
+    async def refuse(
+        self, records: Sequence[RawRecord], reasons: Mapping[bytes | None, str]
+    ) -> RoutePlan:
+        """What to write instead for ``records`` whose outputs Kafka refused.
+
+        Each submission is refused with ``reasons[its key]``: an error result to
+        its user (when their results topic exists), a ``rejected`` state and a
+        dead letter, so the caller's future fails with the reason instead of
+        waiting forever. Anything else (a cancel) is dead-lettered.
+        """
+        plan = RoutePlan()
+        decisions: list[_Decision] = []
+        for record in records:
+            reason = reasons.get(record.key, "Kafka refused this task's output")
+            try:
+                submission = decode(record.value, TaskSubmission)
+            except RecordDecodeError:
+                self._dead_letter(plan, record, reason, OUTPUT_REFUSED)
+                continue
+            decisions.append(_Decision(record, submission, reason))
+        present = await self._directory.present(
+            self._catalogue.results(d.submission.user_id) for d in decisions
+        )
+        now = self._clock()
+        for decision in decisions:
+            self._plan_refused(plan, decision, now, present)
         return plan
 
     async def _plan_cancels(

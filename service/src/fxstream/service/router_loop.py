@@ -11,6 +11,21 @@ the whole batch routed and acknowledged, or nothing visible to
 The ``routed`` state and the dispatch become visible together, so a task's
 result can never overtake its ``routed`` state.
 
+When Kafka refuses one record of the batch for a reason of its own (a dispatch
+over the endpoint queue's ``max.message.bytes``, a topic deleted meanwhile:
+:func:`~fxstream.service.outgoing.refuses_record`), the transaction is aborted
+and the culprit found by bisection: halves of the batch's tasks are written in
+probe transactions that are always aborted (so never visible), down to the
+task(s) whose records Kafka refuses. The batch is then committed without them,
+each culprit refused instead (:meth:`Router.refuse`: an error result naming
+the limit, a ``rejected`` state, a dead letter). If even that is refused, the
+culprit is only dead-lettered, and at last dead-lettered without its value.
+After each refusal the producer is replaced (same transactional id, new
+epoch): the broker never took the refused batch's sequence numbers, and the
+old producer's next transaction would fail with OutOfOrderSequenceNumber.
+The router thus never stops for a record; it exits only when the broker
+fails (below).
+
 Why not faust's own ``processing_guarantee="exactly_once"``: faust commits its
 transactions on the commit interval (seconds) with one transactional producer
 per input partition, so every task would wait that long at this hop, and
@@ -37,9 +52,15 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 )
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
-from fxstream.service.outgoing import Outgoing
-from fxstream.service.router import Router
-from fxstream.topics import Catalogue
+from fxstream.service.deadletter import RawRecord, dead_letter
+from fxstream.service.outgoing import Outgoing, Refused, refuses_record
+from fxstream.service.quarantine import (
+    OUTPUT_REFUSED,
+    dead_letters_for_refused,
+    refusal_reason,
+)
+from fxstream.service.router import COMPONENT, Router
+from fxstream.topics import Catalogue, encode
 
 __all__ = ["EXIT_WRITE_FAILED", "RouterLoop"]
 
@@ -49,6 +70,9 @@ log = logging.getLogger(__name__)
 EXIT_WRITE_FAILED = 75
 # Tries of one batch's transaction before the router gives up and exits.
 COMMIT_ATTEMPTS = 6
+# Rounds of setting culprits aside: refuse them, then dead-letter them, then
+# dead-letter them without their value.
+QUARANTINE_ROUNDS = 3
 
 
 class RouterLoop(StoppableLoop):
@@ -102,6 +126,7 @@ class RouterLoop(StoppableLoop):
         }
         self._producer: Any = None
         self.batches = 0
+        self.quarantined = 0
 
     async def run(self) -> None:
         """Route until :meth:`stop`; exits the process if Kafka refuses a transaction."""
@@ -119,7 +144,9 @@ class RouterLoop(StoppableLoop):
                 records = [r for partition in batch.values() for r in partition]
                 if records:
                     plan = await self._router.plan(records)
-                    await self._commit([*plan.first, *plan.dispatches], offsets_after(batch))
+                    await self._commit(
+                        [*plan.first, *plan.dispatches], offsets_after(batch), records
+                    )
         finally:
             if self._consumer is not None:
                 await self._consumer.stop()
@@ -127,41 +154,52 @@ class RouterLoop(StoppableLoop):
                 await self._producer.stop()
             self._done.set()
 
-    async def _commit(self, records: Sequence[Outgoing], offsets: dict[Any, int]) -> None:
+    async def _commit(
+        self,
+        records: Sequence[Outgoing],
+        offsets: dict[Any, int],
+        inputs: Sequence[RawRecord] = (),
+    ) -> None:
         """Write ``records`` and commit ``offsets`` in one transaction.
 
         A transaction that fails on a retriable error (a partition changing leader
         when a broker dies, a request timing out) is aborted and the same batch is
         tried again, up to ``COMMIT_ATTEMPTS`` times. A fenced producer (the
-        coordinator timed the transaction out) is replaced by a new one. Persistent
-        failure exits the process: the batch was never committed, so nothing is lost.
+        coordinator timed the transaction out) is replaced by a new one. A record
+        Kafka refuses sets its task aside (:meth:`_quarantine`) and the rest of the
+        batch is committed. Persistent failure exits the process: the batch was
+        never committed, so nothing is lost.
         """
-        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        attempt = 0
+        rounds = 0
+        while True:
+            attempt += 1
             try:
-                # aiokafka 0.14 fails a transaction (NotLeaderForPartition, after the whole
-                # request timeout) that learns a topic's metadata mid-transaction, as for
-                # the first task of an endpoint (or refusal of a user) registered after
-                # this producer started. Known topics answer at once.
-                for topic in {record.topic for record in records}:
-                    await self._producer.partitions_for(topic)
-                async with self._producer.transaction():
-                    sent = [
-                        await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
-                        for r in records
-                    ]
-                    await asyncio.gather(*sent)
-                    await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+                await self._transact(records, offsets)
             except TransactionalIdAuthorizationFailed:
                 self._exit("router: Kafka does not allow this router's transactional id")
             except ProducerFenced:
-                if attempt == COMMIT_ATTEMPTS:
+                if attempt >= COMMIT_ATTEMPTS:
                     self._exit("router: fenced again and again; another router has this id")
                 # A transaction the coordinator timed out fences its producer too; a new
                 # producer (fencing any zombie with this id in turn) carries on.
                 log.warning("router: producer fenced; starting a new one", exc_info=True)
                 await self._restart_producer()
             except Exception as exc:
-                if attempt == COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
+                if refuses_record(exc) and rounds < QUARANTINE_ROUNDS:
+                    rounds += 1
+                    attempt -= 1  # the record's fault, not the broker's
+                    try:
+                        # The refused batch used up sequence numbers the broker never
+                        # accepted: without a new producer (new epoch) the next
+                        # transaction fails with OutOfOrderSequenceNumber.
+                        await self._restart_producer()
+                        records = await self._quarantine(records, inputs, exc, rounds)
+                    except Exception:
+                        # The broker failed while probing, or no single task is at fault.
+                        self._exit("router: cannot set aside the records Kafka refused")
+                    continue
+                if attempt >= COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
                     self._exit("router: cannot commit a batch to Kafka")
                 log.warning(
                     "router: batch transaction failed (%r), aborted; retry %d of %d",
@@ -173,6 +211,150 @@ class RouterLoop(StoppableLoop):
             else:
                 self.batches += 1
                 return
+
+    async def _learn_topics(self, records: Sequence[Outgoing]) -> None:
+        # aiokafka 0.14 fails a transaction (NotLeaderForPartition, after the whole
+        # request timeout) that learns a topic's metadata mid-transaction, as for
+        # the first task of an endpoint (or refusal of a user) registered after
+        # this producer started. Known topics answer at once.
+        for topic in {record.topic for record in records}:
+            await self._producer.partitions_for(topic)
+
+    async def _transact(self, records: Sequence[Outgoing], offsets: dict[Any, int]) -> None:
+        await self._learn_topics(records)
+        async with self._producer.transaction():
+            sent = [
+                await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+                for r in records
+            ]
+            await asyncio.gather(*sent)
+            await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+
+    async def _probe(self, records: Sequence[Outgoing]) -> BaseException | None:
+        """Write ``records`` in a transaction that is always aborted; Kafka's refusal, if any.
+
+        Raises any other failure (the broker's).
+        """
+        await self._producer.begin_transaction()
+        refused: BaseException | None = None
+        try:
+            sent = [
+                await self._producer.send(r.topic, r.value, key=r.key, headers=r.headers)
+                for r in records
+            ]
+            await asyncio.gather(*sent)
+        except Exception as exc:
+            if not refuses_record(exc):
+                raise
+            refused = exc
+        finally:
+            await self._producer.abort_transaction()
+        if refused is not None:
+            await self._restart_producer()  # sequence numbers, as in _commit
+        return refused
+
+    async def _bisect(
+        self,
+        groups: list[tuple[bytes | None, list[Outgoing]]],
+        culprits: dict[bytes | None, Refused],
+        error: BaseException | None = None,
+    ) -> None:
+        """Find the groups (a task's records) Kafka refuses; ``error`` when the whole is
+        already known to fail with it."""
+        if error is None:
+            error = await self._probe([r for _, group in groups for r in group])
+            if error is None:
+                return
+        if len(groups) == 1:
+            key, group = groups[0]
+            # The task's record Kafka refused is not named; its largest is the suspect.
+            culprits[key] = Refused(max(group, key=lambda r: len(r.value)), error)
+            return
+        middle = len(groups) // 2
+        await self._bisect(groups[:middle], culprits)
+        await self._bisect(groups[middle:], culprits)
+
+    async def _quarantine(
+        self,
+        records: Sequence[Outgoing],
+        inputs: Sequence[RawRecord],
+        error: BaseException,
+        rounds: int,
+    ) -> list[Outgoing]:
+        """The batch's records without those of the tasks Kafka refuses, plus what to
+        write for those tasks instead (round 1: a refusal; 2: a dead letter; 3: a dead
+        letter without the original value)."""
+        groups: dict[bytes | None, list[Outgoing]] = {}
+        for record in records:
+            groups.setdefault(record.key, []).append(record)
+        culprits: dict[bytes | None, Refused] = {}
+        missing = await self._missing_topics(records)
+        for key, group in groups.items():
+            gone = [r for r in group if r.topic in missing]
+            if gone:
+                culprits[key] = Refused(gone[0], missing[gone[0].topic])
+        rest = [(key, group) for key, group in groups.items() if key not in culprits]
+        if rest:
+            await self._bisect(rest, culprits, None if culprits else error)
+        if not culprits:
+            # Every task alone is accepted, only the batch as a whole is not.
+            raise error
+        self.quarantined += len(culprits)
+        kept = [r for r in records if r.key not in culprits]
+        suspects = [r for r in inputs if r.key in culprits]
+        log.error(
+            "router: Kafka refused the records of %d task(s) (%r); setting them aside "
+            "(round %d of %d) and committing the rest of the batch",
+            len(culprits),
+            error,
+            rounds,
+            QUARANTINE_ROUNDS,
+        )
+        if rounds == 1:
+            reasons = {
+                key: refusal_reason(self._catalogue, COMPONENT, refused)
+                for key, refused in culprits.items()
+            }
+            plan = await self._router.refuse(suspects, reasons)
+            return [*kept, *plan.first, *plan.dispatches]
+        refused = list(culprits.values())
+        if rounds == 2:
+            return [
+                *kept,
+                *dead_letters_for_refused(self._catalogue, COMPONENT, refused, suspects),
+            ]
+        return [*kept, *self._bare_dead_letters(suspects, culprits)]
+
+    def _bare_dead_letters(
+        self, suspects: Sequence[RawRecord], culprits: dict[bytes | None, Refused]
+    ) -> list[Outgoing]:
+        letters = []
+        for record in suspects:
+            reason = refusal_reason(self._catalogue, COMPONENT, culprits[record.key])
+            letter = dead_letter(
+                topic=record.topic,
+                partition=record.partition,
+                offset=record.offset,
+                key=record.key,
+                value=None,
+                reason=reason + " (neither a refusal nor the original value could be written)",
+                error_type=OUTPUT_REFUSED,
+                component=COMPONENT,
+            )
+            letters.append(Outgoing(self._catalogue.dead_letter, record.key, encode(letter)))
+        return letters
+
+    async def _missing_topics(self, records: Sequence[Outgoing]) -> dict[str, BaseException]:
+        """Topics of ``records`` Kafka does not know (deleted since the router checked)."""
+        missing: dict[str, BaseException] = {}
+        for topic in {record.topic for record in records}:
+            try:
+                await self._producer.partitions_for(topic)
+            except Exception as exc:
+                if not refuses_record(exc):
+                    raise
+                missing[topic] = exc
+        return missing
 
     async def _restart_producer(self) -> None:
         try:

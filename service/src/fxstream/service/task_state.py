@@ -72,7 +72,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 COMPONENT = "task-state"
-Send = Callable[[Sequence[Outgoing]], Awaitable[None]]
+# Writes a batch's outputs; its inputs come along, to be dead-lettered if Kafka refuses
+# the output one of them produced (see fxstream.service.quarantine).
+Send = Callable[[Sequence[Outgoing], Sequence[RawRecord]], Awaitable[None]]
 # A lone task's attempt history is kept to this many entries (the latest ones).
 MAX_ATTEMPTS_KEPT = 50
 # How long the processor waits, at start, for its task-state table to catch up.
@@ -310,9 +312,12 @@ class ResultsFollower(StoppableLoop):
     then commits.
 
     Offsets are committed only after the batch's writes are acknowledged, so a
-    crash re-reads (at least once) and never skips a result. ``states`` is the view
-    of task-state the planner's memory recalls from (``recall_from``): it is started,
-    and read to its end, before the first batch, and closed at the end.
+    crash re-reads (at least once) and never skips a result. An input whose output
+    Kafka refuses (a folded state over the topic's limit, say) is dead-lettered by
+    ``send`` and the batch committed: the processor moves on instead of stopping.
+    ``states`` is the view of task-state the planner's memory recalls from
+    (``recall_from``): it is started, and read to its end, before the first batch, and
+    closed at the end.
     """
 
     name = "task-state"
@@ -361,7 +366,7 @@ class ResultsFollower(StoppableLoop):
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 records = [r for partition in batch.values() for r in partition]
                 if records:
-                    await self._send(self._planner.plan(records))
+                    await self._send(self._planner.plan(records), records)
                     await self._commit(batch)
         finally:
             await self._consumer.stop()

@@ -55,8 +55,9 @@ from fxstream.ops.config import PlatformConfig
 from fxstream.ops.install import ensure_java
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, wait_for_cluster
 from fxstream.ops.platform import ConnectionInfo, Platform
-from fxstream.ops.process import ManagedProcess, free_port_block, free_ports
+from fxstream.ops.process import free_port_block, free_ports
 from fxstream.ops.services import LOCAL_ENDPOINT, Credentials, ServiceSet
+from fxstream.ops.supervisor import SupervisedProcess
 from fxstream.sdk import Client, Executor, TaskFuture
 from fxstream.topics import TaskResult, decode
 
@@ -229,14 +230,14 @@ class ChaosCluster:
     # --- the Python services -------------------------------------------------------------
 
     @property
-    def agent(self) -> ManagedProcess:
+    def agent(self) -> SupervisedProcess:
         """The local endpoint's agent process."""
         return self.services.endpoint
 
     @property
-    def router(self) -> ManagedProcess:
-        """The stream processors' process (router, task-state, liveness)."""
-        return self.services.processors
+    def router(self) -> SupervisedProcess:
+        """The router's process (supervised: a killed one is restarted with backoff)."""
+        return self.services.router
 
     def workers(self) -> list[psutil.Process]:
         """The agent's warm worker processes (not multiprocessing's helpers)."""
