@@ -13,11 +13,7 @@ from dataclasses import dataclass
 
 from faust.types import ProducerT
 
-__all__ = ["RECORD_OVERHEAD_BYTES", "Outgoing", "fits", "send_all"]
-
-# Room for the record batch header, timestamps and varints around key and value;
-# generous, so a record we accept is never refused by the broker for a few bytes.
-RECORD_OVERHEAD_BYTES = 1024
+__all__ = ["Outgoing", "send_all"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,11 +24,6 @@ class Outgoing:
     key: bytes | None
     value: bytes
     headers: list[tuple[str, bytes]] | None = None
-
-
-def fits(size: int, max_message_bytes: int) -> bool:
-    """True when a record of ``size`` key and value bytes is within ``max.message.bytes``."""
-    return size + RECORD_OVERHEAD_BYTES <= max_message_bytes
 
 
 async def send_all(producer: ProducerT, records: Sequence[Outgoing]) -> None:
