@@ -39,6 +39,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxstream.service.auth import may_use, new_token, token_sha256
+from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fxstream.service.registry import RegistryView
 from fxstream.topics import (
     Catalogue,
@@ -379,7 +380,7 @@ class Runtime:
 
 
 def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: float) -> Runtime:
-    view = RegistryView(bootstrap_servers, catalogue, on_bad_record=_log_bad_record)
+    view = RegistryView(bootstrap_servers, catalogue, component="api registry view")
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -393,16 +394,6 @@ def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: floa
     writer.start()
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
     return Runtime(catalogue, view, writer, admin, timeout_s)
-
-
-def _log_bad_record(message: Message, reason: str) -> None:
-    log.error(
-        "skipped an unreadable record on %s [%s] @ %s: %s",
-        message.topic(),
-        message.partition(),
-        message.offset(),
-        reason,
-    )
 
 
 def _create_topic(runtime: Runtime, template: str, topic: str) -> None:
@@ -806,7 +797,7 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     return _error(422, "invalid-request", _validation_detail(exc))
 
 
-_HTTP_ERROR_CODES = {404: "not-found", 405: "method-not-allowed"}
+_HTTP_ERROR_CODES = {404: "not-found", 405: "method-not-allowed", 413: "body-too-large"}
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -831,11 +822,19 @@ async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 # --- the app -------------------------------------------------------------------------------
 
 
-def create_app(bootstrap_servers: str, catalogue: Catalogue, *, timeout_s: float = 15.0) -> FastAPI:
+def create_app(
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    *,
+    timeout_s: float = 15.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The REST API on the registry topics of ``catalogue`` at ``bootstrap_servers``.
 
     Starting it (its lifespan) reads the registry topics to their end before it
-    serves; ``timeout_s`` bounds each wait for Kafka inside a request.
+    serves; ``timeout_s`` bounds each wait for Kafka inside a request. A request
+    body above ``max_body_bytes`` is refused with 413 before it is read
+    (:mod:`fxstream.service.body_limit`).
     """
 
     @asynccontextmanager
@@ -854,6 +853,7 @@ def create_app(bootstrap_servers: str, catalogue: Catalogue, *, timeout_s: float
         lifespan=lifespan,
     )
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
