@@ -55,6 +55,8 @@ from fxstream.topics import (
     decode,
     encode,
     ensure_topics,
+    producer_message_max_bytes,
+    record_bytes,
     strategy_of,
 )
 
@@ -71,9 +73,6 @@ MAX_GROUP_PAGE = 1_000
 # task-state value may be up to the topic's record limit); it always holds one task.
 MAX_GROUP_PAGE_VALUE_BYTES = 8 * 1024 * 1024
 MAX_SHARED_WITH = 10_000
-
-# Kafka counts the key, headers and batch framing against max.message.bytes.
-_RECORD_OVERHEAD_BYTES = 1_024
 
 
 class ApiError(Exception):
@@ -251,14 +250,13 @@ class RecordWriter:
         self._catalogue = catalogue
         self._view = view
         self._timeout_s = timeout_s
-        largest = max(spec.max_message_bytes for spec in catalogue.specs)
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap_servers,
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,
-                "message.max.bytes": largest + _RECORD_OVERHEAD_BYTES,
+                "message.max.bytes": producer_message_max_bytes(catalogue),
                 # Give up on a record when the handler gives up waiting for it.
                 "message.timeout.ms": int(timeout_s * 1000),
                 "logger": logging.getLogger("fxstream.service.kafka"),
@@ -325,7 +323,7 @@ class RecordWriter:
         spec = self._catalogue.spec_for_topic(topic)
         if spec is None:
             return
-        size = len(value) + len(key) + _RECORD_OVERHEAD_BYTES
+        size = record_bytes(key.encode(), value)
         if size > spec.max_message_bytes:
             raise ApiError(
                 413,

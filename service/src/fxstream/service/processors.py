@@ -48,7 +48,7 @@ from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner
 from fxstream.service.topic_directory import TopicDirectory
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, aiokafka_max_request_size
 
 __all__ = [
     "DEFAULT_APP_ID",
@@ -71,7 +71,6 @@ def _broker_urls(bootstrap_servers: str) -> list[str]:
 
 
 def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
-    largest = max(spec.max_message_bytes for spec in catalogue.specs)
     return {
         "key_serializer": "raw",
         "value_serializer": "raw",
@@ -87,7 +86,7 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         # restarting the agent alone would skip the events it held, unacknowledged.
         "agent_supervisor": "mode.CrashingSupervisor",
         # aiokafka's default (1 MB) is below the catalogue's largest record (dead letters).
-        "producer_max_request_size": largest + 65_536,
+        "producer_max_request_size": aiokafka_max_request_size(catalogue),
         "producer_acks": -1,
         # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
         # tasks would take many produce requests instead of one.

@@ -39,7 +39,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.router import Router
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, aiokafka_max_request_size
 
 __all__ = ["EXIT_WRITE_FAILED", "RouterLoop"]
 
@@ -91,7 +91,7 @@ class RouterLoop(StoppableLoop):
             "enable_idempotence": True,
             "acks": "all",
             # aiokafka's default (1 MB) is below the catalogue's largest record.
-            "max_request_size": largest + 65_536,
+            "max_request_size": aiokafka_max_request_size(catalogue),
             # Its 16 kB per-partition batches hold ~35 dispatches: a batch of tasks
             # would take many produce requests instead of one.
             "max_batch_size": 1_048_576,

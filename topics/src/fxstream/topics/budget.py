@@ -32,6 +32,7 @@ from fxstream.topics.records import Attempt, TaskError, TaskResult, TaskState, e
 
 __all__ = [
     "ATTEMPT_MESSAGE_MAX_BYTES",
+    "DISPATCH_OVERHEAD_BYTES",
     "ERROR_MESSAGE_MAX_BYTES",
     "ERROR_TYPE_MAX_CHARS",
     "HEADER_OVERHEAD_BYTES",
@@ -47,6 +48,7 @@ __all__ = [
     "fits",
     "headers_bytes",
     "limit_of",
+    "max_submission_bytes",
     "producer_message_max_bytes",
     "record_bytes",
     "truncate_utf8",
@@ -121,6 +123,20 @@ def fits(
 ) -> bool:
     """True when the record is within ``topic``'s ``max.message.bytes``, headers included."""
     return record_bytes(key, value, headers) <= limit_of(topic)
+
+
+DISPATCH_OVERHEAD_BYTES: Final = 256
+"""What the router's dispatch adds around the submission it carries (its routing fields,
+about 170 bytes), with room to spare."""
+
+
+def max_submission_bytes(catalogue: Catalogue, key: bytes, headers: Headers | None = None) -> int:
+    """The largest submission record value that both ``tasks.submitted`` and, wrapped in
+    its dispatch, an endpoint queue accept: what the SDK checks, so whatever it sends the
+    router can route."""
+    submitted = catalogue.spec("tasks.submitted").max_message_bytes
+    queue = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes - DISPATCH_OVERHEAD_BYTES
+    return min(submitted, queue) - record_bytes(key, None, headers)
 
 
 def producer_message_max_bytes(catalogue: Catalogue) -> int:
