@@ -988,7 +988,8 @@ class Agent:
         # revoked partitions finish and are answered, but their offsets are the new owner's.
         publisher = self._publisher
         if publisher is not None and publisher.alive:
-            publisher.flush(CALL_FLUSH_S)
+            # Stopping, the answers had their chance already: keep the stop within 10 s.
+            publisher.flush(STOP_CLOSE_S if self._stop.is_set() else CALL_FLUSH_S)
         self._give_up(partitions)
 
     def _on_lost(self, partitions: list[TopicPartition]) -> None:
