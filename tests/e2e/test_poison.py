@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
@@ -290,7 +291,7 @@ def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
         client.close()
     submission = decode(prepared.record, TaskSubmission)
     ghost = f"ghost-{uuid.uuid4().hex[:12]}"
-    orphan = dataclasses.replace(submission, user_id=ghost)
+    orphan = msgspec.structs.replace(submission, user_id=ghost)
     dispatch = TaskDispatch(
         task_id=orphan.task_id,
         endpoint_id=stack.endpoint_id,
@@ -335,7 +336,7 @@ def test_oversized_submissions_are_refused_and_routing_goes_on(
         prepared = client.prepare_task(stack.endpoint_id, function_id, (1,))
         submission = decode(prepared.record, TaskSubmission)
         filler = b"p" * (catalogue.spec("tasks.submitted").max_message_bytes - 1100)
-        fat = dataclasses.replace(submission, payload=submission.payload + filler)
+        fat = msgspec.structs.replace(submission, payload=submission.payload + filler)
         record = encode(fat)
         future = client.track(dataclasses.replace(prepared, record=record))
         _produce(stack, catalogue.tasks_submitted, fat.task_id.encode(), record)
@@ -351,14 +352,16 @@ def test_sigterm_stops_an_agent_within_10_s(
 ) -> None:
     """With a task running: it is handed back uncommitted, the agent gone within 10 s."""
     client = _no_store(stack)
+    executor = Executor(endpoint_id=inline.endpoint_id, client=client)
     try:
-        with Executor(endpoint_id=inline.endpoint_id, client=client) as executor:
-            executor.submit(ShellFunction("sleep 60"))
-            time.sleep(3)  # taken and running
-            started = time.monotonic()
-            inline.process.send_signal(signal.SIGTERM)
-            inline.process.wait(timeout=30)
-            took = time.monotonic() - started
+        executor.submit(ShellFunction("sleep 60"))
+        time.sleep(3)  # taken and running
+        started = time.monotonic()
+        inline.process.send_signal(signal.SIGTERM)
+        inline.process.wait(timeout=30)
+        took = time.monotonic() - started
     finally:
+        # The task went back to the queue of an endpoint no agent serves now.
+        executor.shutdown(wait=False)
         client.close(timeout=5)
     assert took < 10.0, f"SIGTERM took {took:.1f} s:\n{inline.log.read_text()[-3000:]}"
