@@ -99,6 +99,7 @@ from fxstream.topics import (
     decode,
     encode,
     fit_result,
+    fits,
     payload_references,
     producer_message_max_bytes,
     record_kind,
@@ -1073,7 +1074,14 @@ class Agent:
             agent_version=AGENT_VERSION,
         )
         key = self.config.endpoint_id.encode()
-        producer.produce(self.catalogue.heartbeats, key=key, value=encode(beat))
+        value = encode(beat)
+        spec = self.catalogue.spec("heartbeats")
+        while not fits(spec, key, value) and beat.leases:
+            # Long ids: list fewer leases (the rest are renewed by the group session).
+            leases = beat.leases[: len(beat.leases) // 2]
+            beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
+            value = encode(beat)
+        producer.produce(self.catalogue.heartbeats, key=key, value=value)
         warm = [
             WarmWorker(worker_id=worker, function_ids=functions)
             for worker, functions in sorted(pool.warm_functions().items())
