@@ -1094,7 +1094,20 @@ class Agent:
                 workers=warm,
             )
             warm_key = f"{self.config.endpoint_id}/{self._hostname}".encode()
-            producer.produce(self.catalogue.warm, key=warm_key, value=encode(advert))
+            value = encode(advert)
+            while not fits(self.catalogue.spec("warm"), warm_key, value):
+                # Many workers with many functions: advertise a subset of each (a hint).
+                advert = msgspec.structs.replace(
+                    advert,
+                    workers=[
+                        msgspec.structs.replace(
+                            w, function_ids=w.function_ids[: len(w.function_ids) // 2]
+                        )
+                        for w in advert.workers
+                    ],
+                )
+                value = encode(advert)
+            producer.produce(self.catalogue.warm, key=warm_key, value=value)
             self._last_warm = warm
 
     def _shutdown(
