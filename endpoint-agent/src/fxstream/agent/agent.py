@@ -1095,7 +1095,9 @@ class Agent:
             )
             warm_key = f"{self.config.endpoint_id}/{self._hostname}".encode()
             value = encode(advert)
-            while not fits(self.catalogue.spec("warm"), warm_key, value):
+            while not fits(self.catalogue.spec("warm"), warm_key, value) and any(
+                w.function_ids for w in advert.workers
+            ):
                 # Many workers with many functions: advertise a subset of each (a hint).
                 advert = msgspec.structs.replace(
                     advert,
