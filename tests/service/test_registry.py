@@ -153,7 +153,9 @@ def test_bad_bytes_are_skipped_and_reported(
     assert "function" in reported[1][1] or "heartbeat" in reported[1][1]
 
 
-def _dead_letters(bootstrap_servers: str, catalogue: Catalogue, count: int) -> list[DeadLetter]:
+def _dead_letters(
+    bootstrap_servers: str, catalogue: Catalogue, key: bytes, count: int
+) -> list[DeadLetter]:
     reader = Consumer(
         {
             "bootstrap.servers": bootstrap_servers,
@@ -168,7 +170,7 @@ def _dead_letters(bootstrap_servers: str, catalogue: Catalogue, count: int) -> l
     try:
         while len(letters) < count and time.monotonic() < deadline:
             message = reader.poll(0.5)
-            if message is not None and message.error() is None:
+            if message is not None and message.error() is None and message.key() == key:
                 letters.append(decode(message.value(), DeadLetter))
     finally:
         reader.close()
@@ -189,7 +191,7 @@ def test_bad_and_mis_keyed_registry_records_are_dead_lettered_and_ignored(
     kept = view.function(key)
     assert kept is not None and kept.name == "good"  # the bad records changed nothing
     assert view.function(other) is None
-    letters = _dead_letters(bootstrap_servers, catalogue, 2)
+    letters = _dead_letters(bootstrap_servers, catalogue, key.encode(), 2)
     found = {(d.original_offset, d.error_type) for d in letters if d.original_topic == topic}
     assert found == {
         (garbage_at, str(DeadLetterReason.DECODE_ERROR)),
