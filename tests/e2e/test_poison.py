@@ -30,6 +30,7 @@ from fxstream.agent.config import EndpointConfig
 from fxstream.sdk import (
     Client,
     Executor,
+    NotFound,
     PayloadTooLarge,
     ShellFunction,
     TaskExecutionFailed,
@@ -237,7 +238,7 @@ def test_a_large_error_with_retries_fits_and_task_state_folds_it(
                 assert time.monotonic() < deadline, f"task-state never folded it: {state}"
                 try:
                     state = client.get_task(future.task_id)
-                except Exception:  # not folded yet (NotFound)
+                except NotFound:  # not folded yet
                     state = {}
                 time.sleep(0.5)
     finally:
