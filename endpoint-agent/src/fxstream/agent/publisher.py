@@ -24,7 +24,10 @@ Quarantine: one answer Kafka refuses must not stop the others. An answer to a
 topic that does not exist is found before its transaction begins (a metadata
 look-up, cached per topic); one Kafka refuses while producing (too large for the
 producer or the topic, an unknown partition, a refused authorisation) fails the
-transaction, which is aborted, and its delivery report names the answer. Every
+transaction, which is aborted, and its delivery report names the answer (the
+broker refuses a whole record batch for one record too large for the topic: when
+several answers are refused together, each is sent in a transaction of its own to
+find the one). Every
 refused answer is handed to ``on_refused``, which returns its replacements (a
 small error result, a dead letter of the original as a digest); the batch is
 then committed again without it. A failure no answer is to blame for (the broker
@@ -118,11 +121,17 @@ class PublisherFenced(RuntimeError):
 
 
 class _Refused(Exception):
-    """Answers of the running transaction that Kafka refused for good, by batch index."""
+    """Answers of the running transaction that Kafka refused for good, by batch index.
 
-    def __init__(self, refused: dict[int, Refusal]) -> None:
+    ``exact`` is false when the broker refused them: it refuses a whole record batch
+    (every answer of the transaction on one partition) for one record too large for
+    the topic, so any of them may be the culprit.
+    """
+
+    def __init__(self, refused: dict[int, Refusal], *, exact: bool) -> None:
         super().__init__(f"{len(refused)} answers refused")
         self.refused = refused
+        self.exact = exact
 
 
 OnRefused = Callable[[Answer, Refusal], list[Answer]]
@@ -306,6 +315,15 @@ class TransactionalPublisher:
                 return sum(1 for a in batch if a.topic is not None and a.settles)
             except _Refused as refused:
                 self._abort()
+                if not refused.exact and len(refused.refused) > 1:
+                    # Which of the answers the broker refused together is too large is
+                    # unknown: each goes in a transaction of its own, where it is known.
+                    log.warning(
+                        "%d answers refused together (%s); one by one",
+                        len(refused.refused),
+                        next(iter(refused.refused.values())).reason,
+                    )
+                    return sum(self._settle([answer]) for answer in batch)
                 batch = self._quarantine(batch, refused.refused)
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -430,7 +448,7 @@ class TransactionalPublisher:
                 self._tracker.done(answer.partition, answer.offset)
             producer.poll(0)
         if refused:
-            raise _Refused(refused)
+            raise _Refused(refused, exact=True)
         try:
             positions = self._tracker.positions()
             if positions:
@@ -442,7 +460,7 @@ class TransactionalPublisher:
         except KafkaException:
             producer.poll(0)  # serve the delivery reports that name the refused answers
             if refused:
-                raise _Refused(refused) from None
+                raise _Refused(refused, exact=False) from None
             raise
         took = time.monotonic() - started
         if took > SLOW_TRANSACTION_S:
