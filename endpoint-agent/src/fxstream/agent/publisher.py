@@ -26,8 +26,8 @@ look-up, cached per topic); one Kafka refuses while producing (too large for the
 producer or the topic, an unknown partition, a refused authorisation) fails the
 transaction, which is aborted, and its delivery report names the answer (the
 broker refuses a whole record batch for one record too large for the topic: when
-several answers are refused together, each is sent in a transaction of its own to
-find the one). Every
+several answers are refused together, each is tried alone in a transaction that
+is aborted, to find the one). Every
 refused answer is handed to ``on_refused``, which returns its replacements (a
 small error result, a dead letter of the original as a digest); the batch is
 then committed again without it. A failure no answer is to blame for (the broker
@@ -306,6 +306,7 @@ class TransactionalPublisher:
 
     def _settle(self, batch: list[Answer]) -> int:
         """Commit ``batch`` (with its replacements); the number of results written."""
+        unexplained = 0
         while True:
             batch = self._current(batch)
             try:
@@ -315,16 +316,11 @@ class TransactionalPublisher:
                 return sum(1 for a in batch if a.topic is not None and a.settles)
             except _Refused as refused:
                 self._abort()
-                if not refused.exact and len(refused.refused) > 1:
-                    # Which of the answers the broker refused together is too large is
-                    # unknown: each goes in a transaction of its own, where it is known.
-                    log.warning(
-                        "%d answers refused together (%s); one by one",
-                        len(refused.refused),
-                        next(iter(refused.refused.values())).reason,
-                    )
-                    return sum(self._settle([answer]) for answer in batch)
-                batch = self._quarantine(batch, refused.refused)
+                found = refused.refused
+                if not refused.exact and len(found) > 1:
+                    # Refused together: which one is too large is found by trying each.
+                    found = self._probe(batch) or found
+                batch = self._quarantine(batch, found)
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 if error.fatal() or error.code() == KafkaError._FENCED:
@@ -335,17 +331,53 @@ class TransactionalPublisher:
                 self.aborted += 1
                 self._abort()
                 if error.code() in _PERMANENT:
-                    # Refused for good, but no delivery report said which answer: alone,
-                    # it is this one; otherwise each answer goes in its own transaction.
-                    if len(batch) == 1:
-                        batch = self._quarantine(batch, {0: _refusal(error)})
+                    # Refused for good, but no delivery report said which answer.
+                    found = {0: _refusal(error)} if len(batch) == 1 else self._probe(batch)
+                    unexplained += not found
+                    if found or unexplained >= 3:
+                        batch = self._quarantine(
+                            batch, found or dict.fromkeys(range(len(batch)), _refusal(error))
+                        )
                         continue
-                    log.warning(
-                        "transaction of %d answers refused (%s); one by one", len(batch), error
-                    )
-                    return sum(self._settle([answer]) for answer in batch)
                 log.warning("transaction of %d answers failed, retrying: %s", len(batch), error)
                 time.sleep(0.1)
+
+    def _probe(self, batch: list[Answer]) -> dict[int, Refusal]:
+        """The answers Kafka refuses when each is sent alone, in a transaction that is
+        then aborted (so nothing of it is ever visible, and no offset moves)."""
+        log.warning("finding which of %d answers Kafka refuses, one at a time", len(batch))
+        refused: dict[int, Refusal] = {}
+        producer = self._producer
+        for index, answer in enumerate(batch):
+            if answer.topic is None:
+                continue
+            reports: list[KafkaError] = []
+            try:
+                producer.begin_transaction()
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.code() == KafkaError._FENCED:
+                    raise PublisherFenced(
+                        f"transactional id {self.transactional_id!r} was fenced: {error}"
+                    ) from exc
+                log.warning("cannot try the answers one at a time: %s", error)
+                return refused
+            try:
+                producer.produce(
+                    answer.topic,
+                    key=answer.key,
+                    value=answer.value,
+                    on_delivery=_collect(reports),
+                )
+                producer.flush(CALL_TIMEOUT_S)
+            except KafkaException as exc:
+                reports.append(exc.args[0])
+            finally:
+                self._abort()
+            permanent = [e for e in reports if e.code() in _PERMANENT]
+            if permanent:
+                refused[index] = _refusal(permanent[0])
+        return refused
 
     def _abort(self) -> None:
         """Abort the open transaction, if any (a no-op error when none is open)."""
@@ -465,6 +497,14 @@ class TransactionalPublisher:
         took = time.monotonic() - started
         if took > SLOW_TRANSACTION_S:
             log.warning("a transaction of %d answers took %.1f s", len(batch), took)
+
+
+def _collect(reports: list[KafkaError]) -> Callable[[KafkaError | None, Message], None]:
+    def on_delivery(error: KafkaError | None, _message: Message) -> None:
+        if error is not None:
+            reports.append(error)
+
+    return on_delivery
 
 
 def _refusal(error: KafkaError) -> Refusal:
