@@ -774,7 +774,9 @@ class Agent:
             limit, setting = exc.limit, f"the results topic's max.message.bytes ({exc.limit:,})"
             size = exc.size
         else:
-            size = len(encode(fitted))
+            # max_result_bytes bounds the serialized return value (the record around it
+            # adds a few hundred bytes, and fit_result has checked the topic's limit).
+            size = len(fitted.value or b"")
             if not outcome.ok or size <= self.config.max_result_bytes:
                 return fitted, None
             limit = self.config.max_result_bytes
