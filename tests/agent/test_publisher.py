@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from fxstream.agent.offsets import OffsetTracker
-from fxstream.agent.publisher import Answer, PublisherFenced, TransactionalPublisher
+from fxstream.agent.publisher import Answer, PublisherFenced, Refusal, TransactionalPublisher
 from tests.conftest import RunningPlatform
 
 pytestmark = pytest.mark.platform
@@ -183,3 +183,139 @@ def test_an_answer_without_a_topic_only_settles_its_offset(
         [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
     )
     assert sum(max(tp.offset, 0) for tp in committed) == 4
+
+
+def _quarantining_publisher(
+    bootstrap: str,
+    consumer: Consumer,
+    queue: str,
+    tracker: OffsetTracker,
+    refusals: list[tuple[Answer, Refusal]],
+    replacement_topic: str,
+    *,
+    message_max_bytes: int = 1_000_000,
+) -> TransactionalPublisher:
+    metadata = consumer.consumer_group_metadata()
+
+    def on_refused(answer: Answer, refusal: Refusal) -> list[Answer]:
+        refusals.append((answer, refusal))
+        small = b"quarantined " + (answer.key or b"")
+        return [Answer(replacement_topic, answer.key, small, answer.partition, answer.offset)]
+
+    return TransactionalPublisher(
+        {"bootstrap.servers": bootstrap, "log_level": 2, "message.max.bytes": message_max_bytes},
+        transactional_id=f"t-{uuid.uuid4()}",
+        queue_topic=queue,
+        tracker=tracker,
+        group_metadata=lambda: metadata,
+        on_refused=on_refused,
+    )
+
+
+def _answer_all(
+    publisher: TransactionalPublisher,
+    tracker: OffsetTracker,
+    messages: list[Message],
+    value_of: Callable[[int], tuple[str, bytes]],
+) -> None:
+    for index, message in enumerate(messages):
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        tracker.track(partition, offset)
+        topic, value = value_of(index)
+        publisher.publish(Answer(topic, message.key(), value, partition, offset))
+
+
+@pytest.mark.parametrize("where", ["producer", "broker"])
+def test_an_answer_kafka_refuses_is_quarantined_and_the_rest_commit(
+    bootstrap: str,
+    topics: tuple[str, str],
+    group_consumer: Consumer,
+    kafka_platform: RunningPlatform,
+    unique_prefix: str,
+    topic_cleanup: list[str],
+    where: str,
+) -> None:
+    """Too large for the producer (refused at produce) or for the topic (refused by the
+    broker inside the transaction): the answer is replaced, the batch commits, nothing
+    is retried forever."""
+    queue, out = topics
+    target = out
+    if where == "broker":
+        target = f"{unique_prefix}small"
+        admin = kafka_platform.admin()
+        small = NewTopic(target, 1, 1, config={"max.message.bytes": "20000"})
+        for future in admin.create_topics([small]).values():
+            future.result(timeout=30)
+        topic_cleanup.append(target)
+    _fill(bootstrap, queue, 10)
+    tracker = OffsetTracker()
+    refusals: list[tuple[Answer, Refusal]] = []
+    publisher = _quarantining_publisher(
+        bootstrap,
+        group_consumer,
+        queue,
+        tracker,
+        refusals,
+        out,
+        message_max_bytes=50_000 if where == "producer" else 1_000_000,
+    )
+    publisher.start()
+    started = time.monotonic()
+    try:
+        _answer_all(
+            publisher,
+            tracker,
+            _take(group_consumer, 10),
+            lambda i: (target, b"x" * 100_000) if i == 3 else (target, f"ok {i}".encode()),
+        )
+        assert publisher.flush(60), publisher.failure
+    finally:
+        publisher.close()
+    assert time.monotonic() - started < 40
+    assert len(refusals) == 1
+    answer, refusal = refusals[0]
+    assert len(answer.value) == 100_000
+    assert not refusal.topic_missing
+    assert "SIZE" in refusal.reason.upper()
+    written = [v for v in _committed_values(bootstrap, target) if v.startswith(b"ok")]
+    assert sorted(written) == sorted(f"ok {i}".encode() for i in range(10) if i != 3)
+    assert any(v.startswith(b"quarantined") for v in _committed_values(bootstrap, out))
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(max(tp.offset, 0) for tp in committed) == 10, "every offset settled"
+
+
+def test_an_answer_to_a_missing_topic_is_quarantined_before_its_transaction(
+    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer, unique_prefix: str
+) -> None:
+    queue, out = topics
+    missing = f"{unique_prefix}no-such-results"
+    _fill(bootstrap, queue, 6)
+    tracker = OffsetTracker()
+    refusals: list[tuple[Answer, Refusal]] = []
+    publisher = _quarantining_publisher(bootstrap, group_consumer, queue, tracker, refusals, out)
+    publisher.start()
+    started = time.monotonic()
+    try:
+        _answer_all(
+            publisher,
+            tracker,
+            _take(group_consumer, 6),
+            lambda i: (missing, b"lost") if i == 0 else (out, f"ok {i}".encode()),
+        )
+        assert publisher.flush(60), publisher.failure
+    finally:
+        publisher.close()
+    assert time.monotonic() - started < 20, "no wait for metadata propagation"
+    assert [r.topic_missing for _, r in refusals] == [True]
+    values = _committed_values(bootstrap, out)
+    assert sorted(v for v in values if v.startswith(b"ok")) == [
+        f"ok {i}".encode() for i in range(1, 6)
+    ]
+    assert sum(1 for v in values if v.startswith(b"quarantined")) == 1
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(max(tp.offset, 0) for tp in committed) == 6

@@ -688,6 +688,53 @@ def test_the_real_service_serves_and_stops_on_sigterm(
         httpx.get(f"http://127.0.0.1:{port}/v1/health", timeout=2)
 
 
+def test_the_real_service_refuses_bodies_above_its_cap_unread(
+    tmp_path: Path, bootstrap_servers: str, catalogue: Catalogue
+) -> None:
+    """413 naming the setting: at once for a declared length, and mid-stream for chunks."""
+    connection = write_connection(tmp_path / "platform.json", bootstrap_servers, catalogue)
+    (port,) = free_ports(1)
+    log = tmp_path / "service.log"
+    env = {**os.environ, "FXSTREAM_API_MAX_BODY_BYTES": "65536"}
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [SERVICE, "api", "--connection", str(connection), "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_serving(process, base_url, log)
+        # A declared 100 MiB body, none of it sent: the answer comes without reading it.
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+            raw.sendall(
+                b"POST /v1/users HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 104857600\r\n\r\n"
+            )
+            received = b""
+            while chunk := raw.recv(65536):  # the server closes after its answer
+                received += chunk
+            head = received.decode()
+        assert head.startswith("HTTP/1.1 413"), head
+        assert "--max-body-bytes" in head and "FXSTREAM_API_MAX_BODY_BYTES" in head
+        with httpx.Client(base_url=base_url, timeout=30) as http:
+            # No length declared (chunked): counted as it streams, refused past the cap.
+            chunks = (b"x" * 16_384 for _ in range(64))
+            answer = http.post("/v1/users", content=chunks)
+            detail = assert_error(answer, 413, "body-too-large")
+            assert "--max-body-bytes" in detail and "65,536" in detail
+            # Under the cap, the API works as before.
+            assert register(http, "small").user_id
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def run_service(*args: str) -> subprocess.CompletedProcess[str]:
     """Run ``fxstream-service`` to completion."""
     return subprocess.run(

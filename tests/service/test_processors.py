@@ -10,24 +10,28 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 from confluent_kafka import Message
 
-from fxstream.service.deadletter import dead_letter, normalise_headers
-from fxstream.service.task_state import fold_result, results_pattern
+from fxstream.service.task_state import TaskStatePlanner, fold_result, results_pattern
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
+    DeadLetterReason,
     RecordDecodeError,
     TaskError,
     TaskResult,
     TaskState,
     TaskStateName,
     TaskTimings,
+    dead_letter,
     decode,
     encode,
     ensure_topics,
+    normalise_headers,
+    record_bytes,
 )
 from tests.conftest import RunningPlatform
 from tests.service.test_router import (
@@ -67,11 +71,11 @@ def test_dead_letter_accepts_any_header_shape_and_keeps_its_limits() -> None:
         key=b"not a task id!",
         value=b"\xff",
         reason="x" * 100_000,
-        error_type="RecordDecodeError",
+        error_type=DeadLetterReason.DECODE_ERROR,
         component="router",
     )
     again = decode(encode(letter), DeadLetter)  # within the schema's limits, so it decodes
-    assert len(again.reason) == 65_536
+    assert len(again.reason.encode()) <= 16_384
     assert again.task_id is None  # the key is not an id
 
 
@@ -93,6 +97,30 @@ def test_fold_keeps_the_value_on_success_and_the_error_on_failure() -> None:
     failed = fold_result(result("t-2", error=error, attempt=2), now=5.0)
     assert (failed.state, failed.value, failed.error) == (TaskStateName.FAILED, None, error)
     assert failed.attempts[0].error == error
+
+
+def test_a_large_error_is_stored_once_and_the_state_fits_its_topic() -> None:
+    """A ValueError of 65,536 emoji (a 525 kB result) once made a 1,049,868-byte state."""
+    emoji = "\U0001f600" * 65_536
+    error = TaskError(type="ValueError", message=emoji, traceback=emoji)
+    planner = TaskStatePlanner(Catalogue())
+    raw = SimpleNamespace(
+        topic=Catalogue().results(USER),
+        partition=0,
+        offset=0,
+        key=b"t-3",
+        value=encode(result("t-3", error=error)),
+        headers=[],
+    )
+    (out,) = planner.plan([raw])
+    state = decode(out.value, TaskState)
+    limit = Catalogue().spec("task-state").max_message_bytes
+    assert record_bytes(out.key, out.value) <= limit
+    assert state.error is not None and state.error.message.startswith("\U0001f600" * 1000)
+    # The full error once, in the state; the attempt keeps its type and a short message.
+    assert state.attempts[-1].error is not None
+    assert state.attempts[-1].error.traceback == ""
+    assert len(state.attempts[-1].error.message.encode()) <= 4096
 
 
 # --- helpers -----------------------------------------------------------------------------------

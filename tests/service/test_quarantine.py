@@ -135,7 +135,7 @@ def test_a_result_whose_folded_state_is_over_the_limit_is_dead_lettered_and_the_
         assert len(record.value() or b"") <= dep.catalogue.spec("task-state").max_message_bytes
     else:
         (letter,) = letters
-        assert letter.error_type == "OutputRefused"
+        assert letter.error_type == "OutputUnwritable"
         assert letter.component == "task-state"
         assert letter.original_value == value
         assert "max.message.bytes 1048576" in letter.reason, letter.reason

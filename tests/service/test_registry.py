@@ -7,18 +7,21 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka import OFFSET_END, Message, Producer, TopicPartition
+from confluent_kafka import OFFSET_END, Consumer, Message, Producer, TopicPartition
 
 from fxstream.service.auth import token_sha256
 from fxstream.service.registry import LIVENESS_PERIODS, RegistryView
 from fxstream.topics import (
     Catalogue,
+    DeadLetter,
+    DeadLetterReason,
     FunctionRecord,
     Heartbeat,
     TaskState,
     TaskStateName,
     UserRecord,
     code_sha256,
+    decode,
     encode,
 )
 from tests.conftest import RunningPlatform
@@ -148,6 +151,54 @@ def test_bad_bytes_are_skipped_and_reported(
     assert [offset for offset, _ in reported] == [garbage_at, wrong_kind_at]
     assert all(reason for _, reason in reported)
     assert "function" in reported[1][1] or "heartbeat" in reported[1][1]
+
+
+def _dead_letters(
+    bootstrap_servers: str, catalogue: Catalogue, key: bytes, count: int
+) -> list[DeadLetter]:
+    reader = Consumer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "group.id": f"dl-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "log_level": 2,
+        }
+    )
+    reader.subscribe([catalogue.dead_letter])
+    letters: list[DeadLetter] = []
+    deadline = time.monotonic() + 20
+    try:
+        while len(letters) < count and time.monotonic() < deadline:
+            message = reader.poll(0.5)
+            if message is not None and message.error() is None and message.key() == key:
+                letters.append(decode(message.value(), DeadLetter))
+    finally:
+        reader.close()
+    return letters
+
+
+def test_bad_and_mis_keyed_registry_records_are_dead_lettered_and_ignored(
+    start_view: ViewFactory, catalogue: Catalogue, produce: Produce, bootstrap_servers: str
+) -> None:
+    view = start_view(component="test view")
+    topic = catalogue.functions
+    key, other = new_id(), new_id()
+    partition, good_at = produce(topic, key, function(key, name="good"))
+    _, garbage_at = produce(topic, key, b"\x00\xffnot msgpack")
+    # A record keyed by one id holding another: it must not define either function.
+    _, mismatch_at = produce(topic, key, function(other, name="impostor"))
+    assert view.wait_for_offset(topic, partition, mismatch_at, timeout_s=10)
+    kept = view.function(key)
+    assert kept is not None and kept.name == "good"  # the bad records changed nothing
+    assert view.function(other) is None
+    letters = _dead_letters(bootstrap_servers, catalogue, key.encode(), 2)
+    found = {(d.original_offset, d.error_type) for d in letters if d.original_topic == topic}
+    assert found == {
+        (garbage_at, str(DeadLetterReason.DECODE_ERROR)),
+        (mismatch_at, str(DeadLetterReason.KEY_MISMATCH)),
+    }
+    assert all(d.component == "test view" and d.original_key == key.encode() for d in letters)
+    assert good_at < garbage_at
 
 
 def test_the_latest_heartbeat_wins_even_out_of_order(

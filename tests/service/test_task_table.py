@@ -21,7 +21,6 @@ import msgspec
 import pytest
 from confluent_kafka import Producer
 
-from fxstream.service.deadletter import RawRecord
 from fxstream.service.lifecycle import TaskMemory, known_from_state
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_state import TaskStatePlanner, recall_from
@@ -30,6 +29,7 @@ from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetter,
+    RawRecord,
     TaskEvent,
     TaskResult,
     TaskState,

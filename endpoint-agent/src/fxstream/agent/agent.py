@@ -57,6 +57,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import httpx
+import msgspec
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -68,18 +69,19 @@ from confluent_kafka import (
 
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.offsets import OffsetTracker
-from fxstream.agent.publisher import Answer, TransactionalPublisher
+from fxstream.agent.publisher import Answer, Refusal, TransactionalPublisher
 from fxstream.agent.runner import runner_for
 from fxstream.agent.workers import RunnerSpec, WorkerPool, WorkItem, WorkOutcome
 from fxstream.connectors import FileConnector, LocationPublisher, StoreSpec
 from fxstream.topics import (
     Attempt,
     Catalogue,
-    DeadLetter,
+    DeadLetterReason,
     DeserializationError,
     Heartbeat,
     InvalidTopicName,
     RecordDecodeError,
+    RecordTooLarge,
     TaskCancel,
     TaskDispatch,
     TaskError,
@@ -93,9 +95,13 @@ from fxstream.topics import (
     WarmAdvert,
     WarmWorker,
     code_sha256,
+    dead_letter,
     decode,
     encode,
+    fit_result,
+    fits,
     payload_references,
+    producer_message_max_bytes,
     record_kind,
 )
 
@@ -108,7 +114,11 @@ AGENT_VERSION = "0.1.0"
 CALL_FLUSH_S = 10.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
-STOP_GRACE_S = 30.0
+# A stop (SIGTERM) lets running tasks finish and their answers commit for this long; what
+# is still running then is killed and handed back uncommitted (the next agent runs it).
+# With the closes below, the agent is gone within 10 s of the signal.
+STOP_GRACE_S = 5.0
+STOP_CLOSE_S = 1.5
 # Failures a retry cannot cure, even with retry_user_errors.
 _NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESULT_TOO_LARGE)})
 # How often tasks waiting for an unreachable service try to fetch their code again.
@@ -118,8 +128,6 @@ SWEEP_PERIOD_S = 300.0
 """How often an endpoint with a file store deletes objects whose lease ended."""
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
-# The dead letter's error type for a cancel whose sender did not submit the task.
-CANCEL_REFUSED = "CancelRefused"
 
 
 @dataclass(frozen=True)
@@ -268,6 +276,7 @@ class Agent:
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 1,
+                "message.max.bytes": producer_message_max_bytes(self.catalogue),
                 "log_level": 3,
             }
         )
@@ -287,13 +296,18 @@ class Agent:
             }
         )
         publisher = TransactionalPublisher(
-            {"bootstrap.servers": self.config.bootstrap_servers, "log_level": 3},
+            {
+                "bootstrap.servers": self.config.bootstrap_servers,
+                "message.max.bytes": producer_message_max_bytes(self.catalogue),
+                "log_level": 3,
+            },
             transactional_id=self.transactional_id,
             queue_topic=self.queue_topic,
             tracker=self._tracker,
             group_metadata=lambda: self._group_metadata,
             on_committed=self._count_committed,
             epoch=lambda: self._epoch,
+            on_refused=self._quarantine,
         )
         self._pool, self._publisher, self._events = pool, publisher, producer
         try:
@@ -545,7 +559,7 @@ class Agent:
                 value=message.value(),
                 headers=_headers(message),
                 reason=refused,
-                error_type=CANCEL_REFUSED,
+                error_type=DeadLetterReason.CANCEL_REFUSED,
             )
             return
         # The task's offset is below the cancel's, so the cancel's position can only commit
@@ -729,39 +743,144 @@ class Agent:
         publisher = self._publisher
         assert publisher is not None
         submission = held.submission
-        result = self._result(held, outcome)
-        value = encode(result)
-        if outcome.ok and len(value) > self.config.max_result_bytes:
-            size = len(value)
-            result = self._result(
-                held,
-                _failed(
-                    submission,
-                    "ResultTooLarge",
-                    ValueError(
-                        f"the result is {size:,} bytes, above this endpoint's max_result_bytes "
-                        f"({self.config.max_result_bytes:,}). Set store_url in the endpoint "
-                        "config (e.g. redis://HOST:6379) so results above proxy_threshold "
-                        "travel by reference, return a smaller value, or raise "
-                        "max_result_bytes (up to the results topic's max.message.bytes)"
-                    ),
-                ),
-            )
-            value = encode(result)
+        key = submission.task_id.encode()
         try:
             topic = self.catalogue.results(submission.user_id)
         except InvalidTopicName as exc:
             self._drop(held, f"no results topic for user {submission.user_id!r}: {exc}")
             return
+        result, oversized = self._fitted_result(held, outcome, key)
+        value = encode(result)
         with self._lock:
             # The worker is free now; only the offset waits for the transaction, so a
             # commit round trip does not idle the workers.
             if self._held.get(submission.task_id) is held:
                 del self._held[submission.task_id]
-        key = submission.task_id.encode()
+        if oversized is not None:
+            original, reason = oversized
+            publisher.publish(
+                self._letter_for_answer(
+                    topic, key, original, reason, DeadLetterReason.RESULT_TOO_LARGE
+                )
+            )
         publisher.publish(Answer(topic, key, value, held.partition, held.offset, held.epoch))
         if result.value is not None:
             self._publish_locations(result.value)
+
+    def _fitted_result(
+        self, held: _Held, outcome: WorkOutcome, key: bytes
+    ) -> tuple[TaskResult, tuple[bytes, str] | None]:
+        """The result to publish, fitted to the results topic (errors cut in bytes), and,
+        when the outcome's value was too large, the original's bytes and why."""
+        result = self._result(held, outcome)
+        spec = self.catalogue.spec("results.{user_id}")
+        try:
+            fitted = fit_result(result, spec, key=key)
+        except RecordTooLarge as exc:
+            limit, setting = exc.limit, f"the results topic's max.message.bytes ({exc.limit:,})"
+            size = exc.size
+        else:
+            # max_result_bytes bounds the serialized return value (the record around it
+            # adds a few hundred bytes, and fit_result has checked the topic's limit).
+            size = len(fitted.value or b"")
+            if not outcome.ok or size <= self.config.max_result_bytes:
+                return fitted, None
+            limit = self.config.max_result_bytes
+            setting = f"this endpoint's max_result_bytes ({limit:,})"
+        too_large = _failed(
+            held.submission,
+            TaskErrorType.RESULT_TOO_LARGE,
+            ValueError(
+                f"the result is {size:,} bytes, above {setting}. Set store_url in the "
+                "endpoint config (e.g. redis://HOST:6379) so results above proxy_threshold "
+                "travel by reference, or return a smaller value"
+                + (
+                    "; or raise max_result_bytes (up to the results topic's max.message.bytes)"
+                    if limit == self.config.max_result_bytes
+                    else ""
+                )
+            ),
+        )
+        original = encode(result)
+        return fit_result(self._result(held, too_large), spec, key=key), (
+            original,
+            f"result of task {held.submission.task_id} too large: {size:,} bytes > {limit:,}",
+        )
+
+    def _quarantine(self, answer: Answer, refusal: Refusal) -> list[Answer]:
+        """What replaces an answer Kafka refused (on the publisher's thread).
+
+        A result gets a small error result naming the limit (and its original is
+        dead-lettered as a digest); a result whose user has no results topic is
+        dead-lettered, settling the task; anything else settles with a dead letter.
+        """
+        topic = answer.topic or ""
+        key = answer.key
+        letter = self._letter_for_answer(
+            topic,
+            key,
+            answer.value,
+            f"Kafka refused the answer: {refusal.reason}",
+            DeadLetterReason.TASK_UNDELIVERABLE
+            if refusal.topic_missing
+            else DeadLetterReason.PRODUCE_FAILED,
+            settles=(answer.partition, answer.offset),
+        )
+        if topic == self.catalogue.dead_letter:
+            return [Answer(None, None, b"", answer.partition, answer.offset, answer.epoch)]
+        try:
+            result = decode(answer.value, TaskResult)
+        except RecordDecodeError:
+            return [letter]
+        if refusal.topic_missing:
+            log.error(
+                "task %s: results topic %r does not exist; the result is dead-lettered. "
+                "Re-register user %s (POST /v1/users creates the topic)",
+                result.task_id,
+                topic,
+                result.user_id,
+            )
+            return [letter]
+        error = TaskError(
+            type=TaskErrorType.RESULT_REFUSED,
+            message=(
+                f"Kafka refused this task's result ({len(answer.value):,} bytes) on {topic!r}: "
+                f"{refusal.reason}. The results topic accepts records up to its "
+                "max.message.bytes; set store_url in the endpoint config so large results "
+                "travel by reference, or return a smaller value. The original is on the "
+                f"dead-letter topic {self.catalogue.dead_letter!r} (key: the task id)"
+            ),
+        )
+        small = msgspec.structs.replace(
+            result, outcome="error", value=None, error=error, earlier_attempts=[]
+        )
+        extra = dataclasses.replace(letter, partition=-1, offset=-1)
+        return [extra, Answer(topic, key, encode(small), answer.partition, answer.offset)]
+
+    def _letter_for_answer(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes,
+        reason: str,
+        error_type: DeadLetterReason,
+        *,
+        settles: tuple[int, int] = (-1, -1),
+    ) -> Answer:
+        """A dead letter (bounded: a large original as a digest) of an answer this agent
+        could not write; it settles the queue record ``settles`` (none by default)."""
+        letter = dead_letter(
+            topic=topic,
+            partition=-1,
+            offset=-1,
+            key=key,
+            value=value,
+            reason=reason,
+            error_type=error_type,
+            component=f"agent {self.config.endpoint_id}",
+        )
+        partition, offset = settles
+        return Answer(self.catalogue.dead_letter, key, encode(letter), partition, offset)
 
     def _publish_locations(self, payload: bytes) -> None:
         """Say where a result stored by reference lives (best effort: routing hints only)."""
@@ -815,7 +934,7 @@ class Agent:
             value=encode(held.dispatch),
             headers=[],
             reason=reason,
-            error_type="TaskUndeliverable",
+            error_type=DeadLetterReason.TASK_UNDELIVERABLE,
         )
 
     def _dead_letter(self, message: Message, reason: str) -> None:
@@ -829,7 +948,7 @@ class Agent:
             value=message.value(),
             headers=_headers(message),
             reason=reason,
-            error_type="RecordDecodeError",
+            error_type=DeadLetterReason.DECODE_ERROR,
         )
 
     def _settle_with_dead_letter(
@@ -842,25 +961,32 @@ class Agent:
         value: bytes | None,
         headers: list[tuple[str, bytes | None]],
         reason: str,
-        error_type: str,
+        error_type: DeadLetterReason,
     ) -> None:
         publisher = self._publisher
         assert publisher is not None
-        record = DeadLetter(
-            original_topic=self.queue_topic,
-            original_partition=partition,
-            original_offset=offset,
-            original_key=key,
-            original_value=value,
-            original_headers=headers,
+        record = dead_letter(
+            topic=self.queue_topic,
+            partition=partition,
+            offset=offset,
+            key=key,
+            value=value,
+            headers=headers,
             reason=reason,
             error_type=error_type,
-            # The schema's limit; an endpoint id is a UUID, but a hand-made one may be long.
-            component=f"agent {self.config.endpoint_id}"[:128],
-            failed_at=time.time(),
+            component=f"agent {self.config.endpoint_id}",
         )
         letter = encode(record)
-        publisher.publish(Answer(self.catalogue.dead_letter, key, letter, partition, offset, epoch))
+        publisher.publish(
+            Answer(
+                self.catalogue.dead_letter,
+                record.original_key,
+                letter,
+                partition,
+                offset,
+                epoch,
+            )
+        )
 
     def _on_assign(self, consumer: Consumer) -> None:
         # On the poll thread: the only thread that may call the consumer.
@@ -871,7 +997,8 @@ class Agent:
         # revoked partitions finish and are answered, but their offsets are the new owner's.
         publisher = self._publisher
         if publisher is not None and publisher.alive:
-            publisher.flush(CALL_FLUSH_S)
+            # Stopping, the answers had their chance already: keep the stop within 10 s.
+            publisher.flush(STOP_CLOSE_S if self._stop.is_set() else CALL_FLUSH_S)
         self._give_up(partitions)
 
     def _on_lost(self, partitions: list[TopicPartition]) -> None:
@@ -955,7 +1082,14 @@ class Agent:
             agent_version=AGENT_VERSION,
         )
         key = self.config.endpoint_id.encode()
-        producer.produce(self.catalogue.heartbeats, key=key, value=encode(beat))
+        value = encode(beat)
+        spec = self.catalogue.spec("heartbeats")
+        while not fits(spec, key, value) and beat.leases:
+            # Long ids: list fewer leases (the rest are renewed by the group session).
+            leases = beat.leases[: len(beat.leases) // 2]
+            beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
+            value = encode(beat)
+        producer.produce(self.catalogue.heartbeats, key=key, value=value)
         warm = [
             WarmWorker(worker_id=worker, function_ids=functions)
             for worker, functions in sorted(pool.warm_functions().items())
@@ -968,7 +1102,22 @@ class Agent:
                 workers=warm,
             )
             warm_key = f"{self.config.endpoint_id}/{self._hostname}".encode()
-            producer.produce(self.catalogue.warm, key=warm_key, value=encode(advert))
+            value = encode(advert)
+            while not fits(self.catalogue.spec("warm"), warm_key, value) and any(
+                w.function_ids for w in advert.workers
+            ):
+                # Many workers with many functions: advertise a subset of each (a hint).
+                advert = msgspec.structs.replace(
+                    advert,
+                    workers=[
+                        msgspec.structs.replace(
+                            w, function_ids=w.function_ids[: len(w.function_ids) // 2]
+                        )
+                        for w in advert.workers
+                    ],
+                )
+                value = encode(advert)
+            producer.produce(self.catalogue.warm, key=warm_key, value=value)
             self._last_warm = warm
 
     def _shutdown(
@@ -983,12 +1132,13 @@ class Agent:
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
-        producer.flush(30)
+        producer.flush(STOP_CLOSE_S)
         if self._publisher is not None:
             # Commits what is queued; the group must still be joined for its offsets.
-            self._publisher.close()
+            self._publisher.close(STOP_CLOSE_S)
         consumer.close()
-        pool.close()
+        # Tasks still running are killed; uncommitted, they run again on the next agent.
+        pool.close(timeout=STOP_CLOSE_S)
         codes.close()
 
 

@@ -61,6 +61,8 @@ class EndpointConfig:
     # tasks, go to another agent of the endpoint, and a zombie's results are fenced.
     lease_timeout_s: float = 30.0
     engine: str = "process"
+    # The largest serialized return value sent inline (by reference with store_url set,
+    # above proxy_threshold); the result record must also fit the results topic.
     max_result_bytes: int = 1_000_000
     # Backoff before retry n of a task (n = 1, 2, ...): min(base * 2**(n-1), max).
     retry_backoff_s: float = 0.5

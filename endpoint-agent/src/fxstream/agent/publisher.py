@@ -19,10 +19,26 @@ agent's ``init_transactions`` fences its predecessor (a zombie can no longer
 commit) and aborts whatever transaction it left open. Offsets are sent with the
 consumer's group metadata, so a member that lost its partitions in a rebalance
 cannot commit for them either (KIP-447).
+
+Quarantine: one answer Kafka refuses must not stop the others. An answer to a
+topic that does not exist is found before its transaction begins (a metadata
+look-up, cached per topic); one Kafka refuses while producing (too large for the
+producer or the topic, an unknown partition, a refused authorisation) fails the
+transaction, which is aborted, and its delivery report names the answer (the
+broker refuses a whole record batch for one record too large for the topic: when
+several answers are refused together, each is tried alone in a transaction that
+is aborted, to find the one). Every
+refused answer is handed to ``on_refused``, which returns its replacements (a
+small error result, a dead letter of the original as a digest); the batch is
+then committed again without it. A failure no answer is to blame for (the broker
+is unreachable) is retried after an abort; a batch is never re-sent in a state
+the producer refuses (``_STATE``), and a replacement that is refused in turn
+settles its offset with nothing written, so no answer can wedge the publisher.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,11 +46,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from fxstream.agent.offsets import OffsetTracker
 
-__all__ = ["Answer", "PublisherFenced", "TransactionalPublisher"]
+__all__ = ["Answer", "PublisherFenced", "Refusal", "TransactionalPublisher"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +58,26 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
+# How long a look-up of whether an answer's topic exists may take.
+METADATA_TIMEOUT_S = 5.0
+# Per-record errors a retry cannot cure: the answer is quarantined, not re-sent.
+_PERMANENT = frozenset(
+    {
+        KafkaError.MSG_SIZE_TOO_LARGE,
+        KafkaError.RECORD_LIST_TOO_LARGE,
+        KafkaError.UNKNOWN_TOPIC_OR_PART,
+        KafkaError._UNKNOWN_TOPIC,
+        KafkaError._UNKNOWN_PARTITION,
+        KafkaError.TOPIC_AUTHORIZATION_FAILED,
+        KafkaError.TOPIC_EXCEPTION,
+        KafkaError.INVALID_RECORD,
+        KafkaError.INVALID_MSG_SIZE,
+        KafkaError._INVALID_ARG,
+    }
+)
+_MISSING_TOPIC = frozenset(
+    {KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC, KafkaError._UNKNOWN_PARTITION}
+)
 # A transaction slower than this is logged: results wait for it.
 SLOW_TRANSACTION_S = 1.0
 
@@ -62,10 +98,43 @@ class Answer:
     # The consumer's assignment epoch when the queue record was taken (see
     # TransactionalPublisher): an answer from an older epoch is dropped, not written.
     epoch: int = 0
+    # A replacement for a refused answer: if Kafka refuses it too, only its offset settles.
+    replacement: bool = False
+
+    @property
+    def settles(self) -> bool:
+        """False for an extra record written beside another answer (partition -1)."""
+        return self.partition >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why Kafka refused an answer: its error, and whether the topic does not exist."""
+
+    code: int
+    reason: str
+    topic_missing: bool
 
 
 class PublisherFenced(RuntimeError):
     """Another agent with this transactional id started: this one must stop."""
+
+
+class _Refused(Exception):
+    """Answers of the running transaction that Kafka refused for good, by batch index.
+
+    ``exact`` is false when the broker refused them: it refuses a whole record batch
+    (every answer of the transaction on one partition) for one record too large for
+    the topic, so any of them may be the culprit.
+    """
+
+    def __init__(self, refused: dict[int, Refusal], *, exact: bool) -> None:
+        super().__init__(f"{len(refused)} answers refused")
+        self.refused = refused
+        self.exact = exact
+
+
+OnRefused = Callable[[Answer, Refusal], list[Answer]]
 
 
 class TransactionalPublisher:
@@ -97,9 +166,12 @@ class TransactionalPublisher:
         group_metadata: Callable[[], object],
         on_committed: Callable[[int], None] | None = None,
         epoch: Callable[[], int] = lambda: 0,
+        on_refused: OnRefused | None = None,
     ) -> None:
         self._producer = Producer(
             {
+                # Never create a missing results topic with broker defaults by writing to it.
+                "allow.auto.create.topics": False,
                 **kafka_config,
                 "transactional.id": transactional_id,
                 "acks": "all",
@@ -118,6 +190,8 @@ class TransactionalPublisher:
         self._group_metadata = group_metadata
         self._on_committed = on_committed
         self._epoch = epoch
+        self._on_refused = on_refused
+        self._topics_seen: set[str] = set()
         self._answers: queue.SimpleQueue[Answer | None] = queue.SimpleQueue()
         self._pending = 0
         self._lock = threading.Lock()
@@ -127,6 +201,7 @@ class TransactionalPublisher:
         self.transactions = 0
         self.aborted = 0
         self.dropped = 0
+        self.refused = 0
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -204,34 +279,6 @@ class TransactionalPublisher:
             batch.append(answer)
         return batch, False
 
-    def _commit(self, batch: list[Answer]) -> None:
-        """Commit ``batch`` and its offsets; retried until it commits or is fenced."""
-        committed = len(batch)
-        while True:
-            batch = self._current(batch)
-            try:
-                if batch:
-                    self._transaction(batch)
-                break
-            except KafkaException as exc:
-                error: KafkaError = exc.args[0]
-                if error.fatal() or error.code() == KafkaError._FENCED:
-                    raise PublisherFenced(
-                        f"transactional id {self.transactional_id!r} was fenced "
-                        f"(another agent of this endpoint started?): {error}"
-                    ) from exc
-                self.aborted += 1
-                log.warning("transaction of %d answers failed, retrying: %s", len(batch), error)
-                if error.txn_requires_abort():
-                    self._producer.abort_transaction(CALL_TIMEOUT_S)
-                time.sleep(0.1)
-        self.transactions += 1
-        with self._idle:
-            self._pending -= committed
-            self._idle.notify_all()
-        if self._on_committed is not None and batch:
-            self._on_committed(sum(1 for answer in batch if answer.topic is not None))
-
     def _current(self, batch: list[Answer]) -> list[Answer]:
         """The answers of ``batch`` whose partitions were not lost since they were taken."""
         epoch = self._epoch()
@@ -246,21 +293,220 @@ class TransactionalPublisher:
             )
         return current
 
+    def _commit(self, batch: list[Answer]) -> None:
+        """Commit ``batch`` and its offsets, quarantining answers Kafka refuses (see the
+        module notes); retried until it commits or the publisher is fenced."""
+        written = self._settle(batch)
+        self.transactions += 1
+        with self._idle:
+            self._pending -= len(batch)
+            self._idle.notify_all()
+        if self._on_committed is not None and written:
+            self._on_committed(written)
+
+    def _settle(self, batch: list[Answer]) -> int:
+        """Commit ``batch`` (with its replacements); the number of results written."""
+        unexplained = 0
+        while True:
+            batch = self._current(batch)
+            try:
+                batch = self._quarantine(batch, self._missing_topics(batch))
+                if batch:
+                    self._transaction(batch)
+                return sum(1 for a in batch if a.topic is not None and a.settles)
+            except _Refused as refused:
+                self._abort()
+                found = refused.refused
+                if not refused.exact and len(found) > 1:
+                    # Refused together: which one is too large is found by trying each.
+                    found = self._probe(batch) or found
+                batch = self._quarantine(batch, found)
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.code() == KafkaError._FENCED:
+                    raise PublisherFenced(
+                        f"transactional id {self.transactional_id!r} was fenced "
+                        f"(another agent of this endpoint started?): {error}"
+                    ) from exc
+                self.aborted += 1
+                self._abort()
+                if error.code() in _PERMANENT:
+                    # Refused for good, but no delivery report said which answer.
+                    found = {0: _refusal(error)} if len(batch) == 1 else self._probe(batch)
+                    unexplained += not found
+                    if found or unexplained >= 3:
+                        batch = self._quarantine(
+                            batch, found or dict.fromkeys(range(len(batch)), _refusal(error))
+                        )
+                        continue
+                log.warning("transaction of %d answers failed, retrying: %s", len(batch), error)
+                time.sleep(0.1)
+
+    def _probe(self, batch: list[Answer]) -> dict[int, Refusal]:
+        """The answers Kafka refuses when each is sent alone, in a transaction that is
+        then aborted (so nothing of it is ever visible, and no offset moves)."""
+        log.warning("finding which of %d answers Kafka refuses, one at a time", len(batch))
+        refused: dict[int, Refusal] = {}
+        producer = self._producer
+        for index, answer in enumerate(batch):
+            if answer.topic is None:
+                continue
+            reports: list[KafkaError] = []
+            try:
+                producer.begin_transaction()
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.code() == KafkaError._FENCED:
+                    raise PublisherFenced(
+                        f"transactional id {self.transactional_id!r} was fenced: {error}"
+                    ) from exc
+                log.warning("cannot try the answers one at a time: %s", error)
+                return refused
+            try:
+                producer.produce(
+                    answer.topic,
+                    key=answer.key,
+                    value=answer.value,
+                    on_delivery=_collect(reports),
+                )
+                producer.flush(CALL_TIMEOUT_S)
+            except KafkaException as exc:
+                reports.append(exc.args[0])
+            finally:
+                self._abort()
+            permanent = [e for e in reports if e.code() in _PERMANENT]
+            if permanent:
+                refused[index] = _refusal(permanent[0])
+        return refused
+
+    def _abort(self) -> None:
+        """Abort the open transaction, if any (a no-op error when none is open)."""
+        try:
+            self._producer.abort_transaction(CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            error: KafkaError = exc.args[0]
+            if error.fatal() or error.code() == KafkaError._FENCED:
+                raise PublisherFenced(
+                    f"transactional id {self.transactional_id!r} was fenced: {error}"
+                ) from exc
+            if error.code() != KafkaError._STATE:
+                log.warning("abort of a failed transaction failed: %s", error)
+
+    def _missing_topics(self, batch: list[Answer]) -> dict[int, Refusal]:
+        """Answers whose topic does not exist, found before the transaction begins
+        (librdkafka would hold them for ``topic.metadata.propagation.max.ms`` and then
+        fail the whole transaction)."""
+        refused: dict[int, Refusal] = {}
+        for topic in {a.topic for a in batch if a.topic is not None} - self._topics_seen:
+            try:
+                metadata = self._producer.list_topics(topic, timeout=METADATA_TIMEOUT_S)
+            except KafkaException as exc:
+                log.warning("cannot look up topic %r (%s); producing anyway", topic, exc)
+                continue
+            found = metadata.topics.get(topic)
+            error = None if found is None else found.error
+            if found is not None and (error is None or error.code() not in _MISSING_TOPIC):
+                if error is None and found.partitions:
+                    self._topics_seen.add(topic)
+                continue
+            reason = f"topic {topic!r} does not exist" + (f" ({error})" if error else "")
+            code = error.code() if error is not None else KafkaError.UNKNOWN_TOPIC_OR_PART
+            for index, answer in enumerate(batch):
+                if answer.topic == topic:
+                    refused[index] = Refusal(code, reason, topic_missing=True)
+        return refused
+
+    def _quarantine(self, batch: list[Answer], refused: dict[int, Refusal]) -> list[Answer]:
+        """``batch`` with each refused answer replaced by what ``on_refused`` gives."""
+        if not refused:
+            return batch
+        kept: list[Answer] = []
+        for index, answer in enumerate(batch):
+            refusal = refused.get(index)
+            if refusal is None:
+                kept.append(answer)
+                continue
+            self.refused += 1
+            log.error(
+                "answer to %s (queue offset %d:%d) refused by Kafka: %s; quarantined",
+                answer.topic,
+                answer.partition,
+                answer.offset,
+                refusal.reason,
+            )
+            if answer.replacement or self._on_refused is None:
+                # Nothing more to try: settle the queue record with nothing written.
+                if answer.settles:
+                    kept.append(
+                        Answer(None, None, b"", answer.partition, answer.offset, answer.epoch)
+                    )
+                continue
+            for replacement in self._on_refused(answer, refusal):
+                kept.append(dataclasses.replace(replacement, epoch=answer.epoch, replacement=True))
+        return kept
+
     def _transaction(self, batch: list[Answer]) -> None:
         started = time.monotonic()
         producer = self._producer
+        refused: dict[int, Refusal] = {}
+
+        def reported(index: int) -> Callable[[KafkaError | None, Message], None]:
+            def on_delivery(error: KafkaError | None, _message: Message) -> None:
+                if error is not None and error.code() in _PERMANENT:
+                    refused[index] = _refusal(error)
+
+            return on_delivery
+
         producer.begin_transaction()
-        for answer in batch:
+        for index, answer in enumerate(batch):
             if answer.topic is not None:
-                producer.produce(answer.topic, key=answer.key, value=answer.value)
-            # Done once it is in this transaction: the offset commits with it or not at all.
-            self._tracker.done(answer.partition, answer.offset)
+                try:
+                    producer.produce(
+                        answer.topic,
+                        key=answer.key,
+                        value=answer.value,
+                        on_delivery=reported(index),
+                    )
+                except KafkaException as exc:
+                    error: KafkaError = exc.args[0]
+                    if error.code() not in _PERMANENT:
+                        raise
+                    # Refused before it was sent (too large for the producer): the rest
+                    # of the transaction is fine, but it commits without this answer.
+                    refused[index] = _refusal(error)
+                    continue
+            if answer.settles:
+                # Done once it is in this transaction: the offset commits with it or not at all.
+                self._tracker.done(answer.partition, answer.offset)
             producer.poll(0)
-        positions = self._tracker.positions()
-        if positions:
-            offsets = [TopicPartition(self._queue_topic, p, o) for p, o in positions.items()]
-            producer.send_offsets_to_transaction(offsets, self._group_metadata(), CALL_TIMEOUT_S)
-        producer.commit_transaction(CALL_TIMEOUT_S)
+        if refused:
+            raise _Refused(refused, exact=True)
+        try:
+            positions = self._tracker.positions()
+            if positions:
+                offsets = [TopicPartition(self._queue_topic, p, o) for p, o in positions.items()]
+                producer.send_offsets_to_transaction(
+                    offsets, self._group_metadata(), CALL_TIMEOUT_S
+                )
+            producer.commit_transaction(CALL_TIMEOUT_S)
+        except KafkaException:
+            producer.poll(0)  # serve the delivery reports that name the refused answers
+            if refused:
+                raise _Refused(refused, exact=False) from None
+            raise
         took = time.monotonic() - started
         if took > SLOW_TRANSACTION_S:
             log.warning("a transaction of %d answers took %.1f s", len(batch), took)
+
+
+def _collect(reports: list[KafkaError]) -> Callable[[KafkaError | None, Message], None]:
+    def on_delivery(error: KafkaError | None, _message: Message) -> None:
+        if error is not None:
+            reports.append(error)
+
+    return on_delivery
+
+
+def _refusal(error: KafkaError) -> Refusal:
+    code = error.code()
+    return Refusal(code, f"{error.name()}: {error.str()}", topic_missing=code in _MISSING_TOPIC)

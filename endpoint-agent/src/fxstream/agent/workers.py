@@ -83,6 +83,13 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import IO, Any, Final, Literal
 
+from fxstream.topics.budget import (
+    ERROR_MESSAGE_MAX_BYTES,
+    TRACEBACK_MAX_BYTES,
+    truncate_utf8,
+    truncate_utf8_tail,
+)
+
 __all__ = [
     "CODE_HASH_MISMATCH",
     "CODE_REQUIRED",
@@ -131,10 +138,8 @@ TASK_CANCELLED: Final = "TaskCancelled"
 RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
 """Error types caused by the platform rather than the task: a retry may succeed."""
 
-# Limits of TaskError.message / TaskError.traceback in fxstream.topics.records, so an
-# outcome always fits a result record as it is.
-_MAX_MESSAGE_CHARS: Final = 65_536
-_MAX_TRACEBACK_CHARS: Final = 262_144
+# Error texts are cut to the contract's byte limits here, in the worker, so a huge
+# exception text never crosses the pipe (the agent fits the whole result to its topic).
 _MAX_CRASH_DUMP_BYTES: Final = 65_536
 
 # Message tags on the worker -> pool pipe (the first element of every tuple).
@@ -255,15 +260,6 @@ class _RunnerUnavailableError(Exception):
     """The worker could not load its runner, so it cannot load any function."""
 
 
-def _truncate_head(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 15] + " ...[truncated]"
-
-
-def _truncate_tail(text: str, limit: int) -> str:
-    # The end of a traceback names the failing line: keep it.
-    return text if len(text) <= limit else "[truncated]... " + text[-(limit - 15) :]
-
-
 def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
     """Type name, message and traceback text; user exceptions may fail even at ``str()``."""
     name = type(exc).__name__
@@ -279,8 +275,9 @@ def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
         text = ""
     return (
         name,
-        _truncate_head(message, _MAX_MESSAGE_CHARS),
-        _truncate_tail(text, _MAX_TRACEBACK_CHARS),
+        truncate_utf8(message, ERROR_MESSAGE_MAX_BYTES),
+        # The end of a traceback names the failing line: keep it.
+        truncate_utf8_tail(text, TRACEBACK_MAX_BYTES),
     )
 
 

@@ -39,6 +39,7 @@ from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fie
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxstream.service.auth import may_use, new_token, token_sha256
+from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fxstream.service.registry import RegistryView
 from fxstream.topics import (
     Catalogue,
@@ -54,6 +55,8 @@ from fxstream.topics import (
     decode,
     encode,
     ensure_topics,
+    producer_message_max_bytes,
+    record_bytes,
     strategy_of,
 )
 
@@ -70,9 +73,6 @@ MAX_GROUP_PAGE = 1_000
 # task-state value may be up to the topic's record limit); it always holds one task.
 MAX_GROUP_PAGE_VALUE_BYTES = 8 * 1024 * 1024
 MAX_SHARED_WITH = 10_000
-
-# Kafka counts the key, headers and batch framing against max.message.bytes.
-_RECORD_OVERHEAD_BYTES = 1_024
 
 
 class ApiError(Exception):
@@ -250,14 +250,13 @@ class RecordWriter:
         self._catalogue = catalogue
         self._view = view
         self._timeout_s = timeout_s
-        largest = max(spec.max_message_bytes for spec in catalogue.specs)
         self._producer = Producer(
             {
                 "bootstrap.servers": bootstrap_servers,
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,
-                "message.max.bytes": largest + _RECORD_OVERHEAD_BYTES,
+                "message.max.bytes": producer_message_max_bytes(catalogue),
                 # Give up on a record when the handler gives up waiting for it.
                 "message.timeout.ms": int(timeout_s * 1000),
                 "logger": logging.getLogger("fxstream.service.kafka"),
@@ -324,7 +323,7 @@ class RecordWriter:
         spec = self._catalogue.spec_for_topic(topic)
         if spec is None:
             return
-        size = len(value) + len(key) + _RECORD_OVERHEAD_BYTES
+        size = record_bytes(key.encode(), value)
         if size > spec.max_message_bytes:
             raise ApiError(
                 413,
@@ -379,7 +378,7 @@ class Runtime:
 
 
 def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: float) -> Runtime:
-    view = RegistryView(bootstrap_servers, catalogue, on_bad_record=_log_bad_record)
+    view = RegistryView(bootstrap_servers, catalogue, component="api registry view")
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -393,16 +392,6 @@ def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: floa
     writer.start()
     admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
     return Runtime(catalogue, view, writer, admin, timeout_s)
-
-
-def _log_bad_record(message: Message, reason: str) -> None:
-    log.error(
-        "skipped an unreadable record on %s [%s] @ %s: %s",
-        message.topic(),
-        message.partition(),
-        message.offset(),
-        reason,
-    )
 
 
 def _create_topic(runtime: Runtime, template: str, topic: str) -> None:
@@ -806,7 +795,7 @@ async def _on_validation_error(_: Request, exc: Exception) -> JSONResponse:
     return _error(422, "invalid-request", _validation_detail(exc))
 
 
-_HTTP_ERROR_CODES = {404: "not-found", 405: "method-not-allowed"}
+_HTTP_ERROR_CODES = {404: "not-found", 405: "method-not-allowed", 413: "body-too-large"}
 
 
 async def _on_http_error(request: Request, exc: Exception) -> JSONResponse:
@@ -831,11 +820,19 @@ async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 # --- the app -------------------------------------------------------------------------------
 
 
-def create_app(bootstrap_servers: str, catalogue: Catalogue, *, timeout_s: float = 15.0) -> FastAPI:
+def create_app(
+    bootstrap_servers: str,
+    catalogue: Catalogue,
+    *,
+    timeout_s: float = 15.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The REST API on the registry topics of ``catalogue`` at ``bootstrap_servers``.
 
     Starting it (its lifespan) reads the registry topics to their end before it
-    serves; ``timeout_s`` bounds each wait for Kafka inside a request.
+    serves; ``timeout_s`` bounds each wait for Kafka inside a request. A request
+    body above ``max_body_bytes`` is refused with 413 before it is read
+    (:mod:`fxstream.service.body_limit`).
     """
 
     @asynccontextmanager
@@ -854,6 +851,7 @@ def create_app(bootstrap_servers: str, catalogue: Catalogue, *, timeout_s: float
         lifespan=lifespan,
     )
     app.include_router(router)
+    app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

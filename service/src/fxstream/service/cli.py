@@ -22,6 +22,7 @@ import uvicorn
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
+from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
 from fxstream.topics import Catalogue, InvalidTopicName, ProvisionError, ensure_topics
 
 __all__ = ["Target", "app", "main", "target_from"]
@@ -199,14 +200,19 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(target: Target, sock: socket.socket, log_level: str) -> bool:
+def serve(
+    target: Target,
+    sock: socket.socket,
+    log_level: str,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> bool:
     """Run the API with uvicorn (one worker) on ``sock``; False if it did not start."""
     # Imported here so `worker` (and every start failure) does not pay for FastAPI.
     from fxstream.service.api import create_app
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        create_app(target.bootstrap_servers, target.catalogue),
+        create_app(target.bootstrap_servers, target.catalogue, max_body_bytes=max_body_bytes),
         host=host,
         port=port,
         lifespan="on",
@@ -261,6 +267,15 @@ def api(
     port: Annotated[int, typer.Option(help="port to listen on", min=1, max=65535)] = DEFAULT_PORT,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
     log_level: Annotated[LogLevel, typer.Option(help="uvicorn's log level")] = LogLevel.INFO,
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            MAX_BODY_OPTION,
+            envvar=MAX_BODY_ENV,
+            help="largest request body accepted; larger ones get 413 unread",
+            min=0,
+        ),
+    ] = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Serve the REST API (docs/api.md) until SIGTERM or Ctrl-C."""
     try:
@@ -274,7 +289,7 @@ def api(
         f"topics {target.catalogue.prefix}*)",
         err=True,
     )
-    if not serve(target, sock, log_level.value):
+    if not serve(target, sock, log_level.value, max_body_bytes):
         fail("the API did not start (the log above says why); check that ./fx up succeeded")
 
 

@@ -26,19 +26,21 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from fxstream.service.deadletter import RawRecord, dead_letter_for
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.registry import LIVENESS_PERIODS
 from fxstream.topics import (
     Attempt,
     Catalogue,
+    DeadLetterReason,
     Heartbeat,
+    RawRecord,
     RecordDecodeError,
     TaskError,
     TaskErrorType,
     TaskEvent,
     TaskLease,
     TaskStateName,
+    dead_letter_for,
     decode,
     encode,
 )
@@ -88,9 +90,14 @@ class LivenessMonitor:
                 beat = decode(record.value, Heartbeat)
             except RecordDecodeError as exc:
                 letter = dead_letter_for(
-                    record, reason=str(exc), error_type="RecordDecodeError", component=COMPONENT
+                    record,
+                    reason=str(exc),
+                    error_type=DeadLetterReason.DECODE_ERROR,
+                    component=COMPONENT,
                 )
-                out.append(Outgoing(self.catalogue.dead_letter, record.key, encode(letter)))
+                out.append(
+                    Outgoing(self.catalogue.dead_letter, letter.original_key, encode(letter))
+                )
                 log.warning(
                     "liveness: dead-lettered a heartbeat at offset %d: %s", record.offset, exc
                 )

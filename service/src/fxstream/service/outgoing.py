@@ -34,18 +34,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 from faust.exceptions import ProducerSendError
 from faust.types import ProducerT
 
-__all__ = [
-    "RECORD_OVERHEAD_BYTES",
-    "Outgoing",
-    "Refused",
-    "fits",
-    "refuses_record",
-    "send_each",
-]
-
-# Room for the record batch header, timestamps and varints around key and value;
-# generous, so a record we accept is never refused by the broker for a few bytes.
-RECORD_OVERHEAD_BYTES = 1024
+__all__ = ["Outgoing", "Refused", "refuses_record", "send_each"]
 
 # Kafka's answers that are about one record, not about the broker or the client.
 _RECORD_ERRORS: tuple[type[BaseException], ...] = (
@@ -76,11 +65,6 @@ class Refused:
 
     record: Outgoing
     error: BaseException
-
-
-def fits(size: int, max_message_bytes: int) -> bool:
-    """True when a record of ``size`` key and value bytes is within ``max.message.bytes``."""
-    return size + RECORD_OVERHEAD_BYTES <= max_message_bytes
 
 
 def refuses_record(exc: BaseException) -> bool:

@@ -48,7 +48,6 @@ from typing import Any, cast
 import faust
 from faust.types import StreamT
 
-from fxstream.service.deadletter import RawRecord
 from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
@@ -60,7 +59,7 @@ from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, RawRecord, aiokafka_max_request_size
 
 __all__ = [
     "DEFAULT_APP_ID",
@@ -86,7 +85,6 @@ def _broker_urls(bootstrap_servers: str) -> list[str]:
 
 
 def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
-    largest = max(spec.max_message_bytes for spec in catalogue.specs)
     return {
         "key_serializer": "raw",
         "value_serializer": "raw",
@@ -102,7 +100,7 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         # restarting the agent alone would skip the events it held, unacknowledged.
         "agent_supervisor": "mode.CrashingSupervisor",
         # aiokafka's default (1 MB) is below the catalogue's largest record (dead letters).
-        "producer_max_request_size": largest + 65_536,
+        "producer_max_request_size": aiokafka_max_request_size(catalogue),
         "producer_acks": -1,
         # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
         # tasks would take many produce requests instead of one.

@@ -21,9 +21,15 @@ from collections.abc import Sequence
 from aiokafka.errors import UnknownTopicOrPartitionError  # type: ignore[import-untyped]
 from faust.types import ProducerT
 
-from fxstream.service.deadletter import RawRecord, dead_letter, dead_letter_for
 from fxstream.service.outgoing import Outgoing, Refused, send_each
-from fxstream.topics import Catalogue, encode
+from fxstream.topics import (
+    Catalogue,
+    DeadLetterReason,
+    RawRecord,
+    dead_letter,
+    dead_letter_for,
+    encode,
+)
 
 __all__ = [
     "OUTPUT_REFUSED",
@@ -35,7 +41,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 # The dead letter's error type for an input whose output Kafka refused.
-OUTPUT_REFUSED = "OutputRefused"
+OUTPUT_REFUSED = DeadLetterReason.OUTPUT_UNWRITABLE
 
 
 def refusal_reason(catalogue: Catalogue, component: str, refused: Refused) -> str:

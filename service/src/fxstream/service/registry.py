@@ -13,6 +13,14 @@ run, so the view folds it into a :class:`~fxstream.service.task_table.TaskStateT
 (RocksDB on local disk, rebuilt at every start) whose memory is bounded by its
 settings. The other tables grow with the registry (users, functions, endpoints),
 not with tasks.
+
+A record on users, functions or endpoints that does not decode, or whose Kafka
+key is not the id inside it, is ignored (the key keeps what it had) and
+dead-lettered (``RecordDecodeError`` / ``KeyMismatch``) by the view that read it:
+each view (the API's, the router's) writes its own dead letter, once per
+process start, since a compacted topic keeps the bad record until a later
+record under its key replaces it; the dead letters of one bad record share its
+original topic, partition and offset.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
+    Producer,
     TopicPartition,
 )
 
 from fxstream.service.task_table import TaskStateTable
 from fxstream.topics import (
     Catalogue,
+    DeadLetterReason,
     EndpointRecord,
     FunctionRecord,
     Heartbeat,
@@ -44,7 +54,11 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskState,
     UserRecord,
+    dead_letter,
     decode,
+    encode,
+    normalise_headers,
+    producer_message_max_bytes,
 )
 
 __all__ = ["LIVENESS_PERIODS", "EndpointStatus", "RegistryView"]
@@ -85,6 +99,12 @@ class EndpointStatus:
 
 
 BadRecord = Callable[[Message, str], None]
+# The id field each registry topic's key must equal.
+_ID_FIELDS: dict[Followed, str] = {
+    "users": "user_id",
+    "functions": "function_id",
+    "endpoints": "endpoint_id",
+}
 
 
 class RegistryView:
@@ -98,7 +118,10 @@ class RegistryView:
         follow: Iterable[Followed] = ALL_FOLLOWED,
         on_bad_record: BadRecord | None = None,
         task_table_dir: Path | None = None,
+        component: str | None = "registry view",
     ) -> None:
+        """``on_bad_record`` is told of every record skipped; ``component`` names the
+        dead letters the view writes for them (None: write none)."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -121,6 +144,9 @@ class RegistryView:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._on_bad_record = on_bad_record
+        self._component = component
+        self._bootstrap = bootstrap_servers
+        self._dead_letters: Producer | None = None
         self._consumer = Consumer(
             {
                 "bootstrap.servers": bootstrap_servers,
@@ -181,6 +207,10 @@ class RegistryView:
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         self._consumer.close()
+        if self._dead_letters is not None:
+            left = self._dead_letters.flush(5)
+            if left:
+                log.error("registry view: %d dead letters not delivered at close", left)
         if self._task_table is not None:
             self._task_table.close()
 
@@ -309,9 +339,16 @@ class RegistryView:
         try:
             record = decode(value, record_type)
         except RecordDecodeError as exc:
-            log.warning("registry view: skipping a bad record on %s: %s", topic, exc.reason)
-            if self._on_bad_record is not None:
-                self._on_bad_record(message, exc.reason)
+            self._bad(message, exc.reason, DeadLetterReason.DECODE_ERROR)
+            return
+        id_field = _ID_FIELDS.get(followed)
+        if id_field is not None and getattr(record, id_field) != key:
+            self._bad(
+                message,
+                f"the record's key {key!r} is not its {id_field} "
+                f"{getattr(record, id_field)!r}: a registry record is keyed by its id",
+                DeadLetterReason.KEY_MISMATCH,
+            )
             return
         if isinstance(record, Heartbeat):
             previous = _as(table.get(record.endpoint_id), Heartbeat)
@@ -326,6 +363,48 @@ class RegistryView:
         table[key] = record
         if isinstance(record, UserRecord):
             self._token_index[record.token_sha256] = record
+
+    def _bad(self, message: Message, reason: str, kind: DeadLetterReason) -> None:
+        """Skip a bad record: log it, tell ``on_bad_record``, and dead-letter it."""
+        log.warning(
+            "registry view: skipping a bad record on %s [%s] @ %s: %s",
+            message.topic(),
+            message.partition(),
+            message.offset(),
+            reason,
+        )
+        if self._on_bad_record is not None:
+            self._on_bad_record(message, reason)
+        if self._component is None:
+            return
+        if self._dead_letters is None:
+            self._dead_letters = Producer(
+                {
+                    "bootstrap.servers": self._bootstrap,
+                    "enable.idempotence": True,
+                    "acks": "all",
+                    "message.max.bytes": producer_message_max_bytes(self._catalogue),
+                    "log_level": 2,
+                }
+            )
+        letter = dead_letter(
+            topic=message.topic() or "",
+            partition=message.partition() or 0,
+            offset=message.offset() or 0,
+            key=message.key(),
+            value=message.value(),
+            headers=normalise_headers(message.headers()),
+            reason=reason,
+            error_type=kind,
+            component=self._component,
+        )
+        try:
+            self._dead_letters.produce(
+                self._catalogue.dead_letter, key=letter.original_key, value=encode(letter)
+            )
+        except (BufferError, KafkaException) as exc:
+            log.error("registry view: cannot dead-letter a bad record: %s", exc)
+        self._dead_letters.poll(0)
 
     def _remove(self, followed: Followed, key: str) -> None:
         old = self._tables[followed].pop(key, None)

@@ -37,13 +37,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from fxstream.service.auth import cancel_refusal_reason, refusal_reason
-from fxstream.service.deadletter import RawRecord, dead_letter_for, normalise_headers
-from fxstream.service.outgoing import Outgoing, fits
+from fxstream.service.outgoing import Outgoing
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
+    DeadLetterReason,
+    RawRecord,
     RecordDecodeError,
     TaskCancel,
     TaskDispatch,
@@ -54,8 +55,11 @@ from fxstream.topics import (
     TaskStateName,
     TaskSubmission,
     TaskTimings,
+    dead_letter_for,
     decode,
     encode,
+    normalise_headers,
+    record_bytes,
     record_kind,
 )
 
@@ -75,7 +79,7 @@ COMPONENT = "router"
 # alone, since the router writes the rejected state itself.
 REJECTED_ERROR_TYPE = str(TaskErrorType.REJECTED)
 # The dead letter's error type for a cancel the router will not forward.
-CANCEL_REFUSED_ERROR_TYPE = "CancelRefused"
+CANCEL_REFUSED_ERROR_TYPE = DeadLetterReason.CANCEL_REFUSED
 _CANCEL_KIND = "cancel"
 
 
@@ -161,12 +165,12 @@ class Router:
             except RecordDecodeError as exc:
                 # Cancels are rare: only bytes that are not a submission are tried as one.
                 if record_kind(record.value) != _CANCEL_KIND:
-                    self._dead_letter(plan, record, str(exc), "RecordDecodeError")
+                    self._dead_letter(plan, record, str(exc), DeadLetterReason.DECODE_ERROR)
                     continue
                 try:
                     cancels.append((record, decode(record.value, TaskCancel)))
                 except RecordDecodeError as cancel_exc:
-                    self._dead_letter(plan, record, str(cancel_exc), "RecordDecodeError")
+                    self._dead_letter(plan, record, str(cancel_exc), DeadLetterReason.DECODE_ERROR)
         if any(self._has_unknown(s) for _, s in submissions) or any(
             self._cancel_has_unknown(c) for _, c in cancels
         ):
@@ -182,7 +186,9 @@ class Router:
                 self._plan_one(plan, decision, now, results_present)
             except Exception as exc:  # a bug here must cost one task, not the router
                 log.exception("router: cannot plan task %s", decision.submission.task_id)
-                self._dead_letter(plan, decision.record, f"router failed: {exc!r}", "RouterError")
+                self._dead_letter(
+                    plan, decision.record, f"router failed: {exc!r}", DeadLetterReason.ROUTER_ERROR
+                )
         if cancels:
             # After every dispatch of the batch: a cancel follows its task on the queue.
             await self._plan_cancels(plan, cancels)
@@ -334,11 +340,16 @@ class Router:
                 "ask the operator to re-register the endpoint (POST /v1/endpoints creates it)"
             )
         size = len(decision.record.value or b"")
-        # The dispatch is the submission plus under 200 bytes of routing fields.
-        if not fits(len(submission.task_id) + size + 200, self._queue_limit):
+        # The dispatch as it will be written: the submission, the routing fields around
+        # it, the key and the forwarded headers.
+        wire = record_bytes(
+            submission.task_id.encode(), None, _forwarded_headers(decision.record.headers)
+        ) + _dispatch_bytes(submission, size)
+        if wire > self._queue_limit:
             return (
-                f"the task is {size} bytes, too large for an endpoint queue "
-                f"(max.message.bytes {self._queue_limit}): pass large arguments by proxy"
+                f"the task is {size:,} bytes ({wire:,} as routed, with its headers), too "
+                f"large for an endpoint queue (max.message.bytes {self._queue_limit:,}): pass "
+                "large arguments by reference (a client with a store sends them so)"
             )
         return None
 
@@ -394,7 +405,9 @@ class Router:
             plan.first.append(Outgoing(results, key, encode(result)))
         state = _state(submission, TaskStateName.REJECTED, now, timings, error=error)
         plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
-        self._dead_letter(plan, decision.record, reason, REJECTED_ERROR_TYPE, submission.task_id)
+        self._dead_letter(
+            plan, decision.record, reason, DeadLetterReason.REJECTED, submission.task_id
+        )
         self.stats.rejected += 1
         log.info("router: refused task %s: %s", submission.task_id, reason)
 
@@ -403,15 +416,17 @@ class Router:
         plan: RoutePlan,
         record: RawRecord,
         reason: str,
-        error_type: str,
+        error_type: DeadLetterReason,
         task_id: str | None = None,
     ) -> None:
         letter = dead_letter_for(
             record, reason=reason, error_type=error_type, component=COMPONENT, task_id=task_id
         )
-        plan.first.append(Outgoing(self._catalogue.dead_letter, record.key, encode(letter)))
+        plan.first.append(
+            Outgoing(self._catalogue.dead_letter, letter.original_key, encode(letter))
+        )
         self.stats.dead_lettered += 1
-        if error_type not in (REJECTED_ERROR_TYPE, CANCEL_REFUSED_ERROR_TYPE):
+        if error_type not in (DeadLetterReason.REJECTED, DeadLetterReason.CANCEL_REFUSED):
             log.warning(
                 "router: dead-lettered %s[%d]@%d: %s",
                 record.topic,
@@ -440,6 +455,19 @@ def _state(
         timings=timings,
         error=error,
     )
+
+
+def _dispatch_bytes(submission: TaskSubmission, submission_bytes: int) -> int:
+    """The encoded size of the dispatch of a submission of ``submission_bytes`` bytes."""
+    empty = TaskDispatch(
+        task_id=submission.task_id,
+        endpoint_id=submission.endpoint_id,
+        routed_at=0.0,
+        attempt=1,
+        submission=b"",
+    )
+    # msgpack's bin header grows from 2 to at most 5 bytes with the payload's length.
+    return len(encode(empty)) + submission_bytes + 5
 
 
 def _forwarded_headers(headers: object) -> list[tuple[str, bytes]] | None:

@@ -52,7 +52,6 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 )
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
-from fxstream.service.deadletter import RawRecord, dead_letter
 from fxstream.service.outgoing import Outgoing, Refused, refuses_record
 from fxstream.service.quarantine import (
     OUTPUT_REFUSED,
@@ -60,7 +59,7 @@ from fxstream.service.quarantine import (
     refusal_reason,
 )
 from fxstream.service.router import COMPONENT, Router
-from fxstream.topics import Catalogue, encode
+from fxstream.topics import Catalogue, RawRecord, aiokafka_max_request_size, dead_letter, encode
 
 __all__ = ["EXIT_WRITE_FAILED", "RouterLoop"]
 
@@ -115,7 +114,7 @@ class RouterLoop(StoppableLoop):
             "enable_idempotence": True,
             "acks": "all",
             # aiokafka's default (1 MB) is below the catalogue's largest record.
-            "max_request_size": largest + 65_536,
+            "max_request_size": aiokafka_max_request_size(catalogue),
             # Its 16 kB per-partition batches hold ~35 dispatches: a batch of tasks
             # would take many produce requests instead of one.
             "max_batch_size": 1_048_576,

@@ -32,7 +32,6 @@ from aiokafka import AIOKafkaConsumer  # type: ignore[import-untyped]
 from aiokafka.errors import CommitFailedError, IllegalStateError  # type: ignore[import-untyped]
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
-from fxstream.service.deadletter import RawRecord, dead_letter_for
 from fxstream.service.lifecycle import (
     EVENT_STATES,
     TERMINAL_STATES,
@@ -43,21 +42,27 @@ from fxstream.service.lifecycle import (
     may_follow,
 )
 from fxstream.service.liveness import COMPONENT as LIVENESS
-from fxstream.service.outgoing import Outgoing, fits
+from fxstream.service.outgoing import Outgoing
 from fxstream.service.registry import RegistryView
 from fxstream.topics import (
     Attempt,
     Catalogue,
+    DeadLetterReason,
+    RawRecord,
     RecordDecodeError,
+    TaskError,
     TaskErrorType,
     TaskEvent,
     TaskResult,
     TaskState,
     TaskStateName,
     TaskTimings,
+    dead_letter_for,
     decode,
     encode,
+    fit_state,
 )
+from fxstream.topics.budget import ATTEMPT_MESSAGE_MAX_BYTES, bounded_error
 
 __all__ = [
     "COMPONENT",
@@ -123,6 +128,15 @@ def _merge_attempts(known: Sequence[Attempt], more: Sequence[Attempt]) -> list[A
     return merged[-MAX_ATTEMPTS_KEPT:]
 
 
+def _error_once(attempts: list[Attempt], error: TaskError | None) -> list[Attempt]:
+    """``attempts`` with the state's own ``error`` kept in full only once: the attempt
+    that carries it keeps its type and the head of its message, no traceback."""
+    if error is None:
+        return attempts
+    summary = bounded_error(error, message_bytes=ATTEMPT_MESSAGE_MAX_BYTES, traceback_bytes=0)
+    return [msgspec.structs.replace(a, error=summary) if a.error == error else a for a in attempts]
+
+
 def _terminal_state(result: TaskResult) -> TaskStateName:
     if result.outcome == "success":
         return TaskStateName.SUCCEEDED
@@ -137,6 +151,7 @@ def fold_result(result: TaskResult, now: float, earlier: Sequence[Attempt] = ())
     state = _terminal_state(result)
     succeeded = state is TaskStateName.SUCCEEDED
     attempts = _merge_attempts(earlier, [*result.earlier_attempts, _attempt_of(result)])
+    error = None if succeeded else result.error
     return TaskState(
         task_id=result.task_id,
         user_id=result.user_id,
@@ -146,8 +161,8 @@ def fold_result(result: TaskResult, now: float, earlier: Sequence[Attempt] = ())
         state=state,
         updated_at=now,
         timings=result.timings,
-        attempts=attempts,
-        error=None if succeeded else result.error,
+        attempts=_error_once(attempts, error),
+        error=error,
         value=result.value if succeeded else None,
     )
 
@@ -189,10 +204,12 @@ class TaskStatePlanner:
                 else:
                     self._plan_result(out, record, decode(record.value, TaskResult), now)
             except RecordDecodeError as exc:
-                self._dead_letter(out, record, str(exc), "RecordDecodeError")
+                self._dead_letter(out, record, str(exc), DeadLetterReason.DECODE_ERROR)
             except Exception as exc:  # a bug here must cost one record, not the processor
                 log.exception("task-state: cannot fold %s@%d", record.topic, record.offset)
-                self._dead_letter(out, record, f"task-state failed: {exc!r}", "TaskStateError")
+                self._dead_letter(
+                    out, record, f"task-state failed: {exc!r}", DeadLetterReason.TASK_STATE_ERROR
+                )
         return out
 
     # --- results -------------------------------------------------------------------------
@@ -211,7 +228,7 @@ class TaskStatePlanner:
                 record,
                 f"a result of user {result.user_id!r} on {record.topic!r}: results belong on "
                 f"their user's own topic {self.catalogue.results(result.user_id)!r}",
-                "MisplacedResult",
+                DeadLetterReason.MISPLACED_RESULT,
             )
             return
         known = self.memory.get(result.task_id)
@@ -270,7 +287,7 @@ class TaskStatePlanner:
             state=event.state,
             updated_at=now,
             timings=TaskTimings(started_at=event.attempt.started_at if event.attempt else None),
-            attempts=attempts,
+            attempts=_error_once(attempts, event.attempt.error if event.attempt else None),
             error=event.attempt.error if event.attempt else None,
         )
         self._write(out, state)
@@ -281,22 +298,23 @@ class TaskStatePlanner:
 
     def _write(self, out: list[Outgoing], state: TaskState) -> None:
         key = state.task_id.encode()
-        value = encode(state)
-        if not fits(len(key) + len(value), self._state_limit):
-            # The value stays on the user's results topic; status shows the outcome only.
+        # Fitted to the topic by construction: a value that does not fit stays on the
+        # user's results topic (status shows the outcome only), and errors and attempts
+        # shrink (tracebacks, then messages, then the oldest attempts).
+        fitted = fit_state(state, self._state_limit, key=key)
+        if fitted.value is None and state.value is not None:
             self.stats.values_dropped += 1
-            value = encode(msgspec.structs.replace(state, value=None))
-        out.append(Outgoing(self.catalogue.task_state, key, value))
+        out.append(Outgoing(self.catalogue.task_state, key, encode(fitted)))
 
     def _impossible(self, out: list[Outgoing], record: RawRecord, reason: str) -> None:
         self.stats.impossible += 1
-        self._dead_letter(out, record, reason, "ImpossibleTransition")
+        self._dead_letter(out, record, reason, DeadLetterReason.IMPOSSIBLE_TRANSITION)
 
     def _dead_letter(
-        self, out: list[Outgoing], record: RawRecord, reason: str, error_type: str
+        self, out: list[Outgoing], record: RawRecord, reason: str, error_type: DeadLetterReason
     ) -> None:
         letter = dead_letter_for(record, reason=reason, error_type=error_type, component=COMPONENT)
-        out.append(Outgoing(self.catalogue.dead_letter, record.key, encode(letter)))
+        out.append(Outgoing(self.catalogue.dead_letter, letter.original_key, encode(letter)))
         self.stats.dead_lettered += 1
         log.warning(
             "task-state: dead-lettered %s[%d]@%d: %s",

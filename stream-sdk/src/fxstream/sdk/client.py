@@ -51,7 +51,14 @@ from fxstream.sdk.submit import (
     build_task,
     pack_arguments,
 )
-from fxstream.topics import Attempt, Catalogue, Serializer, TaskError, TaskTimings
+from fxstream.topics import (
+    Attempt,
+    Catalogue,
+    Serializer,
+    TaskError,
+    TaskTimings,
+    producer_message_max_bytes,
+)
 
 __all__ = ["Client", "RegisteredUser"]
 
@@ -363,7 +370,7 @@ class Client:
                 self._producer = TaskProducer(
                     self.bootstrap_servers,
                     self.catalogue.tasks_submitted,
-                    max_message_bytes=self.catalogue.spec("tasks.submitted").max_message_bytes,
+                    max_message_bytes=producer_message_max_bytes(self.catalogue),
                     kafka_config=self._kafka_config,
                 )
             return self._producer, listener

@@ -33,6 +33,7 @@ from fxstream.topics import (
     Serializer,
     TaskCancel,
     TaskSubmission,
+    budget,
     client_info,
     decode,
     encode,
@@ -48,7 +49,7 @@ __all__ = [
     "pack_arguments",
 ]
 
-RECORD_OVERHEAD_BYTES: Final = 512
+RECORD_OVERHEAD_BYTES: Final = budget.RECORD_OVERHEAD_BYTES
 """Headroom for Kafka's batch and record framing when comparing a record with the topic limit."""
 
 _NO_STORE_NOTE: Final = (
@@ -196,14 +197,17 @@ def _build_task(
     )
     record = encode(submission)
     spec = catalogue.spec("tasks.submitted")
-    size = len(record) + len(task_id) + RECORD_OVERHEAD_BYTES
-    if size > spec.max_message_bytes:
+    # Within tasks.submitted, and, wrapped in the router's dispatch, within an endpoint queue.
+    room = budget.max_submission_bytes(catalogue, task_id.encode())
+    if len(record) > room:
+        size = len(record) + (spec.max_message_bytes - room)
         raise PayloadTooLarge(
             f"the task record for function {function_id} would be {size:,} bytes with Kafka's "
-            f"framing, above the {spec.max_message_bytes:,}-byte limit of topic "
-            f"{catalogue.tasks_submitted} (its max.message.bytes, the catalogue's "
-            f"max_message_bytes); nothing was sent. Keep max_inline_bytes "
-            f"({ENV_VARIABLES['max_inline_bytes']}) well below that limit. {_PROXY_NOTE}",
+            f"framing and its routing, above the {spec.max_message_bytes:,}-byte limit of "
+            f"topic {catalogue.tasks_submitted} and the endpoint queues (their "
+            f"max.message.bytes, the catalogue's max_message_bytes); nothing was sent. Keep "
+            f"max_inline_bytes ({ENV_VARIABLES['max_inline_bytes']}) well below that limit. "
+            f"{_PROXY_NOTE}",
             size=size,
             limit=spec.max_message_bytes,
             setting="max_message_bytes",
@@ -270,6 +274,8 @@ class TaskProducer:
             "enable.idempotence": True,
             "linger.ms": 1,
             "compression.type": "lz4",
+            # The catalogue's producer limit (fxstream.topics.budget): records are
+            # checked against their topic before they are sent.
             "message.max.bytes": max_message_bytes,
             "delivery.timeout.ms": 120_000,
             "client.id": "fxstream-sdk",

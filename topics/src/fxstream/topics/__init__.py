@@ -2,11 +2,34 @@
 
 - :mod:`~fxstream.topics.catalogue`: topic names, keys and Kafka settings.
 - :mod:`~fxstream.topics.records`: the typed record schemas and their codec.
+- :mod:`~fxstream.topics.budget`: every record's byte budget and byte-safe truncation.
+- :mod:`~fxstream.topics.deadletter`: the one dead-letter builder and its reasons.
 - :mod:`~fxstream.topics.provision`: idempotent topic creation with drift reports.
 - :mod:`~fxstream.topics.serialize`: how code, arguments and results are encoded in payloads.
 """
 
+from fxstream.topics.budget import (
+    RecordTooLarge,
+    aiokafka_max_request_size,
+    bounded_error,
+    fit_result,
+    fit_state,
+    fits,
+    max_submission_bytes,
+    producer_message_max_bytes,
+    record_bytes,
+    truncate_utf8,
+    truncate_utf8_tail,
+    utf8_len,
+)
 from fxstream.topics.catalogue import Catalogue, CleanupPolicy, InvalidTopicName, TopicSpec
+from fxstream.topics.deadletter import (
+    DeadLetterReason,
+    RawRecord,
+    dead_letter,
+    dead_letter_for,
+    normalise_headers,
+)
 from fxstream.topics.provision import Drift, ProvisionError, ProvisionReport, ensure_topics
 from fxstream.topics.records import (
     SCHEMA_VERSIONS,
@@ -14,6 +37,7 @@ from fxstream.topics.records import (
     ClientInfo,
     DataLocation,
     DeadLetter,
+    Digest,
     EndpointRecord,
     Event,
     FunctionRecord,
@@ -76,7 +100,9 @@ __all__ = [
     "ClientInfo",
     "DataLocation",
     "DeadLetter",
+    "DeadLetterReason",
     "DeserializationError",
+    "Digest",
     "DillCode",
     "DillData",
     "Drift",
@@ -91,8 +117,10 @@ __all__ = [
     "PickleData",
     "ProvisionError",
     "ProvisionReport",
+    "RawRecord",
     "Record",
     "RecordDecodeError",
+    "RecordTooLarge",
     "SerializationError",
     "Serializer",
     "StorageTier",
@@ -113,19 +141,33 @@ __all__ = [
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
+    "aiokafka_max_request_size",
+    "bounded_error",
     "client_info",
     "code_sha256",
+    "dead_letter",
+    "dead_letter_for",
     "decode",
     "decode_any",
     "describe_exception",
     "encode",
     "ensure_topics",
     "explain_load_failure",
+    "fit_result",
+    "fit_state",
+    "fits",
     "get_strategy",
+    "max_submission_bytes",
+    "normalise_headers",
     "payload_references",
+    "producer_message_max_bytes",
+    "record_bytes",
     "record_kind",
     "register_strategy",
     "registered_strategies",
     "strategy_of",
+    "truncate_utf8",
+    "truncate_utf8_tail",
+    "utf8_len",
     "wrap_references",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "ClientInfo",
     "DataLocation",
     "DeadLetter",
+    "Digest",
     "EndpointRecord",
     "Event",
     "FunctionRecord",
@@ -194,6 +195,8 @@ class TaskErrorType(enum.StrEnum):
     AGENT_LOST = "AgentLost"
     FUNCTION_UNAVAILABLE = "FunctionUnavailable"
     RESULT_TOO_LARGE = "ResultTooLarge"
+    RESULT_REFUSED = "ResultRefused"
+    """Kafka refused to write the task's result (see the message for the limit to change)."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
@@ -457,8 +460,20 @@ class Event(Record, tag="event", kw_only=True, frozen=True):
     ] = None
 
 
+class Digest(msgspec.Struct, kw_only=True, frozen=True):
+    """What identifies bytes a dead letter kept only a prefix of: their size and SHA-256."""
+
+    size: Count
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
 class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
-    """A record that could not be processed (topic ``dead-letter``, key: the original key)."""
+    """A record that could not be processed (topic ``dead-letter``, key: the original key).
+
+    ``error_type`` is one of :class:`~fxstream.topics.DeadLetterReason`. An original
+    key or value too large to keep whole is kept as a prefix, with its ``*_digest``
+    (size and SHA-256) set, so the dead letter itself always fits its topic.
+    """
 
     original_topic: Annotated[str, Meta(max_length=249)]
     original_partition: int
@@ -471,6 +486,15 @@ class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
     component: Annotated[str, Meta(max_length=128, description="who gave up, e.g. 'router'")]
     failed_at: Timestamp
     task_id: Id | None = None
+    original_key_digest: Annotated[
+        Digest | None, Meta(description="set when original_key holds only a prefix")
+    ] = None
+    original_value_digest: Annotated[
+        Digest | None, Meta(description="set when original_value holds only a prefix")
+    ] = None
+    original_headers_dropped: Annotated[
+        int, Meta(ge=0, description="headers left out to keep the dead letter bounded")
+    ] = 0
 
 
 AnyRecord = (

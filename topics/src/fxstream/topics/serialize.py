@@ -60,6 +60,7 @@ from typing import Any, Final, Literal, cast
 import dill  # type: ignore[import-untyped]
 import msgspec
 
+from fxstream.topics import budget
 from fxstream.topics.records import ClientInfo, ObjectReference, TaskError
 
 __all__ = [
@@ -105,10 +106,9 @@ StrategyKind = Literal["code", "data"]
 
 _ID_PATTERN: Final = re.compile(r"[a-z0-9]{2}")
 
-# TaskError's field limits (records.py); describe_exception keeps within them.
+# TaskError's type limit (records.py); message and traceback are cut in UTF-8 bytes
+# to the budget's limits (fxstream.topics.budget).
 _ERROR_TYPE_MAX: Final = 256
-_ERROR_MESSAGE_MAX: Final = 65_536
-_ERROR_TRACEBACK_MAX: Final = 262_144
 
 # Quoted exception texts inside our own messages are capped: a loader's error
 # can echo a large part of the payload, and the message ends up in a record.
@@ -743,21 +743,13 @@ def _keep_start(text: str, limit: int) -> str:
     return f"{text[:kept]} [... {len(text) - kept} characters cut]"
 
 
-def _keep_end(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    reserve = len("[... 0 characters cut ...]\n") + len(str(len(text)))
-    kept = limit - reserve
-    return f"[... {len(text) - kept} characters cut ...]\n{text[-kept:]}"
-
-
 def describe_exception(exc: BaseException) -> TaskError:
     """The :class:`TaskError` a worker sends when a user function raises ``exc``.
 
     ``type`` is the class name, qualified by its module unless a builtin;
     ``message`` is ``str(exc)``; ``traceback`` the formatted traceback with
-    chained exceptions. Each is cut to its field's limit; the traceback keeps
-    its end, where the raise site and the exception are.
+    chained exceptions. Each is cut to its byte limit (``fxstream.topics.budget``);
+    the traceback keeps its end, where the raise site and the exception are.
     """
     try:
         formatted = "".join(traceback.format_exception(exc))
@@ -765,8 +757,8 @@ def describe_exception(exc: BaseException) -> TaskError:
         formatted = f"{_type_name(exc)}: {_safe_str(exc)}\n"
     return TaskError(
         type=_keep_start(_printable(_type_name(exc)), _ERROR_TYPE_MAX),
-        message=_keep_start(_printable(_safe_str(exc)), _ERROR_MESSAGE_MAX),
-        traceback=_keep_end(_printable(formatted), _ERROR_TRACEBACK_MAX),
+        message=budget.truncate_utf8(_printable(_safe_str(exc)), budget.ERROR_MESSAGE_MAX_BYTES),
+        traceback=budget.truncate_utf8_tail(_printable(formatted), budget.TRACEBACK_MAX_BYTES),
     )
 
 

@@ -30,7 +30,7 @@ from confluent_kafka.admin import AdminClient
 from proxystore.stream.events import EventBatch, event_to_bytes
 
 from fxstream.sdk.errors import PayloadTooLarge, StreamDeliveryFailed, StreamError
-from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
+from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, budget, ensure_topics
 
 __all__ = [
     "DEFAULT_LINGER_MS",
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 DEFAULT_LINGER_MS: Final = 5.0
 """How long a queued record may wait for others to share its batch (librdkafka ``linger.ms``)."""
 
-RECORD_OVERHEAD_BYTES: Final = 512
+RECORD_OVERHEAD_BYTES: Final = budget.RECORD_OVERHEAD_BYTES
 """Headroom for Kafka's record and batch framing when checking a record against the topic limit."""
 
 _FLUSH_TIMEOUT_S: Final = 60.0
@@ -117,7 +117,7 @@ class KafkaPublisher:
             "bootstrap.servers": bootstrap_servers,
             # librdkafka's own cap (1,000,000) is below the topic's; records are checked
             # against the topic's limit in send_events, and batches stay within batch.size.
-            "message.max.bytes": streams_spec.max_message_bytes,
+            "message.max.bytes": budget.producer_message_max_bytes(self.catalogue),
             "batch.size": min(1_000_000, streams_spec.max_message_bytes),
             "enable.idempotence": True,
             "acks": "all",
@@ -149,7 +149,7 @@ class KafkaPublisher:
         key = self._key(events.topic)
         key_bytes = key.encode() if isinstance(key, str) else key
         value = event_to_bytes(events)
-        size = len(value) + len(key_bytes) + RECORD_OVERHEAD_BYTES
+        size = budget.record_bytes(key_bytes, value)
         if size > limit:
             raise PayloadTooLarge(
                 f"a stream event of {len(value):,} bytes does not fit topic {topic!r} "

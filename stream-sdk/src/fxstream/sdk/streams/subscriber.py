@@ -49,7 +49,15 @@ from proxystore.stream.events import EventBatch, NewObjectKeyEvent, bytes_to_eve
 
 from fxstream.sdk.errors import StreamError, StreamTimeout
 from fxstream.sdk.streams.publisher import ensure_stream_topic
-from fxstream.topics import Catalogue, DeadLetter, ProvisionError, encode
+from fxstream.topics import (
+    Catalogue,
+    DeadLetterReason,
+    ProvisionError,
+    dead_letter,
+    encode,
+    normalise_headers,
+    producer_message_max_bytes,
+)
 
 __all__ = ["DEFAULT_COMMIT_EVERY", "KafkaSubscriber", "stream_group_id"]
 
@@ -422,25 +430,23 @@ class KafkaSubscriber:
                     "bootstrap.servers": self.bootstrap_servers,
                     "enable.idempotence": True,
                     "acks": "all",
+                    "message.max.bytes": producer_message_max_bytes(self.catalogue),
                     "log_level": 3,
                     **{k: v for k, v in self._kafka_config.items() if "." in k},
                 }
             )
         partition, offset = message.partition(), message.offset()
         assert partition is not None and offset is not None
-        raw_headers = message.headers() or []
-        pairs = raw_headers.items() if isinstance(raw_headers, dict) else raw_headers
-        record = DeadLetter(
-            original_topic=self.topic,
-            original_partition=partition,
-            original_offset=offset,
-            original_key=message.key(),
-            original_value=message.value(),
-            original_headers=[(k, v.encode() if isinstance(v, str) else v) for k, v in pairs],
-            reason=reason[:4000],
-            error_type="StreamRecordDecodeError",
-            component=f"sdk stream consumer {self.group_id}"[:128],
-            failed_at=time.time(),
+        record = dead_letter(
+            topic=self.topic,
+            partition=partition,
+            offset=offset,
+            key=message.key(),
+            value=message.value(),
+            headers=normalise_headers(message.headers()),
+            reason=reason,
+            error_type=DeadLetterReason.STREAM_DECODE_ERROR,
+            component=f"sdk stream consumer {self.group_id}",
         )
         failures: list[str] = []
 
@@ -449,7 +455,10 @@ class KafkaSubscriber:
                 failures.append(error.str())
 
         self._dead_letters.produce(
-            self.catalogue.dead_letter, encode(record), key=message.key(), on_delivery=on_delivery
+            self.catalogue.dead_letter,
+            encode(record),
+            key=record.original_key,
+            on_delivery=on_delivery,
         )
         # Rare, and the record is committed past right after: wait for the broker's ack.
         left = self._dead_letters.flush(_COMMIT_TIMEOUT_S)
