@@ -14,6 +14,13 @@ Batching adapts to load: the thread takes every answer waiting when a
 transaction begins, so a lone result commits at once, and under load the
 answers that arrive while one transaction commits make up the next.
 
+A transaction's answers may settle records past a partition's commit position
+(a slow task before them is still running): the offset commit's metadata then
+names them (:meth:`~fxstream.agent.offsets.OffsetTracker.commits`), in the same
+transaction, so the partition's next owner settles them without running them
+again. An answer that would make that metadata too large waits for a later
+transaction (:meth:`~fxstream.agent.offsets.OffsetTracker.admit`).
+
 The transactional id is stable per agent (endpoint, host, name): a restarted
 agent's ``init_transactions`` fences its predecessor (a zombie can no longer
 commit) and aborts whatever transaction it left open. Offsets are sent with the
@@ -44,6 +51,8 @@ MAX_ANSWERS_PER_TRANSACTION = 2_000
 CALL_TIMEOUT_S = 30.0
 # A transaction slower than this is logged: results wait for it.
 SLOW_TRANSACTION_S = 1.0
+# How often answers waiting for room in the commit metadata are tried again, at most.
+DEFERRED_RETRY_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +128,8 @@ class TransactionalPublisher:
         self._on_committed = on_committed
         self._epoch = epoch
         self._answers: queue.SimpleQueue[Answer | None] = queue.SimpleQueue()
+        # Answers the last transaction could not record yet (see OffsetTracker.admit).
+        self._deferred: list[Answer] = []
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -178,11 +189,9 @@ class TransactionalPublisher:
     def _run(self) -> None:
         try:
             while True:
-                first = self._answers.get()
-                if first is None:
-                    return
-                batch, stop = self._drain(first)
-                self._commit(batch)
+                batch, stop = self._next_batch()
+                if batch:
+                    self._commit(batch)
                 if stop:
                     return
         except BaseException as exc:
@@ -191,6 +200,19 @@ class TransactionalPublisher:
         finally:
             with self._idle:
                 self._idle.notify_all()
+
+    def _next_batch(self) -> tuple[list[Answer], bool]:
+        """The deferred answers and what is queued (waiting for one answer if none is
+        deferred), and whether to stop after them."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            first = self._answers.get(timeout=DEFERRED_RETRY_S) if deferred else self._answers.get()
+        except queue.Empty:
+            return deferred, False
+        if first is None:
+            return deferred, True
+        batch, stop = self._drain(first)
+        return deferred + batch, stop
 
     def _drain(self, first: Answer) -> tuple[list[Answer], bool]:
         batch = [first]
@@ -206,12 +228,13 @@ class TransactionalPublisher:
 
     def _commit(self, batch: list[Answer]) -> None:
         """Commit ``batch`` and its offsets; retried until it commits or is fenced."""
-        committed = len(batch)
+        taken = len(batch)
+        deferred: list[Answer] = []
         while True:
             batch = self._current(batch)
             try:
                 if batch:
-                    self._transaction(batch)
+                    deferred = self._transaction(batch)
                 break
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -226,11 +249,15 @@ class TransactionalPublisher:
                     self._producer.abort_transaction(CALL_TIMEOUT_S)
                 time.sleep(0.1)
         self.transactions += 1
+        self._deferred = deferred
         with self._idle:
-            self._pending -= committed
+            self._pending -= taken - len(deferred)
             self._idle.notify_all()
-        if self._on_committed is not None and batch:
-            self._on_committed(sum(1 for answer in batch if answer.topic is not None))
+        if self._on_committed is not None and len(batch) > len(deferred):
+            waiting = {id(answer) for answer in deferred}
+            self._on_committed(
+                sum(1 for a in batch if a.topic is not None and id(a) not in waiting)
+            )
 
     def _current(self, batch: list[Answer]) -> list[Answer]:
         """The answers of ``batch`` whose partitions were not lost since they were taken."""
@@ -246,21 +273,34 @@ class TransactionalPublisher:
             )
         return current
 
-    def _transaction(self, batch: list[Answer]) -> None:
+    def _transaction(self, batch: list[Answer]) -> list[Answer]:
+        """Commit the answers of ``batch`` the offset metadata has room for; returns the rest."""
         started = time.monotonic()
         producer = self._producer
+        if not any(self._tracker.admit(a.partition, a.offset) for a in batch):
+            return batch  # nothing can be recorded until an earlier record is answered
+        deferred: list[Answer] = []
         producer.begin_transaction()
         for answer in batch:
+            if not self._tracker.admit(answer.partition, answer.offset):
+                deferred.append(answer)  # settles a record too far past a running one
+                continue
             if answer.topic is not None:
                 producer.produce(answer.topic, key=answer.key, value=answer.value)
             # Done once it is in this transaction: the offset commits with it or not at all.
             self._tracker.done(answer.partition, answer.offset)
             producer.poll(0)
-        positions = self._tracker.positions()
-        if positions:
-            offsets = [TopicPartition(self._queue_topic, p, o) for p, o in positions.items()]
+        # Each position with the answered records past it, written with the answers.
+        commits = self._tracker.commits()
+        if commits:
+            offsets = [
+                TopicPartition(self._queue_topic, p, o, metadata=m) for p, (o, m) in commits.items()
+            ]
             producer.send_offsets_to_transaction(offsets, self._group_metadata(), CALL_TIMEOUT_S)
         producer.commit_transaction(CALL_TIMEOUT_S)
         took = time.monotonic() - started
         if took > SLOW_TRANSACTION_S:
             log.warning("a transaction of %d answers took %.1f s", len(batch), took)
+        if deferred:
+            log.debug("%d answers wait for earlier records to be answered", len(deferred))
+        return deferred
