@@ -110,7 +110,9 @@ AGENT_VERSION = "0.1.0"
 # The longest a rebalance waits for the answers in hand to commit.
 CALL_FLUSH_S = 10.0
 # The longest an assignment waits for the committed offsets (and what they say was answered).
-COMMITTED_TIMEOUT_S = 30.0
+# They are not readable while the previous owner's transaction is open; a stopped owner's is
+# aborted after librdkafka's transaction.timeout.ms (60 s), so this waits longer.
+COMMITTED_TIMEOUT_S = 90.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
 STOP_GRACE_S = 30.0
