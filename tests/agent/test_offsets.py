@@ -1,4 +1,5 @@
-"""OffsetTracker: commit positions never pass a record whose result is not durable."""
+"""OffsetTracker: commit positions never pass a record whose result is not durable, and the
+commit metadata names every record answered past the position (and no other)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxstream.agent import OffsetTracker
+from fxstream.agent.offsets import (
+    MAX_METADATA_CHARS,
+    METADATA_TAG,
+    decode_answered,
+    encode_answered,
+)
 
 
 def test_in_order_completion_advances_one_past_the_last_done() -> None:
@@ -170,3 +177,168 @@ def test_committable_never_passes_an_unfinished_offset(
 
     check(tracker.committable())
     assert tracker.positions() == {p: o[-1] + 1 for p, o in enumerate(offsets)}
+
+
+# --- answered past the position: the commit metadata ------------------------------------
+
+
+def test_answers_past_a_running_record_are_named_in_the_commit_and_skipped_by_the_next_owner() -> (
+    None
+):
+    # The agent-kill duplicate: 10 is slow; 11, 12 and 14 are answered and committed before
+    # the kill; the position stays 10. The restarted agent must not run 11, 12, 14 again.
+    tracker = OffsetTracker()
+    for offset in (10, 11, 12, 14, 15):  # 13 is a transaction marker
+        tracker.track(0, offset)
+    for offset in (11, 12, 14):
+        assert tracker.admit(0, offset)
+        tracker.done(0, offset)
+    assert tracker.positions() == {}  # the prefix has not moved
+    ((position, metadata),) = tracker.commits().values()
+    assert position == 10
+    assert metadata.startswith(METADATA_TAG)
+    assert decode_answered(position, metadata) == [(11, 14)]  # 13 was never delivered
+
+    successor = OffsetTracker()
+    assert successor.resume(0, position, metadata) == [(11, 14)]
+    assert [successor.track(0, o) for o in (10, 11, 12, 14, 15)] == [
+        True,
+        False,
+        False,
+        False,
+        True,
+    ]
+    assert successor.pending_count == 2
+    assert successor.done(0, 10)
+    assert successor.positions() == {0: 15}  # over the settled ones
+    assert successor.commits() == {0: (15, "")}
+
+
+def test_a_commit_without_metadata_or_with_another_clients_resumes_with_nothing_answered() -> None:
+    tracker = OffsetTracker()
+    assert tracker.resume(0, 5, None) == []
+    assert tracker.resume(1, 5, "") == []
+    assert tracker.resume(2, 5, "someone else's note") == []
+    assert tracker.resume(3, -1001, None) == []  # no commit yet
+    assert all(tracker.track(p, 5) for p in range(4))
+    with pytest.raises(ValueError, match="not base64"):
+        tracker.resume(4, 5, METADATA_TAG + "!!")
+    with pytest.raises(ValueError, match="truncated"):
+        tracker.resume(4, 5, METADATA_TAG + "gA==")  # one varint byte saying "more follows"
+
+
+def test_encoding_round_trips_and_refuses_unsorted_runs() -> None:
+    runs = [(3, 3), (5, 9), (1_000_000, 1_000_500), (2**40, 2**40 + 1)]
+    assert decode_answered(2, encode_answered(2, runs)) == runs
+    assert encode_answered(7, []) == ""
+    with pytest.raises(ValueError, match="sorted"):
+        encode_answered(4, [(3, 3)])
+    with pytest.raises(ValueError, match="sorted"):
+        encode_answered(0, [(5, 9), (7, 12)])
+
+
+def test_a_cancel_is_settled_only_by_its_tasks_answer() -> None:
+    # Task at 20, its cancel at 21, another task at 22 answered: until the task's answer
+    # commits, a successor must read the cancel again (it is not named as answered).
+    tracker = OffsetTracker()
+    for offset in (20, 21, 22):
+        tracker.track(0, offset)
+    tracker.done_with(0, 21, 20)
+    tracker.done(0, 22)
+    ((position, metadata),) = tracker.commits().values()
+    assert decode_answered(position, metadata) == [(22, 22)]
+    assert tracker.pending_count == 2
+    tracker.done(0, 20)
+    assert tracker.pending_count == 0
+    assert tracker.commits() == {0: (23, "")}
+    # An anchor already answered settles its rider at once.
+    tracker.track(0, 30)
+    tracker.done_with(0, 30, 20)
+    assert tracker.positions() == {0: 31}
+
+
+def test_answers_wait_when_the_metadata_is_full_and_the_head_is_always_admitted() -> None:
+    # Every other record runs for ever (awaiting its code, say) while the rest are
+    # answered: each answer is a run of its own, and the metadata has room for so many.
+    tracker = OffsetTracker()
+    count = 4_000
+    for offset in range(count):
+        tracker.track(0, offset)
+    admitted = []
+    for offset in range(1, count, 2):
+        if tracker.admit(0, offset):
+            tracker.done(0, offset)
+            admitted.append(offset)
+    assert 100 < len(admitted) < count // 2, "some answers admitted, then they wait"
+    refused = admitted[-1] + 2
+    assert not tracker.admit(0, refused)
+    ((position, metadata),) = tracker.commits().values()
+    assert len(metadata) <= MAX_METADATA_CHARS
+    assert decode_answered(position, metadata) == [(o, o) for o in admitted]
+    # The record at the position is always admitted, and once it and the answer after it
+    # are done the runs move up, so the refused answer gets in.
+    assert tracker.admit(0, 0)
+    tracker.done(0, 0)
+    assert tracker.admit(0, 2)
+    tracker.done(0, 2)
+    assert tracker.admit(0, refused)
+
+
+@st.composite
+def _deliveries(draw: st.DrawFn) -> list[int]:
+    """Increasing offsets with gaps (markers, aborted records) of one partition."""
+    start = draw(st.integers(min_value=0, max_value=2**40))
+    steps = draw(
+        st.lists(st.one_of(st.integers(1, 3), st.integers(1, 100_000)), min_size=1, max_size=120)
+    )
+    offsets = [start]
+    for step in steps[1:]:
+        offsets.append(offsets[-1] + step)
+    return offsets
+
+
+@settings(max_examples=150, deadline=None)
+@given(offsets=_deliveries(), data=st.data())
+def test_a_successor_skips_exactly_the_answered_records(
+    offsets: list[int], data: st.DataObject
+) -> None:
+    """Whenever a commit is taken, a successor resuming from it skips exactly the records
+    whose answers were committed (so none runs twice and none is lost), and the metadata
+    fits Kafka's limit."""
+    tracker = OffsetTracker()
+    tracked: list[int] = []
+    outstanding: list[int] = []
+    answered: set[int] = set()
+    remaining = list(reversed(offsets))
+    while remaining or outstanding:
+        actions = ["track"] if remaining else []
+        actions += ["answer", "check"] if outstanding else ["check"]
+        action = data.draw(st.sampled_from(actions))
+        if action == "track":
+            offset = remaining.pop()
+            assert tracker.track(0, offset)
+            tracked.append(offset)
+            outstanding.append(offset)
+        elif action == "answer":
+            offset = outstanding[data.draw(st.integers(0, len(outstanding) - 1))]
+            if tracker.admit(0, offset):
+                assert tracker.done(0, offset)
+                outstanding.remove(offset)
+                answered.add(offset)
+        commits = tracker.commits()
+        if not commits:
+            assert not answered
+            continue
+        position, metadata = commits[0]
+        assert len(metadata) <= MAX_METADATA_CHARS
+        successor = OffsetTracker()
+        successor.resume(0, position, metadata)
+        redelivered = [o for o in tracked if o >= position]
+        skipped = {o for o in redelivered if not successor.track(0, o)}
+        assert skipped == answered & set(redelivered)
+        assert all(o in answered for o in tracked if o < position)
+        if not remaining:
+            # The head is always admitted: everything is answered eventually.
+            offset = outstanding[0] if outstanding else None
+            if offset is not None:
+                assert tracker.admit(0, offset)

@@ -10,7 +10,7 @@ import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
-from fxstream.agent.offsets import OffsetTracker
+from fxstream.agent.offsets import OffsetTracker, decode_answered
 from fxstream.agent.publisher import Answer, PublisherFenced, Refusal, TransactionalPublisher
 from tests.conftest import RunningPlatform
 
@@ -319,3 +319,42 @@ def test_an_answer_to_a_missing_topic_is_quarantined_before_its_transaction(
         [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
     )
     assert sum(max(tp.offset, 0) for tp in committed) == 6
+
+
+def test_answers_past_an_unanswered_record_are_named_in_the_committed_offsets_metadata(
+    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+) -> None:
+    """The agent-kill duplicate, at the publisher: the first record of a partition is still
+    running when the ones after it are answered. Their results commit, the position cannot
+    pass the first, so the commit's metadata (same transaction) must name them, and a
+    successor resuming from the committed offsets settles them instead of running them."""
+    queue, out = topics
+    _fill(bootstrap, queue, 12)
+    taken = _take(group_consumer, 12)
+    tracker = OffsetTracker()
+    by_partition: dict[int, list[int]] = {}
+    for message in taken:
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        tracker.track(partition, offset)
+        by_partition.setdefault(partition, []).append(offset)
+    partition, offsets = max(by_partition.items(), key=lambda item: len(item[1]))
+    assert len(offsets) >= 3
+    running, answered = offsets[0], offsets[1:]
+    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher.start()
+    try:
+        for offset in answered:
+            publisher.publish(Answer(out, None, f"answer {offset}".encode(), partition, offset))
+        assert publisher.flush(30)
+    finally:
+        publisher.close()
+    assert sorted(_committed_values(bootstrap, out)) == sorted(
+        f"answer {o}".encode() for o in answered
+    )
+    (committed,) = group_consumer.committed([TopicPartition(queue, partition)], timeout=10)
+    assert committed.offset == running, "the position never passes the running record"
+    assert decode_answered(committed.offset, committed.metadata) == [(answered[0], answered[-1])]
+    successor = OffsetTracker()
+    successor.resume(partition, committed.offset, committed.metadata)
+    assert [successor.track(partition, o) for o in offsets] == [True] + [False] * len(answered)

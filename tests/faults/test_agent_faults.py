@@ -1,4 +1,5 @@
-"""An endpoint agent SIGKILLed mid-batch and restarted: no task lost, none delivered twice."""
+"""An endpoint agent SIGKILLed mid-batch and restarted: no task lost, none delivered twice,
+and exactly one committed result per task on the results topic."""
 
 from __future__ import annotations
 
@@ -40,17 +41,14 @@ def test_an_agent_killed_mid_batch_and_restarted_loses_and_repeats_nothing(
             assert in_flight > 0, "every task finished before the kill: nothing was in flight"
             endpoint.start()
             report = check_exactly_once(fault_stack, client, workload)
-        # The promise above holds (each future once, nothing lost). Stronger: results commit
-        # with their queue offsets, so nothing should be committed twice. It is not yet so:
-        # offsets commit only up to the contiguous finished prefix, so results of tasks past a
-        # slow one commit before their offsets, and the restarted agent runs them again.
+        # Stronger than each future once: results.<user> holds exactly one committed result
+        # per task. Tasks answered past a slow one commit before their queue offset can; the
+        # commit's metadata names them, so the restarted agent settles them, never reruns.
         twice = report.committed_twice
-        if twice:
-            first = next(iter(twice.values()))
-            pytest.xfail(
-                f"{len(twice)} tasks committed twice on results.<user> (the SDK dropped "
-                f"{report.suppressed_by_sdk}): answered past the committed offset prefix before "
-                f"the kill, run again after it; e.g. {describe(first)}"
-            )
+        assert not twice, (
+            f"{len(twice)} tasks have two committed results on results.<user> (the SDK dropped "
+            f"{report.suppressed_by_sdk}), e.g. {describe(next(iter(twice.values())))}"
+        )
+        assert report.suppressed_by_sdk == 0
     finally:
         client.close()

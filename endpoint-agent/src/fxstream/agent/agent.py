@@ -19,13 +19,16 @@ answers, which then hands the freed slot the next task of the local queue; the
 poll thread is not in that path. Shared state is guarded by one lock.
 
 Acknowledgement: a task's result and its queue offset are written in one Kafka
-transaction (:class:`~fxstream.agent.publisher.TransactionalPublisher`), up to
-the contiguous prefix of finished tasks per partition (:class:`OffsetTracker`).
-Nothing is acknowledged on dispatch, so an agent killed mid-batch loses
+transaction (:class:`~fxstream.agent.publisher.TransactionalPublisher`): the
+commit position is the contiguous prefix of finished tasks per partition
+(:class:`OffsetTracker`), and the commit's metadata names the tasks answered
+past it. Nothing is acknowledged on dispatch, so an agent killed mid-batch loses
 nothing: its uncommitted tasks are delivered again when it (or a replacement)
-returns, and a result whose transaction did not commit was never visible. A
-task may therefore run twice, but only one of its results is committed by
-this hop.
+returns, and a result whose transaction did not commit was never visible. On
+assignment the agent reads the committed offsets with their metadata
+(:meth:`Agent._resume`), and a redelivered record that was answered already is
+settled without running. A task may therefore run twice (killed before its
+result committed), but exactly one of its results is committed.
 
 Cancel: a :class:`~fxstream.topics.TaskCancel` rides the queue behind its
 task (same key, same partition), so this agent reads a task before its cancel.
@@ -112,6 +115,10 @@ log = logging.getLogger(__name__)
 AGENT_VERSION = "0.1.0"
 # The longest a rebalance waits for the answers in hand to commit.
 CALL_FLUSH_S = 10.0
+# The longest an assignment waits for the committed offsets (and what they say was answered).
+# They are not readable while the previous owner's transaction is open; a stopped owner's is
+# aborted after librdkafka's transaction.timeout.ms (60 s), so this waits longer.
+COMMITTED_TIMEOUT_S = 90.0
 # The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
 POLL_S = 0.1
 # A stop (SIGTERM) lets running tasks finish and their answers commit for this long; what
@@ -257,6 +264,8 @@ class Agent:
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
         self.results_published = 0
+        # Records settled without running: a previous owner of their partition answered them.
+        self.answered_before = 0
 
     # --- public ------------------------------------------------------------------------
 
@@ -315,7 +324,7 @@ class Agent:
             publisher.start()
             consumer.subscribe(
                 [self.queue_topic],
-                on_assign=lambda c, parts: self._on_assign(c),
+                on_assign=lambda c, parts: self._on_assign(c, parts),
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
@@ -422,7 +431,14 @@ class Agent:
             return
         partition, offset = message.partition(), message.offset()
         assert partition is not None and offset is not None
-        self._tracker.track(partition, offset)
+        if not self._tracker.track(partition, offset):
+            # Answered (and committed) by this partition's previous owner, past its commit
+            # position: settled, never run again.
+            self.answered_before += 1
+            publisher = self._publisher
+            assert publisher is not None
+            publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+            return
         dequeued_at = time.time()
         value = message.value() or b""
         try:
@@ -454,7 +470,7 @@ class Agent:
             earlier = self._held.get(submission.task_id)
             if earlier is not None and earlier.epoch == held.epoch:
                 # The same task twice in one assignment (a redelivery): one run answers both.
-                self._tracker.done(partition, offset)
+                self._settle_with(earlier, partition, offset)
                 return
             # A run from before a lost assignment is answered nowhere: this one replaces it.
             self._held[submission.task_id] = held
@@ -562,9 +578,9 @@ class Agent:
                 error_type=DeadLetterReason.CANCEL_REFUSED,
             )
             return
-        # The task's offset is below the cancel's, so the cancel's position can only commit
-        # in (or after) the transaction that commits the task's answer.
-        self._tracker.done(partition, offset)
+        # The cancel is settled by the task's answer (never before it: a successor must
+        # see the cancel again if the task's answer is not committed).
+        self._settle_with(held, partition, offset)
         log.info("cancel of task %s: %s", task_id, "skipped (queued)" if queued else "stopping")
         if queued is not None:
             self._publish(queued, _cancelled(queued.submission, reason, started_at=None))
@@ -574,6 +590,17 @@ class Agent:
         # False while the collector thread is between taking it off the local queue and
         # submitting it: _feed_pool then sees it in _cancelled and cancels it itself.
         pool.cancel(task_id, reason)
+
+    def _settle_with(self, held: _Held, partition: int, offset: int) -> None:
+        """Settle the record at ``offset`` with the answer of the task ``held``."""
+        if held.partition == partition:
+            self._tracker.done_with(partition, offset, held.offset)
+            return
+        # Not the task's partition (the router keys both by task id, so never expected):
+        # settled on its own.
+        publisher = self._publisher
+        assert publisher is not None
+        publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
 
     def _take_waiting_retry(self, task_id: str) -> _Held | None:
         """Take a task out of its retry backoff, or out of the wait for its function's
@@ -988,9 +1015,60 @@ class Agent:
             )
         )
 
-    def _on_assign(self, consumer: Consumer) -> None:
+    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # On the poll thread: the only thread that may call the consumer.
         self._group_metadata = consumer.consumer_group_metadata()
+        self._resume(consumer, partitions)
+
+    def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+        """Read the assigned partitions' committed offsets and the records past them their
+        previous owner answered (the commit metadata), so those are not run again."""
+        if not partitions:
+            return
+        try:
+            committed = consumer.committed(partitions, timeout=COMMITTED_TIMEOUT_S)
+        except KafkaException as exc:
+            log.error(
+                "cannot read the committed offsets of %s (%s): tasks the previous owner of "
+                "partitions %s answered past their committed offset will run again, and "
+                "their results be committed twice",
+                self.queue_topic,
+                exc,
+                sorted(p.partition for p in partitions),
+            )
+            return
+        for tp in committed:
+            if tp.error is not None:
+                log.error(
+                    "cannot read the committed offset of %s [%d] (%s): tasks answered past "
+                    "it will run again",
+                    self.queue_topic,
+                    tp.partition,
+                    tp.error,
+                )
+                continue
+            try:
+                runs = self._tracker.resume(tp.partition, tp.offset, tp.metadata)
+            except ValueError as exc:
+                log.warning(
+                    "%s [%d]: unreadable commit metadata (%s); tasks answered past offset %d "
+                    "will run again",
+                    self.queue_topic,
+                    tp.partition,
+                    exc,
+                    tp.offset,
+                )
+                continue
+            if runs:
+                log.info(
+                    "%s [%d]: records past the committed offset %d up to %d were answered "
+                    "before (%d runs); they are settled, not run again",
+                    self.queue_topic,
+                    tp.partition,
+                    tp.offset,
+                    runs[-1][1],
+                    len(runs),
+                )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # Commit what is answered while the partitions are still ours; the pool's tasks of

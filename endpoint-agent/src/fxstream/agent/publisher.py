@@ -14,6 +14,13 @@ Batching adapts to load: the thread takes every answer waiting when a
 transaction begins, so a lone result commits at once, and under load the
 answers that arrive while one transaction commits make up the next.
 
+A transaction's answers may settle records past a partition's commit position
+(a slow task before them is still running): the offset commit's metadata then
+names them (:meth:`~fxstream.agent.offsets.OffsetTracker.commits`), in the same
+transaction, so the partition's next owner settles them without running them
+again. An answer that would make that metadata too large waits for a later
+transaction (:meth:`~fxstream.agent.offsets.OffsetTracker.admit`).
+
 The transactional id is stable per agent (endpoint, host, name): a restarted
 agent's ``init_transactions`` fences its predecessor (a zombie can no longer
 commit) and aborts whatever transaction it left open. Offsets are sent with the
@@ -58,6 +65,8 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
+# How often a retriable commit_transaction failure is tried again before the batch is aborted.
+COMMIT_TRIES = 10
 # How long a look-up of whether an answer's topic exists may take.
 METADATA_TIMEOUT_S = 5.0
 # Per-record errors a retry cannot cure: the answer is quarantined, not re-sent.
@@ -80,6 +89,8 @@ _MISSING_TOPIC = frozenset(
 )
 # A transaction slower than this is logged: results wait for it.
 SLOW_TRANSACTION_S = 1.0
+# How often answers waiting for room in the commit metadata are tried again, at most.
+DEFERRED_RETRY_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +204,8 @@ class TransactionalPublisher:
         self._on_refused = on_refused
         self._topics_seen: set[str] = set()
         self._answers: queue.SimpleQueue[Answer | None] = queue.SimpleQueue()
+        # Answers the last transaction could not record yet (see OffsetTracker.admit).
+        self._deferred: list[Answer] = []
         self._pending = 0
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -253,11 +266,9 @@ class TransactionalPublisher:
     def _run(self) -> None:
         try:
             while True:
-                first = self._answers.get()
-                if first is None:
-                    return
-                batch, stop = self._drain(first)
-                self._commit(batch)
+                batch, stop = self._next_batch()
+                if batch:
+                    self._commit(batch)
                 if stop:
                     return
         except BaseException as exc:
@@ -266,6 +277,19 @@ class TransactionalPublisher:
         finally:
             with self._idle:
                 self._idle.notify_all()
+
+    def _next_batch(self) -> tuple[list[Answer], bool]:
+        """The deferred answers and what is queued (waiting for one answer if none is
+        deferred), and whether to stop after them."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            first = self._answers.get(timeout=DEFERRED_RETRY_S) if deferred else self._answers.get()
+        except queue.Empty:
+            return deferred, False
+        if first is None:
+            return deferred, True
+        batch, stop = self._drain(first)
+        return deferred + batch, stop
 
     def _drain(self, first: Answer) -> tuple[list[Answer], bool]:
         batch = [first]
@@ -295,25 +319,36 @@ class TransactionalPublisher:
 
     def _commit(self, batch: list[Answer]) -> None:
         """Commit ``batch`` and its offsets, quarantining answers Kafka refuses (see the
-        module notes); retried until it commits or the publisher is fenced."""
-        written = self._settle(batch)
+        module notes); retried until it commits or the publisher is fenced. Answers the
+        offset metadata has no room for yet wait for the next transaction.
+
+        ``pending`` counts answers taken from the queue: a replacement (made here for a
+        refused answer) stands in for one already counted, so it is never counted.
+        """
+        taken = sum(1 for a in batch if not a.replacement)
+        written, deferred = self._settle(batch)
         self.transactions += 1
+        self._deferred = deferred
         with self._idle:
-            self._pending -= len(batch)
+            self._pending -= taken - sum(1 for a in deferred if not a.replacement)
             self._idle.notify_all()
         if self._on_committed is not None and written:
             self._on_committed(written)
 
-    def _settle(self, batch: list[Answer]) -> int:
-        """Commit ``batch`` (with its replacements); the number of results written."""
+    def _settle(self, batch: list[Answer]) -> tuple[int, list[Answer]]:
+        """Commit ``batch`` (with its replacements): the number of results written, and
+        the answers left for a later transaction (see :meth:`OffsetTracker.admit`)."""
         unexplained = 0
         while True:
             batch = self._current(batch)
             try:
                 batch = self._quarantine(batch, self._missing_topics(batch))
-                if batch:
-                    self._transaction(batch)
-                return sum(1 for a in batch if a.topic is not None and a.settles)
+                deferred = self._transaction(batch) if batch else []
+                waiting = {id(a) for a in deferred}
+                written = sum(
+                    1 for a in batch if a.topic is not None and a.settles and id(a) not in waiting
+                )
+                return written, deferred
             except _Refused as refused:
                 self._abort()
                 found = refused.refused
@@ -378,6 +413,28 @@ class TransactionalPublisher:
             if permanent:
                 refused[index] = _refusal(permanent[0])
         return refused
+
+    def _commit_transaction(self) -> None:
+        """``commit_transaction``, called again while its error is retriable.
+
+        A commit that timed out may still have gone through: aborting and sending its
+        answers again in a new transaction could then commit them twice, so a
+        retriable failure is retried as librdkafka advises. After
+        :data:`COMMIT_TRIES` tries the error is raised (the batch is then aborted and
+        sent again, the one path left that could duplicate a result; see faults.md).
+        """
+        for attempt in range(1, COMMIT_TRIES + 1):
+            try:
+                self._producer.commit_transaction(CALL_TIMEOUT_S)
+                return
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or error.txn_requires_abort() or not error.retriable():
+                    raise
+                if attempt == COMMIT_TRIES:
+                    raise
+                log.warning("commit of a transaction failed (try %d), again: %s", attempt, error)
+                time.sleep(0.1)
 
     def _abort(self) -> None:
         """Abort the open transaction, if any (a no-op error when none is open)."""
@@ -445,9 +502,14 @@ class TransactionalPublisher:
                 kept.append(dataclasses.replace(replacement, epoch=answer.epoch, replacement=True))
         return kept
 
-    def _transaction(self, batch: list[Answer]) -> None:
+    def _transaction(self, batch: list[Answer]) -> list[Answer]:
+        """Commit the answers of ``batch`` the offset metadata has room for; returns the
+        rest. Raises :class:`_Refused` naming the answers Kafka refused (by index)."""
         started = time.monotonic()
         producer = self._producer
+        if not any(self._tracker.admit(a.partition, a.offset) for a in batch):
+            return batch  # nothing can be recorded until an earlier record is answered
+        deferred: list[Answer] = []
         refused: dict[int, Refusal] = {}
 
         def reported(index: int) -> Callable[[KafkaError | None, Message], None]:
@@ -459,6 +521,9 @@ class TransactionalPublisher:
 
         producer.begin_transaction()
         for index, answer in enumerate(batch):
+            if not self._tracker.admit(answer.partition, answer.offset):
+                deferred.append(answer)  # settles a record too far past a running one
+                continue
             if answer.topic is not None:
                 try:
                     producer.produce(
@@ -482,13 +547,17 @@ class TransactionalPublisher:
         if refused:
             raise _Refused(refused, exact=True)
         try:
-            positions = self._tracker.positions()
-            if positions:
-                offsets = [TopicPartition(self._queue_topic, p, o) for p, o in positions.items()]
+            # Each position with the answered records past it, written with the answers.
+            commits = self._tracker.commits()
+            if commits:
+                offsets = [
+                    TopicPartition(self._queue_topic, p, o, metadata=m)
+                    for p, (o, m) in commits.items()
+                ]
                 producer.send_offsets_to_transaction(
                     offsets, self._group_metadata(), CALL_TIMEOUT_S
                 )
-            producer.commit_transaction(CALL_TIMEOUT_S)
+            self._commit_transaction()
         except KafkaException:
             producer.poll(0)  # serve the delivery reports that name the refused answers
             if refused:
@@ -497,6 +566,9 @@ class TransactionalPublisher:
         took = time.monotonic() - started
         if took > SLOW_TRANSACTION_S:
             log.warning("a transaction of %d answers took %.1f s", len(batch), took)
+        if deferred:
+            log.debug("%d answers wait for earlier records to be answered", len(deferred))
+        return deferred
 
 
 def _collect(reports: list[KafkaError]) -> Callable[[KafkaError | None, Message], None]:
