@@ -12,6 +12,11 @@ fetched here from the proxy store (lazily, on first use, except bytes-like
 values, fetched as the payload loads), and with the endpoint's ``store_url``
 set a result above ``proxy_threshold`` is written to that store here and only
 its reference goes back to the agent (:mod:`fxstream.connectors.reference`).
+
+A result is written with the data strategy of the task's arguments, the one the
+client chose (``Client(serializer=...)``), so the client reads it as it asked;
+an argument proxy inside a result is written as its value
+(:func:`~fxstream.connectors.proxies_by_value`).
 """
 
 from __future__ import annotations
@@ -20,8 +25,20 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, ByReference, open_store
-from fxstream.topics import ClientInfo, Serializer, TaskSubmission, decode
+from fxstream.connectors import (
+    DEFAULT_PROXY_THRESHOLD_BYTES,
+    ByReference,
+    open_store,
+    proxies_by_value,
+)
+from fxstream.topics import (
+    ClientInfo,
+    DeserializationError,
+    Serializer,
+    TaskSubmission,
+    decode,
+    strategy_of,
+)
 
 __all__ = ["RUNNER", "load_function", "runner_for"]
 
@@ -32,11 +49,35 @@ _serializer = Serializer()
 
 
 @functools.cache
-def _results_by_reference(store_url: str, threshold: int, site: str) -> ByReference:
+def _store(store_url: str) -> Any:
     # One store per worker process, opened at its first task.
+    return open_store(store_url)
+
+
+@functools.cache
+def _results_by_reference(
+    store_url: str, threshold: int, site: str, strategy_id: str
+) -> ByReference:
     return ByReference(
-        open_store(store_url), threshold_bytes=threshold, serializer=_serializer, site=site
+        _store(store_url),
+        threshold_bytes=threshold,
+        serializer=_serializer_for(strategy_id),
+        site=site,
     )
+
+
+@functools.cache
+def _serializer_for(strategy_id: str) -> Serializer:
+    return _serializer.with_data(strategy_id)
+
+
+def _result_strategy(payload: bytes) -> str:
+    """The data strategy of the arguments (the client's), which its result is written with."""
+    try:
+        strategy = strategy_of(payload)
+    except DeserializationError:  # the arguments loaded, so this cannot happen; be safe
+        return _serializer.data.id
+    return strategy.id if strategy.kind == "data" else _serializer.data.id
 
 
 def runner_for(
@@ -76,8 +117,10 @@ def load_function(
             submission.payload, submitted_by=submission.client
         )
         value = function(*args, **kwargs)
+        strategy_id = _result_strategy(submission.payload)
         if store_url is None:
-            return _serializer.serialize_value(value)
-        return _results_by_reference(store_url, proxy_threshold, site).pack_value(value).payload
+            return _serializer_for(strategy_id).serialize_value(value, substitute=proxies_by_value)
+        by_reference = _results_by_reference(store_url, proxy_threshold, site, strategy_id)
+        return by_reference.pack_value(value).payload
 
     return call
