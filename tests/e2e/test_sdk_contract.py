@@ -1,0 +1,258 @@
+"""The SDK's contracts end to end, on a platform started as `./fx up` starts it.
+
+Data: what a function returns comes back as its value (a mutated by-reference argument
+included), classes of a script's ``__main__`` travel by default, the client's data
+strategy governs results, and each refusal's advice, followed, works.
+Exit: scripts that submit and exit without ``shutdown()``, after ``shutdown(wait=False)``,
+after dropping the executor, or from an ``atexit`` hook: every task runs or the submit
+raises. Side-effect files prove what ran.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from proxystore.proxy import Proxy
+
+from fxstream.sdk import Client, Executor, TaskExecutionFailed
+from fxstream.topics import SerializationError, Serializer
+from tests.e2e.stack import Stack, running_stack
+
+pytestmark = pytest.mark.platform
+
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from running_stack(tmp_path_factory.mktemp("sdk-contract"))
+
+
+def scale(a: Any) -> Any:
+    a *= 2
+    return a
+
+
+def echo(value: Any) -> Any:
+    return value
+
+
+def pair_of(a: Any) -> Any:
+    return (a, {"again": a})
+
+
+def as_set(values: list[int]) -> set[int]:
+    return set(values)
+
+
+def add_one(x: int) -> int:
+    return x + 1
+
+
+# --- data ------------------------------------------------------------------------------------
+
+
+def test_a_by_reference_argument_returned_comes_back_as_its_value(stack: Stack) -> None:
+    """800 kB arrays go by reference (store_url set, above proxy_threshold); whatever the
+    function returns of them is the value, even after the SDK evicted the arguments."""
+    assert stack.settings.store_url is not None
+    array = np.arange(100_000, dtype=np.float64)  # 800 kB
+    with stack.executor() as executor:
+        doubled = executor.submit(scale, array).result(timeout=WAIT_S)
+        same = executor.submit(echo, array).result(timeout=WAIT_S)
+        both = executor.submit(pair_of, array).result(timeout=WAIT_S)
+        small = executor.submit(scale, np.arange(10, dtype=np.float64)).result(timeout=WAIT_S)
+    # type(), not isinstance: a proxy claims its target's class.
+    assert type(doubled) is np.ndarray and not isinstance(doubled, Proxy)
+    np.testing.assert_array_equal(doubled, array * 2)
+    assert type(same) is np.ndarray
+    np.testing.assert_array_equal(same, array)
+    assert type(both[0]) is np.ndarray and both[1]["again"] is both[0]
+    np.testing.assert_array_equal(both[0], array)
+    np.testing.assert_array_equal(small, np.arange(10) * 2)
+    # Long after the arguments were evicted, the values are still whole.
+    time.sleep(1.0)
+    assert float(np.sum(doubled)) == float(np.sum(array)) * 2
+
+
+def _script(
+    stack: Stack, body: str, tmp_path: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    env = {**os.environ, "FXSTREAM_CREDENTIALS": str(stack.credentials)}
+    return subprocess.run(
+        [sys.executable, str(script), stack.endpoint_id, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+        check=False,
+    )
+
+
+def test_a_class_of_the_scripts_main_is_an_argument_and_a_result(
+    stack: Stack, tmp_path: Path
+) -> None:
+    done = _script(
+        stack,
+        """
+        import sys
+        from fxstream.sdk import Executor
+
+        class Point:
+            def __init__(self, x):
+                self.x = x
+
+        def moved(p):
+            return Point(p.x + 1)
+
+        with Executor(endpoint_id=sys.argv[1]) as executor:
+            result = executor.submit(moved, Point(41)).result(timeout=60)
+        print(type(result).__name__, result.x)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["Point", "42"]
+
+
+def _advised(message: str) -> str:
+    found = re.search(r"Serializer\(data='(\w\w)'\)", message)
+    assert found is not None, f"no data strategy advised in: {message}"
+    return found.group(1)
+
+
+def test_the_clients_data_strategy_governs_results_and_its_advice_works(stack: Stack) -> None:
+    settings = stack.settings
+    with (
+        Client.from_settings(settings, serializer=Serializer(data="js")) as client,
+        Executor(endpoint_id=stack.endpoint_id, client=client) as executor,
+    ):
+        assert executor.submit(echo, [1, {"a": 2}]).result(timeout=WAIT_S) == [1, {"a": 2}]
+        refused = executor.submit(as_set, [1, 2, 2])
+        with pytest.raises(TaskExecutionFailed, match="JSON cannot encode set") as caught:
+            refused.result(timeout=WAIT_S)
+    advised = Serializer(data=_advised(str(caught.value)))
+    with (
+        Client.from_settings(settings, serializer=advised) as client,
+        Executor(endpoint_id=stack.endpoint_id, client=client) as executor,
+    ):
+        assert executor.submit(as_set, [1, 2, 2]).result(timeout=WAIT_S) == {1, 2}
+
+
+def test_a_pickle_clients_refusal_advises_a_strategy_that_works(stack: Stack) -> None:
+    settings = stack.settings
+    with (
+        Client.from_settings(settings, serializer=Serializer(data="pk")) as client,
+        Executor(endpoint_id=stack.endpoint_id, client=client) as executor,
+        pytest.raises(SerializationError) as caught,
+    ):
+        executor.submit(echo, lambda x: x * 3)
+    advised = Serializer(data=_advised(str(caught.value)))
+    with (
+        Client.from_settings(settings, serializer=advised) as client,
+        Executor(endpoint_id=stack.endpoint_id, client=client) as executor,
+    ):
+        tripled = executor.submit(echo, lambda x: x * 3).result(timeout=WAIT_S)
+    assert tripled(5) == 15
+
+
+def test_a_future_as_an_argument_is_refused_and_its_advice_works(stack: Stack) -> None:
+    with stack.executor() as executor:
+        first = executor.submit(add_one, 1)
+        with pytest.raises(SerializationError, match=r"future\.result\(\)"):
+            executor.submit(add_one, first)
+        assert executor.submit(add_one, first.result(timeout=WAIT_S)).result(timeout=WAIT_S) == 3
+
+
+# --- exit ------------------------------------------------------------------------------------
+
+_MARK = """
+import pathlib, sys
+from fxstream.sdk import Executor
+
+def mark(path):
+    pathlib.Path(path).write_text("ran")
+    return path
+
+out = pathlib.Path(sys.argv[2])
+"""
+
+
+def _wait_for_files(paths: list[Path]) -> list[Path]:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and not all(p.exists() for p in paths):
+        time.sleep(0.2)
+    return [p for p in paths if not p.exists()]
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        pytest.param("", id="no-shutdown"),
+        pytest.param("executor.shutdown(wait=False)", id="shutdown-without-wait"),
+        pytest.param("del executor; import gc; gc.collect()", id="dropped-executor"),
+    ],
+)
+def test_a_script_that_exits_at_once_loses_no_task(
+    stack: Stack, tmp_path: Path, ending: str
+) -> None:
+    body = (
+        _MARK
+        + """
+executor = Executor(endpoint_id=sys.argv[1])
+futures = [executor.submit(mark, str(out / f"task-{i}")) for i in range(5)]
+print("submitted", len(futures))
+"""
+        + ending
+        + "\n"
+    )
+    done = _script(stack, body, tmp_path, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["submitted", "5"]
+    missing = _wait_for_files([tmp_path / f"task-{i}" for i in range(5)])
+    assert missing == [], f"tasks lost at exit: {[p.name for p in missing]}"
+
+
+def test_a_submit_from_an_atexit_hook_runs_or_raises(stack: Stack, tmp_path: Path) -> None:
+    body = (
+        _MARK
+        + """
+import atexit
+
+executor = Executor(endpoint_id=sys.argv[1])
+executor.submit(mark, str(out / "before")).result(timeout=60)
+
+def late():
+    try:
+        executor.submit(mark, str(out / "at-exit"))
+    except RuntimeError as exc:
+        print("refused:", exc)
+    else:
+        print("accepted")
+
+atexit.register(late)
+"""
+    )
+    done = _script(stack, body, tmp_path, str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "before").exists()
+    outcome = done.stdout.strip()
+    if outcome == "accepted":
+        assert _wait_for_files([tmp_path / "at-exit"]) == [], "accepted at exit, never ran"
+    else:
+        assert outcome.startswith("refused: cannot schedule new futures after interpreter")
+        time.sleep(5)
+        assert not (tmp_path / "at-exit").exists(), "refused, yet it ran"
