@@ -256,3 +256,59 @@ atexit.register(late)
         assert outcome.startswith("refused: cannot schedule new futures after interpreter")
         time.sleep(5)
         assert not (tmp_path / "at-exit").exists(), "refused, yet it ran"
+
+
+# --- remote exceptions -------------------------------------------------------------------------
+
+
+def missing_key(key: str) -> None:
+    table: dict[str, int] = {}
+    table[key]
+
+
+def fails_a_command() -> None:
+    # An exception class of an installed module with attributes of its own.
+    raise subprocess.CalledProcessError(7, ["make", "all"], output="seven")
+
+
+def test_a_remote_exception_keeps_its_type_args_and_traceback(stack: Stack) -> None:
+    with stack.executor() as executor:
+        with pytest.raises(KeyError) as caught:
+            executor.submit(missing_key, "the-key").result(timeout=WAIT_S)
+        assert caught.value.args == ("the-key",)
+        assert isinstance(caught.value, TaskExecutionFailed)
+        assert "in missing_key" in caught.value.remote_traceback
+        assert "in missing_key" in str(caught.value)
+        with pytest.raises(subprocess.CalledProcessError) as odd:
+            executor.submit(fails_a_command).result(timeout=WAIT_S)
+    assert odd.value.args == (7, ["make", "all"])
+    assert (odd.value.returncode, odd.value.output) == (7, "seven")
+    assert isinstance(odd.value, TaskExecutionFailed)
+    assert "in fails_a_command" in odd.value.remote_traceback
+
+
+def test_an_exception_class_of_the_scripts_main_is_caught_by_its_name(
+    stack: Stack, tmp_path: Path
+) -> None:
+    done = _script(
+        stack,
+        """
+        import sys
+        from fxstream.sdk import Executor
+
+        class Refused(Exception):
+            pass
+
+        def refuse(why):
+            raise Refused(why, 42)
+
+        with Executor(endpoint_id=sys.argv[1]) as executor:
+            try:
+                executor.submit(refuse, "no").result(timeout=60)
+            except Refused as exc:
+                print("caught", exc.args, "in refuse" in exc.remote_traceback)
+        """,
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "caught ('no', 42) True"

@@ -507,6 +507,7 @@ class ResultListener:
                 endpoint_id=result.endpoint_id,
                 attempt=result.attempt,
                 earlier_attempts=result.earlier_attempts,
+                exception=self._remote_exception(result),
             )
         else:
             outcome = FxstreamError(
@@ -517,6 +518,19 @@ class ResultListener:
             return lambda: self._count(future._resolve_result(value))
         failure = outcome
         return lambda: self._count(future._resolve_exception(failure))
+
+    def _remote_exception(self, result: TaskResult) -> BaseException | None:
+        """The exception the function raised, as the worker serialized it beside its text;
+        None when it was not sent or does not load here (its type not importable)."""
+        payload = result.value
+        if payload is None or _by_reference(payload):
+            return None
+        try:
+            exception = self._serializer.deserialize(payload)
+        except Exception as exc:  # its class is not importable here: the text still says it
+            log.debug("task %s: its exception does not load here: %s", result.task_id, exc)
+            return None
+        return exception if isinstance(exception, BaseException) else None
 
     def _count(self, delivered: bool) -> None:
         if delivered:
