@@ -10,12 +10,14 @@ raises. Side-effect files prove what ran.
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import subprocess
 import sys
 import textwrap
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -312,3 +314,33 @@ def test_an_exception_class_of_the_scripts_main_is_caught_by_its_name(
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "caught ('no', 42) True"
+
+
+# --- what the executor keeps ------------------------------------------------------------------
+
+
+def test_a_function_is_registered_once_and_nothing_is_kept_alive(stack: Stack) -> None:
+    template = "hi {}"
+    with stack.client() as client:
+        before = len(client.list_functions())
+        executor = Executor(endpoint_id=stack.endpoint_id, client=client)
+        for i in range(3):
+            # A fresh lambda and a fresh bound method each time: the same code.
+            assert executor.submit(lambda x: x + 1, i).result(timeout=WAIT_S) == i + 1
+            assert executor.submit(template.format, i).result(timeout=WAIT_S) == f"hi {i}"
+        assert len(client.list_functions()) - before == 2
+        # Neither the callable, nor a done future, nor its result is kept by the executor.
+        fn = lambda: {1, 2, 3}  # noqa: E731
+        future = executor.submit(fn)
+        value = future.result(timeout=WAIT_S)
+        watched = [weakref.ref(fn), weakref.ref(future), weakref.ref(value)]
+        del fn, future, value
+        gc.collect()
+        assert [ref() for ref in watched] == [None, None, None]
+        # An executor dropped without shutdown() is collected; its last task ran.
+        last = executor.submit(add_one, 41)
+        dropped = weakref.ref(executor)
+        del executor
+        gc.collect()
+        assert dropped() is None
+        assert last.result(timeout=WAIT_S) == 42

@@ -438,39 +438,52 @@ def _send_loop(items: queue.SimpleQueue[_Item | None], client: Client, batch_siz
 
 
 def _send_batches(items: queue.SimpleQueue[_Item | None], client: Client, batch_size: int) -> None:
-    stop = False
-    while not stop:
-        item = items.get()
-        if item is None:
-            return
-        batch = [item]
-        del item  # nothing of a sent batch is kept while waiting for the next
-        while len(batch) < batch_size:
-            try:
-                following = items.get_nowait()
-            except queue.Empty:
-                break
-            if following is None:
-                stop = True
-                break
-            batch.append(following)
-        live = []
-        for task, future in batch:
-            if future.cancelled():
-                client.untrack(task.task_id)
-                client.release(task)
-            else:
-                live.append((task, future))
+    while True:
+        batch, stop = _next_batch(items, batch_size)
+        if batch:
+            _send_batch(batch, client)
+        # Nothing of a sent batch stays referenced while the next one is awaited.
         del batch
-        if live:
-            try:
-                client.send(live)
-            except Exception as exc:  # the client was closed under us, or the producer failed
-                for task, future in live:
-                    client.untrack(task.task_id)
-                    client.release(task)
-                    future._resolve_exception(exc)
-        del live
+        if stop:
+            return
+
+
+def _next_batch(
+    items: queue.SimpleQueue[_Item | None], batch_size: int
+) -> tuple[list[_Item], bool]:
+    """Up to ``batch_size`` queued items (waiting for the first); True once the sentinel came."""
+    first = items.get()
+    if first is None:
+        return [], True
+    batch = [first]
+    while len(batch) < batch_size:
+        try:
+            following = items.get_nowait()
+        except queue.Empty:
+            break
+        if following is None:
+            return batch, True
+        batch.append(following)
+    return batch, False
+
+
+def _send_batch(batch: list[_Item], client: Client) -> None:
+    live = []
+    for task, future in batch:
+        if future.cancelled():
+            client.untrack(task.task_id)
+            client.release(task)
+        else:
+            live.append((task, future))
+    if not live:
+        return
+    try:
+        client.send(live)
+    except Exception as exc:  # the client was closed under us, or the producer failed
+        for task, future in live:
+            client.untrack(task.task_id)
+            client.release(task)
+            future._resolve_exception(exc)
 
 
 def _close_when_done(
