@@ -496,7 +496,7 @@ def test_explain_load_failure_names_both_sides() -> None:
         "serialized with Python 3.12.1, fxstream 0.2.0, dill 0.4.1 and is being loaded with "
         "Python 3.11.7, fxstream 0.1.0, dill 0.3.9; install 'numpy' where the payload is "
         "loaded, or install the same Python, fxstream and dill versions on both sides, or use "
-        "the JSON data strategy"
+        "the JSON data strategy (Serializer(data='js'), for plain JSON values)"
     )
     assert error.submitted_by == OTHER_SIDE
     assert isinstance(error.__cause__, ModuleNotFoundError)

@@ -102,7 +102,10 @@ class Client:
     the Kafka brokers; ``topic_prefix`` the deployment's topic prefix. A task
     needs ``token`` (and ``user_id``, which is asked from the service when not
     given). ``serializer`` encodes functions, arguments and results (default:
-    dill by value for code, pickle for data).
+    dill by value for code; for data, pickle, or dill by value where the value
+    holds a class or function of ``__main__``, a lambda or a closure). The data
+    strategy also governs results: the worker answers with the strategy of the
+    task's arguments.
 
     Large arguments travel by reference: with a ``store`` (a store URL such as
     ``redis://HOST:PORT``, or a ProxyStore ``Store``), each argument that

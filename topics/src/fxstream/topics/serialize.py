@@ -853,7 +853,7 @@ def explain_load_failure(
         names = " and ".join([", ".join(differ[:-1]), differ[-1]] if len(differ) > 1 else differ)
         advice.append(f"install the same {names} versions on both sides")
     if (strategy is None or strategy.kind == "data") and strategy_id != JsonData.id:
-        advice.append("use the JSON data strategy")
+        advice.append("use the JSON data strategy (Serializer(data='js'), for plain JSON values)")
     if not advice:
         advice.append("the versions match, so the payload may be corrupt")
     message = (
