@@ -24,10 +24,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from confluent_kafka import Producer
 from proxystore.proxy import Proxy
 
+from fxstream.connectors import ByReference
 from fxstream.sdk import Client, Executor, TaskExecutionFailed
-from fxstream.topics import SerializationError, Serializer
+from fxstream.topics import SerializationError, Serializer, TaskResult, encode
 from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.platform
@@ -344,3 +346,37 @@ def test_a_function_is_registered_once_and_nothing_is_kept_alive(stack: Stack) -
         gc.collect()
         assert dropped() is None
         assert last.result(timeout=WAIT_S) == 42
+
+
+def test_a_duplicate_by_reference_result_is_evicted_without_loading_it(stack: Stack) -> None:
+    """A second result of a settled task (as after a rebalance) names its stored objects in
+    its envelope: they are evicted from that list, and the payload is never loaded."""
+    with stack.client() as client:
+        assert client.store is not None
+        with Executor(endpoint_id=stack.endpoint_id, client=client) as executor:
+            future = executor.submit(add_one, 1)
+            assert future.result(timeout=WAIT_S) == 2
+        packed = ByReference(client.store, threshold_bytes=0).pack_value(os.urandom(10_000))
+        (stored,) = packed.stored
+        assert client.store.exists(stored.key)
+        duplicate = TaskResult(
+            task_id=future.task_id,
+            user_id=client.user_id,
+            function_id=future.function_id,
+            endpoint_id=stack.endpoint_id,
+            outcome="success",
+            value=packed.payload,
+        )
+        producer = Producer({"bootstrap.servers": stack.bootstrap})
+        producer.produce(
+            client.catalogue.results(client.user_id), key=future.task_id, value=encode(duplicate)
+        )
+        assert producer.flush(30) == 0
+        deadline = time.monotonic() + WAIT_S
+        while client.duplicate_results < 1:
+            assert time.monotonic() < deadline, "the duplicate never arrived"
+            time.sleep(0.1)
+        while client.store.exists(stored.key):
+            assert time.monotonic() < deadline, "the duplicate's object was not evicted"
+            time.sleep(0.1)
+        assert future.result() == 2 and future.duplicates == 1
