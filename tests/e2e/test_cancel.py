@@ -278,14 +278,25 @@ def test_a_queued_task_is_skipped_and_its_future_cancelled(stack: Stack, tmp_pat
         client.close()
 
 
-def test_a_running_task_is_killed_and_the_next_task_runs(stack: Stack, tmp_path: Path) -> None:
+def test_a_running_task_refuses_cancel_and_kill_stops_it(stack: Stack, tmp_path: Path) -> None:
+    """concurrent.futures: an executing call cannot be cancelled (running() is true and
+    cancel() False, and it runs on); killing it is Executor.kill."""
     client = stack.client()
     try:
         with executor_on(client, stack.single_endpoint) as executor:
             sleeper = executor.submit(mark_then_sleep, str(tmp_path / "sleeper"), 60.0)
             worker = wait_for_file(tmp_path / "sleeper")
+            deadline = time.monotonic() + WAIT_S
+            while not sleeper.running():
+                assert time.monotonic() < deadline, "the future never reported running"
+                assert not sleeper.done(), sleeper
+                time.sleep(0.1)
+            assert not sleeper.cancel()
+            assert sleeper.running() and not sleeper.cancelled()
+            time.sleep(1.0)
+            assert psutil.pid_exists(worker), "cancel() of a running task killed it"
             cancelled_at = time.monotonic()
-            assert sleeper.cancel()
+            assert executor.kill(sleeper)
             psutil.wait_procs([psutil.Process(worker)], timeout=10)
             killed_s = time.monotonic() - cancelled_at
             assert not psutil.pid_exists(worker) or psutil.Process(worker).status() == "zombie"

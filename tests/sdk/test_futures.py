@@ -40,3 +40,29 @@ def test_a_late_result_for_a_cancelled_future_is_ignored() -> None:
     assert not future._resolve_result(1)
     assert not future._resolve_exception(RuntimeError("late"))
     assert future.cancelled()
+
+
+def test_a_running_future_refuses_cancel_and_resolves_normally() -> None:
+    future = _future()
+    assert future._mark_running()
+    assert future.running()
+    assert not future.cancel()  # concurrent.futures: an executing call cannot be cancelled
+    assert future.running() and not future.cancelled()
+    assert not future._mark_running()
+    assert future._resolve_result(7)
+    assert future.result() == 7
+
+
+def test_a_killed_running_future_ends_cancelled_for_waiters_and_callbacks() -> None:
+    future = _future()
+    future._mark_running()
+    seen: list[bool] = []
+    future.add_done_callback(lambda f: seen.append(f.cancelled()))
+    waiting = concurrent.futures.ThreadPoolExecutor(1).submit(concurrent.futures.wait, [future], 10)
+    assert future._resolve_cancelled_remotely()
+    done, not_done = waiting.result(timeout=10)
+    assert done == {future} and not not_done
+    assert future.cancelled() and future.cancelled_remotely
+    assert seen == [True]
+    assert future._force_cancel()  # already cancelled: still reported so
+    assert not future._resolve_result(1)

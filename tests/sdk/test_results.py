@@ -10,14 +10,16 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
 
+import msgspec
 import pytest
 
 from fxstream.sdk import (
     TIMING_KEYS,
     Client,
     Executor,
-    FxstreamError,
     ResultsTopicMissing,
     TaskExecutionFailed,
     TaskPending,
@@ -25,7 +27,15 @@ from fxstream.sdk import (
     WalltimeExceeded,
     WorkerLost,
 )
-from fxstream.topics import TaskError, TaskTimings, describe_exception
+from fxstream.topics import (
+    ObjectReference,
+    Serializer,
+    StorageTier,
+    TaskError,
+    TaskTimings,
+    describe_exception,
+    wrap_references,
+)
 from tests.sdk.conftest import SdkTopics
 from tests.sdk.streams import ResultWriter, failure, success
 
@@ -205,15 +215,56 @@ def test_unknown_and_malformed_records_are_counted_and_skipped(
     wait_for(lambda: client.result_stats["unknown"] >= 1 and client.result_stats["malformed"] >= 1)
 
 
-def test_an_unreadable_result_of_a_waiting_task_fails_its_future(
+def test_an_unreadable_record_keyed_by_a_waiting_task_is_ignored(
     executor: Executor, client: Client, writer: ResultWriter, sdk_topics: SdkTopics
 ) -> None:
+    """A record that is not a result says nothing about its task: counted, ignored, and
+    the task's real result still resolves the future."""
     future = executor.submit_to_registered_function(FUNCTION)
+    before = client.result_stats["malformed"]
     writer.write(sdk_topics.results, future.task_id, b"\x00garbage")
-    with pytest.raises(FxstreamError, match=r"cannot be read: .*dead-lettered"):
-        future.result(timeout=20)
-    writer.result(sdk_topics.results, success(future.task_id, sdk_topics.user_id, "late"))
-    wait_for(lambda: client.result_stats["duplicates"] >= 1)
+    wait_for(lambda: client.result_stats["malformed"] == before + 1)
+    assert not future.done()
+    writer.result(sdk_topics.results, success(future.task_id, sdk_topics.user_id, "real"))
+    assert future.result(timeout=20) == "real"
+
+
+class _LoadedMarker:
+    """Pickles as "create this file": shows whether a payload was ever unpickled."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return Path.touch, (self.path,)
+
+
+def test_a_second_result_is_never_loaded_nor_resolves_again(
+    executor: Executor,
+    client: Client,
+    writer: ResultWriter,
+    sdk_topics: SdkTopics,
+    tmp_path: Path,
+) -> None:
+    future = executor.submit_to_registered_function(FUNCTION)
+    writer.result(sdk_topics.results, success(future.task_id, sdk_topics.user_id, "first"))
+    assert future.result(timeout=20) == "first"
+    marker = tmp_path / "loaded"
+    inline = Serializer(data="pk").serialize_value(_LoadedMarker(marker))
+    reference = ObjectReference(
+        object_key="fx:gone", store="no-such-store", size_bytes=10, tier=StorageTier.DURABLE
+    )
+    duplicates = [
+        msgspec.structs.replace(success(future.task_id, sdk_topics.user_id, None), value=value)
+        for value in (inline, wrap_references(inline, [reference]))
+    ]
+    failed = failure(future.task_id, sdk_topics.user_id, TaskError(type="E", message="late"))
+    for duplicate in [*duplicates, failed]:
+        writer.result(sdk_topics.results, duplicate)
+    wait_for(lambda: client.duplicate_results == 3)
+    assert not marker.exists(), "a duplicate result was unpickled"
+    assert future.result() == "first"
+    assert future.duplicates == 3
 
 
 def test_a_cancelled_future_discards_its_late_result(

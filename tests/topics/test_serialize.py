@@ -3,12 +3,14 @@ DeserializationError. No broker needed."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import importlib.metadata
 import math
 import pickle
 import platform
+import re
 import resource
 import subprocess
 import sys
@@ -178,7 +180,7 @@ def test_json_payload_is_plain_json_after_the_header() -> None:
 
 def test_serializer_defaults_and_choices() -> None:
     default = Serializer()
-    assert (default.code.id, default.data.id) == ("dc", "pk")
+    assert (default.code.id, default.data.id) == ("dc", "dl")
     assert Serializer(data=get_strategy("js")).data.id == "js"
     with pytest.raises(ValueError, match=r"code= needs a code strategy \(dc\); 'pk' is a data"):
         Serializer(code="pk")
@@ -366,9 +368,9 @@ def test_json_values_round_trip(value: Any) -> None:
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ({1, 2}, "JSON cannot encode set; use the pickle data strategy"),
-        (object(), "JSON cannot encode object; use the pickle data strategy"),
-        ([1, {"k": b"x"}], r"JSON cannot encode bytes at \[1\]\['k'\]; use the pickle"),
+        ({1, 2}, "JSON cannot encode set; use the default data strategy"),
+        (object(), "JSON cannot encode object; use the default data strategy"),
+        ([1, {"k": b"x"}], r"JSON cannot encode bytes at \[1\]\['k'\]; use the default"),
         ({1: "a"}, r"JSON cannot encode a dict key of type int \(keys must be str\)"),
         (math.nan, r"JSON cannot encode the float nan \(JSON has no NaN or infinity\)"),
         (Boom("x"), "JSON cannot encode tests.topics.test_serialize.Boom"),
@@ -395,7 +397,7 @@ def test_pack_arguments_names_the_argument_that_fails() -> None:
         SerializationError,
         match=r"cannot serialize argument 1: pickle cannot serialize function .*dill data",
     ):
-        Serializer().pack_arguments((1, lambda x: x))
+        Serializer(data="pk").pack_arguments((1, lambda x: x))
     with pytest.raises(SerializationError, match="keyword argument names are str, not int"):
         Serializer().pack_arguments((), {1: "x"})  # type: ignore[dict-item]
 
@@ -494,7 +496,7 @@ def test_explain_load_failure_names_both_sides() -> None:
         "serialized with Python 3.12.1, fxstream 0.2.0, dill 0.4.1 and is being loaded with "
         "Python 3.11.7, fxstream 0.1.0, dill 0.3.9; install 'numpy' where the payload is "
         "loaded, or install the same Python, fxstream and dill versions on both sides, or use "
-        "the JSON data strategy"
+        "the JSON data strategy (Serializer(data='js'), for plain JSON values)"
     )
     assert error.submitted_by == OTHER_SIDE
     assert isinstance(error.__cause__, ModuleNotFoundError)
@@ -624,3 +626,120 @@ def test_error_family() -> None:
     assert issubclass(DeserializationError, PayloadError)
     assert issubclass(PayloadError, ValueError)
     assert JsonData.id == "js"
+
+
+# --- the default data strategy: pickle where it suffices, dill by value where needed ----------
+
+_MAIN_SCRIPT = """
+import sys
+from fxstream.topics import Serializer
+
+class Point:
+    def __init__(self, x):
+        self.x = x
+
+    def doubled(self):
+        return Point(self.x * 2)
+
+sys.stdout.buffer.write(Serializer().serialize_value([Point(21), {"f": lambda v: v + 1}]))
+"""
+
+_LOAD_SCRIPT = """
+import sys
+from fxstream.topics import Serializer
+point, table = Serializer().deserialize(sys.stdin.buffer.read())
+print(type(point).__name__, point.doubled().x, table["f"](1))
+"""
+
+
+def _python(tmp_path: Path, script: str, data: bytes = b"") -> bytes:
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        input=data,
+        capture_output=True,
+        cwd=tmp_path,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr.decode()
+    return done.stdout
+
+
+def test_a_class_of_main_travels_by_value_by_default(tmp_path: Path) -> None:
+    """A script's own class (and a lambda) serialized in one process load in another,
+    where that script's __main__ does not exist."""
+    payload = _python(tmp_path, _MAIN_SCRIPT)
+    assert payload[:PAYLOAD_HEADER_LENGTH] == b"fxdl\n"
+    assert _python(tmp_path, _LOAD_SCRIPT, payload).decode().split() == ["Point", "42", "2"]
+
+
+def test_the_default_data_strategy_writes_a_plain_pickle_when_it_suffices() -> None:
+    value = {"numbers": list(range(100)), "text": "δ", "nested": (1.5, None, b"x")}
+    payload = Serializer().serialize_value(value)
+    assert payload[:PAYLOAD_HEADER_LENGTH] == b"fxdl\n"
+    # Written by the C pickler (no dill types): the standard library loads the body.
+    assert pickle.loads(payload[PAYLOAD_HEADER_LENGTH:]) == value
+    assert Serializer().deserialize(payload) == value
+
+
+def _advised_data_strategy(message: str) -> str:
+    found = re.search(r"Serializer\(data='(\w\w)'\)", message)
+    assert found is not None, f"no strategy advised in: {message}"
+    return found.group(1)
+
+
+@pytest.mark.parametrize(
+    ("strategy", "value"),
+    [
+        pytest.param("pk", lambda x: x + 1, id="pickle-refuses-a-lambda"),
+        pytest.param("js", {1, 2, 3}, id="json-refuses-a-set"),
+        pytest.param("js", b"bytes", id="json-refuses-bytes"),
+    ],
+)
+def test_following_a_refusals_advice_works(strategy: str, value: Any) -> None:
+    with pytest.raises(SerializationError) as refused:
+        Serializer(data=strategy).pack_arguments((value,))
+    advised = Serializer(data=_advised_data_strategy(str(refused.value)))
+    (loaded,), _ = advised.unpack_arguments(advised.pack_arguments((value,)))
+    if callable(value):
+        assert loaded(1) == value(1)
+    else:
+        assert loaded == value
+
+
+def test_a_future_argument_is_refused_with_advice_that_works() -> None:
+    future: concurrent.futures.Future[int] = concurrent.futures.Future()
+    for data in DATA_IDS:
+        with pytest.raises(SerializationError, match=r"argument 1: .*future.result\(\)") as caught:
+            Serializer(data=data).pack_arguments((1, [future]))
+        assert "Serializer(data=" not in str(caught.value)  # no strategy helps
+    future.set_result(41)
+    serializer = Serializer()
+    assert serializer.unpack_arguments(serializer.pack_arguments((1, [future.result()]))) == (
+        (1, [41]),
+        {},
+    )
+
+
+class _Box:
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _unbox(obj: Any) -> Any:
+    return obj.value if type(obj) is _Box else NotImplemented
+
+
+@pytest.mark.parametrize("data", ["pk", "dl"])
+def test_substitute_writes_a_replacement_wherever_the_object_is(data: str) -> None:
+    box = _Box([1, 2])
+    value = {"alone": box, "nested": [box, (box,)], "lambda": lambda: 7}
+    if data == "pk":
+        del value["lambda"]
+    loaded = Serializer().deserialize(
+        Serializer(data=data).serialize_value(value, substitute=_unbox)
+    )
+    assert loaded["alone"] == [1, 2]
+    # The same object is written once: identity survives as it would for the value itself.
+    assert loaded["nested"][0] is loaded["alone"]
+    assert loaded["nested"][1][0] is loaded["alone"]

@@ -42,6 +42,7 @@ from fxstream.connectors.reference import (
     collect_references,
     evict_objects,
     load_payload,
+    proxies_by_value,
 )
 from fxstream.connectors.stores import DEFAULT_LEASE_S, StoreSpec, StoreURLError, open_store
 
@@ -98,6 +99,7 @@ __all__ = [
     "load_payload",
     "location_of",
     "open_store",
+    "proxies_by_value",
 ]
 
 

@@ -90,6 +90,10 @@ class FileConnector:
         """Delete the object's file (a missing one is not an error)."""
         self._path(key).unlink(missing_ok=True)
 
+    def evict_object_key(self, object_key: str, size_bytes: int) -> None:
+        """Evict by what data-locations and a payload's envelope name: the file's path."""
+        self.evict(FileObjectKey(Path(object_key).name, size_bytes=size_bytes))
+
     def exists(self, key: FileObjectKey) -> bool:
         """Whether the object's file is there (on this node, for the ephemeral tier)."""
         return self._path(key).exists()

@@ -108,6 +108,11 @@ class RedisConnector:
         """Delete the object and all its chunks (a missing object is not an error)."""
         self._client.delete(*self._keys_of(key))
 
+    def evict_object_key(self, object_key: str, size_bytes: int) -> None:
+        """Evict by what data-locations and a payload's envelope name: key and size."""
+        chunks = max(1, -(-size_bytes // self.chunk_bytes))
+        self.evict(RedisObjectKey(object_key, chunks, size_bytes))
+
     def exists(self, key: RedisObjectKey) -> bool:
         """Whether every part of the object is still stored."""
         names = self._keys_of(key)

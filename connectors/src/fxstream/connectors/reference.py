@@ -19,6 +19,11 @@ How a reference resolves, in the process that loads the payload:
   is fetched lazily, on first use inside the function;
 * results are always fetched by the SDK before the future resolves.
 
+A result that is, or holds, one of these argument proxies is written with the
+proxy's value in its place (:func:`proxies_by_value`): the caller gets what the
+function returned, mutated or not, never a proxy of an argument object the SDK
+evicts once the result is consumed.
+
 Explicit proxies (``store.proxy(obj)``) pass through untouched: their owner
 manages their lifetime.
 """
@@ -32,7 +37,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from proxystore.proxy import Proxy
+from proxystore.proxy import Proxy, extract, get_factory
+from proxystore.store import get_store
 from proxystore.store.base import Store
 from proxystore.store.factory import StoreFactory
 
@@ -46,6 +52,7 @@ __all__ = [
     "collect_references",
     "evict_objects",
     "load_payload",
+    "proxies_by_value",
 ]
 
 DEFAULT_PROXY_THRESHOLD_BYTES: Final = 64 * 1024
@@ -102,11 +109,31 @@ def collect_references(*, fetch: bool = True) -> Iterator[list[StoreFactory[Any,
         _loaded.reset(token)
 
 
-def evict_objects(objects: Sequence[StoredObject | StoreFactory[Any, Any]]) -> list[str]:
-    """Evict objects (from :class:`Packed` or :func:`collect_references`).
+def proxies_by_value(obj: Any) -> Any:
+    """A :data:`~fxstream.topics.Substitute` writing this module's proxies as their values.
+
+    A proxy made here for a large argument (its factory loads with
+    :func:`load_payload`) is replaced by its target (fetched if the function
+    never used it); anything else, explicit proxies included, is left as it is.
+    """
+    if not issubclass(type(obj), Proxy):
+        return NotImplemented
+    factory = get_factory(obj)
+    if isinstance(factory, StoreFactory) and factory.deserializer is load_payload:
+        return extract(obj)
+    return NotImplemented
+
+
+def evict_objects(
+    objects: Sequence[StoredObject | StoreFactory[Any, Any] | ObjectReference],
+) -> list[str]:
+    """Evict objects (from :class:`Packed`, :func:`collect_references` or an envelope's
+    reference list, :func:`~fxstream.topics.payload_references`).
 
     Returns the object keys evicted (what data-locations tombstones name). A
-    store that cannot be reached is skipped: the object's lease reclaims it.
+    store that cannot be reached is skipped: the object's lease reclaims it. So
+    is a reference whose store is not open in this process, or whose connector
+    cannot evict by object key (``evict_object_key``).
     """
     evicted: list[str] = []
     for item in objects:
@@ -114,6 +141,12 @@ def evict_objects(objects: Sequence[StoredObject | StoreFactory[Any, Any]]) -> l
             if isinstance(item, StoredObject):
                 item.store.evict(item.key)
                 evicted.append(item.reference.object_key)
+            elif isinstance(item, ObjectReference):
+                store = get_store(item.store)
+                evict = getattr(store.connector, "evict_object_key", None) if store else None
+                if evict is not None:
+                    evict(item.object_key, item.size_bytes)
+                    evicted.append(item.object_key)
             else:
                 store = item.get_store()
                 store.evict(item.key)
@@ -199,12 +232,16 @@ class ByReference:
         return Packed(wrap_references(payload, [s.reference for s in stored]), stored)
 
     def pack_value(self, value: Any) -> Packed:
-        """A result as a payload: the whole value goes by reference when it is large."""
-        payload = self.serializer.serialize_value(value)
+        """A result as a payload: the whole value goes by reference when it is large.
+
+        Argument proxies inside it are written as their values (:func:`proxies_by_value`).
+        """
+        payload = self.serializer.serialize_value(value, substitute=proxies_by_value)
         if len(payload) <= self.threshold_bytes or self.store is None:
             return Packed(payload)
         stored_object, factory = self._put(payload)
-        reference = self.serializer.serialize_value(_FetchOnLoad(factory))
+        # The reference itself is pickled whatever the data strategy (JSON cannot hold it).
+        reference = _SERIALIZER.serialize_value(_FetchOnLoad(factory))
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
 
     def _large_buffer(self, value: Any) -> bool:

@@ -932,7 +932,8 @@ class Agent:
             endpoint_id=self.config.endpoint_id,
             task_group_id=submission.task_group_id,
             outcome="success" if outcome.ok else "error",
-            value=outcome.value if outcome.ok else None,
+            # On an error: the exception serialized by the runner, if it was (bounded).
+            value=outcome.value,
             error=None if outcome.ok else _task_error(outcome),
             attempt=held.attempt,
             earlier_attempts=list(held.earlier),

@@ -12,18 +12,45 @@ fetched here from the proxy store (lazily, on first use, except bytes-like
 values, fetched as the payload loads), and with the endpoint's ``store_url``
 set a result above ``proxy_threshold`` is written to that store here and only
 its reference goes back to the agent (:mod:`fxstream.connectors.reference`).
+
+A result is written with the data strategy of the task's arguments, the one the
+client chose (``Client(serializer=...)``), so the client reads it as it asked;
+an argument proxy inside a result is written as its value
+(:func:`~fxstream.connectors.proxies_by_value`). An exception the function
+raises is serialized the same way, when it fits in ``EXCEPTION_MAX_BYTES``, and
+travels beside its text, so the client can raise it with its own type and
+``args`` (:data:`EXCEPTION_ATTRIBUTE`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
-from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, ByReference, open_store
-from fxstream.topics import ClientInfo, Serializer, TaskSubmission, decode
+from fxstream.connectors import (
+    DEFAULT_PROXY_THRESHOLD_BYTES,
+    ByReference,
+    open_store,
+    proxies_by_value,
+)
+from fxstream.topics import (
+    ClientInfo,
+    DeserializationError,
+    Serializer,
+    TaskSubmission,
+    decode,
+    strategy_of,
+)
 
-__all__ = ["RUNNER", "load_function", "runner_for"]
+__all__ = ["EXCEPTION_ATTRIBUTE", "EXCEPTION_MAX_BYTES", "RUNNER", "load_function", "runner_for"]
+
+EXCEPTION_ATTRIBUTE: Final = "__fxstream_exception__"
+"""Where the runner leaves a raised exception's serialized form for the worker pool."""
+
+EXCEPTION_MAX_BYTES: Final = 16 * 1024
+"""A serialized exception larger than this stays behind (its text still travels)."""
 
 RUNNER = "fxstream.agent.runner:load_function"
 """The runner spec the agent gives its :class:`~fxstream.agent.WorkerPool` (no proxy store)."""
@@ -32,11 +59,35 @@ _serializer = Serializer()
 
 
 @functools.cache
-def _results_by_reference(store_url: str, threshold: int, site: str) -> ByReference:
+def _store(store_url: str) -> Any:
     # One store per worker process, opened at its first task.
+    return open_store(store_url)
+
+
+@functools.cache
+def _results_by_reference(
+    store_url: str, threshold: int, site: str, strategy_id: str
+) -> ByReference:
     return ByReference(
-        open_store(store_url), threshold_bytes=threshold, serializer=_serializer, site=site
+        _store(store_url),
+        threshold_bytes=threshold,
+        serializer=_serializer_for(strategy_id),
+        site=site,
     )
+
+
+@functools.cache
+def _serializer_for(strategy_id: str) -> Serializer:
+    return _serializer.with_data(strategy_id)
+
+
+def _result_strategy(payload: bytes) -> str:
+    """The data strategy of the arguments (the client's), which its result is written with."""
+    try:
+        strategy = strategy_of(payload)
+    except DeserializationError:  # the arguments loaded, so this cannot happen; be safe
+        return _serializer.data.id
+    return strategy.id if strategy.kind == "data" else _serializer.data.id
 
 
 def runner_for(
@@ -75,9 +126,26 @@ def load_function(
         args, kwargs = _serializer.unpack_arguments(
             submission.payload, submitted_by=submission.client
         )
-        value = function(*args, **kwargs)
+        strategy_id = _result_strategy(submission.payload)
+        try:
+            value = function(*args, **kwargs)
+        except Exception as exc:
+            _attach_serialized(exc, _serializer_for(strategy_id))
+            raise
         if store_url is None:
-            return _serializer.serialize_value(value)
-        return _results_by_reference(store_url, proxy_threshold, site).pack_value(value).payload
+            return _serializer_for(strategy_id).serialize_value(value, substitute=proxies_by_value)
+        by_reference = _results_by_reference(store_url, proxy_threshold, site, strategy_id)
+        return by_reference.pack_value(value).payload
 
     return call
+
+
+def _attach_serialized(exc: Exception, serializer: Serializer) -> None:
+    """Leave ``exc`` serialized on itself for the pool, if it serializes small enough."""
+    try:
+        payload = serializer.serialize_value(exc)
+    except Exception:  # an exception holding something unserializable: its text suffices
+        return
+    if len(payload) <= EXCEPTION_MAX_BYTES:
+        with contextlib.suppress(Exception):  # an exception refusing new attributes
+            setattr(exc, EXCEPTION_ATTRIBUTE, payload)

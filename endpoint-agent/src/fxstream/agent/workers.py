@@ -191,7 +191,8 @@ class WorkOutcome:
     """How one work item ended: a value, or an error with its type, message and traceback.
 
     On success ``error_type`` is ``None`` and the message and traceback are
-    empty; on failure ``value`` is ``None``. ``worker`` is ``"host:pid"`` of
+    empty; on failure ``value`` is ``None`` or the raised exception as the runner
+    serialized it (the agent forwards it for the client to raise). ``worker`` is ``"host:pid"`` of
     the worker that ran it (empty when none did); ``started_at`` and
     ``finished_at`` are epoch seconds, ``started_at`` is ``None`` when the item
     never started. Message and traceback fit a ``TaskError`` record as they are.
@@ -281,6 +282,14 @@ def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
     )
 
 
+def _serialized_exception(exc: BaseException) -> bytes | None:
+    try:
+        serialized = getattr(exc, "__fxstream_exception__", None)
+    except Exception:  # a user exception whose __getattr__ fails
+        return None
+    return serialized if isinstance(serialized, bytes) else None
+
+
 def _as_bytes(value: object) -> bytes:
     if isinstance(value, bytes):
         return value
@@ -324,7 +333,9 @@ class _Worker:
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the worker lives
             name, message, text = _describe_exception(exc)
             cached = key in self._cache
-            reply = (seq, _ERROR, None, name, message, text, started, time.time(), cached)
+            # The runner may have left the exception serialized (for the client to raise).
+            serialized = _serialized_exception(exc)
+            reply = (seq, _ERROR, serialized, name, message, text, started, time.time(), cached)
         state[_STATE_SEQ] = -1
         return reply
 

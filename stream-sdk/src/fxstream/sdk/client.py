@@ -16,6 +16,7 @@ import logging
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
 from typing import Any, Final, NamedTuple
@@ -73,6 +74,30 @@ _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
 
 
+# Clients with a producer: what the exit hook flushes.
+_producing: weakref.WeakSet[Client] = weakref.WeakSet()
+_EXIT_FLUSH_S: Final = 120.0
+
+
+def _flush_at_exit() -> None:
+    """Wait for Kafka to acknowledge what every client produced, before the interpreter
+    exits (the producer's delivery thread is a daemon; librdkafka's queue would be lost)."""
+    for client in list(_producing):
+        left = client.flush(_EXIT_FLUSH_S)
+        if left:
+            log.error(
+                "%d task records were not acknowledged by Kafka within %.0f s at exit; "
+                "they are lost unless delivered (is the broker up?)",
+                left,
+                _EXIT_FLUSH_S,
+            )
+
+
+# Runs when the interpreter starts to exit, before atexit handlers (after the
+# Executor's hook, registered later, which sends the tasks its sender still holds).
+threading._register_atexit(_flush_at_exit)  # type: ignore[attr-defined]
+
+
 class RegisteredUser(NamedTuple):
     """What ``Client.register_user`` returns: the new user's id and API token (shown once)."""
 
@@ -87,7 +112,10 @@ class Client:
     the Kafka brokers; ``topic_prefix`` the deployment's topic prefix. A task
     needs ``token`` (and ``user_id``, which is asked from the service when not
     given). ``serializer`` encodes functions, arguments and results (default:
-    dill by value for code, pickle for data).
+    dill by value for code; for data, pickle, or dill by value where the value
+    holds a class or function of ``__main__``, a lambda or a closure). The data
+    strategy also governs results: the worker answers with the strategy of the
+    task's arguments.
 
     Large arguments travel by reference: with a ``store`` (a store URL such as
     ``redis://HOST:PORT``, or a ProxyStore ``Store``), each argument that
@@ -233,6 +261,30 @@ class Client:
         code = self.serializer.serialize_function(fn)
         if name is None:
             name = getattr(fn, "__name__", None) or type(fn).__name__
+        return self.register_code(
+            code,
+            name=name,
+            container=container,
+            public=public,
+            allowed_users=allowed_users,
+            description=description,
+        )
+
+    def register_code(
+        self,
+        code: bytes,
+        *,
+        name: str,
+        container: str | None = None,
+        public: bool = False,
+        allowed_users: Iterable[str] = (),
+        description: str = "",
+    ) -> str:
+        """Register a function already serialized with the code strategy; returns its id.
+
+        What :meth:`register_function` does after serializing (the Executor
+        serializes once to find a function it registered already by its digest).
+        """
         body = {
             "name": name,
             "code": base64.b64encode(code).decode("ascii"),
@@ -373,6 +425,7 @@ class Client:
                     max_message_bytes=producer_message_max_bytes(self.catalogue),
                     kafka_config=self._kafka_config,
                 )
+                _producing.add(self)
             return self._producer, listener
 
     def _started_listener(self) -> ResultListener:
@@ -386,6 +439,7 @@ class Client:
                     self.serializer,
                     kafka_config=self._kafka_config,
                     release=self._release,
+                    events_topic=self.catalogue.task_events,
                 )
                 listener.start()
                 self._listener = listener
@@ -474,6 +528,10 @@ class Client:
         if references:
             LocationPublisher(producer.producer, self.catalogue.data_locations).created(references)
 
+    def release(self, task: PreparedTask) -> None:
+        """Evict what a task put in the proxy store, for a task that will never be sent."""
+        self._release(list(task.stored))
+
     def _release(self, objects: list[Any]) -> None:
         """Evict objects a consumed task no longer needs, and say so on data-locations."""
         if not objects:
@@ -516,11 +574,13 @@ class Client:
         reason: str = "",
         timeout: float = 30.0,
     ) -> None:
-        """Cancel a task; returns once Kafka has acknowledged the cancel record.
+        """Cancel a task, running or not; returns once Kafka has acknowledged the cancel.
 
-        The cancel follows the task (same key, so the same partitions, in order):
-        the agent holding the task skips it if it is still queued, or kills its
-        worker if it runs, and answers it ``TaskCancelled``: its state becomes
+        This is the explicit call that stops a running task (``future.cancel()``
+        cancels pending tasks only, as ``concurrent.futures`` says; see
+        ``Executor.kill``). The cancel follows the task (same key, so the same
+        partitions, in order): the agent holding the task skips it if it is still
+        queued, or kills its worker if it runs, and answers it ``TaskCancelled``: its state becomes
         ``cancelled``, and its future (here, or in the client that submitted it)
         ends cancelled. A task that already finished keeps its result. Only the
         task's submitter may cancel it: a cancel from another user is refused
@@ -561,7 +621,9 @@ class Client:
         if failure is not None:
             raise failure
         if future is not None:
-            future._cancel_here()  # the cancel is on its way: do not send another
+            # The cancel is on its way (a running task's worker is killed): the future
+            # ends cancelled now, running or not, and sends no second cancel.
+            future._force_cancel()
 
     def _send_remote_cancel(self, future: TaskFuture) -> None:
         """Send a cancelled future's remote cancel without waiting (TaskFuture.cancel)."""
@@ -852,6 +914,16 @@ class Client:
         return self.result_stats["duplicates"]
 
     # --- lifecycle ---------------------------------------------------------------------
+
+    def flush(self, timeout: float = 30.0) -> int:
+        """Wait until every task record produced so far is acknowledged by Kafka.
+
+        Returns how many records are still undelivered after ``timeout`` seconds
+        (0 when all are durable). A closed or unused client has nothing to flush.
+        """
+        with self._lock:
+            producer = None if self._closed else self._producer
+        return 0 if producer is None else producer.flush(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
         """Flush queued tasks, stop the listener and the producer, close the HTTP pool.

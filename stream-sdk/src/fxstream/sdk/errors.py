@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -152,9 +153,16 @@ class TaskExecutionFailed(FxstreamError):
     for infrastructure failures a retry may cure. ``str()`` holds all three, so
     an uncaught failure prints the remote traceback.
 
-    When the remote type is a builtin exception (``ValueError``,
-    ``ZeroDivisionError``, ...) the raised object is also an instance of that
-    builtin, so ``except ZeroDivisionError`` works as it would locally.
+    The raised object is also an instance of the remote exception's type when
+    the caller can import it (a builtin such as ``KeyError``, a class of an
+    installed module, or of the submitting script's ``__main__``), so ``except
+    KeyError`` works as it would locally, and it keeps that exception's
+    ``args`` (``exc.args[0]`` is the missing key) and attributes; the remote
+    exception object itself is ``remote_exception``. ``str()`` and
+    ``remote_traceback`` hold the remote traceback. When the worker could not
+    send the exception (too large, unserializable, or the JSON data strategy)
+    or its type is not importable here, builtins still match by name and
+    ``args`` holds the message.
 
     ``earlier_attempts`` are the failed attempts before the last one (a task
     submitted with ``max_retries``), oldest first; ``str()`` lists them too.
@@ -171,6 +179,7 @@ class TaskExecutionFailed(FxstreamError):
     ) -> None:
         self.task_id = task_id
         self.endpoint_id = endpoint_id
+        self.remote_exception: BaseException | None = None
         self.attempt = attempt
         self.earlier_attempts = list(earlier_attempts)
         self.remote_type = error.type
@@ -252,6 +261,37 @@ def _with_builtin(name: str) -> type[TaskExecutionFailed]:
     return combined
 
 
+def _importable(remote: type[BaseException]) -> type[BaseException]:
+    """The caller's own class for a remote exception's type.
+
+    A class of the submitting script's ``__main__`` travels by value and loads
+    as a copy; the script's own class of that name is what its ``except`` names.
+    """
+    if remote.__module__ == "__main__":
+        main = sys.modules.get("__main__")
+        own = getattr(main, remote.__qualname__, None) if main is not None else None
+        if isinstance(own, type) and issubclass(own, BaseException):
+            return own
+    return remote
+
+
+@functools.lru_cache(maxsize=256)
+def _with_type(remote: type) -> type[TaskExecutionFailed] | None:
+    if not issubclass(remote, Exception) or issubclass(
+        remote, FxstreamError | StopIteration | StopAsyncIteration
+    ):
+        return None
+    try:
+        combined: type[TaskExecutionFailed] = type(
+            remote.__name__,
+            (TaskExecutionFailed, remote),
+            {"__module__": "fxstream.sdk.errors.remote", "__qualname__": remote.__qualname__},
+        )
+    except TypeError:  # an instance layout that cannot be combined
+        return None
+    return combined
+
+
 def task_failure(
     task_id: str,
     error: TaskError,
@@ -259,16 +299,26 @@ def task_failure(
     endpoint_id: str | None = None,
     attempt: int | None = None,
     earlier_attempts: Sequence[Attempt] = (),
+    exception: BaseException | None = None,
 ) -> TaskExecutionFailed:
     """The exception for a failed task: the subclass for its ``error.type``.
 
     ``TaskRejected``, ``WorkerLost`` and ``WalltimeExceeded`` get their own
-    classes; a builtin exception type also makes the error an instance of that
-    builtin; anything else is a plain :class:`TaskExecutionFailed`.
+    classes. ``exception`` (the remote exception object, when the worker sent
+    it and it loads here) makes the error an instance of its type too, with its
+    ``args`` and attributes; without it, a builtin exception type still makes
+    the error an instance of that builtin; anything else is a plain
+    :class:`TaskExecutionFailed`.
     """
     short = error.type.rsplit(".", 1)[-1]
     base = _PLATFORM_ERRORS.get(short, TaskExecutionFailed)
-    cls = _with_builtin(error.type) if base is TaskExecutionFailed else base
+    cls: type[TaskExecutionFailed] | None = None
+    if base is TaskExecutionFailed and exception is not None:
+        remote: type = _importable(type(exception))
+        cls = _with_type(remote)
+    if cls is None:
+        cls = _with_builtin(error.type) if base is TaskExecutionFailed else base
+        exception = None
     failure = cls.__new__(cls)
     TaskExecutionFailed.__init__(
         failure,
@@ -278,4 +328,10 @@ def task_failure(
         attempt=attempt,
         earlier_attempts=earlier_attempts,
     )
+    if exception is not None:
+        own = dict(vars(failure))
+        failure.__dict__.update(vars(exception))
+        failure.__dict__.update(own)  # ours win: task_id, remote_type, ...
+        failure.args = exception.args
+        failure.remote_exception = exception
     return failure

@@ -7,17 +7,37 @@ the arguments at once (so a too-large or unpicklable argument raises in the
 caller), then a sender thread produces queued tasks to Kafka in batches of up
 to ``batch_size``. Results are pushed to the futures by the Client's results
 listener.
+
+It keeps the ``concurrent.futures`` contract where the standard executors do:
+
+* Nothing submitted is lost when the program exits without :meth:`Executor.shutdown`
+  (or after ``shutdown(wait=False)``): as ``ThreadPoolExecutor`` joins its workers,
+  a hook that runs when the interpreter starts to exit (before ``atexit``
+  handlers, like the standard executors') sends every queued task and waits until
+  Kafka has acknowledged it. From then on ``submit`` raises ``RuntimeError``, as
+  the standard executors' does after interpreter shutdown.
+* ``running()`` follows the task: it turns true when the platform reports the task
+  running (see ``Client``); ``cancel()`` then returns False. Stopping a running
+  task is its own call, :meth:`Executor.kill`.
+* The executor holds no callable, future or result once it is done with it: functions
+  are cached by weak reference and by the digest of their code (a fresh lambda or
+  bound method of the same code is registered once), futures only while pending,
+  and an executor dropped without ``shutdown()`` is finalized (its queued tasks
+  sent, a client it created closed once its tasks have results).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 import queue
 import threading
 import uuid
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Final, ParamSpec, TypeVar
 
 from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
@@ -32,6 +52,38 @@ P = ParamSpec("P")
 T = TypeVar("T")
 
 _Item = tuple[PreparedTask, TaskFuture]
+
+# Function ids by the digest of their code: a fresh lambda or bound method of the same
+# code maps to one registration. Bounded; a function evicted here is registered again.
+_DIGESTS_KEPT: Final = 4_096
+# How long the exit hook waits for Kafka to acknowledge what was queued.
+_EXIT_FLUSH_S: Final = 120.0
+
+_interpreter_exiting = False
+# Every running sender thread -> its queue and client (what the exit hook drains).
+_senders: dict[threading.Thread, tuple[queue.SimpleQueue[_Item | None], Client]] = {}
+_live_lock = threading.Lock()
+
+
+def _send_queued_at_exit() -> None:
+    """Send what every executor has queued and wait for Kafka, before the interpreter
+    exits (what ``concurrent.futures.thread`` does for its workers, through the same hook).
+
+    Executors shut down with ``wait=False`` or dropped without ``shutdown()`` included.
+    """
+    global _interpreter_exiting
+    with _live_lock:
+        _interpreter_exiting = True
+        senders = list(_senders.items())
+    for sender, (items, client) in senders:
+        items.put(None)
+        sender.join(_EXIT_FLUSH_S)
+        client.flush(_EXIT_FLUSH_S)
+
+
+# Runs in threading._shutdown, before non-daemon threads are joined and before atexit
+# handlers: the same moment the standard executors join their workers.
+threading._register_atexit(_send_queued_at_exit)  # type: ignore[attr-defined]
 
 
 class Executor(concurrent.futures.Executor):
@@ -48,11 +100,11 @@ class Executor(concurrent.futures.Executor):
     (see :meth:`reload_tasks`).
 
     Cancelling (``future.cancel()``, ``shutdown(cancel_futures=True)``, a
-    ``map`` that times out): a future whose task is still queued here is never
-    sent. A task already sent gets a remote cancel: the agent holding it skips
-    it if it is queued there, or kills its worker if it runs (a task that
-    finished first keeps its result, which is discarded). The future is
-    cancelled at once either way. See :class:`~fxstream.sdk.futures.TaskFuture`.
+    ``map`` that times out) cancels pending futures only, as the standard says:
+    a future whose task is reported running returns False. A future whose task
+    is still queued here is never sent; a task already sent gets a remote
+    cancel, and the agent holding it skips it if it is queued there. Stopping a
+    running task is :meth:`kill`. See :class:`~fxstream.sdk.futures.TaskFuture`.
     """
 
     def __init__(
@@ -80,13 +132,26 @@ class Executor(concurrent.futures.Executor):
         self.client = client if client is not None else Client.from_environment()
         self.batch_size = batch_size
         self.task_group_id = task_group_id if task_group_id is not None else str(uuid.uuid4())
-        self._functions: dict[int, tuple[Callable[..., Any], str]] = {}
+        # fn -> function id while fn lives; code digest -> function id (bounded).
+        self._by_function: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+        self._by_digest: OrderedDict[str, str] = OrderedDict()
         self._register_lock = threading.Lock()
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._outstanding: set[TaskFuture] = set()
         self._sender: threading.Thread | None = None
         self._shutdown = False
+        # Done-callbacks hold the executor weakly: a done future does not keep it alive.
+        self._forget_callback = _forgetter(weakref.ref(self))
+        # A dropped executor: its queued tasks are sent, a client it made closed when done.
+        self._finalizer = weakref.finalize(
+            self,
+            _finalize,
+            self._queue,
+            self._outstanding,
+            self._lock,
+            self.client if self._owns_client else None,
+        )
 
     # --- functions ---------------------------------------------------------------------
 
@@ -95,25 +160,63 @@ class Executor(concurrent.futures.Executor):
     ) -> str:
         """The function id of ``fn``, registering it with the service the first time.
 
-        Functions are cached by identity, so each is registered once per
-        executor. Given ``function_id``, ``fn`` is associated with that
-        already-registered function and the service is not called.
-        ``register_kwargs`` go to ``Client.register_function``.
+        Each function is registered once per executor: known by (weak) reference
+        while it lives, and by the digest of its serialized code, so a fresh
+        lambda or bound method of the same code is not registered again. Given
+        ``function_id``, ``fn`` is associated with that already-registered
+        function and the service is not called. ``register_kwargs`` go to
+        ``Client.register_function``. The executor keeps no reference to ``fn``.
         """
         with self._register_lock:
-            cached = self._functions.get(id(fn))
-            if cached is not None and cached[0] is fn:
-                return cached[1]
-            if function_id is None:
-                function_id = self.client.register_function(fn, **register_kwargs)
-            # Keeping fn alive keeps its id() from being reused by another object.
-            self._functions[id(fn)] = (fn, function_id)
+            known = self._known(fn)
+            if known is not None and function_id is None:
+                return known
+            code: bytes | None = None
+            if function_id is None or not self._remember(fn, function_id):
+                code = self.client.serializer.serialize_function(fn)
+                digest = hashlib.sha256(code).hexdigest()
+                if function_id is None:
+                    function_id = self._by_digest.get(digest)
+                if function_id is None:
+                    function_id = self.client.register_code(
+                        code, name=_name_of(fn), **register_kwargs
+                    )
+                self._remember(fn, function_id)
+                self._by_digest[digest] = function_id
+                self._by_digest.move_to_end(digest)
+                if len(self._by_digest) > _DIGESTS_KEPT:
+                    self._by_digest.popitem(last=False)
             return function_id
+
+    def _known(self, fn: Callable[..., Any]) -> str | None:
+        try:
+            return self._by_function.get(fn)
+        except TypeError:  # not hashable or not weakly referenceable: by digest only
+            return None
+
+    def _remember(self, fn: Callable[..., Any], function_id: str) -> bool:
+        """Cache ``fn`` by weak reference; False if it cannot be (then by digest only).
+
+        A bound method is a new object at every attribute access: it is cached by
+        digest only (a weak reference to it would die at once).
+        """
+        if hasattr(fn, "__self__") and hasattr(fn, "__func__"):
+            return False
+        try:
+            self._by_function[fn] = function_id
+        except TypeError:
+            return False
+        return True
 
     # --- submitting --------------------------------------------------------------------
 
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> TaskFuture:
-        """Run ``fn(*args, **kwargs)`` on the endpoint; ``fn`` is registered once."""
+        """Run ``fn(*args, **kwargs)`` on the endpoint; ``fn`` is registered once.
+
+        Raises ``RuntimeError`` after :meth:`shutdown` and once the interpreter
+        has begun to exit (e.g. from an ``atexit`` handler), as the standard
+        executors do: a task is either accepted and sent, or refused.
+        """
         self._check_open()
         self._check_endpoint()
         function_id = self.register_function(fn)
@@ -143,18 +246,25 @@ class Executor(concurrent.futures.Executor):
             retry_user_errors=self.retry_user_errors,
         )
         future = self.client.track(task)
-        with self._lock:
-            if self._shutdown:
+        with _live_lock, self._lock:
+            refusal = self._refusal()
+            if refusal:
                 self.client.untrack(task.task_id)
-                raise RuntimeError("cannot submit tasks after the Executor was shut down")
+                self.client.release(task)
+                raise RuntimeError(refusal)
             self._outstanding.add(future)
             if self._sender is None:
+                # Holds the queue and the client, not the executor (so it can be collected).
                 self._sender = threading.Thread(
-                    target=self._send_loop, name="fxstream-executor-sender", daemon=True
+                    target=_send_loop,
+                    args=(self._queue, self.client, self.batch_size),
+                    name="fxstream-executor-sender",
+                    daemon=True,
                 )
+                _senders[self._sender] = (self._queue, self.client)
                 self._sender.start()
             self._queue.put((task, future))
-        future.add_done_callback(self._forget)
+        future.add_done_callback(self._forget_callback)
         return future
 
     def reload_tasks(self, task_group_id: str | None = None) -> list[TaskFuture]:
@@ -185,7 +295,7 @@ class Executor(concurrent.futures.Executor):
         with self._lock:
             self._outstanding.update(f for f in futures if not f.done())
         for future in futures:
-            future.add_done_callback(self._forget)
+            future.add_done_callback(self._forget_callback)
         return futures
 
     def map(
@@ -200,7 +310,8 @@ class Executor(concurrent.futures.Executor):
         Every call is submitted at once (as separate tasks; ``chunksize`` is
         accepted for compatibility and ignored). ``timeout`` bounds the whole
         iteration; on a timeout or a failure, the futures not yet consumed are
-        cancelled. Unlike Globus Compute's, this works.
+        cancelled if pending (running ones run on, as with the standard
+        executors). Unlike Globus Compute's, this works.
         """
         return super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
 
@@ -212,43 +323,39 @@ class Executor(concurrent.futures.Executor):
         return self.endpoint_id
 
     def _check_open(self) -> None:
+        refusal = self._refusal()
+        if refusal:
+            raise RuntimeError(refusal)
+
+    def _refusal(self) -> str:
+        if _interpreter_exiting:
+            return (
+                "cannot schedule new futures after interpreter shutdown: the queued tasks "
+                "were sent when the interpreter began to exit; submit before it does "
+                "(not from an atexit handler)"
+            )
         if self._shutdown:
-            raise RuntimeError("cannot submit tasks after the Executor was shut down")
+            return "cannot submit tasks after the Executor was shut down"
+        return ""
 
-    def _forget(self, future: concurrent.futures.Future[Any]) -> None:
-        with self._lock:
-            self._outstanding.discard(future)
+    def kill(self, future: TaskFuture, *, reason: str = "", timeout: float = 30.0) -> bool:
+        """Stop ``future``'s task even if it is running: its worker is killed.
 
-    def _send_loop(self) -> None:
-        stop = False
-        while not stop:
-            item = self._queue.get()
-            if item is None:
-                return
-            batch = [item]
-            while len(batch) < self.batch_size:
-                try:
-                    following = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if following is None:
-                    stop = True
-                    break
-                batch.append(following)
-            live = []
-            for task, future in batch:
-                if future.cancelled():
-                    self.client.untrack(task.task_id)
-                else:
-                    live.append((task, future))
-            if not live:
-                continue
-            try:
-                self.client.send(live)
-            except Exception as exc:  # the client was closed under us, or the producer failed
-                for task, future in live:
-                    self.client.untrack(task.task_id)
-                    future._resolve_exception(exc)
+        Unlike ``future.cancel()`` (pending tasks only, as the standard says), this
+        sends a remote cancel whatever the task's state: the agent holding it
+        skips it if queued or kills its worker if it runs. Returns True once Kafka
+        has acknowledged the cancel and the future is cancelled; False if the
+        future was already done (a finished task keeps its result). A task still
+        queued in this executor is simply never sent. See ``Client.cancel``.
+        """
+        if future.done():
+            return False
+        if future._cancel_unsent():
+            return True
+        self.client.cancel(
+            future.task_id, endpoint_id=future.endpoint_id, reason=reason, timeout=timeout
+        )
+        return future.cancelled()
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -259,14 +366,17 @@ class Executor(concurrent.futures.Executor):
             return len(self._outstanding)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        """Stop accepting tasks; optionally cancel the unfinished ones, and wait.
+        """Stop accepting tasks; optionally cancel the pending ones, and wait.
 
-        ``cancel_futures`` cancels every future not done: queued tasks are not
-        sent, and tasks already sent are cancelled remotely (skipped, or their
-        worker killed; the cancels are sent before a client the executor
-        created is closed). ``wait`` returns
-        once every remaining future has its result (as Globus Compute's does).
-        A client the executor created is closed once nothing is outstanding.
+        ``cancel_futures`` cancels every pending future (as the standard
+        executors do; running ones run on): queued tasks are not sent, and tasks
+        already sent are cancelled remotely (skipped where they wait; the cancels
+        are sent before a client the executor created is closed). ``wait``
+        returns once every remaining future has its result (as Globus Compute's
+        does). Either way every task accepted is sent: ``wait=False`` returns at
+        once, and the queued tasks are still delivered (at the latest when the
+        interpreter exits). A client the executor created is closed once nothing
+        is outstanding.
         """
         with self._lock:
             first = not self._shutdown
@@ -276,32 +386,135 @@ class Executor(concurrent.futures.Executor):
         if cancel_futures:
             for future in pending:
                 future.cancel()
-        if first and sender is not None:
-            self._queue.put(None)
+        if first:
+            self._finalizer.detach()
+            if sender is not None:
+                self._queue.put(None)
         if wait:
             if sender is not None:
                 sender.join()
             concurrent.futures.wait(pending)
             if self._owns_client:
                 self.client.close()
-        elif self._owns_client and first:
+        elif first:
+            # A daemon: at exit the hook above sends what is queued; results are not
+            # waited for then (Kafka holds the tasks).
             threading.Thread(
-                target=self._close_client_when_done,
-                args=(sender, pending),
+                target=_close_when_done,
+                args=(sender, pending, self.client if self._owns_client else None),
                 name="fxstream-executor-closer",
                 daemon=True,
             ).start()
-
-    def _close_client_when_done(
-        self, sender: threading.Thread | None, pending: list[TaskFuture]
-    ) -> None:
-        if sender is not None:
-            sender.join()
-        concurrent.futures.wait(pending)
-        self.client.close()
 
     def __repr__(self) -> str:
         return (
             f"Executor(endpoint_id={self.endpoint_id!r}, task_group_id={self.task_group_id!r}, "
             f"batch_size={self.batch_size})"
         )
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    name = getattr(fn, "__name__", None)
+    return name if isinstance(name, str) and name else type(fn).__name__
+
+
+def _forgetter(executor: weakref.ref[Executor]) -> Callable[[concurrent.futures.Future[Any]], None]:
+    def forget(future: concurrent.futures.Future[Any]) -> None:
+        alive = executor()
+        if alive is not None:
+            with alive._lock:
+                alive._outstanding.discard(future)
+
+    return forget
+
+
+def _send_loop(items: queue.SimpleQueue[_Item | None], client: Client, batch_size: int) -> None:
+    """The sender thread: produce queued tasks in batches until the None sentinel."""
+    try:
+        _send_batches(items, client, batch_size)
+    finally:
+        with _live_lock:
+            _senders.pop(threading.current_thread(), None)
+
+
+def _send_batches(items: queue.SimpleQueue[_Item | None], client: Client, batch_size: int) -> None:
+    while True:
+        batch, stop = _next_batch(items, batch_size)
+        if batch:
+            _send_batch(batch, client)
+        # Nothing of a sent batch stays referenced while the next one is awaited.
+        del batch
+        if stop:
+            return
+
+
+def _next_batch(
+    items: queue.SimpleQueue[_Item | None], batch_size: int
+) -> tuple[list[_Item], bool]:
+    """Up to ``batch_size`` queued items (waiting for the first); True once the sentinel came."""
+    first = items.get()
+    if first is None:
+        return [], True
+    batch = [first]
+    while len(batch) < batch_size:
+        try:
+            following = items.get_nowait()
+        except queue.Empty:
+            break
+        if following is None:
+            return batch, True
+        batch.append(following)
+    return batch, False
+
+
+def _send_batch(batch: list[_Item], client: Client) -> None:
+    live = []
+    for task, future in batch:
+        if future.cancelled():
+            client.untrack(task.task_id)
+            client.release(task)
+        else:
+            live.append((task, future))
+    if not live:
+        return
+    try:
+        client.send(live)
+    except Exception as exc:  # the client was closed under us, or the producer failed
+        for task, future in live:
+            client.untrack(task.task_id)
+            client.release(task)
+            future._resolve_exception(exc)
+
+
+def _close_when_done(
+    sender: threading.Thread | None, pending: list[TaskFuture], client: Client | None
+) -> None:
+    if sender is not None:
+        sender.join()
+    if client is None:
+        return
+    client.flush()
+    concurrent.futures.wait(pending)
+    del pending
+    client.close()
+
+
+def _finalize(
+    items: queue.SimpleQueue[_Item | None],
+    outstanding: set[TaskFuture],
+    lock: threading.Lock,
+    client: Client | None,
+) -> None:
+    """An executor collected without shutdown(): its sender ends once it sent what is
+    queued, and a client it made is closed once its tasks have results."""
+    items.put(None)
+    if client is None:
+        return
+    with lock:
+        pending = list(outstanding)
+    threading.Thread(
+        target=_close_when_done,
+        args=(None, pending, client),
+        name="fxstream-executor-finalizer",
+        daemon=True,
+    ).start()

@@ -21,6 +21,13 @@ __all__ = ["TIMING_KEYS", "TaskFuture", "Timings", "timings_of"]
 
 log = logging.getLogger(__name__)
 
+# concurrent.futures.Future's states (its _state values, stable since Python 3.2).
+PENDING: Final = "PENDING"
+RUNNING: Final = "RUNNING"
+CANCELLED: Final = "CANCELLED"
+CANCELLED_AND_NOTIFIED: Final = "CANCELLED_AND_NOTIFIED"
+FINISHED: Final = "FINISHED"
+
 Timings = dict[str, float | None]
 """Hop name -> seconds since the Unix epoch (None for a hop not reported)."""
 
@@ -64,16 +71,23 @@ class TaskFuture(Future[Any]):
     ``duplicates`` counts further result records for this task, which are
     ignored (a result is delivered once).
 
-    :meth:`cancel` follows ``concurrent.futures``: it returns True unless the
-    future is done, and the future is cancelled at once. If the task was
-    already sent, a remote cancel follows it (without waiting for Kafka; use
-    ``Client.cancel`` to wait): the agent holding the task skips it if queued or
-    kills its worker if running, and its ``TaskCancelled`` answer is discarded.
+    :meth:`cancel` follows ``concurrent.futures``: it returns False once the
+    future is done or its task is running (:meth:`running` turns true when the
+    platform reports the task running: its agent's heartbeats hold it as
+    started), and True otherwise, cancelling the future at once. If the task was
+    already sent, a remote cancel follows it (without waiting for Kafka): the
+    agent holding the task skips it if it is still queued, and its
+    ``TaskCancelled`` answer is discarded. Stopping a running task is an explicit
+    call, ``Executor.kill(future)`` or ``Client.cancel(task_id)``.
     A task cancelled from elsewhere (``Client.cancel`` in another process) ends
     this future the same way: :meth:`cancelled` is True and :meth:`result`
     raises ``concurrent.futures.CancelledError``, as for any cancelled future;
     :attr:`cancelled_remotely` tells the two apart. A task that finished before
     its cancel reached it keeps its result.
+
+    Known gap: the running report comes one agent heartbeat after the task
+    started, so a task cancelled in that first period is not yet known to run;
+    its remote cancel then stops its worker, as ``kill`` would.
     """
 
     def __init__(
@@ -96,7 +110,7 @@ class TaskFuture(Future[Any]):
         self._stored: list[Any] = []
 
     def cancel(self) -> bool:
-        """Cancel the future unless it is done; True if it is now cancelled.
+        """Cancel the future unless it is done or running; True if it is now cancelled.
 
         Unlike a plain ``Future``, it is at once reported to ``wait`` and
         ``as_completed`` (no executor worker is going to pick it up to notice).
@@ -126,6 +140,40 @@ class TaskFuture(Future[Any]):
             self.set_running_or_notify_cancel()
         return True
 
+    def _cancel_unsent(self) -> bool:
+        """Cancel the future if its task was not sent yet (the sender then skips it)."""
+        with self._sent_lock:
+            if self._sent:
+                return False
+            return self._cancel_here()
+
+    def _mark_running(self) -> bool:
+        """The platform reports the task running: PENDING -> RUNNING (True if it moved)."""
+        with self._condition:
+            if self._state != PENDING:
+                return False
+            self._state = RUNNING
+            return True
+
+    def _force_cancel(self) -> bool:
+        """End the future cancelled even if RUNNING (its task was killed); False if done."""
+        with self._condition:
+            if self._state in (FINISHED, CANCELLED, CANCELLED_AND_NOTIFIED):
+                return self._state != FINISHED
+            was_running = self._state == RUNNING
+        if not was_running:
+            return self._cancel_here()
+        with self._condition:
+            if self._state != RUNNING:
+                return self._state in (CANCELLED, CANCELLED_AND_NOTIFIED)
+            # What Future.cancel and set_running_or_notify_cancel do, from RUNNING.
+            self._state = CANCELLED_AND_NOTIFIED
+            for waiter in self._waiters:
+                waiter.add_cancelled(self)
+            self._condition.notify_all()
+        self._invoke_callbacks()  # type: ignore[attr-defined]
+        return True
+
     def _mark_sent(self) -> bool:
         """Note that the task is about to be produced; False (send nothing) if cancelled.
 
@@ -143,9 +191,7 @@ class TaskFuture(Future[Any]):
         if self.done():
             return False
         self.cancelled_remotely = True
-        if super().cancel():
-            with contextlib.suppress(RuntimeError):
-                self.set_running_or_notify_cancel()
+        if self._force_cancel():
             return True
         self.cancelled_remotely = False
         return False

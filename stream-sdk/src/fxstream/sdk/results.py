@@ -7,6 +7,12 @@ every result of a task sent afterwards is at or after those offsets and cannot
 be missed (subscribing, or assigning the logical ``OFFSET_END``, resolves the
 start offset later, and a fast result could slip in before it).
 
+The same consumer reads ``task-events`` from its end, for one thing only: a
+``running`` step of a task tracked here moves its future to RUNNING, so
+``future.running()`` follows the task and ``future.cancel()`` refuses it (as
+``concurrent.futures`` refuses an executing call). A deployment without that
+topic leaves futures PENDING until their results.
+
 No consumer group is joined and no offsets are committed: each Client reads
 its own results from the moment it starts. Results of tasks this Client does
 not track (other sessions of the same user) are counted and ignored; for those
@@ -22,7 +28,6 @@ after reaches the listener: no result falls in between.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -42,11 +47,15 @@ from fxstream.sdk.futures import TaskFuture, timings_of
 from fxstream.topics import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
+    DeserializationError,
     RecordDecodeError,
     Serializer,
     TaskErrorType,
+    TaskEvent,
     TaskResult,
+    TaskStateName,
     decode,
+    payload_references,
 )
 
 __all__ = ["ResultListener", "unreadable_result"]
@@ -87,6 +96,11 @@ class ResultListener:
     already resolved, ignored), ``unknown`` (results for tasks not tracked
     here), ``discarded`` (results for futures cancelled locally) and
     ``malformed`` (records that are not valid results).
+
+    A record that does not decode, or a further result for a task already
+    resolved, is counted and ignored: no future is failed or resolved again by
+    it, and its value is never loaded (the objects a duplicate put in the proxy
+    store are evicted by the reference list of its envelope).
     """
 
     def __init__(
@@ -97,8 +111,10 @@ class ResultListener:
         *,
         kafka_config: Mapping[str, Any] | None = None,
         release: Release | None = None,
+        events_topic: str | None = None,
     ) -> None:
         self.topic = topic
+        self.events_topic = events_topic
         self._serializer = serializer
         self._release = release
         # Results that went by reference are fetched here, off the consumer thread, so
@@ -131,6 +147,7 @@ class ResultListener:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.start_offsets: dict[int, int] = {}
+        self.running_events = 0
         self.delivered = 0
         self.duplicates = 0
         self.unknown = 0
@@ -157,7 +174,7 @@ class ResultListener:
             consumer = Consumer(self._config)
             try:
                 assignment = self._end_offsets(consumer, timeout)
-                consumer.assign(assignment)
+                consumer.assign(assignment + self._events_assignment(consumer, timeout))
             except BaseException:
                 consumer.close()
                 raise
@@ -204,6 +221,29 @@ class ResultListener:
                         ) from exc
                     time.sleep(0.1)
             assignment.append(TopicPartition(self.topic, partition, high))
+        return assignment
+
+    def _events_assignment(self, consumer: Consumer, timeout: float) -> list[TopicPartition]:
+        """``task-events`` from its end (nothing if the deployment has no such topic)."""
+        if self.events_topic is None:
+            return []
+        try:
+            metadata = consumer.list_topics(self.events_topic, timeout=timeout)
+            topic = metadata.topics.get(self.events_topic)
+            if topic is None or topic.error is not None or not topic.partitions:
+                raise LookupError(self.events_topic)
+            assignment = []
+            for partition in sorted(topic.partitions):
+                tp = TopicPartition(self.events_topic, partition)
+                _low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+                assignment.append(TopicPartition(self.events_topic, partition, high))
+        except (KafkaException, LookupError) as exc:
+            log.info(
+                "not reading %s (%s): futures show running() only from their results",
+                self.events_topic,
+                exc,
+            )
+            return []
         return assignment
 
     def track(self, future: TaskFuture) -> None:
@@ -356,20 +396,25 @@ class ResultListener:
             if error.code() != KafkaError._PARTITION_EOF:
                 log.warning("results consumer on %s: %s", self.topic, error)
             return
+        if self.events_topic is not None and message.topic() == self.events_topic:
+            self._handle_event(message)
+            return
         partition, offset = message.partition(), message.offset()
         try:
             result: TaskResult | None = decode(message.value(), TaskResult)
         except RecordDecodeError as exc:
+            # Counted and ignored, whatever its key: a record nobody can read says
+            # nothing about its task, whose own result still comes (the task-state
+            # processor dead-letters the bad one).
             result = None
             self.malformed += 1
             log.warning(
-                "ignoring a record at %s [%s] offset %s: %s",
+                "ignoring a record at %s [%s] offset %s that is not a result: %s",
                 message.topic(),
                 partition,
                 offset,
-                exc,
+                exc.reason,
             )
-            self._fail_keyed(message, exc)
         with self._lock:
             # Under the same lock as the decision, so a capture's boundary never
             # splits a record from what was decided about it.
@@ -380,32 +425,27 @@ class ResultListener:
         if future is not None and result is not None:
             self._resolve(future, result, received)
         elif ours and result is not None and result.value is not None:
-            # A second result of a task resolved here: its objects are nobody's but ours.
-            self._release_objects([], self._references_of(result.value))
+            # A second result of a task resolved here: ignored, never loaded. The
+            # objects it put in the store are nobody's but ours; its envelope names them.
+            self._release_objects([], _references_of(result.value))
 
-    def _fail_keyed(self, message: Message, exc: RecordDecodeError) -> None:
-        """A bad record keyed by a task this listener waits for fails that task's future:
-        its real result (written by the agent in the same place) cannot be read either."""
+    def _handle_event(self, message: Message) -> None:
+        """A ``running`` step of a task tracked here moves its future to RUNNING."""
         key = message.key()
-        try:
-            task_id = key.decode() if isinstance(key, bytes) else None
-        except UnicodeDecodeError:
-            return
-        if task_id is None:
-            return
         with self._lock:
-            future = self._futures.pop(task_id, None)
-            if future is None:
-                return
-            self._mark_resolved(future)
-        failure = FxstreamError(
-            f"the result record of task {task_id} at {message.topic()} "
-            f"[{message.partition()}] offset {message.offset()} cannot be read: {exc.reason}. "
-            "The task-state processor dead-lettered it; if the agent runs a newer fxstream "
-            "than this client, upgrade the client"
-        )
-        if future._resolve_exception(failure):
-            self.delivered += 1
+            try:
+                future = self._futures.get(key.decode()) if isinstance(key, bytes) else None
+            except UnicodeDecodeError:
+                future = None
+        if future is None:
+            return  # another task's (or another user's) step: not even decoded
+        try:
+            event = decode(message.value(), TaskEvent)
+        except RecordDecodeError:
+            return
+        running = event.state == TaskStateName.RUNNING and event.task_id == future.task_id
+        if running and future._mark_running():
+            self.running_events += 1
 
     def _resolve(
         self, future: TaskFuture, result: TaskResult, received: float, *, fetching: bool = False
@@ -438,7 +478,7 @@ class ResultListener:
         future.attempt = result.attempt
         if future.cancelled():
             if result.value is not None:
-                fetched.extend(self._references_of(result.value))
+                fetched.extend(_references_of(result.value))
             return self._count_discarded
         if result.error is not None and result.error.type == TaskErrorType.CANCELLED:
             # Cancelled from elsewhere (Client.cancel): the future ends as a cancelled
@@ -468,6 +508,7 @@ class ResultListener:
                 endpoint_id=result.endpoint_id,
                 attempt=result.attempt,
                 earlier_attempts=result.earlier_attempts,
+                exception=self._remote_exception(result),
             )
         else:
             outcome = FxstreamError(
@@ -479,6 +520,19 @@ class ResultListener:
         failure = outcome
         return lambda: self._count(future._resolve_exception(failure))
 
+    def _remote_exception(self, result: TaskResult) -> BaseException | None:
+        """The exception the function raised, as the worker serialized it beside its text;
+        None when it was not sent or does not load here (its type not importable)."""
+        payload = result.value
+        if payload is None or _by_reference(payload):
+            return None
+        try:
+            exception = self._serializer.deserialize(payload)
+        except Exception as exc:  # its class is not importable here: the text still says it
+            log.debug("task %s: its exception does not load here: %s", result.task_id, exc)
+            return None
+        return exception if isinstance(exception, BaseException) else None
+
     def _count(self, delivered: bool) -> None:
         if delivered:
             self.delivered += 1
@@ -487,19 +541,6 @@ class ResultListener:
 
     def _count_discarded(self) -> None:
         self.discarded += 1
-
-    def _references_of(self, payload: bytes) -> list[Any]:
-        """The stored objects a result payload refers to, without fetching them."""
-        if not _by_reference(payload):
-            return []
-        found: list[Any] = []
-        # An unreadable payload: what was not found is left to its lease.
-        with contextlib.suppress(Exception), collect_references(fetch=False) as collected:
-            try:
-                self._serializer.deserialize(payload)
-            finally:
-                found.extend(collected)
-        return found
 
     def _release_objects(self, stored: list[Any], fetched: list[Any]) -> None:
         if self._release is not None and (stored or fetched):
@@ -523,6 +564,15 @@ class ResultListener:
 
 def _by_reference(payload: bytes) -> bool:
     return payload[:PAYLOAD_HEADER_LENGTH] == _ENVELOPE_HEADER
+
+
+def _references_of(payload: bytes) -> list[Any]:
+    """The stored objects a result payload refers to, read from its envelope (nothing is
+    unpickled); an unreadable envelope gives none, and its objects are left to their lease."""
+    try:
+        return list(payload_references(payload)[0])
+    except DeserializationError:
+        return []
 
 
 _ENVELOPE_HEADER: Final = PAYLOAD_MAGIC + b"rf\n"

@@ -22,10 +22,15 @@ The built-in strategies:
 id    kind   body
 ====  =====  =====================================================================
 dc    code   a dill pickle (protocol 5) of the function, serialized by value
-pk    data   a Python pickle, protocol 5 (the default data strategy)
-dl    data   a dill pickle, protocol 5 (lambdas, closures, ... inside values)
+pk    data   a Python pickle, protocol 5
+dl    data   a pickle, protocol 5, loaded with dill (the default data strategy): written
+             by the C pickler when the value needs nothing dill adds, else by dill, so
+             classes and functions of ``__main__``, lambdas and closures travel by value
 js    data   UTF-8 JSON text (RFC 8259), written by msgspec; readable in any language
 ====  =====  =====================================================================
+
+A worker writes a task's result with the data strategy of the task's arguments
+(the client's), so the client's choice governs both directions.
 
 Arguments are one data payload holding the pair ``(args, kwargs)``; in JSON
 that is ``[[arg, ...], {"name": value, ...}]``. A result is one data payload
@@ -44,11 +49,14 @@ proportion to a bogus memo index in them (CPython gh-115952).
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import dis
 import functools
 import hashlib
 import importlib.metadata
+import io
 import math
+import operator
 import pickle
 import platform
 import re
@@ -76,6 +84,7 @@ __all__ = [
     "Serializer",
     "Strategy",
     "StrategyKind",
+    "Substitute",
     "client_info",
     "code_sha256",
     "describe_exception",
@@ -103,6 +112,12 @@ _PICKLE_PROTOCOL: Final = 5
 
 StrategyKind = Literal["code", "data"]
 """What a strategy is for: functions (``"code"``) or arguments and results (``"data"``)."""
+
+Substitute = Callable[[Any], Any]
+"""Called with objects met while serializing a value; returns what to write in the
+object's place, or ``NotImplemented`` to write the object itself (pickle's
+``reducer_override`` convention). It sees each object before pickle looks at it:
+test ``type(obj)``, never ``isinstance``, which would resolve a lazy proxy."""
 
 _ID_PATTERN: Final = re.compile(r"[a-z0-9]{2}")
 
@@ -216,10 +231,26 @@ class Strategy(abc.ABC):
     def decode_body(self, body: memoryview) -> Any:
         """Load the body written by :meth:`encode_body` (``bytes(body)`` if bytes are needed)."""
 
-    def dumps(self, obj: Any) -> bytes:
-        """Serialize ``obj`` to a complete payload; raises :class:`SerializationError`."""
+    def encode_body_substituting(self, obj: Any, substitute: Substitute) -> bytes:
+        """:meth:`encode_body`, writing ``substitute(o)`` in place of each object ``o`` for
+        which it does not return ``NotImplemented``.
+
+        The pickle-based strategies implement it; by default (a strategy that cannot
+        substitute) the object is written as :meth:`encode_body` writes it.
+        """
+        return self.encode_body(obj)
+
+    def dumps(self, obj: Any, *, substitute: Substitute | None = None) -> bytes:
+        """Serialize ``obj`` to a complete payload; raises :class:`SerializationError`.
+
+        ``substitute`` (see :data:`Substitute`) replaces objects inside ``obj``
+        as they are written, e.g. a proxy by the value it stands for.
+        """
         try:
-            body = self.encode_body(obj)
+            if substitute is None:
+                body = self.encode_body(obj)
+            else:
+                body = self.encode_body_substituting(obj, substitute)
         except SerializationError:
             raise
         except RecursionError as exc:
@@ -297,21 +328,102 @@ class DillCode(Strategy):
         return dill.loads(body)
 
 
+class _NeedsDill(Exception):
+    """Raised inside the C pickler: the value holds something only dill writes by value."""
+
+
+def _future_refusal(obj: Any) -> SerializationError:
+    return SerializationError(
+        f"{_type_name(obj)} is a future, and a future cannot travel: no strategy "
+        "serializes it. Pass its value instead, future.result() (it waits for that task), "
+        "once the task it stands for has run",
+        strategy=None,
+    )
+
+
+def _by_value(obj: Any) -> bool:
+    """Whether pickle would write ``obj`` (a class or function) as a name the loading side
+    cannot import: one of ``__main__`` (the submitting script or notebook)."""
+    return getattr(obj, "__module__", None) == "__main__"
+
+
+class _Pickler(pickle.Pickler):
+    """The C pickler with fxstream's checks: futures are refused with the remedy, objects
+    may be substituted, and (for the dill strategy) what needs dill is detected."""
+
+    def __init__(
+        self, file: io.BytesIO, *, substitute: Substitute | None, dill_needed: bool
+    ) -> None:
+        super().__init__(file, protocol=_PICKLE_PROTOCOL)
+        self._substitute = substitute
+        self._dill_needed = dill_needed
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Refuse futures, substitute, or hand the value over to dill; else pickle as usual."""
+        # type(obj), never isinstance: a lazy proxy would resolve on isinstance.
+        cls = type(obj)
+        if self._substitute is not None:
+            replacement = self._substitute(obj)
+            if replacement is not NotImplemented:
+                # Loads as the replacement itself (operator.getitem of a 1-tuple).
+                return operator.getitem, ((replacement,), 0)
+        if issubclass(cls, concurrent.futures.Future):
+            raise _future_refusal(obj)
+        if (
+            self._dill_needed
+            and (issubclass(cls, type) or cls is types.FunctionType)
+            and _by_value(obj)
+        ):
+            raise _NeedsDill
+        return NotImplemented
+
+
+def _c_pickle(obj: Any, *, substitute: Substitute | None, dill_needed: bool) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, substitute=substitute, dill_needed=dill_needed).dump(obj)
+    return buffer.getvalue()
+
+
+class _DillPickler(dill.Pickler):  # type: ignore[misc]
+    """dill's pickler with the same future check and substitution as :class:`_Pickler`."""
+
+    def __init__(self, file: io.BytesIO, *, substitute: Substitute | None) -> None:
+        # byref/recurse given explicitly so a change to dill.settings elsewhere cannot
+        # change our bytes. recurse=True so a lambda from __main__ inside a value takes
+        # the globals it uses, not a reference to a __main__ the endpoint does not have.
+        super().__init__(file, protocol=_PICKLE_PROTOCOL, byref=False, recurse=True)
+        self._substitute = substitute
+
+    def reducer_override(self, obj: Any) -> Any:
+        """Refuse futures and substitute; else dill pickles as usual."""
+        if self._substitute is not None:
+            replacement = self._substitute(obj)
+            if replacement is not NotImplemented:
+                return operator.getitem, ((replacement,), 0)
+        if issubclass(type(obj), concurrent.futures.Future):
+            raise _future_refusal(obj)
+        return NotImplemented
+
+
 class PickleData(Strategy):
-    """Values with the standard library's pickle, protocol 5 (the default data strategy)."""
+    """Values with the standard library's pickle, protocol 5."""
 
     id = "pk"
     kind: StrategyKind = "data"
     name = "pickle"
     library = "pickle"
     instead = (
-        "use the dill data strategy (Serializer(data='dl')), which also handles lambdas "
-        "and closures"
+        "use the dill data strategy (Serializer(data='dl'), the default), which also "
+        "handles lambdas, closures and classes defined in __main__"
     )
 
     def encode_body(self, obj: Any) -> bytes:
         """Pickle ``obj``."""
-        return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
+        return _c_pickle(obj, substitute=None, dill_needed=False)
+
+    def encode_body_substituting(self, obj: Any, substitute: Substitute) -> bytes:
+        """Pickle ``obj`` with ``substitute`` applied."""
+        return _c_pickle(obj, substitute=substitute, dill_needed=False)
 
     def decode_body(self, body: memoryview) -> Any:
         """Unpickle the body."""
@@ -319,7 +431,14 @@ class PickleData(Strategy):
 
 
 class DillData(Strategy):
-    """Values with dill: like pickle, plus lambdas, closures and interactive classes."""
+    """Values as Globus Compute's default sends them: pickle where it suffices, dill by
+    value where the loading side could not import something (the default data strategy).
+
+    The C pickler writes the value unless it holds a class or function of
+    ``__main__``, a lambda, a closure or anything else pickle refuses; then dill
+    writes all of it, with those by value. Either way the body is a pickle that
+    ``dill.loads`` reads, so the header is ``dl`` and readers need not tell them apart.
+    """
 
     id = "dl"
     kind: StrategyKind = "data"
@@ -331,12 +450,24 @@ class DillData(Strategy):
     )
 
     def encode_body(self, obj: Any) -> bytes:
-        """Serialize ``obj`` with dill; functions inside it carry the globals they use."""
-        # recurse=True so a lambda from __main__ inside a value takes the globals
-        # it uses, not a reference to a __main__ the endpoint does not have.
-        # (dill finds them by disassembling, briefly redirecting sys.stdout.)
-        body: bytes = dill.dumps(obj, protocol=_PICKLE_PROTOCOL, byref=False, recurse=True)
-        return body
+        """Serialize ``obj``: the C pickler if it suffices, else dill."""
+        return self._encode(obj, None)
+
+    def encode_body_substituting(self, obj: Any, substitute: Substitute) -> bytes:
+        """Serialize ``obj`` with ``substitute`` applied."""
+        return self._encode(obj, substitute)
+
+    def _encode(self, obj: Any, substitute: Substitute | None) -> bytes:
+        try:
+            return _c_pickle(obj, substitute=substitute, dill_needed=True)
+        except SerializationError:
+            raise
+        except Exception:  # _NeedsDill, or something pickle refuses that dill may write
+            pass
+        buffer = io.BytesIO()
+        # dill finds a function's globals by disassembling, briefly redirecting sys.stdout.
+        _DillPickler(buffer, substitute=substitute).dump(obj)
+        return buffer.getvalue()
 
     def decode_body(self, body: memoryview) -> Any:
         """Load the body with dill."""
@@ -356,7 +487,10 @@ class JsonData(Strategy):
     kind: StrategyKind = "data"
     name = "JSON"
     library = "msgspec"
-    instead = "use the pickle data strategy (Serializer(data='pk'))"
+    instead = (
+        "use the default data strategy (Serializer(data='dl')), which writes sets, bytes "
+        "and any other value pickle or dill can"
+    )
 
     def encode_body(self, obj: Any) -> bytes:
         """Check ``obj`` is plain JSON, then encode it."""
@@ -398,6 +532,8 @@ class JsonData(Strategy):
                 else:
                     stack.extend((item, (*path, i)) for i, item in enumerate(obj))
                 continue
+            if issubclass(cls, concurrent.futures.Future):
+                raise _future_refusal(obj)
             raise self._refuse(_type_name(obj), path)
 
     def _refuse(self, what: str, path: tuple[str | int, ...], why: str = "") -> SerializationError:
@@ -717,7 +853,7 @@ def explain_load_failure(
         names = " and ".join([", ".join(differ[:-1]), differ[-1]] if len(differ) > 1 else differ)
         advice.append(f"install the same {names} versions on both sides")
     if (strategy is None or strategy.kind == "data") and strategy_id != JsonData.id:
-        advice.append("use the JSON data strategy")
+        advice.append("use the JSON data strategy (Serializer(data='js'), for plain JSON values)")
     if not advice:
         advice.append("the versions match, so the payload may be corrupt")
     message = (
@@ -785,14 +921,15 @@ class Serializer:
     """Serializes functions, arguments and results with one code and one data strategy.
 
     ``code`` and ``data`` are strategy ids or :class:`Strategy` instances;
-    defaults: dill by value for code, pickle for data. Loading dispatches on
+    defaults: dill by value for code, ``dl`` for data (pickle, or dill where pickle
+    would not load on the other side, as Globus Compute). Loading dispatches on
     the payload's header, so any strategy registered here (or given here)
     loads, whichever wrote it. Instances hold no state and are thread-safe.
     """
 
     __slots__ = ("code", "data")
 
-    def __init__(self, code: str | Strategy = "dc", data: str | Strategy = "pk") -> None:
+    def __init__(self, code: str | Strategy = "dc", data: str | Strategy = "dl") -> None:
         self.code: Strategy = _resolve(code, "code", "code")
         self.data: Strategy = _resolve(data, "data", "data")
 
@@ -835,9 +972,18 @@ class Serializer:
                     ) from culprit.__cause__ or culprit
             raise exc
 
-    def serialize_value(self, obj: Any) -> bytes:
-        """A data payload holding ``obj`` (for ``TaskResult.value``)."""
-        return self.data.dumps(obj)
+    def serialize_value(self, obj: Any, *, substitute: Substitute | None = None) -> bytes:
+        """A data payload holding ``obj`` (for ``TaskResult.value``).
+
+        ``substitute`` replaces objects inside ``obj`` as they are written (see
+        :data:`Substitute`); strategies that cannot substitute ignore it.
+        """
+        return self.data.dumps(obj, substitute=substitute)
+
+    def with_data(self, data: str | Strategy) -> Serializer:
+        """This serializer with another data strategy (what a worker answers a client with)."""
+        strategy = _resolve(data, "data", "data")
+        return self if strategy is self.data else Serializer(self.code, strategy)
 
     # reading
 
