@@ -380,3 +380,33 @@ def test_a_duplicate_by_reference_result_is_evicted_without_loading_it(stack: St
             assert time.monotonic() < deadline, "the duplicate's object was not evicted"
             time.sleep(0.1)
         assert future.result() == 2 and future.duplicates == 1
+
+
+def start_then_finish(started: str, finished: str, seconds: float) -> str:
+    Path(started).touch()
+    time.sleep(seconds)
+    Path(finished).touch()
+    return "finished"
+
+
+def test_cancel_never_kills_a_call_that_started(stack: Stack, tmp_path: Path) -> None:
+    """``future.cancel()`` right after the task started, before this client can know it
+    runs (its running event lags by up to a heartbeat): whatever ``cancel()`` answers,
+    the call is not killed. It finishes (its side effect shows), and the future either
+    holds its result (``cancel()`` was False) or stays cancelled (True)."""
+    started, finished = tmp_path / "started", tmp_path / "finished"
+    with stack.executor() as executor:
+        future = executor.submit(start_then_finish, str(started), str(finished), 3.0)
+        deadline = time.monotonic() + WAIT_S
+        while not started.exists():
+            assert time.monotonic() < deadline, "the task never started"
+            time.sleep(0.02)
+        cancelled = future.cancel()
+        deadline = time.monotonic() + WAIT_S
+        while not finished.exists():
+            assert time.monotonic() < deadline, "the started call was killed by cancel()"
+            time.sleep(0.1)
+        if cancelled:
+            assert future.cancelled()
+        else:
+            assert future.result(timeout=WAIT_S) == "finished"

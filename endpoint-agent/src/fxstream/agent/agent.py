@@ -587,6 +587,14 @@ class Agent:
             return
         pool = self._pool
         assert pool is not None
+        if not cancel.kill:
+            # Skip-only (future.cancel()): dropped if the pool has not started it, else
+            # it runs on and is answered as usual.
+            if not pool.cancel(task_id, reason, kill=False):
+                with self._lock:
+                    self._cancelled.pop(task_id, None)
+                log.info("cancel of task %s: already started; skip-only, so it runs on", task_id)
+            return
         # False while the collector thread is between taking it off the local queue and
         # submitting it: _feed_pool then sees it in _cancelled and cancels it itself.
         pool.cancel(task_id, reason)

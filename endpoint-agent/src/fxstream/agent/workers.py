@@ -705,20 +705,21 @@ class WorkerPool:
             _resolve([_failure(task, *problem)])
         return future
 
-    def cancel(self, task_id: str, reason: str = "") -> bool:
-        """Cancel the item of ``task_id``; False when the pool does not hold it.
+    def cancel(self, task_id: str, reason: str = "", *, kill: bool = True) -> bool:
+        """Cancel the item of ``task_id``; False when the pool does not hold it (or, with
+        ``kill`` False, holds it in a worker already).
 
         A queued item is dropped; a worker that has started it (or was sent it
-        next) is SIGKILLed with whatever the task started, and replaced. Its
-        future resolves with a ``TaskCancelled`` outcome (``reason`` in its
-        message), on the collector thread like every outcome. An item the
-        worker finished just before the kill keeps its real outcome.
+        next) is SIGKILLed with whatever the task started, and replaced, unless
+        ``kill`` is False. Its future resolves with a ``TaskCancelled`` outcome
+        (``reason`` in its message), on the collector thread like every outcome.
+        An item the worker finished just before the kill keeps its real outcome.
         """
         message = f"task {task_id} was cancelled" + (f": {reason}" if reason else "")
         resolutions: list[_Resolution] = []
         with self._lock:
             found = self._cancel_pending(task_id, message, resolutions)
-            if not found:
+            if not found and kill:
                 found = self._cancel_held(task_id, message, resolutions)
             self._deferred.extend(resolutions)
         if resolutions:

@@ -573,6 +573,7 @@ class Client:
         endpoint_id: str | None = None,
         reason: str = "",
         timeout: float = 30.0,
+        kill: bool = True,
     ) -> None:
         """Cancel a task, running or not; returns once Kafka has acknowledged the cancel.
 
@@ -585,6 +586,10 @@ class Client:
         ends cancelled. A task that already finished keeps its result. Only the
         task's submitter may cancel it: a cancel from another user is refused
         (dead-lettered) by the router or the agent, and the task runs on.
+
+        ``kill`` False only skips a task that has not started: one already running
+        finishes and keeps its result in task-state (this client's future of it, if
+        any, still ends cancelled, as ``future.cancel()`` does).
 
         ``endpoint_id`` is needed only for a task this client did not submit and
         the service does not know yet; otherwise it is taken from the task.
@@ -605,6 +610,7 @@ class Client:
             task_id=task_id,
             endpoint_id=endpoint_id,
             reason=reason,
+            kill=kill,
         )
         acknowledged: concurrent.futures.Future[SubmissionFailed | None] = (
             concurrent.futures.Future()
@@ -626,7 +632,8 @@ class Client:
             future._force_cancel()
 
     def _send_remote_cancel(self, future: TaskFuture) -> None:
-        """Send a cancelled future's remote cancel without waiting (TaskFuture.cancel)."""
+        """Send a cancelled future's skip-only remote cancel without waiting
+        (TaskFuture.cancel): a task already started is not killed."""
         with self._lock:
             producer = None if self._closed else self._producer
         if producer is None:
@@ -639,6 +646,10 @@ class Client:
             token=self._require_token(),
             task_id=future.task_id,
             endpoint_id=future.endpoint_id,
+            # future.cancel() never stops an executing call: if the task started before
+            # this client learnt so (its running event lags by up to a heartbeat), the
+            # agent lets it finish; its result is then dropped here (future cancelled).
+            kill=False,
         )
 
         def delivered(task_id: str, failure: SubmissionFailed | None) -> None:

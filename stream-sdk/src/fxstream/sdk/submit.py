@@ -229,9 +229,18 @@ def _build_task(
 
 
 def build_cancel(
-    *, user_id: str, token: str, task_id: str, endpoint_id: str, reason: str = ""
+    *,
+    user_id: str,
+    token: str,
+    task_id: str,
+    endpoint_id: str,
+    reason: str = "",
+    kill: bool = True,
 ) -> bytes:
-    """The encoded ``cancel`` record for a task; ``ValueError`` if a field is invalid."""
+    """The encoded ``cancel`` record for a task; ``ValueError`` if a field is invalid.
+
+    ``kill`` False asks only to skip the task if it has not started yet.
+    """
     record = encode(
         TaskCancel(
             task_id=task_id,
@@ -240,6 +249,7 @@ def build_cancel(
             auth_token=token,
             requested_at=time.time(),
             reason=reason,
+            kill=kill,
         )
     )
     try:

@@ -161,7 +161,10 @@ class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     per-task order with no join against task state. The agent that holds the
     task skips it if queued or kills its worker if running, and answers it with
     a ``TaskCancelled`` error result; a cancel for a task it no longer holds
-    changes nothing.
+    changes nothing. With ``kill`` false (``future.cancel()``, which by the
+    ``concurrent.futures`` contract never stops an executing call) a task that
+    has started runs on and is answered as usual: only a task not yet started
+    is skipped.
     """
 
     task_id: Id
@@ -170,6 +173,9 @@ class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
     requested_at: Timestamp
     reason: Annotated[str, Meta(max_length=1024, description="why, for the task's error")] = ""
+    kill: Annotated[
+        bool, Meta(description="also stop the task if it already started (its worker is killed)")
+    ] = True
 
 
 class TaskTimings(msgspec.Struct, kw_only=True, frozen=True):
@@ -231,7 +237,13 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
     outcome: Literal["success", "error"]
     value: Annotated[
         bytes | None,
-        Meta(description="serialized return value (inline, or a serialized proxy) on success"),
+        Meta(
+            description=(
+                "on success the serialized return value (inline, or a serialized proxy); on "
+                "an error, optionally the raised exception serialized with the client's data "
+                "strategy (at most 16 KiB)"
+            )
+        ),
     ] = None
     error: TaskError | None = None
     attempt: Annotated[int, Meta(ge=1)] = 1
