@@ -93,6 +93,13 @@ def _child_then_sleep(payload: bytes) -> bytes:
     return b"unreachable"
 
 
+def _mark_then_sleep(payload: bytes) -> bytes:
+    with open(payload, "w") as marker:
+        marker.write(str(os.getpid()))
+    time.sleep(1.0)
+    return b"slept"
+
+
 def _child_then_exit(payload: bytes) -> bytes:
     _start_child(payload)
     os._exit(7)
@@ -115,6 +122,7 @@ BEHAVIOURS: dict[bytes, Callable[[bytes], bytes]] = {
     b"garble": _garble,
     b"child-then-sleep": _child_then_sleep,
     b"child-then-exit": _child_then_exit,
+    b"mark-then-sleep": _mark_then_sleep,
 }
 
 

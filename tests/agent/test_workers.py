@@ -381,6 +381,29 @@ def test_cancel_kills_a_running_item_and_what_it_started(pool: WorkerPool, tmp_p
     assert run(pool, item(b"echo", b"next")).value == b"next"
 
 
+def test_a_skip_only_cancel_drops_a_queued_item_and_leaves_a_running_one(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    marker = tmp_path / "started"
+    running = item(b"mark-then-sleep", str(marker).encode())
+    future = pool.submit(running)
+    deadline = time.monotonic() + TIMEOUT
+    while not marker.exists() or not marker.read_text():
+        assert time.monotonic() < deadline, "the task never started"
+        time.sleep(0.02)
+    pids = set(pool.worker_pids())
+    assert not pool.cancel(running.task_id, "skip", kill=False), "a started item is not dropped"
+    outcome = future.result(TIMEOUT)
+    assert outcome.ok and outcome.value == b"slept"
+    assert set(pool.worker_pids()) == pids, "no worker was killed"
+    blockers = [pool.submit(item(b"sleep", b"0.5")) for _ in range(2)]
+    queued = item(b"echo", b"never")
+    dropped = pool.submit(queued)
+    assert pool.cancel(queued.task_id, "skip", kill=False)
+    assert dropped.result(TIMEOUT).error_type == TASK_CANCELLED
+    assert all(b.result(TIMEOUT).ok for b in blockers)
+
+
 def test_cancel_of_an_item_batched_behind_another_answers_at_once() -> None:
     # Every function counts as short once run: items queued together go to the one worker
     # in one message, and the second waits behind the first inside the worker, where the
