@@ -10,12 +10,12 @@ import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
+from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
@@ -45,26 +45,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = keep
-
-
-def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:
-    """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.
-
-    The TOML file lets a subprocess (the real CLI) find the same platform with
-    only ``FXSTREAM_HOME`` set.
-    """
-    kafka, controller, redis, service = free_ports(4)
-    home.mkdir(parents=True, exist_ok=True)
-    lines = [
-        f"kafka_port = {kafka}",
-        f"controller_port = {controller}",
-        f"redis_port = {redis}",
-        f"service_port = {service}",
-    ]
-    if cluster_base_port is not None:
-        lines.append(f"cluster_base_port = {cluster_base_port}")
-    (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
-    return PlatformConfig.load(env={}, home=home, tie_to_caller=True)
 
 
 def free_port_block(size: int) -> int:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,8 +21,7 @@ import psutil
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
-from fxstream.ops import Platform
-from fxstream.ops.process import ManagedProcess
+from fxstream.ops.private import PrivatePlatform, private_platform
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import (
     Catalogue,
@@ -34,7 +31,6 @@ from fxstream.topics import (
     decode,
     record_kind,
 )
-from tests.conftest import private_config
 from tests.e2e.stack import wait_for_state
 
 pytestmark = pytest.mark.platform
@@ -44,18 +40,35 @@ WAIT_S = 60.0
 
 @dataclass
 class Stack:
-    """The module's platform, its local endpoint and the one-worker endpoint."""
+    """The module's platform (:mod:`fxstream.ops.private`), its local endpoint and the
+    one-worker endpoint."""
 
-    platform: Platform
-    bootstrap: str
-    catalogue: Catalogue
-    settings: ClientSettings
-    local_endpoint: str
+    private: PrivatePlatform
     single_endpoint: str
+
+    @property
+    def bootstrap(self) -> str:
+        """Kafka's bootstrap servers."""
+        return self.private.bootstrap
+
+    @property
+    def catalogue(self) -> Catalogue:
+        """The platform's topics."""
+        return self.private.catalogue
+
+    @property
+    def settings(self) -> ClientSettings:
+        """The platform user's client settings."""
+        return self.private.settings
+
+    @property
+    def local_endpoint(self) -> str:
+        """The platform's local endpoint."""
+        return self.private.endpoint_id
 
     def client(self) -> Client:
         """A client of the platform's user (the caller closes it)."""
-        return Client.from_settings(self.settings)
+        return self.private.client()
 
     def records(self, topic: str, key: str) -> list[Message]:
         """Every committed record of ``topic`` with this key, read from the beginning."""
@@ -132,75 +145,9 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    home = tmp_path_factory.mktemp("cancel")
-    platform = Platform(private_config(home))
-    single: ManagedProcess | None = None
-    try:
-        connection = platform.up(services=True)
-        services = platform.services()
-        local_endpoint = services.local_endpoint_id()
-        assert local_endpoint is not None
-        settings = ClientSettings.from_environment(
-            {"FXSTREAM_CREDENTIALS": str(services.credentials_file)}
-        )
-        with Client.from_settings(settings) as owner:
-            single_endpoint = owner.register_endpoint("single", public=True)
-        endpoints_dir = home / "more-endpoints"
-        env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir)}
-        endpoint_cli = str(Path(sys.executable).parent / "fxstream-endpoint")
-        subprocess.run(
-            [
-                endpoint_cli,
-                "configure",
-                "single",
-                "--endpoint-id",
-                single_endpoint,
-                "--service-url",
-                settings.service_url,
-                "--bootstrap",
-                settings.bootstrap_servers,
-                "--token",
-                settings.token or "",
-                "--prefix",
-                connection.topic_prefix,
-                "--workers",
-                "1",
-                "--prefetch",
-                "0",
-                "--heartbeat-period",
-                "1",
-            ],
-            env=env,
-            check=True,
-            capture_output=True,
-        )
-        single = ManagedProcess(
-            name="endpoint single",
-            argv=[endpoint_cli, "start", "single"],
-            pid_file=home / "single.pid",
-            log_file=home / "single.log",
-            env=env,
-            die_with_parent=True,
-        )
-        single.start()
-        with Client.from_settings(settings) as owner:
-            deadline = time.monotonic() + WAIT_S
-            while owner.get_endpoint_status(single_endpoint)["state"] != "online":
-                single.check_alive()
-                assert time.monotonic() < deadline, "the one-worker endpoint never came online"
-                time.sleep(0.3)
-        yield Stack(
-            platform,
-            connection.bootstrap_servers,
-            Catalogue(prefix=connection.topic_prefix),
-            settings,
-            local_endpoint,
-            single_endpoint,
-        )
-    finally:
-        if single is not None:
-            single.stop(timeout_s=60)
-        platform.down()
+    with private_platform(tmp_path_factory.mktemp("cancel")) as private:
+        single = private.add_endpoint("single", workers=1, prefetch=0, public=True)
+        yield Stack(private, single.endpoint_id)
 
 
 @contextmanager

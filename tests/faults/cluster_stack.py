@@ -18,7 +18,8 @@ import pytest
 
 from fxstream.ops import Platform
 from fxstream.ops.bench.chaos import ChaosCluster
-from tests.conftest import free_port_block, private_config
+from fxstream.ops.private import private_config
+from tests.conftest import free_port_block
 
 __all__ = ["chaos_cluster"]
 

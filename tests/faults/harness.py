@@ -37,6 +37,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, ManagedProcess
+from fxstream.ops.private import private_config
 from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet
 from fxstream.sdk import Client, ClientSettings, Executor, TaskFuture
 from fxstream.topics import (
@@ -47,7 +48,7 @@ from fxstream.topics import (
     decode,
     ensure_topics,
 )
-from tests.conftest import RunningPlatform, private_config
+from tests.conftest import RunningPlatform
 
 __all__ = [
     "LEASE_S",

@@ -8,7 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import RunningPlatform, private_config
+from fxstream.ops.private import private_config
+from tests.conftest import RunningPlatform
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
 

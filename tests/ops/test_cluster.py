@@ -8,7 +8,8 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import Platform
-from tests.conftest import free_port_block, private_config
+from fxstream.ops.private import private_config
+from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.cluster
 

@@ -17,7 +17,7 @@ import redis
 from confluent_kafka import Consumer, Producer
 
 from fxstream.ops import Platform, ProcessStartError
-from tests.conftest import private_config
+from fxstream.ops.private import private_config
 
 pytestmark = pytest.mark.platform
 

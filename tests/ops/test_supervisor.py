@@ -183,8 +183,8 @@ _NO = _NoState()
 
 def test_status_flags_a_crash_looping_service_process_as_unhealthy(tmp_path: Path) -> None:
     """What ``./fx status`` shows from the supervisor's record of a crash-looping router."""
+    from fxstream.ops.private import private_config
     from fxstream.ops.services import ServiceSet
-    from tests.conftest import private_config
 
     services = ServiceSet(private_config(tmp_path))
     services.state_dir.mkdir(parents=True)

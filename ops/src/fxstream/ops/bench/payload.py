@@ -393,9 +393,9 @@ def _executor(
     platform: PrivatePlatform, settings: PayloadSettings, proxy_threshold: int | None = None
 ) -> Iterator[Executor]:
     """An executor on the local endpoint, its client on the bench's store and threshold."""
-    if platform.credentials_file is None or platform.endpoint_id is None:
+    if platform.credentials is None or not platform.endpoint_id:
         raise BenchError("the private platform started without its services")
-    env = {"FXSTREAM_CREDENTIALS": str(platform.credentials_file)}
+    env = {"FXSTREAM_CREDENTIALS": str(platform.credentials)}
     client_settings = ClientSettings.from_environment(env)
     if settings.store_url is not None:
         client_settings = dataclasses.replace(client_settings, store_url=settings.store_url)

@@ -1,10 +1,10 @@
 """What the benches share: private platforms, Parsl HTEX, the no-op task and small helpers.
 
-- :func:`private_platform` starts a platform of its own in a temporary home on free ports
-  (a broker and Redis; with ``services``, also the REST API, the stream processors and
-  the local endpoint with its default 2 workers) and stops every process at the end. Its
-  processes are tied to the caller (``tie_to_caller``): if the bench dies, the kernel
-  stops them too.
+- :func:`private_platform` starts a platform of its own (:mod:`fxstream.ops.private`, the
+  helper the tests use too) in a temporary home on free ports (a broker and Redis; with
+  ``services``, also the REST API, the stream processors and the local endpoint with its
+  default 2 workers) and stops every process at the end. Its processes are tied to the
+  caller (``tie_to_caller``): if the bench dies, the kernel stops them too.
 - :func:`parsl_htex` loads a Parsl config with one HighThroughputExecutor (a local
   provider, one block of ``workers`` workers, loopback address, run directory in a given
   temp dir) and cleans it up at the end.
@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -37,10 +36,14 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from fxstream.ops.config import PlatformConfig
-from fxstream.ops.platform import ConnectionInfo, Platform
-from fxstream.ops.process import free_ports
-from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.ops.platform import Platform
+from fxstream.ops.private import (
+    PrivatePlatform,
+    PrivatePlatformError,
+    private_config,
+    start_private_platform,
+)
+from fxstream.sdk import Executor
 
 if TYPE_CHECKING:  # parsl is imported only by the benches that run it (it is slow to import)
     from parsl.config import Config
@@ -161,92 +164,35 @@ def sigterm_as_exit() -> Iterator[None]:
 # --- a private platform --------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PrivatePlatform:
-    """A running private platform and how to reach it."""
-
-    home: Path
-    config: PlatformConfig
-    connection: ConnectionInfo
-    credentials_file: Path | None = None
-    endpoint_id: str | None = None
-
-    def client(self) -> Client:
-        """A client of the platform's local user (the caller closes it)."""
-        if self.credentials_file is None:
-            raise BenchError("this platform was started without its services")
-        env = {"FXSTREAM_CREDENTIALS": str(self.credentials_file)}
-        return Client.from_settings(ClientSettings.from_environment(env))
-
-    @contextmanager
-    def executor(self) -> Iterator[Executor]:
-        """An executor on the local endpoint; it and its client are closed after the block.
-
-        If the block raises, the executor's unfinished futures are cancelled rather than
-        awaited: a lost task would otherwise keep the shutdown waiting forever.
-        """
-        client = self.client()
-        executor = Executor(endpoint_id=self.endpoint_id, client=client)
-        try:
-            yield executor
-        except BaseException:
-            executor.shutdown(wait=True, cancel_futures=True)
-            raise
-        else:
-            executor.shutdown(wait=True)
-        finally:
-            client.close()
-
-
-def _private_config(home: Path) -> PlatformConfig:
-    """A config in ``home`` on free ports whose processes die with this one."""
-    kafka_port, controller_port, redis_port, service_port = free_ports(4)
-    return PlatformConfig.load(
-        home=home,
-        kafka_port=kafka_port,
-        controller_port=controller_port,
-        redis_port=redis_port,
-        service_port=service_port,
-        tie_to_caller=True,
-    )
-
-
-def _start(console: Console, platform: Platform, home: Path, services: bool) -> PrivatePlatform:
-    """Start ``platform`` under a spinner; what runs and where."""
-    what = (
-        "a private platform (broker, Redis, service, local endpoint)"
-        if services
-        else ("a private broker")
-    )
-    with console.status(f"[bold]starting {what}") as status:
-        connection = platform.up(
-            services=services, step=lambda text: status.update(f"[bold]{text}")
-        )
-    console.print(f"private platform at {connection.bootstrap_servers} (home {home})")
-    if not services:
-        return PrivatePlatform(home, platform.config, connection)
-    service_set = platform.services()
-    endpoint_id = service_set.local_endpoint_id()
-    if endpoint_id is None:
-        raise BenchError("the private platform started without its local endpoint")
-    return PrivatePlatform(
-        home, platform.config, connection, service_set.credentials_file, endpoint_id
-    )
-
-
 @contextmanager
 def private_platform(console: Console, *, services: bool) -> Iterator[PrivatePlatform]:
-    """A platform of our own in a temporary home, stopped (every process) after the block.
+    """A platform of our own in a temporary home (:mod:`fxstream.ops.private`), started
+    under a spinner and stopped (every process) after the block.
 
     Without ``services`` only the broker and Redis run.
     """
+    what = (
+        "a private platform (broker, Redis, service, local endpoint)"
+        if services
+        else "a private broker"
+    )
     with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="fxstream-bench-") as directory:
         home = Path(directory)
-        platform = Platform(_private_config(home))
+        platform = Platform(private_config(home))
+        started = None
         try:
-            yield _start(console, platform, home, services)
+            with console.status(f"[bold]starting {what}") as status:
+                started = start_private_platform(
+                    platform, services=services, step=lambda text: status.update(f"[bold]{text}")
+                )
+            console.print(f"private platform at {started.bootstrap} (home {home})")
+            yield started
+        except PrivatePlatformError as exc:
+            raise BenchError(str(exc)) from exc
         finally:
             with console.status("[bold]stopping the private platform"):
+                if started is not None:
+                    started.stop_extra_endpoints()
                 platform.down()
 
 

@@ -1,0 +1,267 @@
+"""A platform of one's own: the one helper tests and benchmarks start platforms with.
+
+A *private* platform runs exactly what ``./fx up`` runs (broker or 3-broker
+cluster, Redis, and optionally the supervised service processes and the local
+endpoint) in a directory of the caller's, on free ports, with every process
+tied to the caller (it dies with it) and stopped by PID at the end. Extra
+endpoint agents (one worker, no store, ...) are added with
+:meth:`PrivatePlatform.add_endpoint`, as ``fxstream-endpoint configure`` and
+``start`` would run them.
+
+Before this module each test area and the benchmarks had their own copy of
+this start-up (free ports, config, up, credentials, local endpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fxstream.ops.config import PlatformConfig
+from fxstream.ops.platform import ConnectionInfo, Platform
+from fxstream.ops.process import ManagedProcess, free_ports
+from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.topics import Catalogue
+
+__all__ = [
+    "ExtraEndpoint",
+    "PrivatePlatform",
+    "PrivatePlatformError",
+    "private_config",
+    "private_platform",
+    "start_private_platform",
+]
+
+# How long an added endpoint may take to come online.
+ENDPOINT_ONLINE_S = 90.0
+
+
+class PrivatePlatformError(RuntimeError):
+    """The private platform did not start as asked."""
+
+
+def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:
+    """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.
+
+    The TOML file lets a subprocess (the real CLI) find the same platform with only
+    ``FXSTREAM_HOME`` set. Every process started from it dies with the caller.
+    """
+    kafka, controller, redis, service = free_ports(4)
+    home.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"kafka_port = {kafka}",
+        f"controller_port = {controller}",
+        f"redis_port = {redis}",
+        f"service_port = {service}",
+    ]
+    if cluster_base_port is not None:
+        lines.append(f"cluster_base_port = {cluster_base_port}")
+    (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
+    return PlatformConfig.load(env={}, home=home, tie_to_caller=True)
+
+
+@dataclass
+class ExtraEndpoint:
+    """An endpoint agent added beside the local one: its id and its process."""
+
+    name: str
+    endpoint_id: str
+    process: ManagedProcess
+
+
+@dataclass
+class PrivatePlatform:
+    """A running private platform and how to reach it as its local user.
+
+    ``credentials`` is None and ``endpoint_id`` empty when it runs without services.
+    """
+
+    platform: Platform
+    connection: ConnectionInfo
+    credentials: Path | None = None
+    endpoint_id: str = ""
+    extra_endpoints: list[ExtraEndpoint] = field(default_factory=list)
+
+    @property
+    def home(self) -> Path:
+        """The platform's home directory."""
+        return self.platform.config.home
+
+    @property
+    def config(self) -> PlatformConfig:
+        """The platform's config."""
+        return self.platform.config
+
+    @property
+    def bootstrap(self) -> str:
+        """Kafka's bootstrap servers."""
+        return self.connection.bootstrap_servers
+
+    @property
+    def prefix(self) -> str:
+        """The topic prefix."""
+        return self.connection.topic_prefix
+
+    @property
+    def catalogue(self) -> Catalogue:
+        """The platform's topic catalogue."""
+        return Catalogue(prefix=self.prefix)
+
+    @property
+    def settings(self) -> ClientSettings:
+        """The local user's client settings."""
+        if self.credentials is None:
+            raise PrivatePlatformError("this platform was started without its services")
+        return ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(self.credentials)})
+
+    def client(self) -> Client:
+        """A client of the local user (the caller closes it)."""
+        return Client.from_settings(self.settings)
+
+    @contextmanager
+    def executor(self, endpoint_id: str | None = None) -> Iterator[Executor]:
+        """An executor on ``endpoint_id`` (the local endpoint by default) whose client is
+        closed with it.
+
+        If the block raises, the executor's unfinished futures are cancelled rather than
+        awaited: a lost task would otherwise keep the shutdown waiting forever.
+        """
+        client = self.client()
+        executor = Executor(endpoint_id=endpoint_id or self.endpoint_id, client=client)
+        try:
+            yield executor
+        except BaseException:
+            executor.shutdown(wait=True, cancel_futures=True)
+            raise
+        else:
+            executor.shutdown(wait=True)
+        finally:
+            client.close()
+
+    def add_endpoint(
+        self,
+        name: str,
+        *,
+        workers: int = 1,
+        prefetch: int = 0,
+        heartbeat_period_s: float = 1.0,
+        store_url: str | None = "platform",
+        public: bool = False,
+    ) -> ExtraEndpoint:
+        """Register, configure and start another endpoint agent; wait until it is online.
+
+        ``store_url`` ``"platform"`` gives it the platform's store, None none (large
+        results then travel inline). It is stopped by :meth:`stop_extra_endpoints`
+        (and by :func:`private_platform` at the end).
+        """
+        settings = self.settings
+        with self.client() as owner:
+            endpoint_id = owner.register_endpoint(name, public=public)
+        endpoints_dir = self.home / "extra-endpoints"
+        env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir)}
+        cli = str(Path(sys.executable).parent / "fxstream-endpoint")
+        argv = [
+            cli,
+            "configure",
+            name,
+            "--endpoint-id",
+            endpoint_id,
+            "--service-url",
+            settings.service_url,
+            "--bootstrap",
+            self.bootstrap,
+            "--prefix",
+            self.prefix,
+            "--workers",
+            str(workers),
+            "--prefetch",
+            str(prefetch),
+            "--heartbeat-period",
+            str(heartbeat_period_s),
+        ]
+        store = settings.store_url if store_url == "platform" else store_url
+        if store:
+            argv += ["--store-url", store]
+        # The token goes through the environment, never the command line.
+        done = subprocess.run(
+            argv,
+            env={**env, "FXSTREAM_TOKEN": settings.token or ""},
+            capture_output=True,
+            text=True,
+        )
+        if done.returncode != 0:
+            raise PrivatePlatformError(f"fxstream-endpoint configure {name}: {done.stderr}")
+        process = ManagedProcess(
+            name=f"endpoint {name}",
+            argv=[cli, "start", name],
+            pid_file=self.home / f"endpoint-{name}.pid",
+            log_file=self.home / f"endpoint-{name}.log",
+            env=env,
+            die_with_parent=True,
+        )
+        process.start()
+        extra = ExtraEndpoint(name, endpoint_id, process)
+        self.extra_endpoints.append(extra)
+        deadline = time.monotonic() + ENDPOINT_ONLINE_S
+        with self.client() as owner:
+            while owner.get_endpoint_status(endpoint_id)["state"] != "online":
+                process.check_alive()
+                if time.monotonic() > deadline:
+                    raise PrivatePlatformError(
+                        f"endpoint {name} not online after {ENDPOINT_ONLINE_S:.0f} s; "
+                        f"see {process.log_file}"
+                    )
+                time.sleep(0.3)
+        return extra
+
+    def stop_extra_endpoints(self, timeout_s: float = 60.0) -> None:
+        """Stop every endpoint :meth:`add_endpoint` started, by PID."""
+        while self.extra_endpoints:
+            self.extra_endpoints.pop().process.stop(timeout_s=timeout_s)
+
+
+def start_private_platform(
+    platform: Platform,
+    *,
+    services: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> PrivatePlatform:
+    """Start ``platform`` (made with :func:`private_config`), with the service processes
+    and the local endpoint unless ``services`` is False. The caller stops it with
+    ``platform.down()`` (also when this raises)."""
+    if step is None:
+        connection = platform.up(services=services)
+    else:
+        connection = platform.up(services=services, step=step)
+    if not services:
+        return PrivatePlatform(platform, connection)
+    service_set = platform.services()
+    endpoint_id = service_set.local_endpoint_id()
+    if endpoint_id is None:
+        raise PrivatePlatformError("the private platform started without its local endpoint")
+    return PrivatePlatform(platform, connection, service_set.credentials_file, endpoint_id)
+
+
+@contextmanager
+def private_platform(
+    home: Path,
+    *,
+    services: bool = True,
+    step: Callable[[str], None] | None = None,
+) -> Iterator[PrivatePlatform]:
+    """A private platform in ``home`` for the block; every process is stopped after it."""
+    platform = Platform(private_config(home))
+    started: PrivatePlatform | None = None
+    try:
+        started = start_private_platform(platform, services=services, step=step)
+        yield started
+    finally:
+        if started is not None:
+            started.stop_extra_endpoints()
+        platform.down()
