@@ -297,6 +297,24 @@ def _deliveries(draw: st.DrawFn) -> list[int]:
     return offsets
 
 
+def test_a_claimed_run_ending_at_the_last_tracked_offset_still_commits() -> None:
+    # The crash loop the merged agent hit: the previous owner answered 419 and 420 past
+    # position 418; the successor tracks 418..420, and its commit must encode (the run
+    # is covered by tracked offsets now), not stop the publisher on every restart.
+    first = OffsetTracker()
+    for offset in (418, 419, 420):
+        first.track(0, offset)
+    first.done(0, 419)
+    first.done(0, 420)
+    ((position, metadata),) = first.commits().values()
+    successor = OffsetTracker()
+    assert successor.resume(0, position, metadata) == [(419, 420)]
+    assert [successor.track(0, o) for o in (418, 419, 420)] == [True, False, False]
+    ((again, again_metadata),) = successor.commits().values()
+    assert again == 418
+    assert decode_answered(again, again_metadata) == [(419, 420)]
+
+
 @settings(max_examples=150, deadline=None)
 @given(offsets=_deliveries(), data=st.data())
 def test_a_successor_skips_exactly_the_answered_records(
@@ -334,8 +352,20 @@ def test_a_successor_skips_exactly_the_answered_records(
         successor = OffsetTracker()
         successor.resume(0, position, metadata)
         redelivered = [o for o in tracked if o >= position]
-        skipped = {o for o in redelivered if not successor.track(0, o)}
+        cut = data.draw(
+            st.integers(0, len(redelivered)), label="successor tracks before its commit"
+        )
+        skipped = {o for o in redelivered[:cut] if not successor.track(0, o)}
+        # The successor commits having tracked only part of what it resumed (a claimed
+        # run may end exactly at its last tracked offset): the commit encodes, and a
+        # third owner resuming from it still skips exactly the answered records.
+        third = OffsetTracker()
+        for position_again, metadata_again in successor.commits().values():
+            third.resume(0, position_again, metadata_again)
+        skipped |= {o for o in redelivered[cut:] if not successor.track(0, o)}
         assert skipped == answered & set(redelivered)
+        if successor.commits():
+            assert {o for o in redelivered if not third.track(0, o)} == answered & set(redelivered)
         assert all(o in answered for o in tracked if o < position)
         if not remaining:
             # The head is always admitted: everything is answered eventually.

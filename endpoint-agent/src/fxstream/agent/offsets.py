@@ -223,6 +223,8 @@ class _Partition:
         if first >= 0:
             runs.append((first, last))
         for first, last in self.claimed:
+            if last <= self.last_tracked:
+                continue  # every offset of it is tracked now: in_order speaks for them
             runs.append((max(first, self.last_tracked + 1), last))
         return runs
 
@@ -395,7 +397,14 @@ class OffsetTracker:
                 if start is None or (state.position is None and not state.runs):
                     continue
                 runs = state.answered_runs()
-                metadata = encode_answered(start, runs)
+                try:
+                    metadata = encode_answered(start, runs)
+                except ValueError:
+                    # A bug here must not stop the publisher (every restart would meet
+                    # it again): commit the position alone; records answered past it
+                    # may then run again after a move (at least once, as before).
+                    log.exception("partition %d: answered runs %s not encodable", partition, runs)
+                    runs, metadata = [], ""
                 if len(metadata) > MAX_METADATA_CHARS:  # admit() keeps this from happening
                     log.error(
                         "partition %d: %d runs of answered records past offset %d do not fit "
