@@ -65,8 +65,13 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
-# How often a retriable commit_transaction failure is tried again before the batch is aborted.
-COMMIT_TRIES = 10
+# The coordinator aborts (and fences) a transaction open longer than this
+# (``transaction.timeout.ms``, set to match); commits are retried only within it.
+TRANSACTION_TIMEOUT_S = 60.0
+SAFETY_MARGIN_S = 10.0
+# How long start() keeps trying to register the transactional id while the
+# coordinator is unavailable (a broker just died and its partitions move).
+INIT_TIMEOUT_S = 120.0
 # How long a look-up of whether an answer's topic exists may take.
 METADATA_TIMEOUT_S = 5.0
 # Per-record errors a retry cannot cure: the answer is quarantined, not re-sent.
@@ -188,6 +193,7 @@ class TransactionalPublisher:
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 0,
+                "transaction.timeout.ms": int(TRANSACTION_TIMEOUT_S * 1000),
                 # A transaction begun while the last one's markers are still being written
                 # is refused (CONCURRENT_TRANSACTIONS) and retried after this backoff; at
                 # librdkafka's default (100 ms) every lone result paid it.
@@ -218,9 +224,24 @@ class TransactionalPublisher:
 
     # --- lifecycle -----------------------------------------------------------------------
 
-    def start(self, timeout_s: float = CALL_TIMEOUT_S) -> None:
-        """Register the transactional id (fencing any predecessor) and start the thread."""
-        self._producer.init_transactions(timeout_s)
+    def start(self, timeout_s: float = INIT_TIMEOUT_S) -> None:
+        """Register the transactional id (fencing any predecessor) and start the thread.
+
+        A retriable failure (the transaction coordinator is moving after a broker
+        died) is tried again for up to ``timeout_s`` before it is raised.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                self._producer.init_transactions(max(min(CALL_TIMEOUT_S, left), 1.0))
+                break
+            except KafkaException as exc:
+                error: KafkaError = exc.args[0]
+                if error.fatal() or not error.retriable() or time.monotonic() > deadline:
+                    raise
+                log.warning("cannot register the transactional id yet, trying again: %s", error)
+                time.sleep(1.0)
         self._thread = threading.Thread(
             target=self._run, name="fxstream-agent-publisher", daemon=True
         )
@@ -414,26 +435,30 @@ class TransactionalPublisher:
                 refused[index] = _refusal(permanent[0])
         return refused
 
-    def _commit_transaction(self) -> None:
-        """``commit_transaction``, called again while its error is retriable.
+    def _commit_transaction(self, began: float) -> None:
+        """``commit_transaction``, called again while its error is retriable and the
+        transaction is still within the coordinator's ``transaction.timeout.ms``.
 
         A commit that timed out may still have gone through: aborting and sending its
         answers again in a new transaction could then commit them twice, so a
-        retriable failure is retried as librdkafka advises. After
-        :data:`COMMIT_TRIES` tries the error is raised (the batch is then aborted and
-        sent again, the one path left that could duplicate a result; see faults.md).
+        retriable failure is retried as librdkafka advises. But a transaction kept
+        open past ``transaction.timeout.ms`` is aborted by the coordinator, which
+        fences this producer (the agent would exit): once the time left is under a
+        second the error is raised, the batch is aborted and sent again (the one path
+        left that could duplicate a result; see faults.md).
         """
-        for attempt in range(1, COMMIT_TRIES + 1):
+        while True:
+            left = TRANSACTION_TIMEOUT_S - SAFETY_MARGIN_S - (time.monotonic() - began)
             try:
-                self._producer.commit_transaction(CALL_TIMEOUT_S)
+                self._producer.commit_transaction(max(min(CALL_TIMEOUT_S, left), 0.1))
                 return
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 if error.fatal() or error.txn_requires_abort() or not error.retriable():
                     raise
-                if attempt == COMMIT_TRIES:
+                if TRANSACTION_TIMEOUT_S - SAFETY_MARGIN_S - (time.monotonic() - began) < 1.0:
                     raise
-                log.warning("commit of a transaction failed (try %d), again: %s", attempt, error)
+                log.warning("commit of a transaction failed, trying it again: %s", error)
                 time.sleep(0.1)
 
     def _abort(self) -> None:
@@ -557,7 +582,7 @@ class TransactionalPublisher:
                 producer.send_offsets_to_transaction(
                     offsets, self._group_metadata(), CALL_TIMEOUT_S
                 )
-            self._commit_transaction()
+            self._commit_transaction(started)
         except KafkaException:
             producer.poll(0)  # serve the delivery reports that name the refused answers
             if refused:
