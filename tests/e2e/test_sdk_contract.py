@@ -301,7 +301,7 @@ def test_an_exception_class_of_the_scripts_main_is_caught_by_its_name(
         from fxstream.sdk import Executor
 
         class Refused(Exception):
-            pass
+            "Raised by the script's own function."
 
         def refuse(why):
             raise Refused(why, 42)

@@ -421,11 +421,10 @@ def _signal_and_wait(pid: int | None, timeout_s: float) -> bool:
         proc = psutil.Process(pid)
         if timeout_s > 0:
             proc.send_signal(signal.SIGTERM)
-            try:
+            # Still running after the grace period: killed below.
+            with contextlib.suppress(psutil.TimeoutExpired):
                 proc.wait(timeout=timeout_s)
                 return True
-            except psutil.TimeoutExpired:
-                pass
         proc.kill()
         proc.wait(timeout=10)
     return True

@@ -463,7 +463,10 @@ class DillData(Strategy):
         except SerializationError:
             raise
         except Exception:  # _NeedsDill, or something pickle refuses that dill may write
-            pass
+            return self._dill(obj, substitute)
+
+    @staticmethod
+    def _dill(obj: Any, substitute: Substitute | None) -> bytes:
         buffer = io.BytesIO()
         # dill finds a function's globals by disassembling, briefly redirecting sys.stdout.
         _DillPickler(buffer, substitute=substitute).dump(obj)
