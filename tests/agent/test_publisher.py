@@ -44,6 +44,14 @@ def group_consumer(bootstrap: str, topics: tuple[str, str]) -> Iterator[Consumer
         }
     )
     consumer.subscribe([queue])
+    # Join the group before any publisher copies its metadata: metadata taken mid-join
+    # carries a member id with a stale generation, which the broker refuses
+    # (ILLEGAL_GENERATION) in every transaction that sends offsets.
+    deadline = time.monotonic() + 60
+    while not consumer.assignment():
+        assert time.monotonic() < deadline, "the test consumer never joined its group"
+        message = consumer.poll(0.2)
+        assert message is None or message.error() is not None, "the queue must start empty"
     yield consumer
     consumer.close()
 
