@@ -2,6 +2,7 @@
 
 - :mod:`~fxstream.topics.catalogue`: topic names, keys and Kafka settings.
 - :mod:`~fxstream.topics.records`: the typed record schemas and their codec.
+- :mod:`~fxstream.topics.connection`: how every Kafka client connects (SASL/SCRAM over TLS).
 - :mod:`~fxstream.topics.budget`: every record's byte budget and byte-safe truncation.
 - :mod:`~fxstream.topics.deadletter`: the one dead-letter builder and its reasons.
 - :mod:`~fxstream.topics.provision`: idempotent topic creation with drift reports.
@@ -23,6 +24,12 @@ from fxstream.topics.budget import (
     utf8_len,
 )
 from fxstream.topics.catalogue import Catalogue, CleanupPolicy, InvalidTopicName, TopicSpec
+from fxstream.topics.connection import (
+    CredentialFileError,
+    KafkaConnection,
+    read_secret_json,
+    write_secret_file,
+)
 from fxstream.topics.deadletter import (
     DeadLetterReason,
     RawRecord,
@@ -99,6 +106,7 @@ __all__ = [
     "Catalogue",
     "CleanupPolicy",
     "ClientInfo",
+    "CredentialFileError",
     "DataLocation",
     "DeadLetter",
     "DeadLetterReason",
@@ -113,6 +121,7 @@ __all__ = [
     "Heartbeat",
     "InvalidTopicName",
     "JsonData",
+    "KafkaConnection",
     "ObjectReference",
     "PayloadError",
     "PickleData",
@@ -163,6 +172,7 @@ __all__ = [
     "normalise_headers",
     "payload_references",
     "producer_message_max_bytes",
+    "read_secret_json",
     "record_bytes",
     "record_kind",
     "register_strategy",
@@ -172,4 +182,5 @@ __all__ = [
     "truncate_utf8_tail",
     "utf8_len",
     "wrap_references",
+    "write_secret_file",
 ]
