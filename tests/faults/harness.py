@@ -191,6 +191,8 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         topic_prefix=prefix,
         replication_factor=base.replication_factor,
         min_insync_replicas=base.min_insync_replicas,
+        security=base.security,
+        ca_file=base.ca_file,
     )
     (home / "platform.json").write_text(json.dumps(asdict(connection), indent=2) + "\n")
     catalogue = connection.catalogue()
@@ -206,7 +208,7 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         endpoint_id="",
     )
     try:
-        _, endpoint_id = services.start(base.bootstrap_servers, prefix)
+        _, endpoint_id = services.start(kafka_platform.kafka, prefix)
     except BaseException:
         stack.stop()
         raise
