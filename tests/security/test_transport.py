@@ -10,10 +10,13 @@ that succeeds, so a broken check cannot pass by accident.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import ssl
 import stat
 import struct
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -360,6 +363,37 @@ def test_the_services_connect_by_credential_files_that_stay_private(tmp_path: Pa
                 assert password not in cmdline and token not in cmdline, cmdline
         for log in (home / "logs").iterdir():
             assert password not in log.read_text(errors="replace"), log
+
+
+@pytest.mark.platform
+def test_the_insecure_switch_is_explicit_and_loud(tmp_path: Path) -> None:
+    """`./fx up --insecure` runs PLAINTEXT Kafka and says so on stderr at every start."""
+    home = tmp_path / "insecure"
+    private_config(home)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FXSTREAM_")}
+    env["FXSTREAM_HOME"] = str(home)
+    fxstream = str(Path(sys.executable).parent / "fxstream")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [fxstream, *args], env=env, capture_output=True, text=True, timeout=240
+        )
+
+    try:
+        up = cli("up", "--insecure", "--no-quickstart")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "INSECURE" in up.stderr and "NO authentication" in up.stderr
+        info = Platform.read_connection(home)
+        assert not info.secure and info.ca_file == ""
+        assert _works(KafkaConnection(info.bootstrap_servers))
+        assert not (home / "credentials" / "admin.json").exists()
+        again = cli("up", "--insecure", "--no-quickstart")  # every start says it
+        assert again.returncode == 0 and "INSECURE" in again.stderr
+        # A secure start does not silently reuse the running insecure platform.
+        secure = cli("up", "--no-quickstart")
+        assert secure.returncode == 1 and "--insecure" in secure.stderr
+    finally:
+        assert cli("down").returncode == 0
 
 
 def test_a_secure_start_refuses_data_formatted_without_its_credential(tmp_path: Path) -> None:
