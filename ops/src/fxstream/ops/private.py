@@ -26,6 +26,7 @@ from pathlib import Path
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
+from fxstream.ops.services import KAFKA_CREDENTIALS_ENV
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import Catalogue, KafkaConnection
 
@@ -198,10 +199,15 @@ class PrivatePlatform:
         store = settings.store_url if store_url == "platform" else store_url
         if store:
             argv += ["--store-url", store]
-        # The token goes through the environment, never the command line.
+        # Secrets go through the environment and files, never the command line: the token,
+        # and the path of the Kafka credentials file the local endpoint uses too.
+        secrets = {"FXSTREAM_TOKEN": settings.token or ""}
+        if self.connection.secure:
+            kafka_file = self.platform.services().endpoint_credentials_file
+            secrets[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
         done = subprocess.run(
             argv,
-            env={**env, "FXSTREAM_TOKEN": settings.token or ""},
+            env={**env, **secrets},
             capture_output=True,
             text=True,
         )
