@@ -199,15 +199,15 @@ class PrivatePlatform:
         store = settings.store_url if store_url == "platform" else store_url
         if store:
             argv += ["--store-url", store]
-        # Secrets go through the environment and files, never the command line: the token,
-        # and the path of the Kafka credentials file the local endpoint uses too.
-        secrets = {"FXSTREAM_TOKEN": settings.token or ""}
-        if self.connection.secure:
-            kafka_file = self.platform.services().endpoint_credentials_file
-            secrets[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
+        # Secrets go through the environment and files, never the command line. The agent
+        # connects as the local endpoint's Kafka principal (the platform writes its file).
+        secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
+        if self.kafka.secure:
+            credentials = self.platform.services().endpoint_credentials_file
+            secrets_env[KAFKA_CREDENTIALS_ENV] = str(credentials)
         done = subprocess.run(
             argv,
-            env={**env, **secrets},
+            env={**env, **secrets_env},
             capture_output=True,
             text=True,
         )
