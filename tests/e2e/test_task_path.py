@@ -339,7 +339,7 @@ def test_status_reports_every_service_and_a_stopped_one(stack: Stack) -> None:
     status = stack.platform.status()
     assert status.healthy, status.to_json()
     names = {c.name for c in status.components}
-    assert {"supervisor", "service api", "router", "task-state", "liveness"} <= names
+    assert {"supervisor", "service api", "router", "ingress", "task-state", "liveness"} <= names
     assert "endpoint local" in names
     services = stack.platform.services()
     assert services.task_state.stop(timeout_s=60)
