@@ -60,7 +60,9 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 def responder(sdk_topics: SdkTopics) -> Iterator[Responder]:
     """Answers every task for ENDPOINT through the broker."""
     code = {fid: Serializer().serialize_function(fn) for fid, fn in FUNCTIONS.items()}
-    with Responder(sdk_topics.bootstrap, sdk_topics.catalogue, ENDPOINT, code) as running:
+    with Responder(
+        sdk_topics.bootstrap, sdk_topics.catalogue, ENDPOINT, code, user_id=sdk_topics.user_id
+    ) as running:
         yield running
     assert running.errors == []
 

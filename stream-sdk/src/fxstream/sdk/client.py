@@ -318,6 +318,7 @@ class Client:
             known = self._digests.get(function_id)
         if known is not None:
             return known
+        self._require_token()
         record: dict[str, Any] = self._rest.get(f"/functions/{function_id}")
         digest = str(record["code_sha256"])
         self._remember_digest(function_id, digest)
