@@ -28,6 +28,7 @@ from fxstream.sdk import (
     Executor,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     ShellFunction,
     TaskExecutionFailed,
     TaskRejected,
@@ -201,9 +202,15 @@ def test_another_users_private_function_is_refused(stack: Stack) -> None:
     )
     try:
         private = owner.register_function(double)
-        task_id = intruder.run(3, endpoint_id=stack.endpoint_id, function_id=private)
+        # The service does not even tell the intruder the code's digest (403, or 404) ...
+        with pytest.raises((PermissionDenied, NotFound)):
+            intruder.function_sha256(private)
+        # ... and a task pinned to a guessed one is refused by the router.
+        task = intruder.prepare_task(stack.endpoint_id, private, (3,), function_sha256="0" * 64)
+        future = intruder.track(task)
+        intruder.send([(task, future)])
         with pytest.raises(TaskRejected, match="not shared"):
-            intruder.future(task_id).result(timeout=60)
+            future.result(timeout=60)
     finally:
         owner.close()
         intruder.close()
@@ -224,7 +231,8 @@ def test_an_argument_too_large_names_the_setting(stack: Stack) -> None:
 def test_malformed_submissions_are_dead_lettered_and_routing_goes_on(stack: Stack) -> None:
     marker = uuid.uuid4().bytes
     producer = Producer({"bootstrap.servers": stack.bootstrap, "log_level": 2})
-    producer.produce(f"{stack.prefix}tasks.submitted", key=b"garbage", value=marker)
+    user_id = stack.settings.user_id or ""
+    producer.produce(stack.catalogue.from_user(user_id), key=b"garbage", value=marker)
     assert producer.flush(30) == 0
     with stack.executor() as executor:
         assert executor.submit(double, 8).result(timeout=60) == 16

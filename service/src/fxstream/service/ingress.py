@@ -149,9 +149,16 @@ class Ingress:
         )
         if unknown:
             await self._catch_up()
+        # A user deleted since its task was routed has no results topic: its results are
+        # dead-lettered here rather than refused by Kafka mid-transaction.
+        present = await self._directory.present(
+            self._catalogue.results(state.user_id)
+            for _, _, r in decoded
+            if isinstance(r, TaskResult) and (state := self._states.task(r.task_id)) is not None
+        )
         for record, endpoint, value in decoded:
             try:
-                self._plan_one(plan, record, endpoint, value)
+                self._plan_one(plan, record, endpoint, value, present)
             except Exception as exc:  # a bug here must cost one record, not the ingress
                 log.exception("ingress: cannot check %s@%d", record.topic, record.offset)
                 self._refuse(
@@ -172,7 +179,9 @@ class Ingress:
 
     # --- one record ----------------------------------------------------------------------
 
-    def _plan_one(self, plan: RoutePlan, record: RawRecord, endpoint: str, value: object) -> None:
+    def _plan_one(
+        self, plan: RoutePlan, record: RawRecord, endpoint: str, value: object, present: set[str]
+    ) -> None:
         catalogue = self._catalogue
         if isinstance(value, TaskResult | TaskEvent):
             why = self._not_routed_here(value, endpoint)
@@ -187,6 +196,17 @@ class Ingress:
                 if isinstance(value, TaskResult)
                 else catalogue.task_events
             )
+            if isinstance(value, TaskResult) and topic not in present:
+                self._refuse(
+                    plan,
+                    record,
+                    f"the result of task {value.task_id} cannot be delivered: user "
+                    f"{state.user_id!r} has no results topic {topic!r} (deleted since the task "
+                    "was routed?)",
+                    DeadLetterReason.TASK_UNDELIVERABLE,
+                    value.task_id,
+                )
+                return
             self._forward(plan, record, topic, value.task_id)
         elif isinstance(value, Heartbeat):
             if self._claims(plan, record, endpoint, value.endpoint_id, "heartbeat"):
