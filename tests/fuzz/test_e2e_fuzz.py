@@ -1,10 +1,11 @@
 """Bad input end to end: the whole platform, as ``./fx up`` runs it, under fuzzed records.
 
-Hypothesis makes a sample of bad records for each consumed topic
-(the user's ``from.user.<user>``, the endpoint's ``from.ep.<endpoint>``,
-``heartbeats``, the user's ``results.<user>`` and the endpoint's queue) and they are produced while real tasks run. Every bad record
-must reach the dead-letter topic with a reason from the component that reads
-it, every real task must complete with its value, and no process may exit.
+Hypothesis makes a sample of bad records for each consumed topic (the user's
+``from.user.<user>``, the endpoint's ``from.ep.<endpoint>``, ``heartbeats``, the
+user's ``results.<user>`` and the endpoint's queue) and they are produced while
+real tasks run. Every bad record must reach the dead-letter topic with a reason
+from the component that reads it, every real task must complete with its value,
+and no process may exit.
 Then fuzzed requests hit the real API process: never a 5xx, always a JSON
 error, and the process stays up.
 """
