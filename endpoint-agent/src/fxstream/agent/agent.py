@@ -972,6 +972,9 @@ class Agent:
             references = payload_references(payload)[0]
         except DeserializationError:
             return
+        # Only objects stored here: the ingress forwards a location only at this site (a
+        # proxy the function passed through was stored, and announced, by its writer).
+        references = [r for r in references if r.site == self.config.endpoint_id]
         if events is None or not references:
             return
         try:
