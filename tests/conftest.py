@@ -6,10 +6,12 @@ tests exercise exactly what `./fx up` runs, and stopped by PID at the end.
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -17,6 +19,8 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
+from fxstream.ops.services import platform_kafka
+from fxstream.topics import KafkaConnection, write_secret_file
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")
@@ -68,6 +72,12 @@ def free_port_block(size: int) -> int:
     raise RuntimeError(f"no block of {size} free ports found")
 
 
+def write_kafka_credentials(kafka: KafkaConnection, path: Path) -> Path:
+    """``kafka`` as a 0600 credentials file: what a service process or agent is started with."""
+    write_secret_file(path, json.dumps(kafka.to_json()).encode())
+    return path
+
+
 @dataclass(frozen=True)
 class RunningPlatform:
     """The session's platform: its config, launcher and connection."""
@@ -76,9 +86,14 @@ class RunningPlatform:
     platform: Platform
     connection: ConnectionInfo
 
+    @property
+    def kafka(self) -> KafkaConnection:
+        """How tests connect to the session broker: as the platform's admin principal."""
+        return platform_kafka(self.config.home, self.connection.bootstrap_servers)
+
     def admin(self) -> AdminClient:
         """A fresh admin client on the session broker."""
-        return AdminClient({"bootstrap.servers": self.connection.bootstrap_servers, "log_level": 2})
+        return AdminClient({**self.kafka.confluent(), "log_level": 2})
 
 
 @pytest.fixture(scope="session")
@@ -97,6 +112,12 @@ def kafka_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
 def bootstrap(kafka_platform: RunningPlatform) -> str:
     """The session broker's bootstrap servers."""
     return kafka_platform.connection.bootstrap_servers
+
+
+@pytest.fixture
+def kafka(kafka_platform: RunningPlatform) -> KafkaConnection:
+    """How tests connect to the session broker (the platform's admin principal)."""
+    return kafka_platform.kafka
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
+    KafkaConnection,
     TaskCancel,
     TaskErrorType,
     TaskResult,
@@ -49,9 +50,9 @@ class Stack:
     single_endpoint: str
 
     @property
-    def bootstrap(self) -> str:
-        """Kafka's bootstrap servers."""
-        return self.private.bootstrap
+    def kafka(self) -> KafkaConnection:
+        """How the tests' own clients connect (as the platform's admin)."""
+        return self.private.kafka
 
     @property
     def catalogue(self) -> Catalogue:
@@ -76,7 +77,7 @@ class Stack:
         """Every committed record of ``topic`` with this key, read from the beginning."""
         consumer = Consumer(
             {
-                "bootstrap.servers": self.bootstrap,
+                **self.kafka.confluent(),
                 "group.id": f"e2e-{uuid.uuid4()}",
                 "isolation.level": "read_committed",
                 "enable.partition.eof": True,
@@ -124,7 +125,7 @@ class Stack:
         cancel = self.wait_for_record(queue, task_id, lambda m: record_kind(m.value()) == "cancel")
         consumer = Consumer(
             {
-                "bootstrap.servers": self.bootstrap,
+                **self.kafka.confluent(),
                 "group.id": f"fxstream-endpoint.{endpoint_id}",
                 "log_level": 2,
             }
@@ -318,7 +319,7 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
     mallory_id, mallory_token = Client.register_user(stack.settings.service_url, "mallory")
     mallory = Client(
         stack.settings.service_url,
-        bootstrap_servers=stack.bootstrap,
+        kafka=stack.settings.kafka,
         topic_prefix=stack.catalogue.prefix,
         user_id=mallory_id,
         token=mallory_token,
@@ -359,7 +360,7 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
             endpoint_id=stack.single_endpoint,
             requested_at=time.time(),
         )
-        producer = Producer({"bootstrap.servers": stack.bootstrap, "log_level": 2})
+        producer = Producer({**stack.kafka.confluent(), "log_level": 2})
         producer.produce(stack.catalogue.from_user(mallory_id), key=task_id, value=encode(impostor))
         assert producer.flush(10) == 0
 

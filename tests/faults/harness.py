@@ -38,17 +38,18 @@ from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, ManagedProcess
 from fxstream.ops.private import private_config
-from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet
+from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet, kafka_credentials_file
 from fxstream.sdk import Client, ClientSettings, Executor, TaskFuture
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     RecordDecodeError,
     TaskDispatch,
     TaskResult,
     decode,
     ensure_topics,
 )
-from tests.conftest import RunningPlatform
+from tests.conftest import RunningPlatform, write_kafka_credentials
 
 __all__ = [
     "LEASE_S",
@@ -90,7 +91,7 @@ class FaultStack:
 
     home: Path
     services: ServiceSet
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     credentials: Path
     endpoint_id: str
@@ -103,7 +104,7 @@ class FaultStack:
 
     def admin(self) -> AdminClient:
         """A fresh admin client on the stack's broker."""
-        return AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 2})
+        return AdminClient({**self.kafka.confluent(), "log_level": 2})
 
     def configure_agent(self, name: str, **settings: Any) -> None:
         """Write endpoint config ``name``: the local endpoint's, with ``settings`` changed.
@@ -196,11 +197,15 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
     catalogue = connection.catalogue()
     report = ensure_topics(kafka_platform.admin(), catalogue)
     assert report.ok, report
+    # The service processes find their Kafka principal where a platform home keeps it (the
+    # session platform's admin connection serves as both here).
+    for principal in ("admin", "service"):
+        write_kafka_credentials(kafka_platform.kafka, kafka_credentials_file(home, principal))
     services = ServiceSet(config)
     stack = FaultStack(
         home=home,
         services=services,
-        bootstrap=base.bootstrap_servers,
+        kafka=kafka_platform.kafka,
         catalogue=catalogue,
         credentials=services.credentials_file,
         endpoint_id="",
@@ -341,7 +346,7 @@ def committed_results(
     topic = stack.catalogue.results(client.user_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"faults-check-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
@@ -505,7 +510,7 @@ def dispatch_counts(stack: FaultStack, task_ids: Sequence[str]) -> Counter[str]:
     topic = stack.catalogue.endpoint_queue(stack.endpoint_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"faults-dispatches-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

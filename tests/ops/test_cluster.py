@@ -9,6 +9,7 @@ from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import Platform
 from fxstream.ops.private import private_config
+from fxstream.ops.services import platform_kafka
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.cluster
@@ -25,7 +26,8 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         assert len(connection.bootstrap_servers.split(",")) == 3
         assert (connection.replication_factor, connection.min_insync_replicas) == (3, 2)
 
-        admin = AdminClient({"bootstrap.servers": connection.bootstrap_servers, "log_level": 2})
+        kafka = platform_kafka(home, connection.bootstrap_servers)
+        admin = AdminClient({**kafka.confluent(), "log_level": 2})
         cluster = admin.describe_cluster(request_timeout=10).result(timeout=15)
         assert {node.id for node in cluster.nodes} == {1, 2, 3}
         assert cluster.controller is not None
@@ -41,7 +43,7 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         delivered: list[str] = []
         producer = Producer(
             {
-                "bootstrap.servers": connection.bootstrap_servers,
+                **kafka.confluent(),
                 "acks": "all",
                 "enable.idempotence": True,
                 "log_level": 2,

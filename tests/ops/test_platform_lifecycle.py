@@ -18,6 +18,7 @@ from confluent_kafka import Consumer, Producer
 
 from fxstream.ops import Platform, ProcessStartError
 from fxstream.ops.private import private_config
+from fxstream.ops.services import platform_kafka
 
 pytestmark = pytest.mark.platform
 
@@ -53,7 +54,8 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     topic = connection.catalogue().dead_letter
     marker = uuid.uuid4().bytes
-    producer = Producer({"bootstrap.servers": connection.bootstrap_servers, "acks": "all"})
+    kafka = platform_kafka(own_platform.config.home, connection.bootstrap_servers)
+    producer = Producer({**kafka.confluent(), "acks": "all"})
     producer.produce(topic, key=b"durability", value=marker)
     assert producer.flush(30) == 0
     store = redis.Redis.from_url(connection.redis_url)
@@ -69,7 +71,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     consumer = Consumer(
         {
-            "bootstrap.servers": connection.bootstrap_servers,
+            **platform_kafka(own_platform.config.home, connection.bootstrap_servers).confluent(),
             "group.id": f"durability-{uuid.uuid4()}",
             "auto.offset.reset": "earliest",
         }

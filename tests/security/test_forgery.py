@@ -90,7 +90,7 @@ def other_endpoint(client: Client) -> str:
 
 def produce(stack: PrivatePlatform, topic: str, key: str, value: bytes) -> None:
     """Write one record, as whoever the broker lets write ``topic``."""
-    producer = Producer({"bootstrap.servers": stack.bootstrap, "log_level": 2})
+    producer = Producer({**stack.kafka.confluent(), "log_level": 2})
     errors: list[object] = []
     producer.produce(topic, key=key, value=value, on_delivery=lambda e, _: errors.append(e))
     assert producer.flush(10) == 0
@@ -101,7 +101,7 @@ def records(stack: PrivatePlatform, topic: str) -> list[Message]:
     """Every committed record of ``topic``, from the beginning to its current end."""
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"forgery-{uuid.uuid4()}",
             "isolation.level": "read_committed",
             "enable.partition.eof": True,
@@ -151,7 +151,7 @@ def new_topic(stack: PrivatePlatform, topic: str, template: str) -> None:
     """Create one per-user or per-endpoint topic, as the service would for a new principal."""
     catalogue = stack.catalogue
     ensure_topics(
-        AdminClient({"bootstrap.servers": stack.bootstrap, "log_level": 0}),
+        AdminClient({**stack.kafka.confluent(), "log_level": 0}),
         catalogue,
         {topic: catalogue.spec(template)},
     )

@@ -21,7 +21,7 @@ from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
 from fxstream.ops.process import ProcessStartError, stop_together
 from fxstream.ops.redis_server import RedisServer
-from fxstream.ops.services import ComponentStatus, ServiceSet
+from fxstream.ops.services import ComponentStatus, ServiceSet, platform_kafka
 from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
 
 __all__ = [
@@ -287,11 +287,10 @@ class Platform:
                 result.topics_error = str(exc)
         return result
 
-    @staticmethod
-    def _admin(connection: ConnectionInfo) -> AdminClient:
+    def _admin(self, connection: ConnectionInfo) -> AdminClient:
         return AdminClient(
             {
-                "bootstrap.servers": connection.bootstrap_servers,
+                **platform_kafka(self.config.home, connection.bootstrap_servers).confluent(),
                 "socket.timeout.ms": 5000,
                 # Failures surface as exceptions with reasons; librdkafka's own log would
                 # repeat them on stderr.

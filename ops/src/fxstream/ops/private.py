@@ -26,8 +26,9 @@ from pathlib import Path
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
+from fxstream.ops.services import platform_kafka
 from fxstream.sdk import Client, ClientSettings, Executor
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, KafkaConnection
 
 __all__ = [
     "ExtraEndpoint",
@@ -102,6 +103,11 @@ class PrivatePlatform:
     def bootstrap(self) -> str:
         """Kafka's bootstrap servers."""
         return self.connection.bootstrap_servers
+
+    @property
+    def kafka(self) -> KafkaConnection:
+        """How ops' own clients (benches, tests) connect: as the platform's admin."""
+        return platform_kafka(self.home, self.connection.bootstrap_servers)
 
     @property
     def prefix(self) -> str:

@@ -9,6 +9,14 @@ which ``status`` reports. ``start`` also makes sure a local user exists
 (its credentials go to ``<home>/credentials.json``, mode 600, which the SDK
 reads through ``FXSTREAM_CREDENTIALS``) and that the local endpoint is
 configured under ``<home>/endpoints``.
+
+Who each process is on Kafka comes from a credentials file (0600 JSON,
+:meth:`fxstream.topics.KafkaConnection.from_file`) named by the
+``FXSTREAM_KAFKA_CREDENTIALS`` variable in its environment, never by a password
+on its command line: ``<home>/credentials/admin.json`` for the API (it creates
+principals and topics), ``<home>/credentials/service.json`` for the stream
+processors. A process whose file does not exist connects unauthenticated, which
+only the insecure development platform accepts.
 """
 
 from __future__ import annotations
@@ -29,10 +37,33 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
+from fxstream.topics import KafkaConnection, write_secret_file
 
-__all__ = ["LOCAL_ENDPOINT", "ComponentStatus", "Credentials", "ServiceSet"]
+__all__ = [
+    "KAFKA_CREDENTIALS_ENV",
+    "LOCAL_ENDPOINT",
+    "ComponentStatus",
+    "Credentials",
+    "ServiceSet",
+    "kafka_credentials_file",
+    "platform_kafka",
+]
 
 LOCAL_ENDPOINT = "local"
+KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
+
+
+def kafka_credentials_file(home: Path, principal: str) -> Path:
+    """Where a platform home keeps the Kafka credentials of ``principal`` (admin, service)."""
+    return home / "credentials" / f"{principal}.json"
+
+
+def platform_kafka(home: Path, bootstrap_servers: str, principal: str = "admin") -> KafkaConnection:
+    """How to connect to the platform of ``home`` as ``principal``: from its credentials file
+    when the platform wrote one, else unauthenticated to ``bootstrap_servers`` (the insecure
+    development platform)."""
+    path = kafka_credentials_file(home, principal)
+    return KafkaConnection.from_file(path) if path.is_file() else KafkaConnection(bootstrap_servers)
 
 
 @dataclass(frozen=True)
@@ -56,23 +87,43 @@ class Credentials:
     """The local user and where everything is: what ``FXSTREAM_CREDENTIALS`` points at."""
 
     service_url: str
-    bootstrap_servers: str
+    kafka: KafkaConnection
     topic_prefix: str
     user_id: str
     token: str
     store_url: str | None = None
 
+    def to_json(self) -> dict[str, str | None]:
+        """The file's fields: the SDK's credentials keys (the Kafka principal's included)."""
+        return {
+            "service_url": self.service_url,
+            **self.kafka.to_json(),
+            "topic_prefix": self.topic_prefix,
+            "user_id": self.user_id,
+            "token": self.token,
+            "store_url": self.store_url,
+        }
+
     def save(self, path: Path) -> None:
-        """Write the file readable by its owner only (it holds a token)."""
-        path.write_text(json.dumps(self.__dict__, indent=2) + "\n")
-        path.chmod(0o600)
+        """Write the file readable by its owner only (it holds a token), atomically."""
+        write_secret_file(path, (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> Credentials | None:
         """The saved credentials, or None if there are none."""
         if not path.is_file():
             return None
-        return cls(**json.loads(path.read_text()))
+        fields = json.loads(path.read_text())
+        if "bootstrap_servers" in fields:  # the layout before the Kafka principal was in it
+            fields["bootstrap"] = fields.pop("bootstrap_servers")
+        return cls(
+            service_url=fields["service_url"],
+            kafka=KafkaConnection.from_json(fields, source=str(path)),
+            topic_prefix=fields["topic_prefix"],
+            user_id=fields["user_id"],
+            token=fields["token"],
+            store_url=fields.get("store_url"),
+        )
 
 
 def _bin(name: str) -> str:
@@ -99,6 +150,10 @@ class ServiceSet:
         connection = str(config.home / "platform.json")
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
+        # The API acts as the platform's admin (it creates principals and topics); the
+        # processors as the service principal. The variable names the file, not a secret.
+        api_env = self._kafka_env("admin")
+        processor_env = self._kafka_env("service")
         self._specs = [
             ChildSpec(
                 name="service api",
@@ -112,6 +167,7 @@ class ServiceSet:
                     str(config.service_port),
                 ],
                 log_file=str(logs / "service-api.log"),
+                env=api_env,
             ),
             *(
                 ChildSpec(
@@ -120,6 +176,7 @@ class ServiceSet:
                     argv=[*worker, role],
                     log_file=str(logs / f"service-{role}.log"),
                     cwd=str(self.state_dir),
+                    env=processor_env,
                     stop_wave=1,
                 )
                 for role in ("router", "ingress", "task-state", "liveness")
@@ -151,6 +208,10 @@ class ServiceSet:
         self.task_state = handles["task-state"]
         self.liveness = handles["liveness"]
         self.endpoint = handles["endpoint"]
+
+    def _kafka_env(self, principal: str) -> dict[str, str]:
+        path = kafka_credentials_file(self.config.home, principal)
+        return {KAFKA_CREDENTIALS_ENV: str(path)} if path.is_file() else {}
 
     @property
     def credentials_file(self) -> Path:
@@ -320,11 +381,13 @@ class ServiceSet:
     def _ensure_user(
         self, bootstrap_servers: str, topic_prefix: str, store_url: str | None
     ) -> Credentials:
+        # The local user's Kafka principal: unauthenticated on the insecure platform.
+        kafka = KafkaConnection(bootstrap_servers)
         saved = Credentials.load(self.credentials_file)
         if saved is not None and self._token_works(saved.token):
-            if saved.store_url != store_url:
-                saved = dataclasses.replace(saved, store_url=store_url)
-                saved.save(self.credentials_file)
+            # Rewritten every time: the store may have moved, the file may be of an older layout.
+            saved = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
+            saved.save(self.credentials_file)
             return saved
         response = httpx.post(
             f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
@@ -336,7 +399,7 @@ class ServiceSet:
         body = response.json()
         credentials = Credentials(
             service_url=self.service_url,
-            bootstrap_servers=bootstrap_servers,
+            kafka=kafka,
             topic_prefix=topic_prefix,
             user_id=body["user_id"],
             token=body["token"],
@@ -378,7 +441,7 @@ class ServiceSet:
                 "--service-url",
                 credentials.service_url,
                 "--bootstrap",
-                credentials.bootstrap_servers,
+                credentials.kafka.bootstrap,
                 "--token",
                 credentials.token,
                 "--prefix",
