@@ -334,6 +334,13 @@ def test_a_task_pinned_to_code_that_changed_since_is_refused(
         created_at=time.time(),
     )
     produce(stack, stack.catalogue.functions, function_id, encode(changed))
+    # Once the service shows the new code (the router follows the same registry topic):
+    # a submission a moment before the change would rightly run the code it pinned.
+    deadline = time.monotonic() + WAIT_S
+    while client.get_function(function_id)["code_sha256"] != changed.code_sha256:
+        assert time.monotonic() < deadline, "the service never showed the changed code"
+        time.sleep(0.2)
+    time.sleep(1.0)
     marker = tmp_path / "ran"
     task = client.prepare_task(stack.endpoint_id, function_id, (str(marker),), function_sha256=old)
     future = client.track(task)
