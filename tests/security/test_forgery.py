@@ -27,13 +27,17 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops.private import PrivatePlatform
 from fxstream.sdk import Client, TaskRejected
 from fxstream.topics import (
+    DataLocation,
     DeadLetter,
     FunctionRecord,
     Heartbeat,
     Serializer,
     TaskDispatch,
+    TaskEvent,
     TaskResult,
+    TaskStateName,
     TaskSubmission,
+    WarmAdvert,
     client_info,
     code_sha256,
     decode,
@@ -278,6 +282,51 @@ def test_a_heartbeat_for_another_endpoint_is_dead_lettered(
     assert agent_id not in {b.agent_id for b in beats}
     # The endpoint's own heartbeats do arrive (through the same ingress).
     assert stack.endpoint_id in {b.endpoint_id for b in beats}
+
+
+def test_adverts_events_and_locations_speak_only_for_their_own_endpoint(
+    stack: PrivatePlatform, client: Client, other_endpoint: str
+) -> None:
+    # A warm advert naming itself but keyed as the victim's (compacted: it would replace
+    # the victim's advert), a task event for the victim's task, a location at its site.
+    advert = WarmAdvert(endpoint_id=other_endpoint, manager_id="node", advertised_at=time.time())
+    function_id = client.register_function(sleep_then)
+    task_id = client.run(0.0, "x", endpoint_id=stack.endpoint_id, function_id=function_id)
+    assert client.future(task_id).result(timeout=WAIT_S) == "x"
+    event = TaskEvent(
+        task_id=task_id,
+        user_id=client.user_id,
+        function_id=function_id,
+        endpoint_id=stack.endpoint_id,
+        state=TaskStateName.RUNNING,
+        at=time.time(),
+        source="forged",
+    )
+    location = DataLocation(
+        object_key=f"forged-{uuid.uuid4()}",
+        store="redis",
+        site=stack.endpoint_id,
+        size_bytes=1,
+        updated_at=time.time(),
+    )
+    own = stack.catalogue.from_endpoint(other_endpoint)
+    cases = [
+        (f"{stack.endpoint_id}/node", encode(advert), "IdentityMismatch"),
+        (task_id, encode(event), "NotRoutedHere"),
+        (location.object_key, encode(location), "IdentityMismatch"),
+    ]
+    for key, value, _ in cases:
+        produce(stack, own, key, value)
+    for _, value, error_type in cases:
+        dead_letter_of(stack, value, error_type=error_type, component="ingress")
+    assert f"{stack.endpoint_id}/node".encode() not in keys_of(stack, stack.catalogue.warm)
+    assert location.object_key.encode() not in keys_of(stack, stack.catalogue.data_locations)
+    forwarded = [
+        decode(m.value(), TaskEvent)
+        for m in records(stack, stack.catalogue.task_events)
+        if m.key() == task_id.encode()
+    ]
+    assert "forged" not in {e.source for e in forwarded}
 
 
 def test_a_dispatch_naming_another_endpoint_is_refused_by_the_agent_unread(
