@@ -13,7 +13,7 @@ import pytest
 from fxstream.sdk import Client, ConfigurationError, Executor, PayloadTooLarge
 from fxstream.topics import SerializationError, Serializer, client_info, encode
 from tests.conftest import write_kafka_credentials
-from tests.sdk.conftest import CODE_DIGEST, SdkTopics
+from tests.sdk.conftest import CODE_DIGEST, OfflineClient, SdkTopics
 from tests.sdk.streams import end_offsets, read_from, submissions
 
 ENDPOINT = "ep-submit"
@@ -155,7 +155,7 @@ def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics, tmp_
         "FXSTREAM_TOKEN": sdk_topics.token,
         "FXSTREAM_MAX_INLINE_BYTES": "1000",
     }
-    with Client.from_environment(env) as small:
+    with OfflineClient.from_environment(env) as small:
         assert small.max_inline_bytes == 1000
         with pytest.raises(PayloadTooLarge, match="1,000 bytes"):
             small.run("x" * 2000, endpoint_id=ENDPOINT, function_id="fn-a")

@@ -325,6 +325,17 @@ class Client:
         self._remember_digest(function_id, digest)
         return digest
 
+    def pin_function(self, function_id: str, sha256: str) -> None:
+        """Pin the code digest the tasks of ``function_id`` carry, instead of asking the
+        service (e.g. code you have read and hashed yourself: ``code_sha256(code)``).
+
+        A task pinned to a digest the registered code no longer has is refused by the
+        router (``TaskRejected``: the function changed), never run with other code.
+        """
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise ValueError(f"{sha256!r} is not a hex SHA-256 (64 characters 0-9a-f)")
+        self._remember_digest(function_id, sha256)
+
     def _remember_digest(self, function_id: str, digest: str) -> None:
         with self._lock:
             self._digests[function_id] = digest
