@@ -19,7 +19,6 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
-from fxstream.ops.services import platform_kafka
 from fxstream.topics import KafkaConnection, write_secret_file
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
@@ -80,30 +79,26 @@ def write_kafka_credentials(kafka: KafkaConnection, path: Path) -> Path:
 
 @dataclass(frozen=True)
 class RunningPlatform:
-    """The session's platform: its config, launcher and connection."""
+    """The session's platform: its config, launcher, connection and admin principal."""
 
     config: PlatformConfig
     platform: Platform
     connection: ConnectionInfo
-
-    @property
-    def kafka(self) -> KafkaConnection:
-        """How tests connect to the session broker: as the platform's admin principal."""
-        return platform_kafka(self.config.home, self.connection.bootstrap_servers)
+    kafka: KafkaConnection
 
     def admin(self) -> AdminClient:
-        """A fresh admin client on the session broker."""
+        """A fresh admin client on the session broker (as the admin principal)."""
         return AdminClient({**self.kafka.confluent(), "log_level": 2})
 
 
 @pytest.fixture(scope="session")
 def kafka_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPlatform]:
-    """One private broker + Redis for the whole session (started once, ~10 s)."""
+    """One private secure broker + Redis for the whole session (started once, ~10 s)."""
     config = private_config(tmp_path_factory.mktemp("platform"))
     platform = Platform(config)
     try:
         connection = platform.up()
-        yield RunningPlatform(config, platform, connection)
+        yield RunningPlatform(config, platform, connection, platform.kafka(cluster=False))
     finally:
         platform.down()
 
@@ -116,7 +111,7 @@ def bootstrap(kafka_platform: RunningPlatform) -> str:
 
 @pytest.fixture
 def kafka(kafka_platform: RunningPlatform) -> KafkaConnection:
-    """How tests connect to the session broker (the platform's admin principal)."""
+    """The session broker as its admin principal (SASL/SCRAM-SHA-512 over TLS)."""
     return kafka_platform.kafka
 
 

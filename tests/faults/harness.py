@@ -38,7 +38,7 @@ from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, ManagedProcess
 from fxstream.ops.private import private_config
-from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet, kafka_credentials_file
+from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet
 from fxstream.sdk import Client, ClientSettings, Executor, TaskFuture
 from fxstream.topics import (
     Catalogue,
@@ -49,7 +49,7 @@ from fxstream.topics import (
     decode,
     ensure_topics,
 )
-from tests.conftest import RunningPlatform, write_kafka_credentials
+from tests.conftest import RunningPlatform
 
 __all__ = [
     "LEASE_S",
@@ -192,15 +192,13 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         topic_prefix=prefix,
         replication_factor=base.replication_factor,
         min_insync_replicas=base.min_insync_replicas,
+        security=base.security,
+        ca_file=base.ca_file,
     )
     (home / "platform.json").write_text(json.dumps(asdict(connection), indent=2) + "\n")
     catalogue = connection.catalogue()
     report = ensure_topics(kafka_platform.admin(), catalogue)
     assert report.ok, report
-    # The service processes find their Kafka principal where a platform home keeps it (the
-    # session platform's admin connection serves as both here).
-    for principal in ("admin", "service"):
-        write_kafka_credentials(kafka_platform.kafka, kafka_credentials_file(home, principal))
     services = ServiceSet(config)
     stack = FaultStack(
         home=home,
@@ -211,7 +209,7 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         endpoint_id="",
     )
     try:
-        _, endpoint_id = services.start(base.bootstrap_servers, prefix)
+        _, endpoint_id = services.start(kafka_platform.kafka, prefix)
     except BaseException:
         stack.stop()
         raise

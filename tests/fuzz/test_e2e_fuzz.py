@@ -32,7 +32,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from fxstream.ops import Platform
-from fxstream.ops.services import Credentials, platform_kafka
+from fxstream.ops.services import Credentials
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import Catalogue, DeadLetter, KafkaConnection, Record, decode
 from tests.conftest import private_config
@@ -99,7 +99,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert endpoint_id is not None and credentials is not None
         yield Stack(
             platform,
-            platform_kafka(platform.config.home, connection.bootstrap_servers),
+            platform.kafka(cluster=False),
             Catalogue(prefix=connection.topic_prefix),
             services.credentials_file,
             credentials,

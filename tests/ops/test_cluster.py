@@ -9,7 +9,6 @@ from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import Platform
 from fxstream.ops.private import private_config
-from fxstream.ops.services import platform_kafka
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.cluster
@@ -26,7 +25,7 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         assert len(connection.bootstrap_servers.split(",")) == 3
         assert (connection.replication_factor, connection.min_insync_replicas) == (3, 2)
 
-        kafka = platform_kafka(home, connection.bootstrap_servers)
+        kafka = platform.kafka(cluster=True)
         admin = AdminClient({**kafka.confluent(), "log_level": 2})
         cluster = admin.describe_cluster(request_timeout=10).result(timeout=15)
         assert {node.id for node in cluster.nodes} == {1, 2, 3}

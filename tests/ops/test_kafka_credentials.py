@@ -8,13 +8,7 @@ import stat
 from pathlib import Path
 
 from fxstream.ops.private import private_config
-from fxstream.ops.services import (
-    KAFKA_CREDENTIALS_ENV,
-    Credentials,
-    ServiceSet,
-    kafka_credentials_file,
-    platform_kafka,
-)
+from fxstream.ops.services import KAFKA_CREDENTIALS_ENV, Credentials, ServiceSet
 from fxstream.sdk import ClientSettings
 from fxstream.topics import KafkaConnection, write_secret_file
 
@@ -28,30 +22,22 @@ def _secure(tmp_path: Path, username: str) -> KafkaConnection:
 def test_service_processes_are_named_their_credentials_file_not_given_the_secret(
     tmp_path: Path,
 ) -> None:
-    config = private_config(tmp_path / "home")
-    bare = ServiceSet(config).supervisor_spec()
-    assert all(KAFKA_CREDENTIALS_ENV not in child.env for child in bare.children)
-
-    for principal in ("admin", "service"):
-        connection = _secure(tmp_path, f"fxstream-{principal}")
-        path = kafka_credentials_file(config.home, principal)
-        write_secret_file(path, json.dumps(connection.to_json()).encode())
-    spec = ServiceSet(config).supervisor_spec()
-    named = {child.key: child.env.get(KAFKA_CREDENTIALS_ENV) for child in spec.children}
-    assert named["api"] == str(kafka_credentials_file(config.home, "admin"))
-    for role in ("router", "task-state", "liveness"):
-        assert named[role] == str(kafka_credentials_file(config.home, "service"))
-    # The secret is in neither an argument nor the environment of any process.
-    text = json.dumps([(child.argv, child.env) for child in spec.children])
-    assert "password" not in text
-    assert platform_kafka(config.home, "ignored:1").username == "fxstream-admin"
-    assert platform_kafka(config.home, "b:1", "service").username == "fxstream-service"
-    assert platform_kafka(tmp_path / "elsewhere", "b:1") == KafkaConnection("b:1")
+    services = ServiceSet(private_config(tmp_path / "home"))
+    named = {
+        child.key: child.env.get(KAFKA_CREDENTIALS_ENV)
+        for child in services.supervisor_spec().children
+    }
+    for role in ("api", "router", "task-state", "liveness"):
+        assert named[role] == str(services.service_credentials_file)
+    text = json.dumps([(c.argv, c.env) for c in services.supervisor_spec().children])
+    assert "password" not in text and "token" not in text
 
 
 def test_the_users_credentials_file_holds_the_sdk_keys_owner_only(tmp_path: Path) -> None:
     kafka = _secure(tmp_path, "u.u-1")
     credentials = Credentials("http://svc:1", kafka, "fx.", "u-1", "token", "redis://r:1")
+    # Neither secret is in a repr, so neither reaches a log line.
+    assert "'token'" not in repr(credentials) and "u.u-1-password" not in repr(credentials)
     path = tmp_path / "credentials.json"
     credentials.save(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

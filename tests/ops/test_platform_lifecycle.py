@@ -18,7 +18,6 @@ from confluent_kafka import Consumer, Producer
 
 from fxstream.ops import Platform, ProcessStartError
 from fxstream.ops.private import private_config
-from fxstream.ops.services import platform_kafka
 
 pytestmark = pytest.mark.platform
 
@@ -54,7 +53,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     topic = connection.catalogue().dead_letter
     marker = uuid.uuid4().bytes
-    kafka = platform_kafka(own_platform.config.home, connection.bootstrap_servers)
+    kafka = own_platform.kafka(cluster=False)
     producer = Producer({**kafka.confluent(), "acks": "all"})
     producer.produce(topic, key=b"durability", value=marker)
     assert producer.flush(30) == 0
@@ -71,7 +70,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     consumer = Consumer(
         {
-            **platform_kafka(own_platform.config.home, connection.bootstrap_servers).confluent(),
+            **own_platform.kafka(cluster=False).confluent(),
             "group.id": f"durability-{uuid.uuid4()}",
             "auto.offset.reset": "earliest",
         }

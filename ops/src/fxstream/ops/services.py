@@ -6,17 +6,14 @@ processor, the liveness processor and the local endpoint. The supervisor is
 itself a process started detached and tracked by PID (like the broker and
 Redis); it restarts a crashed child with backoff and records its restarts,
 which ``status`` reports. ``start`` also makes sure a local user exists
-(its credentials go to ``<home>/credentials.json``, mode 600, which the SDK
-reads through ``FXSTREAM_CREDENTIALS``) and that the local endpoint is
+(its credentials go to ``<home>/credentials.json``, created 0600, which the SDK
+reads through ``FXSTREAM_CREDENTIALS``; they include the user's Kafka principal as
+:meth:`~fxstream.topics.KafkaConnection.to_json` fields) and that the local endpoint is
 configured under ``<home>/endpoints``.
 
-Who each process is on Kafka comes from a credentials file (0600 JSON,
-:meth:`fxstream.topics.KafkaConnection.from_file`) named by the
-``FXSTREAM_KAFKA_CREDENTIALS`` variable in its environment, never by a password
-on its command line: ``<home>/credentials/admin.json`` for the API (it creates
-principals and topics), ``<home>/credentials/service.json`` for the stream
-processors. A process whose file does not exist connects unauthenticated, which
-only the insecure development platform accepts.
+Kafka credentials reach the processes as file paths, never secrets on a command line: the
+API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``,
+the local endpoint's config names ``<home>/credentials/endpoint-local.json``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -37,7 +34,7 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
-from fxstream.topics import KafkaConnection, write_secret_file
+from fxstream.topics import KafkaConnection, read_secret_json, write_secret_file
 
 __all__ = [
     "KAFKA_CREDENTIALS_ENV",
@@ -45,25 +42,11 @@ __all__ = [
     "ComponentStatus",
     "Credentials",
     "ServiceSet",
-    "kafka_credentials_file",
-    "platform_kafka",
 ]
 
 LOCAL_ENDPOINT = "local"
+# Names the Kafka credentials file a service process or `fxstream-endpoint configure` reads.
 KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
-
-
-def kafka_credentials_file(home: Path, principal: str) -> Path:
-    """Where a platform home keeps the Kafka credentials of ``principal`` (admin, service)."""
-    return home / "credentials" / f"{principal}.json"
-
-
-def platform_kafka(home: Path, bootstrap_servers: str, principal: str = "admin") -> KafkaConnection:
-    """How to connect to the platform of ``home`` as ``principal``: from its credentials file
-    when the platform wrote one, else unauthenticated to ``bootstrap_servers`` (the insecure
-    development platform)."""
-    path = kafka_credentials_file(home, principal)
-    return KafkaConnection.from_file(path) if path.is_file() else KafkaConnection(bootstrap_servers)
 
 
 @dataclass(frozen=True)
@@ -84,17 +67,23 @@ class ComponentStatus:
 
 @dataclass(frozen=True)
 class Credentials:
-    """The local user and where everything is: what ``FXSTREAM_CREDENTIALS`` points at."""
+    """The local user and where everything is: what ``FXSTREAM_CREDENTIALS`` points at.
+
+    The file holds the SDK's credentials keys (:mod:`fxstream.sdk.settings`): the user's
+    Kafka principal as :meth:`~fxstream.topics.KafkaConnection.to_json` fields
+    (``bootstrap``, and on the secure platform ``kafka_username``, ``kafka_password``,
+    ``kafka_ca_file``).
+    """
 
     service_url: str
     kafka: KafkaConnection
     topic_prefix: str
     user_id: str
-    token: str
+    token: str = field(repr=False)
     store_url: str | None = None
 
     def to_json(self) -> dict[str, str | None]:
-        """The file's fields: the SDK's credentials keys (the Kafka principal's included)."""
+        """The file's fields."""
         return {
             "service_url": self.service_url,
             **self.kafka.to_json(),
@@ -105,15 +94,15 @@ class Credentials:
         }
 
     def save(self, path: Path) -> None:
-        """Write the file readable by its owner only (it holds a token), atomically."""
+        """Write the file readable by its owner only, atomically (it holds secrets)."""
         write_secret_file(path, (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> Credentials | None:
-        """The saved credentials, or None if there are none."""
+        """The saved credentials, or None if there are none (refused if others may read it)."""
         if not path.is_file():
             return None
-        fields = json.loads(path.read_text())
+        fields = read_secret_json(path)
         if "bootstrap_servers" in fields:  # the layout before the Kafka principal was in it
             fields["bootstrap"] = fields.pop("bootstrap_servers")
         return cls(
@@ -150,10 +139,7 @@ class ServiceSet:
         connection = str(config.home / "platform.json")
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
-        # The API acts as the platform's admin (it creates principals and topics); the
-        # processors as the service principal. The variable names the file, not a secret.
-        api_env = self._kafka_env("admin")
-        processor_env = self._kafka_env("service")
+        service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file)}
         self._specs = [
             ChildSpec(
                 name="service api",
@@ -167,7 +153,7 @@ class ServiceSet:
                     str(config.service_port),
                 ],
                 log_file=str(logs / "service-api.log"),
-                env=api_env,
+                env=service_env,
             ),
             *(
                 ChildSpec(
@@ -176,8 +162,8 @@ class ServiceSet:
                     argv=[*worker, role],
                     log_file=str(logs / f"service-{role}.log"),
                     cwd=str(self.state_dir),
-                    env=processor_env,
                     stop_wave=1,
+                    env=service_env,
                 )
                 for role in ("router", "ingress", "task-state", "liveness")
             ),
@@ -209,14 +195,20 @@ class ServiceSet:
         self.liveness = handles["liveness"]
         self.endpoint = handles["endpoint"]
 
-    def _kafka_env(self, principal: str) -> dict[str, str]:
-        path = kafka_credentials_file(self.config.home, principal)
-        return {KAFKA_CREDENTIALS_ENV: str(path)} if path.is_file() else {}
-
     @property
     def credentials_file(self) -> Path:
         """The local user's credentials (for the SDK)."""
         return self.config.home / "credentials.json"
+
+    @property
+    def service_credentials_file(self) -> Path:
+        """The service processes' Kafka principal (written by the platform, 0600)."""
+        return self.config.home / "credentials" / "service.json"
+
+    @property
+    def endpoint_credentials_file(self) -> Path:
+        """The local endpoint's Kafka principal (0600)."""
+        return self.config.home / "credentials" / f"endpoint-{LOCAL_ENDPOINT}.json"
 
     @property
     def endpoints_dir(self) -> Path:
@@ -253,15 +245,21 @@ class ServiceSet:
     # --- start / stop ------------------------------------------------------------------
 
     def start(
-        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None = None
+        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None = None
     ) -> tuple[Credentials, str]:
         """Start the API and processors, ensure the local user and endpoint, start the endpoint.
 
+        ``kafka`` is the platform's admin connection: for now the service processes, the
+        local user and the local endpoint all connect as that principal (files 0600 in
+        ``<home>/credentials``); per-role principals replace it (issue 13's principal table).
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
+        write_secret_file(self.service_credentials_file, text)
+        write_secret_file(self.endpoint_credentials_file, text)
         if not self.supervisor.is_running():
             if not self.api.is_running():
                 ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
@@ -272,8 +270,8 @@ class ServiceSet:
             self.endpoint.hold_file.touch()
             self.supervisor.start()
         self._wait_for_api()
-        credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url)
-        endpoint_id = self._ensure_endpoint(credentials)
+        credentials = self._ensure_user(kafka, topic_prefix, store_url)
+        endpoint_id = self._ensure_endpoint(credentials, secure=kafka.secure)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
         return credentials, endpoint_id
@@ -379,16 +377,15 @@ class ServiceSet:
     # --- the local user and endpoint ---------------------------------------------------
 
     def _ensure_user(
-        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None
+        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None
     ) -> Credentials:
-        # The local user's Kafka principal: unauthenticated on the insecure platform.
-        kafka = KafkaConnection(bootstrap_servers)
         saved = Credentials.load(self.credentials_file)
         if saved is not None and self._token_works(saved.token):
-            # Rewritten every time: the store may have moved, the file may be of an older layout.
-            saved = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
-            saved.save(self.credentials_file)
-            return saved
+            # Rewritten every time: the store or the principal may have changed, and the file
+            # may be of an older layout.
+            updated = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
+            updated.save(self.credentials_file)
+            return updated
         response = httpx.post(
             f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
         )
@@ -421,12 +418,15 @@ class ServiceSet:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         return _endpoint_id(config_file) if config_file.is_file() else None
 
-    def _ensure_endpoint(self, credentials: Credentials) -> str:
+    def _ensure_endpoint(self, credentials: Credentials, *, secure: bool) -> str:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
+        kafka_credentials = str(self.endpoint_credentials_file) if secure else None
         if (
             config_file.is_file()
             and _setting(config_file, "token") == credentials.token
             and _setting(config_file, "store_url") == credentials.store_url
+            and _setting(config_file, "kafka_credentials") == kafka_credentials
+            and _setting(config_file, "bootstrap_servers") == credentials.kafka.bootstrap
         ):
             return _endpoint_id(config_file)
         store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
@@ -442,13 +442,16 @@ class ServiceSet:
                 credentials.service_url,
                 "--bootstrap",
                 credentials.kafka.bootstrap,
-                "--token",
-                credentials.token,
                 "--prefix",
                 credentials.topic_prefix,
                 *store,
             ],
-            env=self._endpoint_env(),
+            # Secrets by environment and file, never on the command line.
+            env={
+                **self._endpoint_env(),
+                "FXSTREAM_TOKEN": credentials.token,
+                **({KAFKA_CREDENTIALS_ENV: kafka_credentials} if kafka_credentials else {}),
+            },
             capture_output=True,
             text=True,
         )

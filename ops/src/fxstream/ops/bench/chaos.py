@@ -58,7 +58,7 @@ from fxstream.ops.install import ensure_java
 from fxstream.ops.kafka import KafkaNode, cluster_id_for, wait_for_cluster
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import free_port_block, free_ports
-from fxstream.ops.services import LOCAL_ENDPOINT, Credentials, ServiceSet, platform_kafka
+from fxstream.ops.services import LOCAL_ENDPOINT, Credentials, ServiceSet
 from fxstream.ops.supervisor import SupervisedProcess
 from fxstream.sdk import Client, Executor, TaskFuture
 from fxstream.topics import KafkaConnection, TaskResult, decode
@@ -136,7 +136,7 @@ class ChaosCluster:
             raise BenchError("the cluster platform started without its user or local endpoint")
         report(f"restarting the local endpoint with a {LEASE_S:g} s lease")
         _shorten_lease(services)
-        nodes = platform.nodes(cluster=True, java=ensure_java())
+        nodes = platform.nodes(cluster=True, java=ensure_java(), security=platform.security())
         return cls(platform, connection, services, credentials, endpoint_id, nodes)
 
     # --- clients -------------------------------------------------------------------------
@@ -158,7 +158,7 @@ class ChaosCluster:
     @property
     def kafka(self) -> KafkaConnection:
         """How the chaos bench's own clients connect: as the platform's admin."""
-        return platform_kafka(self.platform.config.home, self.connection.bootstrap_servers)
+        return self.platform.kafka(cluster=True)
 
     def admin(self) -> AdminClient:
         """An admin client on the cluster."""
@@ -236,7 +236,7 @@ class ChaosCluster:
     def restart_broker(self, node: KafkaNode, timeout_s: float = 90.0) -> None:
         """Start a stopped broker again and wait until every broker is registered."""
         node.start(cluster_id_for(node.directory.parent))
-        wait_for_cluster(self.nodes, timeout_s=timeout_s)
+        wait_for_cluster(self.nodes, self.platform.kafka(cluster=True), timeout_s=timeout_s)
 
     # --- the Python services -------------------------------------------------------------
 
