@@ -182,9 +182,16 @@ def test_a_long_task_shows_running_while_its_agent_holds_it(stack: Stack) -> Non
 def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
     client = stack.client()
     try:
-        task_id = client.run(endpoint_id=stack.endpoint_id, function_id=str(uuid.uuid4()))
+        unknown = str(uuid.uuid4())
+        # The client asks the service for the code's digest first: nothing is sent.
+        with pytest.raises(NotFound, match=unknown):
+            client.run(endpoint_id=stack.endpoint_id, function_id=unknown)
+        # Sent anyway, pinned to a made-up digest: the router refuses it.
+        task = client.prepare_task(stack.endpoint_id, unknown, function_sha256="0" * 64)
+        future = client.track(task)
+        client.send([(task, future)])
         with pytest.raises(TaskRejected, match="does not exist or is not shared"):
-            client.future(task_id).result(timeout=60)
+            future.result(timeout=60)
     finally:
         client.close()
 
