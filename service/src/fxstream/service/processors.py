@@ -243,8 +243,14 @@ def _add_ingress(
 ) -> None:
     # The routing facts (task -> endpoint, user) are the router's routed states, read
     # back from task-state into an on-disk table (see fxstream.service.ingress).
+    # A task's routed state is written a few ms before its result can arrive: the view
+    # must not batch its fetches for longer than that, or most results wait for it.
     states = RegistryView(
-        kafka, catalogue, follow=("task-state",), component="ingress's task-state view"
+        kafka,
+        catalogue,
+        follow=("task-state",),
+        component="ingress's task-state view",
+        fetch_wait_max_ms=2,
     )
     ingress = Ingress(catalogue, states, TopicDirectory(kafka))
     loop = RouterLoop(
