@@ -261,6 +261,9 @@ def _add_ingress(
         batch_size=batch_size,
         pattern=catalogue.from_endpoint_pattern,
         component=INGRESS,
+        # Its inputs are the agents' transactions: a fetch parked before a commit marker
+        # must not hold a result back for long.
+        fetch_max_wait_ms=5,
     )
 
     async def forward() -> None:

@@ -115,6 +115,7 @@ class RouterLoop(StoppableLoop):
         instance: str = "0",
         batch_size: int = 500,
         metadata_max_age_ms: int = 2_000,
+        fetch_max_wait_ms: int = 500,
         pattern: str | None = None,
         component: str = COMPONENT,
     ) -> None:
@@ -141,6 +142,8 @@ class RouterLoop(StoppableLoop):
             # How soon a new user's from.user topic is noticed and subscribed: its first
             # submission waits at most this long (metadata requests are cheap).
             "metadata_max_age_ms": metadata_max_age_ms,
+            # How long the broker may hold a fetch with nothing (committed) to return.
+            "fetch_max_wait_ms": fetch_max_wait_ms,
         }
         self._producer_settings: dict[str, Any] = {
             **kafka.aiokafka(),
