@@ -87,6 +87,8 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     finally:
         client.close()
     settings = stack.settings
+    # The agent's Kafka principal: the local endpoint's credentials file (secure platform).
+    kafka_file = stack.platform.services().endpoint_credentials_file
     env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(home)}
     os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(home)
     try:
@@ -95,6 +97,7 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
             endpoint_id=endpoint_id,
             service_url=settings.service_url,
             bootstrap_servers=stack.bootstrap,
+            kafka_credentials=str(kafka_file) if stack.connection.secure else None,
             token=_token(stack),
             topic_prefix=stack.prefix,
             workers=2,

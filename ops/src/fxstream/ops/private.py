@@ -26,6 +26,7 @@ from pathlib import Path
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
+from fxstream.ops.services import KAFKA_CREDENTIALS_ENV
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import Catalogue, KafkaConnection
 
@@ -198,10 +199,15 @@ class PrivatePlatform:
         store = settings.store_url if store_url == "platform" else store_url
         if store:
             argv += ["--store-url", store]
-        # The token goes through the environment, never the command line.
+        # Secrets go through the environment and files, never the command line. The agent
+        # connects as the local endpoint's Kafka principal (the platform writes its file).
+        secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
+        if self.kafka.secure:
+            credentials = self.platform.services().endpoint_credentials_file
+            secrets_env[KAFKA_CREDENTIALS_ENV] = str(credentials)
         done = subprocess.run(
             argv,
-            env={**env, "FXSTREAM_TOKEN": settings.token or ""},
+            env={**env, **secrets_env},
             capture_output=True,
             text=True,
         )
