@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
 
 from fxstream.ops.private import PrivatePlatform, private_platform
 from fxstream.sdk import Client, ClientSettings, Executor
@@ -27,9 +27,11 @@ from fxstream.topics import (
     Catalogue,
     DeadLetter,
     KafkaConnection,
+    TaskCancel,
     TaskErrorType,
     TaskResult,
     decode,
+    encode,
     record_kind,
 )
 from tests.e2e.stack import wait_for_state
@@ -124,7 +126,7 @@ class Stack:
         consumer = Consumer(
             {
                 **self.kafka.confluent(),
-                "group.id": f"fxstream-endpoint-{endpoint_id}",
+                "group.id": f"fxstream-endpoint.{endpoint_id}",
                 "log_level": 2,
             }
         )
@@ -350,23 +352,27 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
         )
         assert "only its submitter may cancel it" in letter.reason
         assert record_kind(letter.original_value) == "cancel"
-        # Her token with the owner's user id is refused by the router, before any queue.
-        impostor = Client(
-            stack.settings.service_url,
-            kafka=stack.settings.kafka,
-            topic_prefix=stack.catalogue.prefix,
-            user_id=stack.settings.user_id,
-            token=mallory_token,
+        # On her own topic (the only one she may write) with the owner's user id: the
+        # router believes the topic, and dead-letters it before any queue.
+        impostor = TaskCancel(
+            task_id=task_id,
+            user_id=stack.settings.user_id or "",
+            endpoint_id=stack.single_endpoint,
+            requested_at=time.time(),
         )
-        try:
-            impostor.cancel(task_id, endpoint_id=stack.single_endpoint)
-        finally:
-            impostor.close()
+        producer = Producer({**stack.kafka.confluent(), "log_level": 2})
+        producer.produce(stack.catalogue.from_user(mallory_id), key=task_id, value=encode(impostor))
+        assert producer.flush(10) == 0
+
+        def mismatch(message: Message) -> bool:
+            letter = decode(message.value(), DeadLetter)
+            return letter.error_type == "IdentityMismatch" and letter.component == "router"
+
         letter = decode(
-            stack.wait_for_record(stack.catalogue.dead_letter, task_id, refused("router")).value(),
+            stack.wait_for_record(stack.catalogue.dead_letter, task_id, mismatch).value(),
             DeadLetter,
         )
-        assert "token is wrong" in letter.reason
+        assert f"names user {stack.settings.user_id!r}" in letter.reason
         assert [r.outcome for r in stack.results_of(task_id)] == ["success"]
     finally:
         owner.close()

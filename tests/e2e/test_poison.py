@@ -41,6 +41,8 @@ from fxstream.topics import (
     DeadLetter,
     DeadLetterReason,
     TaskDispatch,
+    TaskState,
+    TaskStateName,
     TaskSubmission,
     decode,
     encode,
@@ -283,7 +285,9 @@ def test_a_result_above_the_limits_is_an_error_naming_the_setting(
 def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
     stack: Stack, pids: dict[str, int | None]
 ) -> None:
-    """As the router would write it, for a user whose results topic is gone."""
+    """As the router would write it (its routed state, then its dispatch), for a user whose
+    results topic is gone: the ingress cannot forward the agent's result and dead-letters it,
+    and the agent's queue record is settled (the next task runs)."""
     catalogue = Catalogue(prefix=stack.prefix)
     client = stack.client()
     try:
@@ -297,10 +301,21 @@ def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
     dispatch = TaskDispatch(
         task_id=orphan.task_id,
         endpoint_id=stack.endpoint_id,
+        user_id=ghost,
+        function_sha256=orphan.function_sha256,
         routed_at=time.time(),
         submission=encode(orphan),
     )
     key = orphan.task_id.encode()
+    routed = TaskState(
+        task_id=orphan.task_id,
+        user_id=ghost,
+        function_id=orphan.function_id,
+        endpoint_id=stack.endpoint_id,
+        state=TaskStateName.ROUTED,
+        updated_at=time.time(),
+    )
+    _produce(stack, catalogue.task_state, key, encode(routed))
     _produce(stack, catalogue.endpoint_queue(stack.endpoint_id), key, encode(dispatch))
     letter = _dead_letter(stack, key)
     assert letter.error_type == DeadLetterReason.TASK_UNDELIVERABLE
@@ -333,15 +348,15 @@ def test_oversized_submissions_are_refused_and_routing_goes_on(
             pytest.raises(PayloadTooLarge),
         ):
             executor.submit(echo, b"x" * 1_100_000)
-        # Just under tasks.submitted's limit, written by hand: its dispatch would not fit
+        # Just under from.user's limit, written by hand: its dispatch would not fit
         # an endpoint queue, and the router refuses it rather than failing its write.
         prepared = client.prepare_task(stack.endpoint_id, function_id, (1,))
         submission = decode(prepared.record, TaskSubmission)
-        filler = b"p" * (catalogue.spec("tasks.submitted").max_message_bytes - 1100)
+        filler = b"p" * (catalogue.spec("from.user.{user_id}").max_message_bytes - 1100)
         fat = msgspec.structs.replace(submission, payload=submission.payload + filler)
         record = encode(fat)
         future = client.track(dataclasses.replace(prepared, record=record))
-        _produce(stack, catalogue.tasks_submitted, fat.task_id.encode(), record)
+        _produce(stack, catalogue.from_user(fat.user_id), fat.task_id.encode(), record)
         with pytest.raises(TaskRejected, match="too large for an endpoint queue"):
             future.result(timeout=60)
     finally:

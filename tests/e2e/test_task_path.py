@@ -28,6 +28,7 @@ from fxstream.sdk import (
     Executor,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     ShellFunction,
     TaskExecutionFailed,
     TaskRejected,
@@ -181,9 +182,16 @@ def test_a_long_task_shows_running_while_its_agent_holds_it(stack: Stack) -> Non
 def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
     client = stack.client()
     try:
-        task_id = client.run(endpoint_id=stack.endpoint_id, function_id=str(uuid.uuid4()))
+        unknown = str(uuid.uuid4())
+        # The client asks the service for the code's digest first: nothing is sent.
+        with pytest.raises(NotFound, match=unknown):
+            client.run(endpoint_id=stack.endpoint_id, function_id=unknown)
+        # Sent anyway, pinned to a made-up digest: the router refuses it.
+        task = client.prepare_task(stack.endpoint_id, unknown, function_sha256="0" * 64)
+        future = client.track(task)
+        client.send([(task, future)])
         with pytest.raises(TaskRejected, match="does not exist or is not shared"):
-            client.future(task_id).result(timeout=60)
+            future.result(timeout=60)
     finally:
         client.close()
 
@@ -201,9 +209,15 @@ def test_another_users_private_function_is_refused(stack: Stack) -> None:
     )
     try:
         private = owner.register_function(double)
-        task_id = intruder.run(3, endpoint_id=stack.endpoint_id, function_id=private)
+        # The service does not even tell the intruder the code's digest (403, or 404) ...
+        with pytest.raises((PermissionDenied, NotFound)):
+            intruder.function_sha256(private)
+        # ... and a task pinned to a guessed one is refused by the router.
+        task = intruder.prepare_task(stack.endpoint_id, private, (3,), function_sha256="0" * 64)
+        future = intruder.track(task)
+        intruder.send([(task, future)])
         with pytest.raises(TaskRejected, match="not shared"):
-            intruder.future(task_id).result(timeout=60)
+            future.result(timeout=60)
     finally:
         owner.close()
         intruder.close()
@@ -224,7 +238,8 @@ def test_an_argument_too_large_names_the_setting(stack: Stack) -> None:
 def test_malformed_submissions_are_dead_lettered_and_routing_goes_on(stack: Stack) -> None:
     marker = uuid.uuid4().bytes
     producer = Producer({**stack.kafka.confluent(), "log_level": 2})
-    producer.produce(f"{stack.prefix}tasks.submitted", key=b"garbage", value=marker)
+    user_id = stack.settings.user_id or ""
+    producer.produce(stack.catalogue.from_user(user_id), key=b"garbage", value=marker)
     assert producer.flush(30) == 0
     with stack.executor() as executor:
         assert executor.submit(double, 8).result(timeout=60) == 16
@@ -339,7 +354,7 @@ def test_status_reports_every_service_and_a_stopped_one(stack: Stack) -> None:
     status = stack.platform.status()
     assert status.healthy, status.to_json()
     names = {c.name for c in status.components}
-    assert {"supervisor", "service api", "router", "task-state", "liveness"} <= names
+    assert {"supervisor", "service api", "router", "ingress", "task-state", "liveness"} <= names
     assert "endpoint local" in names
     services = stack.platform.services()
     assert services.task_state.stop(timeout_s=60)

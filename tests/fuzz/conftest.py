@@ -36,6 +36,7 @@ class Registry:
     token: str
     function_id: str
     endpoint_id: str
+    code_sha256: str = "0" * 64
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,7 @@ def registry(kafka_platform: RunningPlatform, fuzz_catalogue: Catalogue) -> Regi
         catalogue,
         {
             catalogue.results(registry.user_id): catalogue.spec("results.{user_id}"),
+            catalogue.from_user(registry.user_id): catalogue.spec("from.user.{user_id}"),
             catalogue.endpoint_queue(registry.endpoint_id): catalogue.spec(
                 "tasks.ep.{endpoint_id}"
             ),
@@ -91,7 +93,7 @@ def registry(kafka_platform: RunningPlatform, fuzz_catalogue: Catalogue) -> Regi
                 name="f",
                 owner_id=registry.user_id,
                 code=b"fxdc\nnot-loaded",
-                code_sha256="0" * 64,
+                code_sha256=registry.code_sha256,
                 created_at=now,
             ),
         ),

@@ -103,7 +103,7 @@ def valid_submission(
     function_id: str,
     endpoint_id: str,
     task_id: str | None = None,
-    token: str = "token",
+    function_sha256: str = "0" * 64,
 ) -> TaskSubmission:
     """A well-formed submission (its payload is opaque bytes: the router never reads it)."""
     return TaskSubmission(
@@ -111,7 +111,7 @@ def valid_submission(
         function_id=function_id,
         endpoint_id=endpoint_id,
         user_id=user_id,
-        auth_token=token,
+        function_sha256=function_sha256,
         payload=b"FXS\x00opaque arguments",
         client=client_info(),
         submitted_at=time.time(),
@@ -160,6 +160,8 @@ def valid_dispatch(submission: TaskSubmission) -> TaskDispatch:
     return TaskDispatch(
         task_id=submission.task_id,
         endpoint_id=submission.endpoint_id,
+        user_id=submission.user_id,
+        function_sha256=submission.function_sha256,
         routed_at=time.time(),
         submission=encode(submission),
     )

@@ -1,10 +1,11 @@
 """Bad input end to end: the whole platform, as ``./fx up`` runs it, under fuzzed records.
 
-Hypothesis makes a sample of bad records for each consumed topic
-(``tasks.submitted``, ``heartbeats``, the user's ``results.<user>`` and the
-endpoint's queue) and they are produced while real tasks run. Every bad record
-must reach the dead-letter topic with a reason from the component that reads
-it, every real task must complete with its value, and no process may exit.
+Hypothesis makes a sample of bad records for each consumed topic (the user's
+``from.user.<user>``, the endpoint's ``from.ep.<endpoint>``, ``heartbeats``, the
+user's ``results.<user>`` and the endpoint's queue) and they are produced while
+real tasks run. Every bad record must reach the dead-letter topic with a reason
+from the component that reads it, every real task must complete with its value,
+and no process may exit.
 Then fuzzed requests hit the real API process: never a 5xx, always a JSON
 error, and the process stays up.
 """
@@ -192,16 +193,18 @@ def read_dead_letters(
 def test_bad_records_on_every_topic_are_dead_lettered_while_tasks_run(stack: Stack) -> None:
     catalogue, user_id = stack.catalogue, stack.credentials.user_id
     submission = valid_submission(
-        user_id=user_id, function_id=new_id(), endpoint_id=stack.endpoint_id, token="x"
+        user_id=user_id, function_id=new_id(), endpoint_id=stack.endpoint_id
     )
     samples: dict[str, Record] = {
-        catalogue.tasks_submitted: submission,
+        catalogue.from_user(user_id): submission,
+        catalogue.from_endpoint(stack.endpoint_id): valid_heartbeat(endpoint_id=stack.endpoint_id),
         catalogue.heartbeats: valid_heartbeat(endpoint_id=new_id()),
         catalogue.results(user_id): valid_result(user_id=user_id),
         catalogue.endpoint_queue(stack.endpoint_id): valid_dispatch(submission),
     }
     readers = {
-        catalogue.tasks_submitted: "router",
+        catalogue.from_user(user_id): "router",
+        catalogue.from_endpoint(stack.endpoint_id): "ingress",
         catalogue.heartbeats: "liveness",
         catalogue.results(user_id): "task-state",
         catalogue.endpoint_queue(stack.endpoint_id): f"agent {stack.endpoint_id}",

@@ -55,7 +55,9 @@ FUZZ = settings(
 )
 
 
-UNROUTABLE = ("unknown-user", "unknown-function", "unknown-endpoint", "bad-token", "huge-payload")
+UNROUTABLE = ("unknown-function", "unknown-endpoint", "stale-digest", "huge-payload")
+# On the user's own topic but naming another user: dead-lettered, never a state of theirs.
+FORGED = ("foreign-user",)
 
 
 @pytest.fixture(scope="module")
@@ -89,20 +91,21 @@ def _good(registry: Registry) -> TaskSubmission:
         user_id=registry.user_id,
         function_id=registry.function_id,
         endpoint_id=registry.endpoint_id,
-        token=registry.token,
+        function_sha256=registry.code_sha256,
     )
 
 
 @st.composite
 def unroutable(draw: st.DrawFn, registry: Registry) -> BadValue:
-    """A well-formed submission the router must refuse: unknown ids, a bad token, too large."""
+    """A well-formed submission the router must refuse: unknown ids, a stale code digest,
+    too large, or naming another user than its topic's."""
     good = _good(registry)
-    how = draw(st.sampled_from(UNROUTABLE))
+    how = draw(st.sampled_from(UNROUTABLE + FORGED))
     changes: dict[str, dict[str, object]] = {
-        "unknown-user": {"user_id": new_id()},
+        "foreign-user": {"user_id": new_id()},
         "unknown-function": {"function_id": new_id()},
         "unknown-endpoint": {"endpoint_id": new_id()},
-        "bad-token": {"auth_token": draw(st.text(max_size=512))},
+        "stale-digest": {"function_sha256": "f" * 64},
         "huge-payload": {"payload": b"x" * 1_100_000},
     }
     return BadValue(how, encode(msgspec.structs.replace(good, **changes[how])))
@@ -143,7 +146,7 @@ def test_fuzz_router_plan(
     queue = catalogue.endpoint_queue(registry.endpoint_id)
 
     @FUZZ
-    @given(batch=batches(catalogue.tasks_submitted, registry))
+    @given(batch=batches(catalogue.from_user(registry.user_id), registry))
     def check(
         batch: tuple[
             list[FuzzRecord], dict[int, tuple[FuzzRecord, BadValue]], list[TaskSubmission]
@@ -162,5 +165,8 @@ def test_fuzz_router_plan(
             if value.how in UNROUTABLE:
                 task_id = decode(record.value, TaskSubmission).task_id
                 assert task_id in rejected, f"{value.how}: no rejected state"
+            if value.how in FORGED:
+                task_id = decode(record.value, TaskSubmission).task_id
+                assert task_id not in {s.task_id for s in states}, f"{value.how}: a state"
 
     check()

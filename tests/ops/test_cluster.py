@@ -31,7 +31,7 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         assert {node.id for node in cluster.nodes} == {1, 2, 3}
         assert cluster.controller is not None
 
-        topic = connection.catalogue().tasks_submitted
+        topic = connection.catalogue().task_events
         partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
         assert partitions, "the catalogue's topics were provisioned on the cluster"
         for partition in partitions.values():

@@ -1,11 +1,13 @@
 """SDK test fixtures: one topic prefix and one user per test module, on the session broker.
 
-Each module gets ``tasks.submitted`` and the user's ``results.<user_id>`` under
-its own prefix (deleted at the end of the module), and a Client pointed at
+Each module gets the user's ``from.user.<user_id>`` and ``results.<user_id>``
+under its own prefix (deleted at the end of the module), and a Client pointed at
 them. These fixtures run no REST service: the Client's service URL is a closed
 port, and the tests using them avoid REST calls (user id and token are given,
-functions are associated with ids without registering them). test_rest.py
-starts the real service in-process for the REST methods.
+functions are associated with ids without registering them, and every function's
+code digest is :data:`CODE_DIGEST`, which the service would otherwise be asked
+for once per function). test_rest.py starts the real service in-process for the
+REST methods.
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ import pytest
 from fxstream.sdk import DEFAULT_MAX_INLINE_BYTES, Client
 from fxstream.topics import Catalogue, KafkaConnection, ensure_topics
 from tests.conftest import RunningPlatform
+
+CODE_DIGEST = "c0de" * 16
+"""The code digest every task of these tests pins (no function is registered)."""
+
+
+class OfflineClient(Client):
+    """A Client whose functions' code digests are :data:`CODE_DIGEST`: the one answer of
+    the REST service these tests do not run (they never register a function)."""
+
+    def function_sha256(self, function_id: str) -> str:
+        """:data:`CODE_DIGEST`, for any function."""
+        return CODE_DIGEST
 
 
 @dataclass(frozen=True)
@@ -37,9 +51,14 @@ class SdkTopics:
         """The user's results topic."""
         return self.catalogue.results(self.user_id)
 
+    @property
+    def submissions(self) -> str:
+        """The user's own topic, where its submissions and cancels go."""
+        return self.catalogue.from_user(self.user_id)
+
     def client(self, *, max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES) -> Client:
         """A Client for this module's user (the caller closes it)."""
-        return Client(
+        return OfflineClient(
             self.service_url,
             kafka=self.kafka,
             topic_prefix=self.catalogue.prefix,
@@ -59,11 +78,11 @@ def closed_port_url() -> str:
 
 @pytest.fixture(scope="module")
 def sdk_topics(kafka_platform: RunningPlatform) -> Iterator[SdkTopics]:
-    """``tasks.submitted`` and ``results.<user>`` under a prefix of this module's own."""
+    """``from.user.<user>`` and ``results.<user>`` under a prefix of this module's own."""
     catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
     user_id = str(uuid.uuid4())
     topics = {
-        catalogue.tasks_submitted: catalogue.spec("tasks.submitted"),
+        catalogue.from_user(user_id): catalogue.spec("from.user.{user_id}"),
         catalogue.results(user_id): catalogue.spec("results.{user_id}"),
     }
     admin = kafka_platform.admin()

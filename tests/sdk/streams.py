@@ -1,7 +1,7 @@
 """Kafka helpers for the SDK tests: read and write real records, and a responder thread.
 
 The :class:`Responder` stands in for the router and an agent (being built in
-parallel): it consumes ``tasks.submitted``, loads each task's function from
+parallel): it consumes one user's ``from.user.<user>``, loads each task's function from
 its registered code bytes, runs it, and produces a real ``TaskResult`` with
 timings to the user's results topic. Everything goes through the broker.
 """
@@ -159,9 +159,11 @@ class Responder:
         endpoint_id: str,
         functions: dict[str, bytes],
         *,
+        user_id: str,
         reverse: bool = True,
     ) -> None:
         self._kafka = kafka
+        self._user_id = user_id
         self._catalogue = catalogue
         self._endpoint_id = endpoint_id
         self._code = functions
@@ -176,7 +178,7 @@ class Responder:
         self.errors: list[BaseException] = []
 
     def __enter__(self) -> Responder:
-        topic = self._catalogue.tasks_submitted
+        topic = self._catalogue.from_user(self._user_id)
         start = end_offsets(self._kafka, topic)
         self._consumer.assign([TopicPartition(topic, p, o) for p, o in start.items()])
         self._thread.start()

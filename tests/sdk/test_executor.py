@@ -23,7 +23,7 @@ from fxstream.sdk import (
 )
 from fxstream.topics import Serializer
 from tests.conftest import write_kafka_credentials
-from tests.sdk.conftest import SdkTopics
+from tests.sdk.conftest import CODE_DIGEST, SdkTopics
 from tests.sdk.streams import Responder, ResultWriter, success
 
 ENDPOINT = "ep-exec"
@@ -62,7 +62,9 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 def responder(sdk_topics: SdkTopics) -> Iterator[Responder]:
     """Answers every task for ENDPOINT through the broker."""
     code = {fid: Serializer().serialize_function(fn) for fid, fn in FUNCTIONS.items()}
-    with Responder(sdk_topics.kafka, sdk_topics.catalogue, ENDPOINT, code) as running:
+    with Responder(
+        sdk_topics.kafka, sdk_topics.catalogue, ENDPOINT, code, user_id=sdk_topics.user_id
+    ) as running:
         yield running
     assert running.errors == []
 
@@ -186,6 +188,8 @@ def test_an_executor_without_a_client_reads_the_environment(
     monkeypatch.setenv("FXSTREAM_TOKEN", sdk_topics.token)
     with Executor(endpoint_id=ENDPOINT) as ex:
         ex.register_function(square, function_id="f-square")
+        # No REST service here to ask the code's digest of: pinned by hand.
+        ex.client.pin_function("f-square", CODE_DIGEST)
         assert ex.submit(square, 9).result(timeout=30) == 81
     with pytest.raises(Exception, match="closed"):
         ex.client.run(endpoint_id=ENDPOINT, function_id="f-square")

@@ -252,7 +252,9 @@ def test_executor_registers_through_the_service_and_runs_end_to_end(
         endpoint_id = client.register_endpoint("responder")
         functions: dict[str, bytes] = {}
         with (
-            Responder(service.kafka, service.catalogue, endpoint_id, functions),
+            Responder(
+                service.kafka, service.catalogue, endpoint_id, functions, user_id=alice.user_id
+            ),
             Executor(endpoint_id=endpoint_id, client=client) as ex,
         ):
             function_id = ex.register_function(square)  # POST /v1/functions

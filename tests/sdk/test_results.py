@@ -1,6 +1,6 @@
 """The results listener resolves futures from real TaskResult records on the results topic.
 
-The tests submit real tasks (they land on tasks.submitted) and then produce
+The tests submit real tasks (they land on the user's from.user topic) and then produce
 the result records themselves, as an agent would.
 """
 
@@ -36,7 +36,7 @@ from fxstream.topics import (
     describe_exception,
     wrap_references,
 )
-from tests.sdk.conftest import SdkTopics
+from tests.sdk.conftest import OfflineClient, SdkTopics
 from tests.sdk.streams import ResultWriter, failure, success
 
 ENDPOINT = "ep-results"
@@ -313,7 +313,7 @@ def test_run_then_get_result_get_task_and_batch_results(
 
 
 def test_a_missing_results_topic_is_a_clear_error(sdk_topics: SdkTopics) -> None:
-    with Client(
+    with OfflineClient(
         sdk_topics.service_url,
         kafka=sdk_topics.kafka,
         topic_prefix=sdk_topics.catalogue.prefix,

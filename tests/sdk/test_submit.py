@@ -1,4 +1,5 @@
-"""Submissions land on tasks.submitted as valid TaskSubmission records, or are refused first."""
+"""Submissions land on the user's from.user topic as valid TaskSubmission records, or are
+refused first."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from fxstream.sdk import Client, ConfigurationError, Executor, PayloadTooLarge
-from fxstream.topics import SerializationError, Serializer, client_info
+from fxstream.topics import SerializationError, Serializer, client_info, encode
 from tests.conftest import write_kafka_credentials
-from tests.sdk.conftest import SdkTopics
+from tests.sdk.conftest import CODE_DIGEST, OfflineClient, SdkTopics
 from tests.sdk.streams import end_offsets, read_from, submissions
 
 ENDPOINT = "ep-submit"
@@ -21,7 +22,7 @@ ENDPOINT = "ep-submit"
 def test_run_produces_a_valid_submission_with_the_packed_arguments(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     start = end_offsets(sdk_topics.kafka, topic)
     before = time.time()
     task_id = client.run(1, "two", endpoint_id=ENDPOINT, function_id="fn-a", three=[3, 3.0])
@@ -33,7 +34,9 @@ def test_run_produces_a_valid_submission_with_the_packed_arguments(
     assert record.function_id == "fn-a"
     assert record.endpoint_id == ENDPOINT
     assert record.user_id == sdk_topics.user_id
-    assert record.auth_token == sdk_topics.token
+    # No credential travels: the topic says who submitted; the code digest is pinned.
+    assert record.function_sha256 == CODE_DIGEST
+    assert sdk_topics.token.encode() not in encode(record)
     assert record.client == client_info()
     assert before <= record.submitted_at <= after
     assert record.task_group_id is None
@@ -41,7 +44,7 @@ def test_run_produces_a_valid_submission_with_the_packed_arguments(
 
 
 def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: SdkTopics) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     start = end_offsets(sdk_topics.kafka, topic)
     group = str(uuid.uuid4())
     batch = client.create_batch(task_group_id=group)
@@ -67,7 +70,7 @@ def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: S
 def test_executor_submissions_carry_the_task_group_and_future_ids(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     start = end_offsets(sdk_topics.kafka, topic)
     ex = Executor(endpoint_id=ENDPOINT, client=client, batch_size=4)
     futures = [ex.submit_to_registered_function("fn-c", (i,)) for i in range(10)]
@@ -83,7 +86,7 @@ def test_executor_submissions_carry_the_task_group_and_future_ids(
 def test_arguments_above_the_inline_limit_are_refused_before_sending(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     client.start()
     start = end_offsets(sdk_topics.kafka, topic)
     big = os.urandom(600 * 1024)
@@ -113,7 +116,7 @@ def test_arguments_above_the_inline_limit_are_refused_before_sending(
 def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
     sdk_topics: SdkTopics,
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     start = end_offsets(sdk_topics.kafka, topic)
     with (
         sdk_topics.client(max_inline_bytes=8 * 1024 * 1024) as roomy,
@@ -122,7 +125,7 @@ def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
         roomy.run(os.urandom(1_100_000), endpoint_id=ENDPOINT, function_id="fn-big")
     error = caught.value
     assert error.setting == "max_message_bytes"
-    assert error.limit == sdk_topics.catalogue.spec("tasks.submitted").max_message_bytes
+    assert error.limit == sdk_topics.catalogue.spec("from.user.{user_id}").max_message_bytes
     assert topic in str(error) and "max.message.bytes" in str(error)
     assert "proxy store" in str(error)
     assert end_offsets(sdk_topics.kafka, topic) == start
@@ -131,7 +134,7 @@ def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
 def test_a_payload_just_under_the_record_limit_is_accepted_by_the_broker(
     sdk_topics: SdkTopics,
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     start = end_offsets(sdk_topics.kafka, topic)
     data = os.urandom(1_040_000)  # incompressible: lz4 cannot shrink it under the limit
     with sdk_topics.client(max_inline_bytes=2 * 1024 * 1024) as roomy:
@@ -152,7 +155,7 @@ def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics, tmp_
         "FXSTREAM_TOKEN": sdk_topics.token,
         "FXSTREAM_MAX_INLINE_BYTES": "1000",
     }
-    with Client.from_environment(env) as small:
+    with OfflineClient.from_environment(env) as small:
         assert small.max_inline_bytes == 1000
         with pytest.raises(PayloadTooLarge, match="1,000 bytes"):
             small.run("x" * 2000, endpoint_id=ENDPOINT, function_id="fn-a")
@@ -162,7 +165,7 @@ def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics, tmp_
 def test_invalid_fields_and_unserializable_arguments_are_refused(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    topic = sdk_topics.catalogue.tasks_submitted
+    topic = sdk_topics.submissions
     client.start()
     start = end_offsets(sdk_topics.kafka, topic)
     with pytest.raises(ValueError, match="endpoint_id"):

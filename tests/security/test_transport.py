@@ -451,7 +451,7 @@ def test_the_cluster_enforces_the_same_on_every_node(
         kafka = platform.kafka(cluster=True)
         _assert_enforced(platform, kafka, tmp_path_factory.mktemp("certs"), cluster=True)
         # Replication between the brokers runs over the authenticated listener.
-        topic = connection.catalogue().tasks_submitted
+        topic = connection.catalogue().task_events
         producer = Producer({**kafka.confluent(), **QUIET, "acks": "all"})
         delivered: list[str] = []
         for i in range(20):

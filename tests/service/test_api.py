@@ -143,6 +143,9 @@ def test_register_creates_the_results_topic_and_me_answers(
     assert len(user.token) >= 32
     expected = catalogue.spec("results.{user_id}").partitions
     assert topic_partitions(kafka_platform, catalogue.results(user.user_id)) == expected
+    # The one topic the user writes (its identity at the broker).
+    expected = catalogue.spec("from.user.{user_id}").partitions
+    assert topic_partitions(kafka_platform, catalogue.from_user(user.user_id)) == expected
 
     answer = client.get("/v1/users/me", headers=user.auth)
     assert answer.status_code == 200
@@ -312,6 +315,10 @@ def test_endpoint_lifecycle(
     assert (
         topic_partitions(kafka_platform, queue)
         == catalogue.spec("tasks.ep.{endpoint_id}").partitions
+    )
+    assert (
+        topic_partitions(kafka_platform, catalogue.from_endpoint(endpoint_id))
+        == catalogue.spec("from.ep.{endpoint_id}").partitions
     )
 
     record = client.get(f"/v1/endpoints/{endpoint_id}", headers=alice.auth).json()

@@ -65,7 +65,7 @@ def test_dead_letter_accepts_any_header_shape_and_keeps_its_limits() -> None:
     assert normalise_headers([("a", b"1"), ("b", None)]) == [("a", b"1"), ("b", None)]
     assert normalise_headers(None) == []
     letter = dead_letter(
-        topic="fx.tasks.submitted",
+        topic="fx.from.user.u-1",
         partition=3,
         offset=7,
         key=b"not a task id!",

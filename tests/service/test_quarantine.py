@@ -35,6 +35,7 @@ from tests.conftest import RunningPlatform
 from tests.service.test_router import (
     ALICE,
     BOB,
+    CODE_DIGEST,
     PUBLIC_EP,
     PUBLIC_FN,
     TOKENS,
@@ -155,14 +156,14 @@ def _wait_letters(dep: Deployment, task_id: str, *, want: bool) -> list[DeadLett
 
 
 def _oversized_dispatch(task_id: str, limit: int) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """A submission (value, headers) that tasks.submitted takes, whose dispatch (the
-    submission plus ~158 bytes of routing fields, same headers) is over ``limit``."""
+    """A submission (value, headers) that from.user.<U> takes, whose dispatch (the
+    submission plus ~280 bytes of routing fields, same headers) is over ``limit``."""
     base = TaskSubmission(
         task_id=task_id,
         function_id=PUBLIC_FN,
         endpoint_id=PUBLIC_EP,
         user_id=BOB,
-        auth_token=TOKENS[BOB],
+        function_sha256=CODE_DIGEST,
         payload=b"",
         client=client_info(),
         submitted_at=time.time(),
@@ -174,6 +175,8 @@ def _oversized_dispatch(task_id: str, limit: int) -> tuple[bytes, list[tuple[str
         TaskDispatch(
             task_id=task_id,
             endpoint_id=PUBLIC_EP,
+            user_id=BOB,
+            function_sha256=CODE_DIGEST,
             routed_at=time.time(),
             attempt=1,
             submission=value,
@@ -208,14 +211,14 @@ def test_a_submission_whose_dispatch_is_over_the_queue_limit_is_refused_and_rout
         (ordinary.task_id, encode(ordinary), None),
     ):
         producer.produce(
-            dep.catalogue.tasks_submitted,
+            dep.catalogue.from_user(BOB),
             key=key,
             value=value_,
             headers=headers_,
             on_delivery=lambda err, _: errors.append(err),
         )
     assert producer.flush(10) == 0
-    assert errors == [None, None], f"tasks.submitted refused a submission (shrink it): {errors}"
+    assert errors == [None, None], f"from.user refused a submission (shrink it): {errors}"
 
     queue = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP))
     dispatch = decoded(queue.wait_for(key_is(ordinary.task_id)), TaskDispatch)

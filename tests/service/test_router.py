@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -48,6 +48,7 @@ from fxstream.topics import (
 from tests.conftest import RunningPlatform, write_kafka_credentials
 
 WAIT_S = 30.0  # generous: the first record also waits for the processors to start
+CODE_DIGEST = "0" * 64  # what add_function registers (the router never hashes the code)
 
 # --- helpers shared with test_processors.py ------------------------------------------------
 
@@ -164,15 +165,26 @@ class Deployment:
 
     @classmethod
     def provision(
-        cls, platform: RunningPlatform, *, users: list[str], endpoints: list[str]
+        cls,
+        platform: RunningPlatform,
+        *,
+        users: list[str],
+        endpoints: list[str],
+        senders: Sequence[str] = (),
     ) -> Deployment:
-        """Create the static topics plus ``results.<user>`` and ``tasks.ep.<endpoint>`` ones."""
+        """Create the static topics plus each user's ``results.<user>`` and
+        ``from.user.<user>`` (and ``from.user.<sender>`` for the ``senders``, users the
+        broker lets write but the registry may not know) and each endpoint's
+        ``tasks.ep.<endpoint>`` and ``from.ep.<endpoint>``."""
         catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
         topics = dict(catalogue.static_topics())
         for user in users:
             topics[catalogue.results(user)] = catalogue.spec("results.{user_id}")
+        for user in [*users, *senders]:
+            topics[catalogue.from_user(user)] = catalogue.spec("from.user.{user_id}")
         for endpoint in endpoints:
             topics[catalogue.endpoint_queue(endpoint)] = catalogue.spec("tasks.ep.{endpoint_id}")
+            topics[catalogue.from_endpoint(endpoint)] = catalogue.spec("from.ep.{endpoint_id}")
         ensure_topics(platform.admin(), catalogue, topics)
         kafka = platform.kafka
         producer = Producer({**kafka.confluent(), "log_level": 2})
@@ -202,14 +214,16 @@ class Deployment:
         )
         self.produce(self.catalogue.users, user_id, encode(record))
 
-    def add_function(self, function_id: str, owner: str, *, public: bool = False) -> None:
+    def add_function(
+        self, function_id: str, owner: str, *, public: bool = False, digest: str = CODE_DIGEST
+    ) -> None:
         """Register a function (its code is never loaded by the router)."""
         record = FunctionRecord(
             function_id=function_id,
             name=function_id,
             owner_id=owner,
             code=b"fxdc\nnot-loaded",
-            code_sha256="0" * 64,
+            code_sha256=digest,
             created_at=time.time(),
             public=public,
         )
@@ -262,7 +276,7 @@ def deployment(
 ) -> Iterator[tuple[Deployment, Processors]]:
     """Topics, registry records, then the processors; all torn down at the end."""
     deployment = Deployment.provision(
-        kafka_platform, users=[ALICE, BOB], endpoints=[PUBLIC_EP, PRIVATE_EP]
+        kafka_platform, users=[ALICE, BOB], endpoints=[PUBLIC_EP, PRIVATE_EP], senders=[CAROL]
     )
     for user, token in TOKENS.items():
         deployment.add_user(user, token)
@@ -285,10 +299,10 @@ def deployment(
 def submission(
     *,
     user: str = BOB,
-    token: str | None = None,
     function: str = PUBLIC_FN,
     endpoint: str = PUBLIC_EP,
     task_id: str | None = None,
+    digest: str = CODE_DIGEST,
 ) -> TaskSubmission:
     """A submission with an opaque payload the router must not read."""
     return TaskSubmission(
@@ -296,7 +310,7 @@ def submission(
         function_id=function,
         endpoint_id=endpoint,
         user_id=user,
-        auth_token=TOKENS.get(user, "no-token") if token is None else token,
+        function_sha256=digest,
         # Not a loadable payload: the router would fail if it tried to deserialize it.
         payload=b"fxpk\n\x00not pickle at all",
         client=client_info(),
@@ -304,10 +318,12 @@ def submission(
     )
 
 
-def submit(deployment: Deployment, task: TaskSubmission) -> bytes:
-    """Produce ``task`` to tasks.submitted; returns the exact bytes sent."""
+def submit(deployment: Deployment, task: TaskSubmission, *, sender: str | None = None) -> bytes:
+    """Produce ``task`` to its user's ``from.user`` topic (or ``sender``'s); returns the
+    exact bytes sent."""
     value = encode(task)
-    deployment.produce(deployment.catalogue.tasks_submitted, task.task_id, value)
+    topic = deployment.catalogue.from_user(sender or task.user_id)
+    deployment.produce(topic, task.task_id, value)
     return value
 
 
@@ -321,7 +337,7 @@ def test_valid_submission_is_dispatched_with_its_bytes_untouched(
     task = submission()
     value = encode(task)
     dep.produce(
-        dep.catalogue.tasks_submitted, task.task_id, value, [("traceparent", b"00-abc-def-01")]
+        dep.catalogue.from_user(BOB), task.task_id, value, [("traceparent", b"00-abc-def-01")]
     )
 
     message = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
@@ -332,6 +348,8 @@ def test_valid_submission_is_dispatched_with_its_bytes_untouched(
         PUBLIC_EP,
         1,
     )
+    # Stamped by the router: the topic's user and the registered code's digest.
+    assert (dispatch.user_id, dispatch.function_sha256) == (BOB, CODE_DIGEST)
     assert dispatch.routed_at >= task.submitted_at
     assert ("traceparent", b"00-abc-def-01") in (message.headers() or [])
 
@@ -347,7 +365,7 @@ def test_valid_submission_is_dispatched_with_its_bytes_untouched(
     ("case", "expected"),
     [
         ("unknown function", "function 'fn-missing' does not exist or is not shared with you"),
-        ("wrong token", "user 'bob' is unknown or its token is wrong"),
+        ("function changed", f"function {PUBLIC_FN!r} has changed since this task was prepared"),
         ("private function", f"function {PRIVATE_FN!r} does not exist or is not shared with you"),
         ("private endpoint", f"endpoint {PRIVATE_EP!r} does not exist or is not shared with you"),
         ("endpoint without queue", f"endpoint {NO_QUEUE_EP!r} has no queue topic"),
@@ -359,7 +377,7 @@ def test_refused_task_gets_an_error_result_a_dead_letter_and_a_rejected_state(
     dep, _ = deployment
     task = {
         "unknown function": submission(function="fn-missing"),
-        "wrong token": submission(token="not-bobs-token"),
+        "function changed": submission(digest="1" * 64),
         "private function": submission(function=PRIVATE_FN),
         "private endpoint": submission(endpoint=PRIVATE_EP),
         "endpoint without queue": submission(endpoint=NO_QUEUE_EP),
@@ -385,10 +403,10 @@ def test_refused_task_gets_an_error_result_a_dead_letter_and_a_rejected_state(
     assert letter.reason == result.error.message
     assert (letter.component, letter.error_type, letter.task_id) == (
         "router",
-        "TaskRejected",
+        "FunctionChanged" if case == "function changed" else "TaskRejected",
         task.task_id,
     )
-    assert letter.original_topic == dep.catalogue.tasks_submitted
+    assert letter.original_topic == dep.catalogue.from_user(BOB)
     assert letter.original_value == value
 
     state = decoded(dep.reader(dep.catalogue.task_state).wait_for(key_is(task.task_id)), TaskState)
@@ -407,7 +425,7 @@ def test_unknown_user_without_results_topic_is_dead_lettered_and_rejected(
     letter = decoded(
         dep.reader(dep.catalogue.dead_letter).wait_for(key_is(task.task_id)), DeadLetter
     )
-    assert letter.reason.startswith("user 'carol' is unknown or its token is wrong")
+    assert letter.reason.startswith("user 'carol' is not registered")
     state = decoded(dep.reader(dep.catalogue.task_state).wait_for(key_is(task.task_id)), TaskState)
     assert state.state is TaskStateName.REJECTED
 
@@ -420,7 +438,7 @@ def test_garbage_is_dead_lettered_and_the_router_carries_on(
     garbage = b"\x93\x01\x02 definitely not a submission"
     with pytest.raises(RecordDecodeError) as expected:
         decode(garbage, TaskSubmission)
-    dep.produce(dep.catalogue.tasks_submitted, garbage_key, garbage, [("origin", b"fuzzer")])
+    dep.produce(dep.catalogue.from_user(BOB), garbage_key, garbage, [("origin", b"fuzzer")])
     # A valid record of the wrong kind is bad input too.
     wrong_kind_key = new_task_id()
     wrong_kind = encode(
@@ -433,7 +451,7 @@ def test_garbage_is_dead_lettered_and_the_router_carries_on(
             updated_at=time.time(),
         )
     )
-    dep.produce(dep.catalogue.tasks_submitted, wrong_kind_key, wrong_kind)
+    dep.produce(dep.catalogue.from_user(BOB), wrong_kind_key, wrong_kind)
     task = submission()
     value = submit(dep, task)
 
@@ -462,16 +480,12 @@ def test_function_registered_just_before_its_first_task_is_routed(
     assert decoded(dispatch, TaskDispatch).task_id == task.task_id
 
 
-def cancel_of(
-    task: TaskSubmission, *, user: str | None = None, token: str | None = None
-) -> TaskCancel:
-    """A cancel of ``task``, by its submitter unless ``user``/``token`` say otherwise."""
-    user = user or task.user_id
+def cancel_of(task: TaskSubmission, *, user: str | None = None) -> TaskCancel:
+    """A cancel of ``task``, by its submitter unless ``user`` says otherwise."""
     return TaskCancel(
         task_id=task.task_id,
-        user_id=user,
+        user_id=user or task.user_id,
         endpoint_id=task.endpoint_id,
-        auth_token=TOKENS.get(user, "no-token") if token is None else token,
         requested_at=time.time(),
         reason="test",
     )
@@ -485,7 +499,7 @@ def test_a_cancel_is_forwarded_to_the_endpoint_queue_after_its_task(
     submit(dep, task)
     cancel = encode(cancel_of(task))
     # Sent before the submission is routed: same key, same partition, so it follows it.
-    dep.produce(dep.catalogue.tasks_submitted, task.task_id, cancel, [("origin", b"sdk")])
+    dep.produce(dep.catalogue.from_user(BOB), task.task_id, cancel, [("origin", b"sdk")])
     queue = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP))
     queue.wait_for(lambda m: m.key() == task.task_id.encode() and m.value() == cancel)
     records = queue.keyed(task.task_id)
@@ -498,8 +512,7 @@ def test_a_cancel_is_forwarded_to_the_endpoint_queue_after_its_task(
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("wrong token", "user 'bob' is unknown or its token is wrong"),
-        ("unknown user", "user 'carol' is unknown or its token is wrong"),
+        ("unknown user", "user 'carol' is not registered"),
         ("private endpoint", f"endpoint {PRIVATE_EP!r} does not exist or is not shared"),
         ("endpoint without queue", f"endpoint {NO_QUEUE_EP!r} has no queue topic"),
     ],
@@ -511,7 +524,6 @@ def test_a_refused_cancel_is_dead_lettered_and_not_forwarded(
     task = submission(user=ALICE)
     submit(dep, task)
     cancel = {
-        "wrong token": cancel_of(task, user=BOB, token="not-bobs-token"),
         "unknown user": cancel_of(task, user=CAROL),
         "private endpoint": msgspec.structs.replace(
             cancel_of(task, user=BOB), endpoint_id=PRIVATE_EP
@@ -521,7 +533,7 @@ def test_a_refused_cancel_is_dead_lettered_and_not_forwarded(
         ),
     }[case]
     value = encode(cancel)
-    dep.produce(dep.catalogue.tasks_submitted, task.task_id, value)
+    dep.produce(dep.catalogue.from_user(cancel.user_id), task.task_id, value)
     letter = decoded(
         dep.reader(dep.catalogue.dead_letter).wait_for(
             lambda m: (
@@ -552,8 +564,42 @@ def test_a_malformed_cancel_is_dead_lettered_with_the_cancels_reason(
     raw = msgspec.msgpack.decode(encode(cancel_of(submission(task_id=key))))
     del raw["endpoint_id"]
     value = msgspec.msgpack.encode(raw)
-    dep.produce(dep.catalogue.tasks_submitted, key, value)
+    dep.produce(dep.catalogue.from_user(BOB), key, value)
     letter = decoded(dep.reader(dep.catalogue.dead_letter).wait_for(key_is(key)), DeadLetter)
     assert letter.error_type == "RecordDecodeError"
     assert "not a valid cancel record" in letter.reason
     assert "endpoint_id" in letter.reason
+
+
+@pytest.mark.parametrize("kind", ["submission", "cancel"])
+def test_a_record_naming_another_user_than_its_topics_is_dead_lettered(
+    deployment: tuple[Deployment, Processors], kind: str
+) -> None:
+    # Bob writes his own topic (the only one the broker lets him write) claiming to be
+    # Alice: the router believes the topic, not the record.
+    dep, _ = deployment
+    victim_task = submission(user=ALICE)
+    submit(dep, victim_task)
+    forged = submission(user=ALICE) if kind == "submission" else cancel_of(victim_task)
+    value = encode(forged)
+    dep.produce(dep.catalogue.from_user(BOB), forged.task_id, value)
+    letter = decoded(
+        dep.reader(dep.catalogue.dead_letter).wait_for(
+            lambda m: decoded(m, DeadLetter).original_value == value
+        ),
+        DeadLetter,
+    )
+    assert (letter.component, letter.error_type) == ("router", "IdentityMismatch")
+    assert "names user 'alice'" in letter.reason
+    assert letter.original_topic == dep.catalogue.from_user(BOB)
+    # Nothing else: no dispatch, no cancel forwarded, no state for a forged submission.
+    queue = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP))
+    queue.wait_for(key_is(victim_task.task_id))
+    later = submission()
+    submit(dep, later)
+    queue.wait_for(key_is(later.task_id))
+    assert [record_kind(m.value()) for m in queue.keyed(forged.task_id)] == (
+        ["dispatch"] if kind == "cancel" else []
+    )
+    if kind == "submission":
+        assert not dep.reader(dep.catalogue.task_state).keyed(forged.task_id)

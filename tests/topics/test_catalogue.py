@@ -10,7 +10,7 @@ DESIGN_TOPICS = {
     "users": CleanupPolicy.COMPACT,
     "functions": CleanupPolicy.COMPACT,
     "endpoints": CleanupPolicy.COMPACT,
-    "tasks.submitted": CleanupPolicy.DELETE,
+    "from.user.{user_id}": CleanupPolicy.DELETE,
     "tasks.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "heartbeats": CleanupPolicy.DELETE,
     "warm": CleanupPolicy.COMPACT,
@@ -20,6 +20,7 @@ DESIGN_TOPICS = {
     "task-events": CleanupPolicy.DELETE,
     "events.{source}": CleanupPolicy.DELETE,
     "streams.{stream}": CleanupPolicy.DELETE,
+    "from.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "dead-letter": CleanupPolicy.DELETE,
 }
 
@@ -31,10 +32,10 @@ def test_catalogue_holds_every_topic_of_the_design_with_its_policy() -> None:
 
 def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     topics = Catalogue(prefix="prod.").static_topics()
-    assert "prod.tasks.submitted" in topics
+    assert "prod.task-state" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 10
+    assert len(topics) == 9
 
 
 def test_templates_fill_ids() -> None:
@@ -43,6 +44,33 @@ def test_templates_fill_ids() -> None:
     assert catalogue.results("alice") == "fx.results.alice"
     assert catalogue.events("detector-7") == "fx.events.detector-7"
     assert catalogue.stream("camera-1") == "fx.streams.camera-1"
+    assert catalogue.from_user("alice") == "fx.from.user.alice"
+    assert catalogue.from_endpoint("3f2c-ep") == "fx.from.ep.3f2c-ep"
+
+
+def test_the_sender_of_a_topic_is_read_from_its_name_only() -> None:
+    catalogue = Catalogue()
+    assert catalogue.user_of("fx.from.user.alice") == "alice"
+    assert catalogue.endpoint_of("fx.from.ep.3f2c-ep") == "3f2c-ep"
+    # Another family, another prefix, or an id Kafka names cannot hold: nobody.
+    assert catalogue.user_of("fx.from.ep.alice") is None
+    assert catalogue.endpoint_of("fx.from.user.3f2c-ep") is None
+    assert catalogue.user_of("other.from.user.alice") is None
+    assert catalogue.user_of("fx.from.user.a.b") is None
+    assert catalogue.user_of("fx.from.user.") is None
+
+
+def test_sender_patterns_match_exactly_their_family() -> None:
+    import re
+
+    catalogue = Catalogue(prefix="p.")
+    users, endpoints = catalogue.from_user_pattern, catalogue.from_endpoint_pattern
+    assert re.match(users, "p.from.user.alice")
+    assert not re.match(users, "p.from.user.alice.x")
+    assert not re.match(users, "pXfrom.user.alice")
+    assert not re.match(users, "p.from.ep.e1")
+    assert re.match(endpoints, "p.from.ep.e1")
+    assert not re.match(endpoints, "p.tasks.ep.e1")
 
 
 @pytest.mark.parametrize("bad", ["", "has space", "under_score", "dot.ted", "-lead", "x" * 129])
@@ -59,15 +87,16 @@ def test_bad_prefix_names_the_setting() -> None:
 def test_spec_for_topic_recognises_templates() -> None:
     catalogue = Catalogue()
     assert catalogue.spec_for_topic("fx.tasks.ep.abc") is catalogue.spec("tasks.ep.{endpoint_id}")
-    assert catalogue.spec_for_topic("fx.tasks.submitted") is catalogue.spec("tasks.submitted")
-    assert catalogue.spec_for_topic("other.tasks.submitted") is None
+    assert catalogue.spec_for_topic("fx.from.user.u1") is catalogue.spec("from.user.{user_id}")
+    assert catalogue.spec_for_topic("fx.from.ep.e1") is catalogue.spec("from.ep.{endpoint_id}")
+    assert catalogue.spec_for_topic("other.task-state") is None
     assert catalogue.spec_for_topic("fx.unknown") is None
 
 
 def test_cluster_catalogue_replicates_three_ways_with_two_in_sync() -> None:
     cluster = Catalogue().for_cluster(3)
     assert (cluster.replication_factor, cluster.min_insync_replicas) == (3, 2)
-    configs = cluster.spec("tasks.submitted").kafka_configs(
+    configs = cluster.spec("task-state").kafka_configs(
         min_insync_replicas=cluster.min_insync_replicas
     )
     assert configs["min.insync.replicas"] == "2"

@@ -50,7 +50,7 @@ SUBMISSION = TaskSubmission(
     function_id="fn-1",
     endpoint_id="ep-1",
     user_id="alice",
-    auth_token="secret-token",
+    function_sha256="c" * 64,
     payload=b"\x00\x01payload",
     client=CLIENT,
     submitted_at=NOW,
@@ -64,12 +64,18 @@ TIMINGS = TaskTimings(submitted_at=NOW, routed_at=NOW + 0.001, started_at=NOW + 
 SAMPLES: list[Record] = [
     UserRecord(user_id="alice", name="Alice", token_sha256="b" * 64, created_at=NOW),
     SUBMISSION,
-    TaskDispatch(task_id="t-1", endpoint_id="ep-1", routed_at=NOW, submission=encode(SUBMISSION)),
+    TaskDispatch(
+        task_id="t-1",
+        endpoint_id="ep-1",
+        user_id="alice",
+        function_sha256="c" * 64,
+        routed_at=NOW,
+        submission=encode(SUBMISSION),
+    ),
     TaskCancel(
         task_id="t-1",
         user_id="alice",
         endpoint_id="ep-1",
-        auth_token="secret-token",
         requested_at=NOW,
         reason="no longer needed",
     ),
@@ -160,7 +166,7 @@ SAMPLES: list[Record] = [
         attributes={"size": 1024, "ok": True, "label": "x", "ratio": 0.5, "none": None},
     ),
     DeadLetter(
-        original_topic="fx.tasks.submitted",
+        original_topic="fx.from.user.alice",
         original_partition=3,
         original_offset=42,
         original_key=b"k",
@@ -189,7 +195,7 @@ def test_round_trip(record: Record) -> None:
 @pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
 def test_every_record_carries_kind_and_version(record: Record) -> None:
     raw = msgspec.msgpack.decode(encode(record))
-    assert raw["v"] == 1
+    assert raw["v"] == SCHEMA_VERSIONS[raw["kind"]]
     assert raw["kind"] == msgspec.inspect.type_info(type(record)).tag  # type: ignore[attr-defined]
 
 
@@ -207,6 +213,29 @@ def test_newer_schema_version_is_refused() -> None:
         decode(msgspec.msgpack.encode(raw), TaskSubmission)
     with pytest.raises(RecordDecodeError, match="upgrade fxstream"):
         decode_any(msgspec.msgpack.encode(raw))
+
+
+@pytest.mark.parametrize("kind", ["submission", "cancel", "dispatch"])
+def test_records_that_lost_the_token_are_version_2(kind: str) -> None:
+    # Issue 13: no credential in any record (the token left submissions and cancels), and
+    # the dispatch gained the router-stamped submitter and code digest.
+    assert SCHEMA_VERSIONS[kind] == 2
+
+
+def test_no_task_record_has_a_field_for_a_credential() -> None:
+    for record_type in (TaskSubmission, TaskCancel, TaskDispatch):
+        names = {f.name for f in msgspec.structs.fields(record_type)}
+        assert not {n for n in names if "token" in n or "secret" in n or "password" in n}
+
+
+def test_a_submission_without_a_code_digest_is_refused() -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    del raw["function_sha256"]
+    with pytest.raises(RecordDecodeError, match="function_sha256"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+    raw["function_sha256"] = "not-a-digest"
+    with pytest.raises(RecordDecodeError, match="function_sha256"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
 
 
 def test_unknown_fields_are_ignored_for_additive_evolution() -> None:
@@ -241,9 +270,7 @@ def test_missing_field_is_named() -> None:
 
 
 def test_a_cancel_needs_the_endpoint_and_is_not_a_submission() -> None:
-    cancel = TaskCancel(
-        task_id="t-1", user_id="alice", endpoint_id="ep-1", auth_token="tok", requested_at=NOW
-    )
+    cancel = TaskCancel(task_id="t-1", user_id="alice", endpoint_id="ep-1", requested_at=NOW)
     assert decode(encode(cancel), TaskCancel).reason == ""
     raw = msgspec.msgpack.decode(encode(cancel))
     del raw["endpoint_id"]

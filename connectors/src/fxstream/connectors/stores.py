@@ -40,7 +40,12 @@ __all__ = ["DEFAULT_LEASE_S", "StoreSpec", "StoreURLError", "open_store"]
 
 def _longest_replay_window_s() -> float:
     catalogue = Catalogue()
-    families = ("tasks.submitted", "tasks.ep.{endpoint_id}", "results.{user_id}")
+    families = (
+        "from.user.{user_id}",
+        "tasks.ep.{endpoint_id}",
+        "from.ep.{endpoint_id}",
+        "results.{user_id}",
+    )
     return max(catalogue.spec(name).retention_ms for name in families) / 1000
 
 

@@ -30,6 +30,17 @@ assignment the agent reads the committed offsets with their metadata
 settled without running. A task may therefore run twice (killed before its
 result committed), but exactly one of its results is committed.
 
+Identity: everything this agent writes (results, task events, heartbeats, warm
+adverts, data locations, dead letters) goes to one topic, ``from.ep.<endpoint>``,
+which only this endpoint's principal may write; the service's ingress checks each
+record against the endpoint (a result only for a task routed here) and forwards it.
+Only the service may write the queue, and the agent re-checks what it reads there:
+a dispatch naming another endpoint, or whose submission disagrees with the
+router's stamped submitter or code digest, is dead-lettered without decoding its
+payload; the function's code is run only if its SHA-256 is the dispatch's
+``function_sha256`` (else the task fails with ``CodeIntegrityError``, nothing
+deserialized).
+
 Cancel: a :class:`~fxstream.topics.TaskCancel` rides the queue behind its
 task (same key, same partition), so this agent reads a task before its cancel.
 A task still in the local queue (or waiting out a retry backoff) is taken out
@@ -37,8 +48,9 @@ and answered ``TaskCancelled``; one in the pool is cancelled there (dropped if
 queued, its worker killed if running); either way the answer settles the
 task's offset and the cancel's. A cancel for a task no longer held (already
 answered) only settles its own offset, and one from another user than the
-submitter is dead-lettered. A cancelled task is never retried: a cancel asked
-while it ran wins over whatever its worker's death looked like.
+submitter (the dispatch's router-stamped ``user_id``) is dead-lettered. A
+cancelled task is never retried: a cancel asked while it ran wins over whatever
+its worker's death looked like.
 """
 
 from __future__ import annotations
@@ -82,7 +94,6 @@ from fxstream.topics import (
     DeadLetterReason,
     DeserializationError,
     Heartbeat,
-    InvalidTopicName,
     RecordDecodeError,
     RecordTooLarge,
     TaskCancel,
@@ -210,6 +221,10 @@ class _CodeCache:
             del self._code[next(iter(self._code))]
         return entry
 
+    def forget(self, function_id: str) -> None:
+        """Drop a cached function (its code did not have the digest a task expects)."""
+        self._code.pop(function_id, None)
+
     def close(self) -> None:
         self._http.close()
 
@@ -223,6 +238,8 @@ class Agent:
         self.agent_id = str(uuid.uuid4())
         self.catalogue = Catalogue(prefix=config.topic_prefix)
         self.queue_topic = self.catalogue.endpoint_queue(config.endpoint_id)
+        # The one topic this endpoint writes (the ingress checks and forwards it).
+        self.out_topic = self.catalogue.from_endpoint(config.endpoint_id)
         self._runner: RunnerSpec = (
             runner
             if runner is not None
@@ -293,7 +310,8 @@ class Agent:
         consumer = Consumer(
             {
                 **kafka,
-                "group.id": f"fxstream-endpoint-{self.config.endpoint_id}",
+                # Literal, and only this endpoint's principal may use it (ACLs).
+                "group.id": f"fxstream-endpoint.{self.config.endpoint_id}",
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
@@ -338,8 +356,12 @@ class Agent:
 
     @property
     def transactional_id(self) -> str:
-        """Stable per agent (endpoint, host, name), so a restart fences its predecessor."""
-        return f"fxstream-agent-{self.config.endpoint_id}-{self._hostname}-{self.config.name}"
+        """Stable per agent (endpoint, host, name), so a restart fences its predecessor.
+
+        Dots separate the parts (ids never contain one), so the ACL prefix
+        ``fxstream-agent.<endpoint>.`` of one endpoint never covers another's.
+        """
+        return f"fxstream-agent.{self.config.endpoint_id}.{self._hostname}.{self.config.name}"
 
     def _count_committed(self, answers: int) -> None:
         self.results_published += answers
@@ -444,7 +466,19 @@ class Agent:
         value = message.value() or b""
         try:
             dispatch = decode(value, TaskDispatch)
+            refused = self._foreign(dispatch)
+            if refused:
+                # Not for this endpoint (or not as the router stamped it): nothing of it
+                # is decoded further, let alone deserialized.
+                log.warning("%s", refused)
+                self._dead_letter(message, refused, DeadLetterReason.IDENTITY_MISMATCH)
+                return
             submission = decode(dispatch.submission, TaskSubmission)
+            refused = _disagrees(dispatch, submission)
+            if refused:
+                log.warning("%s", refused)
+                self._dead_letter(message, refused, DeadLetterReason.IDENTITY_MISMATCH)
+                return
         except RecordDecodeError as exc:
             # Cancels are rare: only what is not a dispatch is tried as one.
             if record_kind(value) != "cancel":
@@ -477,7 +511,7 @@ class Agent:
             self._held[submission.task_id] = held
         try:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
-            sha, code = codes.get(submission.function_id)
+            sha, code = _verified_code(codes, dispatch, submission.function_id)
         except FunctionUnavailable as exc:
             if not exc.transient:
                 self._publish(held, _failed(submission, "FunctionUnavailable", exc))
@@ -487,7 +521,20 @@ class Agent:
             with self._lock:
                 self._awaiting_code.append(held)
             return
+        except CodeIntegrityError as exc:
+            log.error("%s", exc)
+            self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
+            return
         self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+
+    def _foreign(self, dispatch: TaskDispatch) -> str:
+        """Why this agent must not run ``dispatch`` (another endpoint's), or ''."""
+        if dispatch.endpoint_id == self.config.endpoint_id:
+            return ""
+        return (
+            f"dispatch of task {dispatch.task_id} names endpoint {dispatch.endpoint_id!r}, "
+            f"not this endpoint {self.config.endpoint_id!r}: refused, nothing deserialized"
+        )
 
     def _enqueue(self, held: _Held) -> None:
         with self._lock:
@@ -511,9 +558,13 @@ class Agent:
             failure = unavailable.get(submission.function_id)
             if failure is None:
                 try:
-                    sha, code = codes.get(submission.function_id)
+                    sha, code = _verified_code(codes, held.dispatch, submission.function_id)
                 except FunctionUnavailable as exc:
                     failure = unavailable[submission.function_id] = exc
+                except CodeIntegrityError as exc:
+                    log.error("%s", exc)
+                    self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
+                    continue
                 else:
                     self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
                     continue
@@ -542,7 +593,9 @@ class Agent:
         refused = ""
         with self._lock:
             held = self._held.get(task_id)
-            if held is not None and held.submission.user_id != cancel.user_id:
+            # The dispatch's user is the router's (the broker-authenticated submitter),
+            # and so is the cancel's (the router forwards only its user's own cancels).
+            if held is not None and held.dispatch.user_id != cancel.user_id:
                 refused = (
                     f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
                     "was submitted by another user; only its submitter may cancel it"
@@ -769,9 +822,7 @@ class Agent:
             reason=reason,
         )
         try:
-            events.produce(
-                self.catalogue.task_events, key=submission.task_id.encode(), value=encode(event)
-            )
+            events.produce(self.out_topic, key=submission.task_id.encode(), value=encode(event))
         except (BufferError, KafkaException) as exc:
             log.warning("task %s: cannot announce %s: %s", submission.task_id, state, exc)
 
@@ -780,11 +831,9 @@ class Agent:
         assert publisher is not None
         submission = held.submission
         key = submission.task_id.encode()
-        try:
-            topic = self.catalogue.results(submission.user_id)
-        except InvalidTopicName as exc:
-            self._drop(held, f"no results topic for user {submission.user_id!r}: {exc}")
-            return
+        # Forwarded to results.<user> by the ingress, once it has checked the task was
+        # routed here.
+        topic = self.out_topic
         result, oversized = self._fitted_result(held, outcome, key)
         value = encode(result)
         with self._lock:
@@ -862,7 +911,7 @@ class Agent:
             else DeadLetterReason.PRODUCE_FAILED,
             settles=(answer.partition, answer.offset),
         )
-        if topic == self.catalogue.dead_letter:
+        if record_kind(answer.value) == "dead-letter":
             return [Answer(None, None, b"", answer.partition, answer.offset, answer.epoch)]
         try:
             result = decode(answer.value, TaskResult)
@@ -870,11 +919,10 @@ class Agent:
             return [letter]
         if refusal.topic_missing:
             log.error(
-                "task %s: results topic %r does not exist; the result is dead-lettered. "
-                "Re-register user %s (POST /v1/users creates the topic)",
+                "task %s: this endpoint's topic %r does not exist; the result is "
+                "dead-lettered. Re-register the endpoint (POST /v1/endpoints creates it)",
                 result.task_id,
                 topic,
-                result.user_id,
             )
             return [letter]
         error = TaskError(
@@ -916,7 +964,7 @@ class Agent:
             component=f"agent {self.config.endpoint_id}",
         )
         partition, offset = settles
-        return Answer(self.catalogue.dead_letter, key, encode(letter), partition, offset)
+        return Answer(self.out_topic, key, encode(letter), partition, offset)
 
     def _publish_locations(self, payload: bytes) -> None:
         """Say where a result stored by reference lives (best effort: routing hints only)."""
@@ -925,10 +973,13 @@ class Agent:
             references = payload_references(payload)[0]
         except DeserializationError:
             return
+        # Only objects stored here: the ingress forwards a location only at this site (a
+        # proxy the function passed through was stored, and announced, by its writer).
+        references = [r for r in references if r.site == self.config.endpoint_id]
         if events is None or not references:
             return
         try:
-            LocationPublisher(events, self.catalogue.data_locations).created(references)
+            LocationPublisher(events, self.out_topic).created(references)
         except (BufferError, KafkaException) as exc:
             log.warning("cannot publish data locations: %s", exc)
 
@@ -974,7 +1025,12 @@ class Agent:
             error_type=DeadLetterReason.TASK_UNDELIVERABLE,
         )
 
-    def _dead_letter(self, message: Message, reason: str) -> None:
+    def _dead_letter(
+        self,
+        message: Message,
+        reason: str,
+        error_type: DeadLetterReason = DeadLetterReason.DECODE_ERROR,
+    ) -> None:
         partition, offset = message.partition(), message.offset()
         assert partition is not None and offset is not None
         self._settle_with_dead_letter(
@@ -985,7 +1041,7 @@ class Agent:
             value=message.value(),
             headers=_headers(message),
             reason=reason,
-            error_type=DeadLetterReason.DECODE_ERROR,
+            error_type=error_type,
         )
 
     def _settle_with_dead_letter(
@@ -1016,7 +1072,7 @@ class Agent:
         letter = encode(record)
         publisher.publish(
             Answer(
-                self.catalogue.dead_letter,
+                self.out_topic,
                 record.original_key,
                 letter,
                 partition,
@@ -1177,7 +1233,7 @@ class Agent:
             leases = beat.leases[: len(beat.leases) // 2]
             beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
             value = encode(beat)
-        producer.produce(self.catalogue.heartbeats, key=key, value=value)
+        producer.produce(self.out_topic, key=key, value=value)
         warm = [
             WarmWorker(worker_id=worker, function_ids=functions)
             for worker, functions in sorted(pool.warm_functions().items())
@@ -1205,7 +1261,7 @@ class Agent:
                     ],
                 )
                 value = encode(advert)
-            producer.produce(self.catalogue.warm, key=warm_key, value=value)
+            producer.produce(self.out_topic, key=warm_key, value=value)
             self._last_warm = warm
 
     def _shutdown(
@@ -1228,6 +1284,52 @@ class Agent:
         # Tasks still running are killed; uncommitted, they run again on the next agent.
         pool.close(timeout=STOP_CLOSE_S)
         codes.close()
+
+
+class CodeIntegrityError(Exception):
+    """Function code whose SHA-256 is not the digest its task was routed with."""
+
+
+def _verified_code(
+    codes: _CodeCache, dispatch: TaskDispatch, submission_function: str
+) -> tuple[str, bytes]:
+    """The code of the dispatch's function, whose SHA-256 must be the dispatch's digest.
+
+    A cached copy with another digest is dropped and fetched once more (the function
+    may have been fetched before a change); still another digest raises
+    :class:`CodeIntegrityError`, before anything is deserialized.
+    """
+    sha, code = codes.get(submission_function)
+    if sha == dispatch.function_sha256:
+        return sha, code
+    codes.forget(submission_function)
+    sha, code = codes.get(submission_function)
+    if sha == dispatch.function_sha256:
+        return sha, code
+    raise CodeIntegrityError(
+        f"task {dispatch.task_id}: the code fetched for function {submission_function} has "
+        f"SHA-256 {sha}, not {dispatch.function_sha256} as the task was routed with; it was "
+        "not loaded. The function changed after the task was submitted, or the code was "
+        "tampered with on its way: submit the task again to run the current code"
+    )
+
+
+def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
+    """Why a dispatch's submission disagrees with the router's stamps, or ''."""
+    stamped = (dispatch.task_id, dispatch.endpoint_id, dispatch.user_id, dispatch.function_sha256)
+    claimed = (
+        submission.task_id,
+        submission.endpoint_id,
+        submission.user_id,
+        submission.function_sha256,
+    )
+    if stamped == claimed:
+        return ""
+    return (
+        f"dispatch of task {dispatch.task_id}: its submission (task, endpoint, user, code "
+        f"digest {claimed}) disagrees with what the router stamped ({stamped}): refused, "
+        "nothing deserialized"
+    )
 
 
 def _headers(message: Message) -> list[tuple[str, bytes | None]]:

@@ -1,7 +1,7 @@
 """The platform's Python services: the REST API, the stream processors and one local endpoint.
 
 Each runs as its own process under the platform's supervisor
-(:mod:`fxstream.ops.supervisor`): the API, the router, the task-state
+(:mod:`fxstream.ops.supervisor`): the API, the router, the ingress, the task-state
 processor, the liveness processor and the local endpoint. The supervisor is
 itself a process started detached and tracked by PID (like the broker and
 Redis); it restarts a crashed child with backoff and records its restarts,
@@ -165,7 +165,7 @@ class ServiceSet:
                     stop_wave=1,
                     env=service_env,
                 )
-                for role in ("router", "task-state", "liveness")
+                for role in ("router", "ingress", "task-state", "liveness")
             ),
             ChildSpec(
                 name=f"endpoint {LOCAL_ENDPOINT}",
@@ -190,6 +190,7 @@ class ServiceSet:
         }
         self.api = handles["api"]
         self.router = handles["router"]
+        self.ingress = handles["ingress"]
         self.task_state = handles["task-state"]
         self.liveness = handles["liveness"]
         self.endpoint = handles["endpoint"]
@@ -216,11 +217,18 @@ class ServiceSet:
 
     def processes(self) -> list[SupervisedProcess]:
         """Every supervised service process, in start order."""
-        return [self.api, self.router, self.task_state, self.liveness, self.endpoint]
+        return [
+            self.api,
+            self.router,
+            self.ingress,
+            self.task_state,
+            self.liveness,
+            self.endpoint,
+        ]
 
     def processors(self) -> list[SupervisedProcess]:
-        """The stream processors: router, task-state, liveness."""
-        return [self.router, self.task_state, self.liveness]
+        """The stream processors: router, ingress, task-state, liveness."""
+        return [self.router, self.ingress, self.task_state, self.liveness]
 
     def supervisor_spec(self) -> SupervisorSpec:
         """What the supervisor runs, with this platform's backoff settings."""

@@ -35,6 +35,18 @@ On one broker every topic has replication factor 1; on the 3-broker cluster,
 replication factor 3 and `min.insync.replicas=2`. The broker refuses to
 auto-create topics: they exist only as provisioned from this catalogue.
 
+## Who writes where (identity)
+
+No record carries a credential, and no reader trusts a record's own claim of who
+wrote it. A user writes only its `from.user.<user_id>` topic and an endpoint's
+agent only its `from.ep.<endpoint_id>` topic (the broker's ACLs let no one
+else write them): the router takes a submission's user from the topic name and
+dead-letters one whose `user_id` differs (`IdentityMismatch`); the ingress
+processor forwards an endpoint's results and task events only for tasks routed
+to that endpoint (`NotRoutedHere` otherwise), and its heartbeats, warm adverts
+and data locations only when they name that endpoint. Every other topic is
+written by the service alone.
+
 ## Encoding
 
 Keys are UTF-8 strings (the id named in the table). Values are one

@@ -563,10 +563,12 @@ router = APIRouter(prefix="/v1", responses=_ERRORS)
 
 @router.post("/users", status_code=201, tags=["users"])
 def create_user(body: NewUser, runtime: RuntimeDep) -> UserCreated:
-    """Register a user and create its results topic; the token is shown only now."""
+    """Register a user and create its topics; the token is shown only now."""
     user_id, token = _new_id(), new_token()
-    # The topic first: a user that exists always has somewhere for its results to go.
+    # The topics first: a user that exists always has somewhere for its results to go,
+    # and the one topic it submits to (only it may write there: that is its identity).
     _create_topic(runtime, "results.{user_id}", runtime.catalogue.results(user_id))
+    _create_topic(runtime, "from.user.{user_id}", runtime.catalogue.from_user(user_id))
     record = UserRecord(
         user_id=user_id, name=body.name, token_sha256=token_sha256(token), created_at=time.time()
     )
@@ -630,8 +632,10 @@ def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -> EndpointCreated:
     """Register an endpoint owned by the caller and create its queue topic."""
     endpoint_id = _new_id()
-    # The queue first: an endpoint the router can see always has a queue to route to.
+    # The queue first: an endpoint the router can see always has a queue to route to,
+    # and the one topic its agent reports on (the ingress checks and forwards them).
     _create_topic(runtime, "tasks.ep.{endpoint_id}", runtime.catalogue.endpoint_queue(endpoint_id))
+    _create_topic(runtime, "from.ep.{endpoint_id}", runtime.catalogue.from_endpoint(endpoint_id))
     record = EndpointRecord(
         endpoint_id=endpoint_id,
         name=body.name,

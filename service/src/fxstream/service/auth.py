@@ -63,10 +63,12 @@ def refusal_reason(
     The reasons are written for the submitter: they say what is wrong and what
     to do, and never reveal whether another user's private object exists.
     """
-    if user is None or not token_matches(submission.auth_token, user):
+    # Who submitted is the broker's answer (the user whose from.user topic carries the
+    # record; the router dead-letters a record naming anyone else), never a token in it.
+    if user is None:
         return (
-            f"user {submission.user_id!r} is unknown or its token is wrong: "
-            "register with POST /v1/users and use the token it returns"
+            f"user {submission.user_id!r} is not registered (or was deleted): ask the "
+            "platform admin to create your account (fxstream user add)"
         )
     if not _shared_with(user, function):
         return (
@@ -86,14 +88,14 @@ def cancel_refusal_reason(
 ) -> str | None:
     """Why the router must not forward ``cancel``, or None when it may.
 
-    The router checks who asks (the token is the user's) and that the user may
-    use the endpoint; whether the task is the user's own is checked by the agent
+    The router checks who asks (the user of the topic the broker let write it) and
+    that the user may use the endpoint; whether the task is the user's own is checked by the agent
     that holds the task, the only place that knows its submitter without a join.
     """
-    if user is None or not token_matches(cancel.auth_token, user):
+    if user is None:
         return (
-            f"cancel of task {cancel.task_id}: user {cancel.user_id!r} is unknown or its token "
-            "is wrong: cancel with the token of the user who submitted the task"
+            f"cancel of task {cancel.task_id}: user {cancel.user_id!r} is not registered (or "
+            "was deleted): cancel as the user who submitted the task"
         )
     if not _shared_with(user, endpoint):
         return (

@@ -353,6 +353,7 @@ class Processor(StrEnum):
     """The stream processors ``worker --only`` can run on their own."""
 
     ROUTER = "router"
+    INGRESS = "ingress"
     TASK_STATE = "task-state"
     LIVENESS = "liveness"
 
@@ -368,11 +369,11 @@ def worker(
         list[Processor] | None,
         typer.Option(
             "--only",
-            help="run only this processor, in this process (repeatable); all three by default",
+            help="run only this processor, in this process (repeatable); all of them by default",
         ),
     ] = None,
 ) -> None:
-    """Run the stream processors (router, task state, liveness) until stopped."""
+    """Run the stream processors (router, ingress, task state, liveness) until stopped."""
     try:
         target = target_from(
             bootstrap,

@@ -1,9 +1,15 @@
-"""The service's stream processors: the router, task-state and liveness, as faust apps.
+"""The service's stream processors: router, ingress, task-state and liveness, as faust apps.
 
-- The *router* reads ``tasks.submitted`` in batches, authorises each task and
+- The *router* reads every ``from.user.<user>`` topic (by pattern) in batches,
+  takes the submitter from the topic, authorises each task and
   writes its dispatch, state, result or dead letter (decisions in
   :mod:`fxstream.service.router`), each batch in one Kafka transaction with its
   input offsets (:mod:`fxstream.service.router_loop`).
+- The *ingress* reads every ``from.ep.<endpoint>`` topic (by pattern), checks
+  each record against the endpoint that wrote it (a result only for a task
+  routed there) and forwards it to ``results.<user>``, ``task-events``,
+  ``heartbeats``, ``warm``, ``data-locations`` or ``dead-letter``, each batch
+  in one transaction with its input offsets (:mod:`fxstream.service.ingress`).
 - The *task-state* processor follows every ``results.<user>`` topic and
   ``task-events`` and folds them into ``task-state`` under the task lifecycle
   (:mod:`fxstream.service.task_state`, :mod:`fxstream.service.lifecycle`).
@@ -21,9 +27,9 @@ app never declares one. Consumer groups, whichever way they run: the router
 liveness agent the app id.
 
 Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
---prefix fx. [--only router|task-state|liveness]`` (``FILE``: the service principal's
-0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure development
-platform); SIGTERM or SIGINT stops it
+--prefix fx. [--only router|ingress|task-state|liveness]`` (``FILE``: the service
+principal's 0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure
+development platform); SIGTERM or SIGINT stops it
 cleanly (the batch in hand is finished and committed). An input whose output
 Kafka refuses for a reason of its own (too large, invalid, topic gone) is
 dead-lettered and the processor goes on (:mod:`fxstream.service.quarantine`).
@@ -51,6 +57,8 @@ from typing import Any, cast
 import faust
 from faust.types import StreamT
 
+from fxstream.service.ingress import COMPONENT as INGRESS
+from fxstream.service.ingress import Ingress
 from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
@@ -86,7 +94,7 @@ DEFAULT_APP_ID = "fxstream-processors"
 # Names the Kafka credentials file when --kafka-credentials does not (as in the CLI).
 KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # What --only can choose; all of them run in one process without it.
-ROLES = ("router", "task-state", "liveness")
+ROLES = ("router", "ingress", "task-state", "liveness")
 BATCH_SIZE = 500
 # How often endpoints whose heartbeats stopped are looked for.
 LIVENESS_CHECK_S = 1.0
@@ -183,6 +191,8 @@ def build_app(
     stoppers: list[Callable[[], Awaitable[None]]] = []
     if "router" in roles:
         _add_router(app, kafka, catalogue, app_id, batch_size, stoppers)
+    if "ingress" in roles:
+        _add_ingress(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "task-state" in roles:
         _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "liveness" in roles:
@@ -220,6 +230,51 @@ def _add_router(
         log.info("router: %s", router.stats)
 
     app.task(route)
+    stoppers.append(stop)
+
+
+def _add_ingress(
+    app: faust.App,
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    app_id: str,
+    batch_size: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+) -> None:
+    # The routing facts (task -> endpoint, user) are the router's routed states, read
+    # back from task-state into an on-disk table (see fxstream.service.ingress).
+    # A task's routed state is written a few ms before its result can arrive: the view
+    # must not batch its fetches for longer than that, or most results wait for it.
+    states = RegistryView(
+        kafka,
+        catalogue,
+        follow=("task-state",),
+        component="ingress's task-state view",
+        fetch_wait_max_ms=2,
+    )
+    ingress = Ingress(catalogue, states, TopicDirectory(kafka))
+    loop = RouterLoop(
+        kafka,
+        catalogue,
+        ingress,
+        group_id=f"{app_id}-ingress",
+        batch_size=batch_size,
+        pattern=catalogue.from_endpoint_pattern,
+        component=INGRESS,
+        # Its inputs are the agents' transactions: a fetch parked before a commit marker
+        # must not hold a result back for long.
+        fetch_max_wait_ms=5,
+    )
+
+    async def forward() -> None:
+        await loop.run()
+
+    async def stop() -> None:
+        await loop.stop()
+        ingress.close()
+        log.info("ingress: %s", ingress.stats)
+
+    app.task(forward)
     stoppers.append(stop)
 
 

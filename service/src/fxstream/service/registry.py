@@ -120,9 +120,12 @@ class RegistryView:
         on_bad_record: BadRecord | None = None,
         task_table_dir: Path | None = None,
         component: str | None = "registry view",
+        fetch_wait_max_ms: int = 50,
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
-        dead letters the view writes for them (None: write none)."""
+        dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
+        bounds how long a write waits to be seen when little else is written (a reader
+        on a task's path, like the ingress, wants it small)."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -158,7 +161,7 @@ class RegistryView:
                 # Under load (task-state, heartbeats) fewer and fuller fetches: the broker's
                 # cost is per request. A lone write is still seen within fetch.wait.max.ms.
                 "fetch.min.bytes": 64 * 1024,
-                "fetch.wait.max.ms": 50,
+                "fetch.wait.max.ms": fetch_wait_max_ms,
                 "log_level": 2,
             }
         )

@@ -1,21 +1,27 @@
 """The router's decisions: authorise each submitted task and say what to write for it.
 
-The router reads ``tasks.submitted`` in batches. For each record it decodes the
-submission envelope (never the payload: arguments stay opaque bytes), looks up
-the user, function and endpoint in a :class:`RegistryView`, and applies
-:func:`auth.refusal_reason`. What it writes:
+The router reads every user's ``from.user.<user>`` topic (by pattern) in
+batches. Who submitted a record is the user of the topic it is on: only that
+user's principal may write there (the broker's ACLs), so the identity comes
+from the broker, never from the record, which carries no credential. A record
+whose ``user_id`` names another user is dead-lettered (``IdentityMismatch``)
+and changes nothing else. For each submission it decodes the envelope (never
+the payload: arguments stay opaque bytes), looks up the user, function and
+endpoint in a :class:`RegistryView`, and applies :func:`auth.refusal_reason`;
+then it checks that the submission's ``function_sha256`` is the registered
+code's digest (``FunctionChanged`` otherwise). What it writes:
 
 - allowed: a :class:`TaskDispatch` on ``tasks.ep.<endpoint>`` carrying the
-  submission's bytes exactly as read (and its headers), and a ``routed``
-  :class:`TaskState`;
+  submission's bytes exactly as read (and its headers), stamped with the
+  submitter and the checked code digest, and a ``routed`` :class:`TaskState`;
 - refused: an error :class:`TaskResult` (``TaskRejected``) on
   ``results.<user>`` when that topic exists, a ``rejected`` state, and a
   dead letter;
-- undecodable: a dead letter only.
+- undecodable, or not the topic's user: a dead letter only.
 
-``tasks.submitted`` also carries :class:`TaskCancel` records, keyed by task id
-like the submission they follow. An authorised cancel (the token is the user's,
-the endpoint is one the user may use) is forwarded, bytes untouched, to
+``from.user.<user>`` also carries :class:`TaskCancel` records, keyed by task id
+like the submission they follow. An authorised cancel (the topic's user, an
+endpoint the user may use) is forwarded, bytes untouched, to
 ``tasks.ep.<endpoint>`` after the batch's dispatches; a refused one is
 dead-lettered (``CancelRefused``) and changes nothing else. Same key, same
 partition number: the cancel reaches the endpoint queue after its task's
@@ -44,6 +50,7 @@ from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
+    FunctionRecord,
     RawRecord,
     RecordDecodeError,
     TaskCancel,
@@ -93,6 +100,8 @@ class RouterStats:
     catch_ups: int = 0
     cancels_forwarded: int = 0
     cancels_refused: int = 0
+    identity_mismatches: int = 0
+    functions_changed: int = 0
 
 
 @dataclass
@@ -113,6 +122,7 @@ class _Decision:
     record: RawRecord
     submission: TaskSubmission
     refusal: str | None
+    error_type: DeadLetterReason = DeadLetterReason.REJECTED
 
 
 class Router:
@@ -155,27 +165,43 @@ class Router:
     # --- planning ------------------------------------------------------------------------
 
     async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
-        """Decide what to write for a batch of ``tasks.submitted`` records."""
+        """Decide what to write for a batch of ``from.user.<user>`` records."""
         plan = RoutePlan()
         submissions: list[tuple[RawRecord, TaskSubmission]] = []
         cancels: list[tuple[RawRecord, TaskCancel]] = []
         for record in records:
+            sender = self._catalogue.user_of(record.topic)
+            if sender is None:
+                self._dead_letter(
+                    plan,
+                    record,
+                    f"topic {record.topic!r} is not a user's submission topic "
+                    f"({self._catalogue.from_user('<user>')!r})",
+                    DeadLetterReason.IDENTITY_MISMATCH,
+                )
+                continue
             try:
-                submissions.append((record, decode(record.value, TaskSubmission)))
+                submission = decode(record.value, TaskSubmission)
             except RecordDecodeError as exc:
                 # Cancels are rare: only bytes that are not a submission are tried as one.
                 if record_kind(record.value) != _CANCEL_KIND:
                     self._dead_letter(plan, record, str(exc), DeadLetterReason.DECODE_ERROR)
                     continue
                 try:
-                    cancels.append((record, decode(record.value, TaskCancel)))
+                    cancel = decode(record.value, TaskCancel)
                 except RecordDecodeError as cancel_exc:
                     self._dead_letter(plan, record, str(cancel_exc), DeadLetterReason.DECODE_ERROR)
+                    continue
+                if self._sent_by(plan, record, sender, cancel.user_id, cancel.task_id):
+                    cancels.append((record, cancel))
+                continue
+            if self._sent_by(plan, record, sender, submission.user_id, submission.task_id):
+                submissions.append((record, submission))
         if any(self._has_unknown(s) for _, s in submissions) or any(
             self._cancel_has_unknown(c) for _, c in cancels
         ):
             await self._catch_up()
-        decisions = [_Decision(r, s, self._refusal(s)) for r, s in submissions]
+        decisions = [self._decide(r, s) for r, s in submissions]
         decisions = await self._refuse_unroutable(decisions)
         results_present = await self._directory.present(
             self._catalogue.results(d.submission.user_id) for d in decisions if d.refusal
@@ -193,6 +219,23 @@ class Router:
             # After every dispatch of the batch: a cancel follows its task on the queue.
             await self._plan_cancels(plan, cancels)
         return plan
+
+    def _sent_by(
+        self, plan: RoutePlan, record: RawRecord, sender: str, claimed: str, task_id: str
+    ) -> bool:
+        """True when the record's ``user_id`` is its topic's user; else it is dead-lettered."""
+        if claimed == sender:
+            return True
+        self.stats.identity_mismatches += 1
+        self._dead_letter(
+            plan,
+            record,
+            f"a record on {record.topic!r} (written by user {sender!r}) names user "
+            f"{claimed!r}: a user submits and cancels only as itself, on its own topic",
+            DeadLetterReason.IDENTITY_MISMATCH,
+            task_id,
+        )
+        return False
 
     async def refuse(
         self, records: Sequence[RawRecord], reasons: Mapping[bytes | None, str]
@@ -266,13 +309,21 @@ class Router:
         else:
             self._plan_refused(plan, decision, now, results_present)
 
-    def _refusal(self, submission: TaskSubmission) -> str | None:
-        return refusal_reason(
+    def _decide(self, record: RawRecord, submission: TaskSubmission) -> _Decision:
+        function = self._view.function(submission.function_id)
+        refusal = refusal_reason(
             submission,
             self._view.user(submission.user_id),
-            self._view.function(submission.function_id),
+            function,
             self._view.endpoint(submission.endpoint_id),
         )
+        if refusal is not None:
+            return _Decision(record, submission, refusal)
+        changed = _code_changed(submission, function)
+        if changed is not None:
+            self.stats.functions_changed += 1
+            return _Decision(record, submission, changed, DeadLetterReason.FUNCTION_CHANGED)
+        return _Decision(record, submission, None)
 
     def _has_unknown(self, submission: TaskSubmission) -> bool:
         return (
@@ -328,7 +379,7 @@ class Router:
             reason = d.refusal
             if reason is None:
                 reason = self._unroutable(d, present)
-            checked.append(_Decision(d.record, d.submission, reason))
+            checked.append(_Decision(d.record, d.submission, reason, d.error_type))
         return checked
 
     def _unroutable(self, decision: _Decision, present: set[str]) -> str | None:
@@ -362,6 +413,10 @@ class Router:
         dispatch = TaskDispatch(
             task_id=submission.task_id,
             endpoint_id=submission.endpoint_id,
+            # The topic's user (plan() dead-lettered any other) and the digest
+            # _code_changed checked against the registry: facts the agent trusts.
+            user_id=submission.user_id,
+            function_sha256=submission.function_sha256,
             routed_at=now,
             attempt=1,
             submission=record.value or b"",
@@ -405,9 +460,7 @@ class Router:
             plan.first.append(Outgoing(results, key, encode(result)))
         state = _state(submission, TaskStateName.REJECTED, now, timings, error=error)
         plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
-        self._dead_letter(
-            plan, decision.record, reason, DeadLetterReason.REJECTED, submission.task_id
-        )
+        self._dead_letter(plan, decision.record, reason, decision.error_type, submission.task_id)
         self.stats.rejected += 1
         log.info("router: refused task %s: %s", submission.task_id, reason)
 
@@ -426,7 +479,11 @@ class Router:
             Outgoing(self._catalogue.dead_letter, letter.original_key, encode(letter))
         )
         self.stats.dead_lettered += 1
-        if error_type not in (DeadLetterReason.REJECTED, DeadLetterReason.CANCEL_REFUSED):
+        if error_type not in (
+            DeadLetterReason.REJECTED,
+            DeadLetterReason.CANCEL_REFUSED,
+            DeadLetterReason.FUNCTION_CHANGED,
+        ):
             log.warning(
                 "router: dead-lettered %s[%d]@%d: %s",
                 record.topic,
@@ -462,12 +519,26 @@ def _dispatch_bytes(submission: TaskSubmission, submission_bytes: int) -> int:
     empty = TaskDispatch(
         task_id=submission.task_id,
         endpoint_id=submission.endpoint_id,
+        user_id=submission.user_id,
+        function_sha256=submission.function_sha256,
         routed_at=0.0,
         attempt=1,
         submission=b"",
     )
     # msgpack's bin header grows from 2 to at most 5 bytes with the payload's length.
     return len(encode(empty)) + submission_bytes + 5
+
+
+def _code_changed(submission: TaskSubmission, function: FunctionRecord | None) -> str | None:
+    """Why a submission's pinned digest does not match the registered code, or None."""
+    if function is None or function.code_sha256 == submission.function_sha256:
+        return None
+    return (
+        f"function {submission.function_id!r} has changed since this task was prepared: its "
+        f"code's SHA-256 is now {function.code_sha256}, the task was pinned to "
+        f"{submission.function_sha256}. Fetch the function again (Client.get_function) and "
+        "submit anew if you trust the new code"
+    )
 
 
 def _forwarded_headers(headers: object) -> list[tuple[str, bytes]] | None:

@@ -1,6 +1,8 @@
 """The router's Kafka loop: each batch's writes and its input offsets in one transaction.
 
-It reads ``tasks.submitted`` (``read_committed``) in batches of whatever has
+It reads every user's ``from.user.<user>`` topic (by pattern: a user
+registered after start is picked up within ``metadata_max_age_ms``, without a
+restart; ``read_committed``) in batches of whatever has
 arrived (``getmany``: a lone task is not held back to fill a batch, and under
 load the batch grows while the previous transaction commits), asks the
 :class:`~fxstream.service.router.Router` what to write, and then, in one Kafka
@@ -42,8 +44,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Mapping, Sequence
+from typing import Any, NoReturn, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
 from aiokafka.errors import (  # type: ignore[import-untyped]
@@ -58,7 +60,7 @@ from fxstream.service.quarantine import (
     dead_letters_for_refused,
     refusal_reason,
 )
-from fxstream.service.router import COMPONENT, Router
+from fxstream.service.router import COMPONENT, RoutePlan
 from fxstream.topics import (
     Catalogue,
     KafkaConnection,
@@ -68,7 +70,7 @@ from fxstream.topics import (
     encode,
 )
 
-__all__ = ["EXIT_WRITE_FAILED", "RouterLoop"]
+__all__ = ["EXIT_WRITE_FAILED", "Planner", "RouterLoop"]
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +83,25 @@ COMMIT_ATTEMPTS = 6
 QUARANTINE_ROUNDS = 3
 
 
+class Planner(Protocol):
+    """What a transactional loop asks what to write: the router, or the ingress."""
+
+    async def start(self) -> None:
+        """Get ready (catch up with what the planner reads) before the first batch."""
+
+    async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
+        """What to write for a batch of input records."""
+        ...
+
+    async def refuse(
+        self, records: Sequence[RawRecord], reasons: Mapping[bytes | None, str]
+    ) -> RoutePlan:
+        """What to write instead for ``records`` whose outputs Kafka refused."""
+        ...
+
+
 class RouterLoop(StoppableLoop):
-    """Routes ``tasks.submitted`` until :meth:`stop`, one transaction per batch."""
+    """Routes every ``from.user.<user>`` topic until :meth:`stop`, one transaction per batch."""
 
     name = "router"
 
@@ -90,13 +109,20 @@ class RouterLoop(StoppableLoop):
         self,
         kafka: KafkaConnection,
         catalogue: Catalogue,
-        router: Router,
+        router: Planner,
         *,
         group_id: str,
         instance: str = "0",
         batch_size: int = 500,
+        metadata_max_age_ms: int = 2_000,
+        fetch_max_wait_ms: int = 500,
+        pattern: str | None = None,
+        component: str = COMPONENT,
     ) -> None:
         super().__init__()
+        # The ingress reuses this loop (another planner, pattern and name).
+        self.name = component
+        self._pattern = pattern or catalogue.from_user_pattern
         self._catalogue = catalogue
         self._router = router
         self._group_id = group_id
@@ -113,6 +139,11 @@ class RouterLoop(StoppableLoop):
             # Never route a submission whose producer aborted it.
             "isolation_level": "read_committed",
             "max_partition_fetch_bytes": largest + 65_536,
+            # How soon a new user's from.user topic is noticed and subscribed: its first
+            # submission waits at most this long (metadata requests are cheap).
+            "metadata_max_age_ms": metadata_max_age_ms,
+            # How long the broker may hold a fetch with nothing (committed) to return.
+            "fetch_max_wait_ms": fetch_max_wait_ms,
         }
         self._producer_settings: dict[str, Any] = {
             **kafka.aiokafka(),
@@ -138,13 +169,12 @@ class RouterLoop(StoppableLoop):
         """Route until :meth:`stop`; exits the process if Kafka refuses a transaction."""
         # aiokafka binds its clients to the running loop, so they are made here.
         self._producer = AIOKafkaProducer(**self._producer_settings)
-        self._consumer = AIOKafkaConsumer(
-            self._catalogue.tasks_submitted, **self._consumer_settings
-        )
+        self._consumer = AIOKafkaConsumer(**self._consumer_settings)
         try:
             await self._router.start()
             await self._producer.start()
             await self._consumer.start()
+            self._consumer.subscribe(pattern=self._pattern)
             while not self._stopping.is_set():
                 batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 records = [r for partition in batch.values() for r in partition]
@@ -183,10 +213,10 @@ class RouterLoop(StoppableLoop):
             try:
                 await self._transact(records, offsets)
             except TransactionalIdAuthorizationFailed:
-                self._exit("router: Kafka does not allow this router's transactional id")
+                self._exit(f"{self.name}: Kafka does not allow this router's transactional id")
             except ProducerFenced:
                 if attempt >= COMMIT_ATTEMPTS:
-                    self._exit("router: fenced again and again; another router has this id")
+                    self._exit(f"{self.name}: fenced again and again; another router has this id")
                 # A transaction the coordinator timed out fences its producer too; a new
                 # producer (fencing any zombie with this id in turn) carries on.
                 log.warning("router: producer fenced; starting a new one", exc_info=True)
@@ -203,12 +233,13 @@ class RouterLoop(StoppableLoop):
                         records = await self._quarantine(records, inputs, exc, rounds)
                     except Exception:
                         # The broker failed while probing, or no single task is at fault.
-                        self._exit("router: cannot set aside the records Kafka refused")
+                        self._exit(f"{self.name}: cannot set aside the records Kafka refused")
                     continue
                 if attempt >= COMMIT_ATTEMPTS or not getattr(exc, "retriable", True):
-                    self._exit("router: cannot commit a batch to Kafka")
+                    self._exit(f"{self.name}: cannot commit a batch to Kafka")
                 log.warning(
-                    "router: batch transaction failed (%r), aborted; retry %d of %d",
+                    "%s: batch transaction failed (%r), aborted; retry %d of %d",
+                    self.name,
                     exc,
                     attempt,
                     COMMIT_ATTEMPTS - 1,
@@ -309,8 +340,9 @@ class RouterLoop(StoppableLoop):
         kept = [r for r in records if r.key not in culprits]
         suspects = [r for r in inputs if r.key in culprits]
         log.error(
-            "router: Kafka refused the records of %d task(s) (%r); setting them aside "
+            "%s: Kafka refused the records of %d task(s) (%r); setting them aside "
             "(round %d of %d) and committing the rest of the batch",
+            self.name,
             len(culprits),
             error,
             rounds,
@@ -318,7 +350,7 @@ class RouterLoop(StoppableLoop):
         )
         if rounds == 1:
             reasons = {
-                key: refusal_reason(self._catalogue, COMPONENT, refused)
+                key: refusal_reason(self._catalogue, self.name, refused)
                 for key, refused in culprits.items()
             }
             plan = await self._router.refuse(suspects, reasons)
@@ -327,7 +359,7 @@ class RouterLoop(StoppableLoop):
         if rounds == 2:
             return [
                 *kept,
-                *dead_letters_for_refused(self._catalogue, COMPONENT, refused, suspects),
+                *dead_letters_for_refused(self._catalogue, self.name, refused, suspects),
             ]
         return [*kept, *self._bare_dead_letters(suspects, culprits)]
 
@@ -336,7 +368,7 @@ class RouterLoop(StoppableLoop):
     ) -> list[Outgoing]:
         letters = []
         for record in suspects:
-            reason = refusal_reason(self._catalogue, COMPONENT, culprits[record.key])
+            reason = refusal_reason(self._catalogue, self.name, culprits[record.key])
             letter = dead_letter(
                 topic=record.topic,
                 partition=record.partition,
@@ -345,7 +377,7 @@ class RouterLoop(StoppableLoop):
                 value=None,
                 reason=reason + " (neither a refusal nor the original value could be written)",
                 error_type=OUTPUT_REFUSED,
-                component=COMPONENT,
+                component=self.name,
             )
             letters.append(Outgoing(self._catalogue.dead_letter, record.key, encode(letter)))
         return letters
@@ -366,12 +398,11 @@ class RouterLoop(StoppableLoop):
         try:
             await self._producer.stop()
         except Exception:  # already broken: it is replaced either way
-            log.debug("router: stopping the fenced producer failed", exc_info=True)
+            log.debug("%s: stopping the fenced producer failed", self.name, exc_info=True)
         self._producer = AIOKafkaProducer(**self._producer_settings)
         await self._producer.start()
 
-    @staticmethod
-    def _exit(message: str) -> NoReturn:
+    def _exit(self, message: str) -> NoReturn:
         # Exit at once: the transaction is aborted (or was never committed), so the
         # batch is re-read by the next router; nothing of it is visible or lost.
         log.critical("%s; exiting", message, exc_info=True)

@@ -3,9 +3,13 @@
 It mirrors Globus Compute's ``Client`` (``register_function``, ``run``,
 ``create_batch``/``batch_run``, ``get_task``, ``get_result``,
 ``get_batch_result``, endpoint and function calls), with two differences
-under the hood: tasks are produced straight to ``tasks.submitted`` (the REST
-service is never on a task's path), and results are pushed to futures by one
-listener thread reading ``results.<user_id>``.
+under the hood: tasks are produced straight to the user's own
+``from.user.<user_id>`` (the REST service is never on a task's path; only this
+user's Kafka principal may write there, which is how the router knows who
+submitted), and results are pushed to futures by one listener thread reading
+``results.<user_id>``. Each task pins its function's code by digest: the
+``code_sha256`` the service answered when the function was registered (or
+fetched once per function with :meth:`Client.function_sha256`).
 """
 
 from __future__ import annotations
@@ -70,6 +74,8 @@ _STATUS_CHUNK: Final = 1_000
 # Futures of run/batch_run kept for get_result: beyond this many, the oldest finished one
 # is dropped per new task (get_result then asks the service, as after forget()).
 _RETAINED: Final = 100_000
+# Function digests kept (the oldest are asked from the service again when needed).
+_DIGESTS_KEPT: Final = 10_000
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
 _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
@@ -172,6 +178,8 @@ class Client:
         self._producer: TaskProducer | None = None
         self._listener: ResultListener | None = None
         self._futures: dict[str, TaskFuture] = {}
+        # Function id -> the SHA-256 of its registered code, which each task pins.
+        self._digests: dict[str, str] = {}
         self._closed = False
 
     # --- construction ------------------------------------------------------------------
@@ -295,7 +303,44 @@ class Client:
             "description": description,
         }
         answer = self._rest.post("/functions", body)
-        return str(answer["function_id"])
+        function_id = str(answer["function_id"])
+        self._remember_digest(function_id, str(answer["code_sha256"]))
+        return function_id
+
+    def function_sha256(self, function_id: str) -> str:
+        """The SHA-256 of ``function_id``'s registered code, which every task of it pins.
+
+        Known for the functions this client registered; asked from the service once for
+        any other (``GET /v1/functions/{id}``). The router refuses a task whose digest is
+        not the registered code's (the function changed), and the endpoint checks the
+        code it runs against it.
+        """
+        with self._lock:
+            known = self._digests.get(function_id)
+        if known is not None:
+            return known
+        self._require_token()
+        record: dict[str, Any] = self._rest.get(f"/functions/{function_id}")
+        digest = str(record["code_sha256"])
+        self._remember_digest(function_id, digest)
+        return digest
+
+    def pin_function(self, function_id: str, sha256: str) -> None:
+        """Pin the code digest the tasks of ``function_id`` carry, instead of asking the
+        service (e.g. code you have read and hashed yourself: ``code_sha256(code)``).
+
+        A task pinned to a digest the registered code no longer has is refused by the
+        router (``TaskRejected``: the function changed), never run with other code.
+        """
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise ValueError(f"{sha256!r} is not a hex SHA-256 (64 characters 0-9a-f)")
+        self._remember_digest(function_id, sha256)
+
+    def _remember_digest(self, function_id: str, digest: str) -> None:
+        with self._lock:
+            self._digests[function_id] = digest
+            if len(self._digests) > _DIGESTS_KEPT:
+                del self._digests[next(iter(self._digests))]
 
     def get_function(self, function_id: str) -> dict[str, Any]:
         """The function record (``GET /v1/functions/{id}``), with ``code`` as bytes."""
@@ -388,25 +433,29 @@ class Client:
         max_retries: int = 0,
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
+        function_sha256: str | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
 
         ``max_retries`` further attempts are made after an infrastructure failure
         (its worker died, its walltime passed), and after an exception of the
         function too if ``retry_user_errors``; ``walltime_s`` bounds one attempt.
+        ``function_sha256`` pins the code to run (default: :meth:`function_sha256`).
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
         invalid id) before anything is sent.
         """
+        if function_sha256 is None:
+            function_sha256 = self.function_sha256(function_id)
         if payload is None:
             payload = self.pack(function_id, args, kwargs)
         return build_task(
             catalogue=self.catalogue,
             user_id=self.user_id,
-            token=self._require_token(),
             endpoint_id=endpoint_id,
             function_id=function_id,
+            function_sha256=function_sha256,
             payload=payload,
             task_group_id=task_group_id,
             max_retries=max_retries,
@@ -422,7 +471,7 @@ class Client:
             if self._producer is None:
                 self._producer = TaskProducer(
                     self.kafka,
-                    self.catalogue.tasks_submitted,
+                    self.catalogue.from_user(self.user_id),
                     max_message_bytes=producer_message_max_bytes(self.catalogue),
                     kafka_config=self._kafka_config,
                 )
@@ -607,7 +656,6 @@ class Client:
         producer = self._streams()[0]
         record = build_cancel(
             user_id=self.user_id,
-            token=self._require_token(),
             task_id=task_id,
             endpoint_id=endpoint_id,
             reason=reason,
@@ -644,7 +692,6 @@ class Client:
             return
         record = build_cancel(
             user_id=self.user_id,
-            token=self._require_token(),
             task_id=future.task_id,
             endpoint_id=future.endpoint_id,
             # future.cancel() never stops an executing call: if the task started before

@@ -1,4 +1,9 @@
-"""Submitting tasks: building ``submission`` records and producing them to ``tasks.submitted``.
+"""Submitting tasks: building ``submission`` records and producing them to ``from.user.<user>``.
+
+A user writes its submissions and cancels to its own topic, which only its Kafka
+principal may write: the router takes the submitter from the topic, so the records
+carry no credential. Each submission pins its function's code by digest
+(``function_sha256``, the ``code_sha256`` the service answered at registration).
 
 Tasks go straight to Kafka, never through the REST service. The producer is
 idempotent with ``acks=all``, so an acknowledged task is durable and a retried
@@ -131,9 +136,9 @@ def build_task(
     *,
     catalogue: Catalogue,
     user_id: str,
-    token: str,
     endpoint_id: str,
     function_id: str,
+    function_sha256: str,
     payload: bytes | Packed,
     task_group_id: str | None = None,
     max_retries: int = 0,
@@ -143,18 +148,18 @@ def build_task(
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
-    ``tasks.submitted``, and ``ValueError`` when a field is invalid (an id that
-    is not an id, a token too long); either way the payload's stored objects
-    are evicted.
+    ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
+    is not an id, a digest that is not one); either way the payload's stored
+    objects are evicted.
     """
     packed = payload if isinstance(payload, Packed) else Packed(payload)
     try:
         return _build_task(
             catalogue=catalogue,
             user_id=user_id,
-            token=token,
             endpoint_id=endpoint_id,
             function_id=function_id,
+            function_sha256=function_sha256,
             packed=packed,
             task_group_id=task_group_id,
             max_retries=max_retries,
@@ -170,9 +175,9 @@ def _build_task(
     *,
     catalogue: Catalogue,
     user_id: str,
-    token: str,
     endpoint_id: str,
     function_id: str,
+    function_sha256: str,
     packed: Packed,
     task_group_id: str | None,
     max_retries: int,
@@ -187,7 +192,7 @@ def _build_task(
         function_id=function_id,
         endpoint_id=endpoint_id,
         user_id=user_id,
-        auth_token=token,
+        function_sha256=function_sha256,
         payload=payload,
         client=client_info(),
         submitted_at=submitted_at,
@@ -197,15 +202,15 @@ def _build_task(
         retry_user_errors=retry_user_errors,
     )
     record = encode(submission)
-    spec = catalogue.spec("tasks.submitted")
-    # Within tasks.submitted, and, wrapped in the router's dispatch, within an endpoint queue.
+    spec = catalogue.spec("from.user.{user_id}")
+    # Within from.user.<user>, and, wrapped in the router's dispatch, within an endpoint queue.
     room = budget.max_submission_bytes(catalogue, task_id.encode())
     if len(record) > room:
         size = len(record) + (spec.max_message_bytes - room)
         raise PayloadTooLarge(
             f"the task record for function {function_id} would be {size:,} bytes with Kafka's "
             f"framing and its routing, above the {spec.max_message_bytes:,}-byte limit of "
-            f"topic {catalogue.tasks_submitted} and the endpoint queues (their "
+            f"topic {catalogue.from_user(user_id)} and the endpoint queues (their "
             f"max.message.bytes, the catalogue's max_message_bytes); nothing was sent. Keep "
             f"max_inline_bytes ({ENV_VARIABLES['max_inline_bytes']}) well below that limit. "
             f"{_PROXY_NOTE}",
@@ -232,7 +237,6 @@ def _build_task(
 def build_cancel(
     *,
     user_id: str,
-    token: str,
     task_id: str,
     endpoint_id: str,
     reason: str = "",
@@ -247,7 +251,6 @@ def build_cancel(
             task_id=task_id,
             user_id=user_id,
             endpoint_id=endpoint_id,
-            auth_token=token,
             requested_at=time.time(),
             reason=reason,
             kill=kill,
@@ -261,7 +264,8 @@ def build_cancel(
 
 
 class TaskProducer:
-    """The Client's Kafka producer for ``tasks.submitted``, with its own delivery thread.
+    """The Client's Kafka producer for its user's ``from.user.<user>``, with its own delivery
+    thread.
 
     Settings: ``acks=all``, idempotence, ``linger.ms=1``, lz4 compression. The linger is
     short because the Executor already hands over whole batches; under load records

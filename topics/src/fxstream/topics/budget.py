@@ -125,16 +125,16 @@ def fits(
     return record_bytes(key, value, headers) <= limit_of(topic)
 
 
-DISPATCH_OVERHEAD_BYTES: Final = 256
-"""What the router's dispatch adds around the submission it carries (its routing fields,
-about 170 bytes), with room to spare."""
+DISPATCH_OVERHEAD_BYTES: Final = 640
+"""What the router's dispatch adds around the submission it carries (its routing fields:
+ids, the submitter and the code digest: 283 bytes with UUIDs, 559 with 128-character ids)."""
 
 
 def max_submission_bytes(catalogue: Catalogue, key: bytes, headers: Headers | None = None) -> int:
-    """The largest submission record value that both ``tasks.submitted`` and, wrapped in
-    its dispatch, an endpoint queue accept: what the SDK checks, so whatever it sends the
-    router can route."""
-    submitted = catalogue.spec("tasks.submitted").max_message_bytes
+    """The largest submission record value that both a user's ``from.user.<U>`` and,
+    wrapped in its dispatch, an endpoint queue accept: what the SDK checks, so whatever it
+    sends the router can route."""
+    submitted = catalogue.spec("from.user.{user_id}").max_message_bytes
     queue = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes - DISPATCH_OVERHEAD_BYTES
     return min(submitted, queue) - record_bytes(key, None, headers)
 

@@ -13,6 +13,8 @@ from enum import StrEnum
 
 __all__ = [
     "DAY_MS",
+    "FROM_ENDPOINT",
+    "FROM_USER",
     "HOUR_MS",
     "Catalogue",
     "CleanupPolicy",
@@ -107,16 +109,18 @@ ENDPOINTS = TopicSpec(
     partitions=4,
     retention_ms=-1,
 )
-TASKS_SUBMITTED = TopicSpec(
-    name="tasks.submitted",
+FROM_USER = TopicSpec(
+    name="from.user.{user_id}",
     key="task id",
-    summary="Every task as submitted, before authorisation and routing, and cancel requests "
-    "for tasks (after the task, on its partition).",
-    written_by="SDK, triggers",
-    read_by="router",
+    summary="The only topic user U writes: its task submissions, and cancel requests for its "
+    "tasks (after the task, on its partition). Only U's principal may write it, so the "
+    "router takes the submitter from the topic name, never from the record.",
+    written_by="that user's SDK (the API, as admin, on its behalf)",
+    read_by="router (all of them, by pattern)",
     cleanup_policy=CleanupPolicy.DELETE,
-    partitions=8,
+    partitions=4,
     retention_ms=7 * DAY_MS,
+    template_field="user_id",
 )
 ENDPOINT_QUEUE = TopicSpec(
     name="tasks.ep.{endpoint_id}",
@@ -165,7 +169,7 @@ RESULTS = TopicSpec(
     name="results.{user_id}",
     key="task id",
     summary="Result metadata (value inline or by proxy, or the error) for one user's tasks.",
-    written_by="agents (and the router, for rejected tasks)",
+    written_by="ingress (an endpoint's checked results) and the router (rejected tasks)",
     read_by="that user's SDK; task-state processor",
     cleanup_policy=CleanupPolicy.DELETE,
     partitions=4,
@@ -217,6 +221,22 @@ STREAMS = TopicSpec(
     retention_ms=7 * DAY_MS,
     template_field="stream",
 )
+FROM_ENDPOINT = TopicSpec(
+    name="from.ep.{endpoint_id}",
+    key="task id (results, task events); endpoint id (heartbeats); as the shared topic",
+    summary="The only topic endpoint E's agent writes: results, task events, heartbeats, warm "
+    "adverts, data locations and its dead letters. The ingress processor checks each "
+    "against E (a result only for a task routed to E, a heartbeat only for E) and forwards "
+    "it to results.<user>, task-events, heartbeats, warm, data-locations or dead-letter.",
+    written_by="that endpoint's agent only",
+    read_by="ingress processor (all of them, by pattern)",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    # It carries the agent's dead letters too, which are larger than any other record.
+    max_message_bytes=5 * 1_048_576,
+    template_field="endpoint_id",
+)
 DEAD_LETTER = TopicSpec(
     name="dead-letter",
     key="original key",
@@ -236,7 +256,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     USERS,
     FUNCTIONS,
     ENDPOINTS,
-    TASKS_SUBMITTED,
+    FROM_USER,
     ENDPOINT_QUEUE,
     HEARTBEATS,
     WARM,
@@ -246,6 +266,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     TASK_EVENTS,
     EVENTS,
     STREAMS,
+    FROM_ENDPOINT,
     DEAD_LETTER,
 )
 
@@ -352,11 +373,6 @@ class Catalogue:
         return self.topic(ENDPOINTS)
 
     @property
-    def tasks_submitted(self) -> str:
-        """Where the SDK and triggers submit tasks."""
-        return self.topic(TASKS_SUBMITTED)
-
-    @property
     def heartbeats(self) -> str:
         """Agent heartbeats."""
         return self.topic(HEARTBEATS)
@@ -389,6 +405,48 @@ class Catalogue:
     def endpoint_queue(self, endpoint_id: str) -> str:
         """The queue topic of one endpoint."""
         return self.topic(ENDPOINT_QUEUE, endpoint_id=endpoint_id)
+
+    def from_user(self, user_id: str) -> str:
+        """The one topic user ``user_id`` writes: its submissions and cancels."""
+        return self.topic(FROM_USER, user_id=user_id)
+
+    def from_endpoint(self, endpoint_id: str) -> str:
+        """The one topic endpoint ``endpoint_id``'s agent writes: everything it reports."""
+        return self.topic(FROM_ENDPOINT, endpoint_id=endpoint_id)
+
+    def template_value(self, spec: TopicSpec, topic: str) -> str | None:
+        """The id a templated topic name carries (``from.user.U`` -> ``U``), or None when
+        ``topic`` is not of ``spec``'s family."""
+        head = self.prefix + spec.name.split("{", 1)[0]
+        if spec.template_field is None or not topic.startswith(head):
+            return None
+        value = topic[len(head) :]
+        return value if _ID_PATTERN.match(value) else None
+
+    def user_of(self, topic: str) -> str | None:
+        """The user whose ``from.user.<U>`` topic ``topic`` is (None for any other topic)."""
+        return self.template_value(FROM_USER, topic)
+
+    def endpoint_of(self, topic: str) -> str | None:
+        """The endpoint whose ``from.ep.<E>`` topic ``topic`` is (None for any other topic)."""
+        return self.template_value(FROM_ENDPOINT, topic)
+
+    @property
+    def from_user_pattern(self) -> str:
+        """The regular expression matching every user's ``from.user.<U>`` topic."""
+        return self.pattern(FROM_USER)
+
+    @property
+    def from_endpoint_pattern(self) -> str:
+        """The regular expression matching every endpoint's ``from.ep.<E>`` topic."""
+        return self.pattern(FROM_ENDPOINT)
+
+    def pattern(self, spec: TopicSpec) -> str:
+        """The regular expression matching every topic of a template (for subscriptions)."""
+        if spec.template_field is None:
+            raise TypeError(f"topic {spec.name!r} is not a template")
+        head = self.prefix + spec.name.split("{", 1)[0]
+        return "^" + re.escape(head) + r"[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
 
     def results(self, user_id: str) -> str:
         """The results topic of one user."""

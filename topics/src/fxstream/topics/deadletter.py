@@ -83,6 +83,18 @@ class DeadLetterReason(StrEnum):
     """Kafka refused to write an answer; the task got a small error result instead."""
     OUTPUT_UNWRITABLE = "OutputUnwritable"
     """A processor could not write what it derived from this input record."""
+    IDENTITY_MISMATCH = "IdentityMismatch"
+    """A record naming another principal than the one whose topic it is on (a submission
+    or cancel on ``from.user.<U>`` for another user, a heartbeat, warm advert or data
+    location on ``from.ep.<E>`` for another endpoint, a dispatch on an agent's queue for
+    another endpoint)."""
+    NOT_ROUTED_HERE = "NotRoutedHere"
+    """A result or task event from an endpoint the task was not routed to, or for a task
+    the service never routed."""
+    FUNCTION_CHANGED = "FunctionChanged"
+    """A submission pinned to a code digest the function's registered code no longer has."""
+    CODE_INTEGRITY = "CodeIntegrityError"
+    """Function code whose SHA-256 is not the digest its dispatch was routed with."""
 
 
 class RawRecord(Protocol):

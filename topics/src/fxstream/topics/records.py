@@ -113,13 +113,27 @@ class ClientInfo(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
-    """A task as submitted (topic ``tasks.submitted``, key: task id)."""
+    """A task as submitted (topic ``from.user.<user_id>``, key: task id).
 
+    It carries no credential: who submitted it is the user whose topic it is on
+    (only that user's principal may write there), and the router dead-letters a
+    submission whose ``user_id`` names anyone else. ``function_sha256`` pins the
+    function's code: the router refuses the task if the registered code has
+    another digest, and the agent checks the code it fetches against it.
+    """
+
+    v: SchemaVersion = 2
     task_id: Id
     function_id: Id
     endpoint_id: Annotated[Id, Meta(description="the endpoint the task should run on")]
-    user_id: Id
-    auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
+    user_id: Annotated[Id, Meta(description="the submitter: must be the user of the topic")]
+    function_sha256: Annotated[
+        str,
+        Meta(
+            pattern=r"^[0-9a-f]{64}$",
+            description="SHA-256 of the function's registered code (its code_sha256)",
+        ),
+    ]
     payload: Annotated[
         bytes,
         Meta(description="serialized (args, kwargs), strategy header first; opaque to the router"),
@@ -142,10 +156,19 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
 
     ``submission`` holds the submission record's bytes exactly as the router read
     them: the router adds routing facts around them and never re-encodes arguments.
+    ``user_id`` and ``function_sha256`` are the router's: the agent trusts them (only
+    the service may write an endpoint queue), not the submission's own fields.
     """
 
+    v: SchemaVersion = 2
     task_id: Id
-    endpoint_id: Id
+    endpoint_id: Annotated[Id, Meta(description="the endpoint the router routed it to")]
+    user_id: Annotated[
+        Id, Meta(description="the submitter, as the broker authenticated it (the topic's user)")
+    ]
+    function_sha256: Annotated[
+        str, Meta(pattern=r"^[0-9a-f]{64}$", description="the code digest the router checked")
+    ]
     routed_at: Timestamp
     attempt: Annotated[int, Meta(ge=1, description="1 for the first delivery")] = 1
     submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
@@ -154,9 +177,10 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
 class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     """A request to cancel a task (key: task id).
 
-    The SDK writes it to ``tasks.submitted``; the router checks the token and
-    forwards the same bytes to ``tasks.ep.<endpoint_id>``. Keyed by task id, it
-    lands on the partition of the task's own submission (and then dispatch),
+    The SDK writes it to ``from.user.<user_id>``; the router checks that ``user_id``
+    is the topic's user (the principal the broker authenticated) and that the user
+    may use the endpoint, and forwards the same bytes to ``tasks.ep.<endpoint_id>``.
+    Keyed by task id, it lands on the partition of the task's own submission (and then dispatch),
     after it, so whoever holds the task reads its cancel after the task itself:
     per-task order with no join against task state. The agent that holds the
     task skips it if queued or kills its worker if running, and answers it with
@@ -167,10 +191,12 @@ class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     is skipped.
     """
 
+    v: SchemaVersion = 2
     task_id: Id
-    user_id: Annotated[Id, Meta(description="who asks; must be the task's submitter")]
+    user_id: Annotated[
+        Id, Meta(description="who asks: the topic's user; must be the task's submitter")
+    ]
     endpoint_id: Annotated[Id, Meta(description="the endpoint the task was submitted to")]
-    auth_token: Annotated[str, Meta(max_length=512, description="the user's API token")]
     requested_at: Timestamp
     reason: Annotated[str, Meta(max_length=1024, description="why, for the task's error")] = ""
     kill: Annotated[
@@ -203,6 +229,8 @@ class TaskErrorType(enum.StrEnum):
     RESULT_TOO_LARGE = "ResultTooLarge"
     RESULT_REFUSED = "ResultRefused"
     """Kafka refused to write the task's result (see the message for the limit to change)."""
+    CODE_INTEGRITY = "CodeIntegrityError"
+    """The function code the agent fetched does not have the digest the task was routed with."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
@@ -544,8 +572,12 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
 )
 
 # The newest schema version this code reads and writes, per record kind.
+# A kind's version is its ``v`` default: 2 for the records issue 13 changed (no token,
+# pinned code digest, the router-stamped submitter), 1 for the rest.
 SCHEMA_VERSIONS: Final[dict[str, int]] = {
-    str(msgspec.inspect.type_info(t).tag): 1  # type: ignore[attr-defined]
+    str(msgspec.inspect.type_info(t).tag): int(  # type: ignore[attr-defined]
+        next(f.default for f in msgspec.structs.fields(t) if f.name == "v")
+    )
     for t in RECORD_TYPES
 }
 
@@ -606,7 +638,7 @@ _kind_decoder = msgspec.msgpack.Decoder(_KindOnly)
 def record_kind(data: bytes | None) -> str | None:
     """The ``kind`` a record's bytes claim to be, or None when they hold no such field.
 
-    For a reader of a topic that carries more than one kind (``tasks.submitted``:
+    For a reader of a topic that carries more than one kind (``from.user.<U>``:
     submissions and cancels) to pick the decoder whose error explains bad bytes
     best; nothing else is checked, so :func:`decode` the bytes afterwards.
     """

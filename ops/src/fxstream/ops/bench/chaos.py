@@ -172,9 +172,13 @@ class ChaosCluster:
 
     @property
     def task_topics(self) -> list[str]:
-        """The topics a task crosses before it runs: tasks.submitted and the endpoint queue."""
+        """The topics a task crosses before it runs: the user's from.user topic and the
+        endpoint queue."""
         catalogue = self.connection.catalogue()
-        return [catalogue.tasks_submitted, catalogue.endpoint_queue(self.endpoint_id)]
+        return [
+            catalogue.from_user(self.credentials.user_id),
+            catalogue.endpoint_queue(self.endpoint_id),
+        ]
 
     # --- brokers -------------------------------------------------------------------------
 
