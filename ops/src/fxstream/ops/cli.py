@@ -75,9 +75,29 @@ def up(
     quickstart: Annotated[
         bool, typer.Option(help="Run the 1,000-task quickstart once everything is up.")
     ] = True,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="DEVELOPMENT ONLY: PLAINTEXT Kafka with no authentication "
+            "(also FXSTREAM_INSECURE=1). Anyone who reaches its ports owns the platform.",
+        ),
+    ] = False,
 ) -> None:
-    """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart."""
+    """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart.
+
+    Secure by default: Kafka takes only SASL/SCRAM-SHA-512 over TLS, with certificates from a
+    local CA in the platform home and the admin credential in ``<home>/credentials``.
+    """
     config = _config()
+    if insecure:
+        config = config.with_overrides(insecure=True)
+    if config.insecure:
+        err.print(
+            "[bold red]WARNING: starting the INSECURE platform: Kafka without "
+            "authentication, encryption or ACLs. Development on a private machine only."
+            "[/bold red]"
+        )
     platform = Platform(config)
     try:
         with console.status("starting fxstream") as spinner:
@@ -104,6 +124,13 @@ def up(
         print(snippet(services.credentials_file, endpoint_id))
     console.print(f"REST API: [bold]{services.service_url}[/bold] (docs at /docs)")
     console.print(f"Kafka bootstrap servers: [bold]{connection.bootstrap_servers}[/bold]")
+    if connection.secure:
+        console.print(
+            f"Kafka: SASL/SCRAM-SHA-512 over TLS, CA {connection.ca_file}; admin credentials "
+            f"in {platform.credentials_file('admin')} (0600)"
+        )
+    else:
+        err.print("[bold red]Kafka: INSECURE (PLAINTEXT, no authentication)[/bold red]")
     console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
     console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")
     console.print("stop everything with [bold]./fx down[/bold]")

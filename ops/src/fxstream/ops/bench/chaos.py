@@ -136,7 +136,7 @@ class ChaosCluster:
             raise BenchError("the cluster platform started without its user or local endpoint")
         report(f"restarting the local endpoint with a {LEASE_S:g} s lease")
         _shorten_lease(services)
-        nodes = platform.nodes(cluster=True, java=ensure_java())
+        nodes = platform.nodes(cluster=True, java=ensure_java(), security=platform.security())
         return cls(platform, connection, services, credentials, endpoint_id, nodes)
 
     # --- clients -------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class ChaosCluster:
     def restart_broker(self, node: KafkaNode, timeout_s: float = 90.0) -> None:
         """Start a stopped broker again and wait until every broker is registered."""
         node.start(cluster_id_for(node.directory.parent))
-        wait_for_cluster(self.nodes, timeout_s=timeout_s)
+        wait_for_cluster(self.nodes, self.platform.kafka(cluster=True), timeout_s=timeout_s)
 
     # --- the Python services -------------------------------------------------------------
 
