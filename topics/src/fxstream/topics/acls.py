@@ -300,10 +300,18 @@ _PATTERN_TYPES = {
 
 
 def bindings_for(
-    role: Role, catalogue: Catalogue, principal_id: str | None = None
+    role: Role,
+    catalogue: Catalogue,
+    principal_id: str | None = None,
+    *,
+    username: str | None = None,
 ) -> list[AclBinding]:
-    """The ``AclBinding``\\ s (ALLOW, any host) to create for one principal."""
-    principal = principal_for(role, principal_id)
+    """The ``AclBinding``\\ s (ALLOW, any host) to create for one principal.
+
+    ``username`` replaces the role's SCRAM username (a test's own service principal, so it
+    never touches the running platform's).
+    """
+    principal = f"User:{username}" if username else principal_for(role, principal_id)
     return [
         AclBinding(
             _RESOURCE_TYPES[g.resource],
@@ -318,7 +326,9 @@ def bindings_for(
     ]
 
 
-def binding_filters_for(role: Role, principal_id: str | None = None) -> list[AclBindingFilter]:
+def binding_filters_for(
+    role: Role, principal_id: str | None = None, *, username: str | None = None
+) -> list[AclBindingFilter]:
     """Filters matching every ACL of one principal, whatever it is (for ``delete_acls``).
 
     They match the principal's bindings from any version of the table, so deleting a
@@ -330,7 +340,7 @@ def binding_filters_for(role: Role, principal_id: str | None = None) -> list[Acl
             ResourceType.ANY,
             None,  # type: ignore[arg-type]
             ResourcePatternType.ANY,
-            principal_for(role, principal_id),
+            f"User:{username}" if username else principal_for(role, principal_id),
             None,  # type: ignore[arg-type]
             AclOperation.ANY,
             AclPermissionType.ANY,
