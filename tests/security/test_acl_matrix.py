@@ -165,7 +165,7 @@ def matrix(kafka_platform: RunningPlatform) -> Iterator[Matrix]:
     kafka = kafka_platform.kafka
     assert kafka.secure, "the ACL matrix needs the secure platform"
     admin = AdminClient(_quiet(kafka))
-    manager = AccountManager(kafka, catalogue)
+    manager = AccountManager.connect(kafka, catalogue)
     ensure_topics(admin, catalogue)
     users, endpoints = [f"ua{tag}", f"ub{tag}"], [f"ea{tag}", f"eb{tag}"]
     service_username = f"fxstream-service-{tag}"
@@ -712,9 +712,8 @@ def test_every_principal_gets_exactly_what_the_table_grants(matrix: Matrix) -> N
     # Commits after every join has left, so each group is empty (a standalone commit is
     # refused by a group with members, whoever asks).
     with ThreadPoolExecutor(max_workers=16) as pool:
-        later = [pool.submit(commit_cell, a, g) for a in m.actors for g in m.groups]
-        for job in later:
-            cells.append(job.result())
+        commits = [pool.submit(commit_cell, a, g) for a in m.actors for g in m.groups]
+        cells += [job.result() for job in commits]
 
     # Transactions after the plain commits; each actor's own transactional id is used by
     # one transaction at a time (a second producer with it would fence the first).

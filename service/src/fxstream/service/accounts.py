@@ -9,7 +9,8 @@ failed half-way is completed by running it again.
 
 The password is generated here, returned once in a :class:`Principal` and kept nowhere: Kafka
 stores only a salted SCRAM hash. The manager must connect as the platform's admin (the only
-principal allowed to alter credentials and ACLs). On the insecure development platform
+principal allowed to alter credentials and ACLs): :meth:`AccountManager.connect`, or the REST
+API's own admin client. On the insecure development platform
 (PLAINTEXT, no authorizer) only the topics are made and no credential is returned.
 """
 
@@ -23,7 +24,12 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
+    AclBindingFilter,
+    AclOperation,
+    AclPermissionType,
     AdminClient,
+    ResourcePatternType,
+    ResourceType,
     ScramCredentialInfo,
     ScramMechanism,
     UserScramCredentialDeletion,
@@ -76,20 +82,59 @@ class AccountManager:
 
     def __init__(
         self,
-        kafka: KafkaConnection,
+        admin: AdminClient,
         catalogue: Catalogue,
         *,
+        secure: bool | None = None,
         timeout_s: float = 30.0,
     ) -> None:
-        self._kafka = kafka
+        self._admin = admin
         self._catalogue = catalogue
         self._timeout_s = timeout_s
-        self._admin = AdminClient({**kafka.confluent(), "log_level": 2})
+        self._secure = secure
+
+    @classmethod
+    def connect(
+        cls, kafka: KafkaConnection, catalogue: Catalogue, *, timeout_s: float = 30.0
+    ) -> AccountManager:
+        """A manager with its own admin client on ``kafka`` (which must be the admin)."""
+        admin = AdminClient({**kafka.confluent(), "log_level": 2})
+        return cls(admin, catalogue, secure=kafka.secure, timeout_s=timeout_s)
 
     @property
     def secure(self) -> bool:
-        """False on the insecure development platform: topics only, no credentials or ACLs."""
-        return self._kafka.secure
+        """False on the insecure development platform: topics only, no credentials or ACLs.
+
+        Unless given, found out once by asking the broker for ACLs: one without an
+        authorizer answers SECURITY_DISABLED.
+        """
+        if self._secure is None:
+            everything = AclBindingFilter(
+                ResourceType.ANY,
+                None,  # type: ignore[arg-type]
+                ResourcePatternType.ANY,
+                None,  # type: ignore[arg-type]
+                None,  # type: ignore[arg-type]
+                AclOperation.ANY,
+                AclPermissionType.ANY,
+            )
+            try:
+                self._admin.describe_acls(everything, request_timeout=self._timeout_s).result(
+                    timeout=self._timeout_s
+                )
+                self._secure = True
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                if (
+                    not isinstance(error, KafkaError)
+                    or error.code() != KafkaError.SECURITY_DISABLED
+                ):
+                    raise AccountError(
+                        f"cannot tell whether Kafka enforces ACLs: {exc}; check that the "
+                        "platform is up"
+                    ) from exc
+                self._secure = False
+        return self._secure
 
     # --- users and endpoints -------------------------------------------------------------
 
