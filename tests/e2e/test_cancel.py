@@ -31,6 +31,7 @@ from fxstream.topics import (
     decode,
     record_kind,
 )
+from fxstream.topics.acls import endpoint_group
 from tests.e2e.stack import wait_for_state
 
 pytestmark = pytest.mark.platform
@@ -123,7 +124,7 @@ class Stack:
         consumer = Consumer(
             {
                 "bootstrap.servers": self.bootstrap,
-                "group.id": f"fxstream-endpoint-{endpoint_id}",
+                "group.id": endpoint_group(endpoint_id),
                 "log_level": 2,
             }
         )
