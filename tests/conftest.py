@@ -6,10 +6,12 @@ tests exercise exactly what `./fx up` runs, and stopped by PID at the end.
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -17,7 +19,7 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
-from fxstream.topics import KafkaConnection
+from fxstream.topics import KafkaConnection, write_secret_file
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")
@@ -67,6 +69,12 @@ def free_port_block(size: int) -> int:
             for sock in block:
                 sock.close()
     raise RuntimeError(f"no block of {size} free ports found")
+
+
+def write_kafka_credentials(kafka: KafkaConnection, path: Path) -> Path:
+    """``kafka`` as a 0600 credentials file: what a service process or agent is started with."""
+    write_secret_file(path, json.dumps(kafka.to_json()).encode())
+    return path
 
 
 @dataclass(frozen=True)

@@ -276,13 +276,14 @@ class Agent:
 
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
+        kafka = self.config.kafka().confluent()
         pool = WorkerPool(self.config.workers, self._runner)
         codes = _CodeCache(self.config.service_url, self.config.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
+                **kafka,
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 1,
@@ -292,7 +293,7 @@ class Agent:
         )
         consumer = Consumer(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
+                **kafka,
                 # The one group the endpoint's principal may use (fxstream.topics.acls).
                 "group.id": endpoint_group(self.config.endpoint_id),
                 "enable.auto.commit": False,
@@ -308,7 +309,7 @@ class Agent:
         )
         publisher = TransactionalPublisher(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
+                **kafka,
                 "message.max.bytes": producer_message_max_bytes(self.catalogue),
                 "log_level": 3,
             },

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from fxstream.ops.config import ConfigError, PlatformConfig, repo_root
 from fxstream.ops.install import InstallError, ensure_requirements
 from fxstream.ops.platform import Platform, PlatformError, PlatformStatus
 from fxstream.ops.process import ProcessStartError
-from fxstream.topics import ProvisionError
+from fxstream.topics import CredentialFileError, KafkaConnection, ProvisionError
 
 __all__ = ["app", "main"]
 
@@ -235,15 +236,36 @@ def bench_kafka(
         str | None,
         typer.Option(help="Measure this broker instead of starting a private one."),
     ] = None,
+    kafka_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help="Measure the broker of this 0600 Kafka credentials file (bootstrap, "
+            "kafka_username, kafka_password, kafka_ca_file); --bootstrap overrides its brokers.",
+            envvar="FXSTREAM_KAFKA_CREDENTIALS",
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Raw Kafka limits on this machine: produce, consume, round trip, 3-hop relay."""
     from fxstream.ops.bench.kafka import BenchError, run_kafka_bench
 
     try:
+        kafka = None if bootstrap is None else KafkaConnection(bootstrap)
+        if kafka_credentials is not None:
+            kafka = KafkaConnection.from_file(kafka_credentials)
+            if bootstrap is not None:
+                kafka = dataclasses.replace(kafka, bootstrap=bootstrap)
         run_kafka_bench(
-            console=console, records=records, latency_samples=latency_samples, bootstrap=bootstrap
+            console=console, records=records, latency_samples=latency_samples, kafka=kafka
         )
-    except (BenchError, InstallError, PlatformError, ProcessStartError, TimeoutError) as exc:
+    except (
+        BenchError,
+        CredentialFileError,
+        InstallError,
+        PlatformError,
+        ProcessStartError,
+        TimeoutError,
+    ) as exc:
         err.print(f"[red]bench kafka failed:[/red] {exc}")
         raise typer.Exit(1) from exc
 

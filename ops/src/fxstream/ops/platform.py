@@ -6,7 +6,8 @@ runs and whether it answers. Where to connect is written to
 ``<home>/platform.json`` for the other parts (SDK, agent, service) to read; it holds no
 secret. The secrets are in ``<home>/credentials/`` (0700), one 0600 JSON file per principal
 (:meth:`~fxstream.topics.KafkaConnection.to_json` fields): ``admin.json`` (the Kafka admin,
-the only super user) and ``service.json`` (what the service processes connect as).
+the only super user), and ``service.json`` and ``endpoint-local.json`` (what the service
+processes and the local endpoint connect as) once the services start.
 
 Secure by default: the home is 0700, the local CA and the nodes' certificates are made in
 ``<home>/pki`` (:mod:`fxstream.ops.pki`), and Kafka authenticates every connection (see
@@ -334,9 +335,7 @@ class Platform:
         if services:
             step("starting the service, the stream processors and the local endpoint")
             try:
-                self.services().start(
-                    connection.bootstrap_servers, connection.topic_prefix, connection.redis_url
-                )
+                self.services().start(kafka, connection.topic_prefix, connection.redis_url)
             except (ProcessStartError, TimeoutError):
                 self.down()
                 raise
@@ -352,16 +351,14 @@ class Platform:
         return info
 
     def _write_credentials(self, kafka: KafkaConnection) -> None:
-        """``admin.json`` and ``service.json`` in ``<home>/credentials`` (0700, files 0600).
+        """``<home>/credentials/admin.json`` (0600, directory 0700): the admin's connection.
 
-        The service connects as the admin for now; the ACL'd ``fxstream-service`` principal
-        replaces it (issue 13's principal table).
+        The service set writes ``service.json`` and ``endpoint-local.json`` when it starts.
         """
         ensure_private_dir(self.credentials_dir)
-        text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
         if kafka.secure:
+            text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
             write_secret_file(self.credentials_file("admin"), text)
-        write_secret_file(self.credentials_file("service"), text)
 
     def services(self) -> ServiceSet:
         """The Python services of this platform."""

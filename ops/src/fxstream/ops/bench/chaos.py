@@ -61,7 +61,7 @@ from fxstream.ops.process import free_port_block, free_ports
 from fxstream.ops.services import LOCAL_ENDPOINT, Credentials, ServiceSet
 from fxstream.ops.supervisor import SupervisedProcess
 from fxstream.sdk import Client, Executor, TaskFuture
-from fxstream.topics import TaskResult, decode
+from fxstream.topics import KafkaConnection, TaskResult, decode
 
 __all__ = [
     "COMPONENTS",
@@ -148,18 +148,23 @@ class ChaosCluster:
         """
         return Client(
             self.credentials.service_url,
-            bootstrap_servers=self.connection.bootstrap_servers,
+            kafka=self.credentials.kafka,
             topic_prefix=self.connection.topic_prefix,
             user_id=self.credentials.user_id,
             token=self.credentials.token,
             kafka_config={"log_level": 2},
         )
 
+    @property
+    def kafka(self) -> KafkaConnection:
+        """How the chaos bench's own clients connect: as the platform's admin."""
+        return self.platform.kafka(cluster=True)
+
     def admin(self) -> AdminClient:
         """An admin client on the cluster."""
         return AdminClient(
             {
-                "bootstrap.servers": self.connection.bootstrap_servers,
+                **self.kafka.confluent(),
                 "socket.timeout.ms": 5000,
                 "log_level": 0,
             }
@@ -537,7 +542,7 @@ def read_result_counts(
     topic = cluster.connection.catalogue().results(cluster.credentials.user_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": cluster.connection.bootstrap_servers,
+            **cluster.kafka.confluent(),
             "group.id": f"fxstream-chaos-audit-{time.monotonic_ns()}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
