@@ -41,6 +41,7 @@ from fxstream.topics.catalogue import Catalogue, TopicSpec, _check_id
 
 __all__ = [
     "ADMIN_USERNAME",
+    "ALL_TOPICS",
     "NOT_GRANTED",
     "SERVICE_GROUP_PREFIX",
     "SERVICE_USERNAME",
@@ -159,6 +160,9 @@ class Grant:
         return name.startswith(self.name)
 
 
+# A topic rule's name for every topic of the deployment (its prefix, PREFIXED).
+ALL_TOPICS = "*"
+
 _S, _U, _E = Role.SERVICE, Role.USER, Role.ENDPOINT
 _T, _G, _X = Resource.TOPIC, Resource.GROUP, Resource.TRANSACTIONAL_ID
 _LIT, _PRE = Pattern.LITERAL, Pattern.PREFIXED
@@ -189,6 +193,9 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S, _T, _LIT, "task-events", _R, "task-state processor"),
     Rule(_S, _T, _LIT, "task-events", _W, "liveness, ingress (agents' events)"),
     Rule(_S, _T, _LIT, "dead-letter", _W, "every processor dead-letters what it refuses"),
+    Rule(
+        _S, _T, _PRE, ALL_TOPICS, Operation.DESCRIBE_CONFIGS, "start-up check: topics as specified"
+    ),
     Rule(_S, _G, _PRE, SERVICE_GROUP_PREFIX, _R, "processors' groups, offset commits"),
     Rule(_S, _G, _LIT, SERVICE_VIEW_GROUP, _R, "registry views (assigned, never joined)"),
     Rule(_S, _X, _PRE, SERVICE_GROUP_PREFIX, _W, "router / ingress transactions"),
@@ -263,6 +270,8 @@ def _grant(catalogue: Catalogue, rule: Rule, principal_id: str | None) -> Grant 
     if rule.resource is not Resource.TOPIC:
         name = rule.name.format(id=principal_id) if "{id}" in rule.name else rule.name
         return Grant(rule.resource, rule.pattern, name, rule.operation)
+    if rule.name == ALL_TOPICS:
+        return Grant(rule.resource, rule.pattern, catalogue.prefix, rule.operation)
     spec = _spec(catalogue, rule.name)
     if spec is None:
         # A topic this deployment's catalogue does not have: nothing to grant on it.
@@ -283,8 +292,19 @@ def grants_for(role: Role, catalogue: Catalogue, principal_id: str | None = None
     Empty for admin, whose rights come from ``super.users``, not from ACLs.
     """
     _require_id(role, principal_id)
-    grants = [_grant(catalogue, rule, principal_id) for rule in TABLE if rule.role is role]
-    return [g for g in grants if g is not None]
+    grants: list[Grant] = []
+    for rule in (r for r in TABLE if r.role is role):
+        if rule.name == ALL_TOPICS and not catalogue.prefix:
+            # Kafka has no empty prefix: without a deployment prefix, each static topic.
+            grants += [
+                Grant(Resource.TOPIC, Pattern.LITERAL, name, rule.operation)
+                for name in catalogue.static_topics()
+            ]
+            continue
+        grant = _grant(catalogue, rule, principal_id)
+        if grant is not None:
+            grants.append(grant)
+    return grants
 
 
 _RESOURCE_TYPES = {
@@ -369,6 +389,8 @@ def _shown_name(catalogue: Catalogue, rule: Rule) -> str:
     if rule.resource is not Resource.TOPIC:
         name = rule.name.replace("{id}", _ID_SHOWN.get(rule.role, "{id}"))
         return f"`{name}*`" if rule.pattern is Pattern.PREFIXED else f"`{name}`"
+    if rule.name == ALL_TOPICS:
+        return f"`{catalogue.prefix}*`"
     spec = _spec(catalogue, rule.name)
     if spec is None:
         return f"`{catalogue.prefix}{rule.name}` (not in this catalogue)"
