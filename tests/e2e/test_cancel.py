@@ -34,6 +34,7 @@ from fxstream.topics import (
     encode,
     record_kind,
 )
+from fxstream.topics.acls import endpoint_group
 from tests.e2e.stack import wait_for_state
 
 pytestmark = pytest.mark.platform
@@ -126,7 +127,7 @@ class Stack:
         consumer = Consumer(
             {
                 **self.kafka.confluent(),
-                "group.id": f"fxstream-endpoint.{endpoint_id}",
+                "group.id": endpoint_group(endpoint_id),
                 "log_level": 2,
             }
         )

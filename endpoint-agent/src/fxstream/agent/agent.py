@@ -118,6 +118,7 @@ from fxstream.topics import (
     producer_message_max_bytes,
     record_kind,
 )
+from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
 __all__ = ["AGENT_VERSION", "Agent"]
 
@@ -310,8 +311,8 @@ class Agent:
         consumer = Consumer(
             {
                 **kafka,
-                # Literal, and only this endpoint's principal may use it (ACLs).
-                "group.id": f"fxstream-endpoint.{self.config.endpoint_id}",
+                # The one group the endpoint's principal may use (fxstream.topics.acls).
+                "group.id": endpoint_group(self.config.endpoint_id),
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
@@ -356,12 +357,9 @@ class Agent:
 
     @property
     def transactional_id(self) -> str:
-        """Stable per agent (endpoint, host, name), so a restart fences its predecessor.
-
-        Dots separate the parts (ids never contain one), so the ACL prefix
-        ``fxstream-agent.<endpoint>.`` of one endpoint never covers another's.
-        """
-        return f"fxstream-agent.{self.config.endpoint_id}.{self._hostname}.{self.config.name}"
+        """Stable per agent (endpoint, host, name), so a restart fences its predecessor."""
+        prefix = endpoint_transactional_prefix(self.config.endpoint_id)  # what its ACLs allow
+        return f"{prefix}{self._hostname}.{self.config.name}"
 
     def _count_committed(self, answers: int) -> None:
         self.results_published += answers

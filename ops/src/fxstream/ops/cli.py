@@ -29,6 +29,8 @@ app = typer.Typer(
 )
 bench_app = typer.Typer(help="Benchmarks: each prints a table and, last, one JSON line.")
 app.add_typer(bench_app, name="bench")
+user_app = typer.Typer(help="Users of the platform (the platform admin's commands).")
+app.add_typer(user_app, name="user")
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -492,6 +494,33 @@ def bench_chaos(
     except _task_bench_errors() as exc:
         err.print(f"[red]bench chaos failed:[/red] {exc}")
         raise typer.Exit(1) from exc
+
+
+@user_app.command("add")
+def user_add(
+    name: Annotated[str, typer.Argument(help="the user's display name")],
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            "--out",
+            help="where to write its credentials (default <home>/credentials/user-<id>.json)",
+        ),
+    ] = None,
+) -> None:
+    """Create a user (Kafka principal, ACLs, topics, API token) and write its credentials 0600."""
+    from fxstream.ops.users import UserAddError, add_user
+
+    try:
+        added = add_user(Platform(_config()), name, out)
+    except UserAddError as exc:
+        err.print(f"[red]cannot add user {name!r}:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    principal = added.kafka_username or "none: the platform is insecure"
+    console.print(f"user {added.name!r}: id {added.user_id}, Kafka principal {principal}")
+    console.print(
+        f"credentials (0600): {added.credentials_file}; give this file to the user only, "
+        f"who sets FXSTREAM_CREDENTIALS={added.credentials_file}"
+    )
 
 
 def main() -> None:

@@ -34,7 +34,8 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
-from fxstream.topics import KafkaConnection, read_secret_json, write_secret_file
+from fxstream.service.accounts import AccountManager
+from fxstream.topics import Catalogue, KafkaConnection, read_secret_json, write_secret_file
 
 __all__ = [
     "KAFKA_CREDENTIALS_ENV",
@@ -140,6 +141,8 @@ class ServiceSet:
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
         service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file)}
+        # The API manages accounts (credentials, ACLs, topics): it acts as the admin.
+        api_env = {KAFKA_CREDENTIALS_ENV: str(self.api_credentials_file)}
         self._specs = [
             ChildSpec(
                 name="service api",
@@ -153,7 +156,7 @@ class ServiceSet:
                     str(config.service_port),
                 ],
                 log_file=str(logs / "service-api.log"),
-                env=service_env,
+                env=api_env,
             ),
             *(
                 ChildSpec(
@@ -206,6 +209,11 @@ class ServiceSet:
         return self.config.home / "credentials" / "service.json"
 
     @property
+    def api_credentials_file(self) -> Path:
+        """The REST API's Kafka principal: the admin, which makes accounts (0600)."""
+        return self.config.home / "credentials" / "api.json"
+
+    @property
     def endpoint_credentials_file(self) -> Path:
         """The local endpoint's Kafka principal (0600)."""
         return self.config.home / "credentials" / f"endpoint-{LOCAL_ENDPOINT}.json"
@@ -249,16 +257,27 @@ class ServiceSet:
     ) -> tuple[Credentials, str]:
         """Start the API and processors, ensure the local user and endpoint, start the endpoint.
 
-        ``kafka`` is the platform's admin connection: for now the service processes, the
-        local user and the local endpoint all connect as that principal (files 0600 in
-        ``<home>/credentials``); per-role principals replace it (issue 13's principal table).
+        ``kafka`` is the platform's admin connection: the API connects as that principal
+        (it makes accounts), the processors as ``fxstream-service`` (made here, with the ACL
+        table's rights); for now the local user and the local endpoint connect as the admin
+        (files 0600 in ``<home>/credentials``) until they write from.user/from.ep topics.
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
         text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
-        write_secret_file(self.service_credentials_file, text)
+        write_secret_file(self.api_credentials_file, text)
+        # The processors act as fxstream-service, with only the ACL table's rights; a new
+        # password at every start (read again by any processor the supervisor restarts).
+        service = kafka
+        if kafka.secure:
+            manager = AccountManager.connect(kafka, Catalogue(prefix=topic_prefix))
+            service = manager.ensure_service_principal().connection(kafka)
+        write_secret_file(
+            self.service_credentials_file,
+            (json.dumps(service.to_json(), indent=2) + "\n").encode(),
+        )
         write_secret_file(self.endpoint_credentials_file, text)
         if not self.supervisor.is_running():
             if not self.api.is_running():

@@ -20,7 +20,7 @@ import binascii
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
@@ -38,6 +38,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fxstream.service.accounts import AccountError, AccountManager, Principal
 from fxstream.service.auth import may_use, new_token, token_sha256
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from fxstream.service.registry import RegistryView
@@ -47,7 +48,6 @@ from fxstream.topics import (
     EndpointRecord,
     FunctionRecord,
     KafkaConnection,
-    ProvisionError,
     Record,
     RecordDecodeError,
     TaskState,
@@ -55,7 +55,6 @@ from fxstream.topics import (
     code_sha256,
     decode,
     encode,
-    ensure_topics,
     producer_message_max_bytes,
     record_bytes,
     strategy_of,
@@ -154,6 +153,12 @@ class UserCreated(BaseModel):
 
     user_id: str
     token: str
+    kafka_username: str | None = Field(
+        default=None, description="the user's own Kafka principal (null on an insecure platform)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
 
 
 class Me(BaseModel):
@@ -198,6 +203,12 @@ class EndpointCreated(BaseModel):
     """The new endpoint's id; its queue topic exists when this is answered."""
 
     endpoint_id: str
+    kafka_username: str | None = Field(
+        default=None, description="the endpoint's Kafka principal for its agents (null if insecure)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
 
 
 class TaskIds(_Body):
@@ -395,17 +406,16 @@ def _start_runtime(kafka: KafkaConnection, catalogue: Catalogue, timeout_s: floa
     return Runtime(catalogue, view, writer, admin, timeout_s)
 
 
-def _create_topic(runtime: Runtime, template: str, topic: str) -> None:
-    """Create one per-user or per-endpoint topic from the catalogue's ``template``."""
+def _accounts(runtime: Runtime) -> AccountManager:
+    """Kafka principals (credential, ACLs, topics), made with the API's admin client."""
+    return AccountManager(runtime.admin, runtime.catalogue, timeout_s=runtime.timeout_s)
+
+
+def _kafka_principal(create: Callable[[str], Principal], principal_id: str) -> Principal:
     try:
-        ensure_topics(
-            runtime.admin,
-            runtime.catalogue,
-            {topic: runtime.catalogue.spec(template)},
-            timeout_s=runtime.timeout_s,
-        )
-    except (ProvisionError, KafkaException) as exc:
-        raise _kafka_unavailable(f"cannot create topic {topic}: {exc}") from exc
+        return create(principal_id)
+    except AccountError as exc:
+        raise _kafka_unavailable(str(exc)) from exc
 
 
 def _kafka_answers(admin: AdminClient, timeout_s: float) -> bool:
@@ -563,17 +573,21 @@ router = APIRouter(prefix="/v1", responses=_ERRORS)
 
 @router.post("/users", status_code=201, tags=["users"])
 def create_user(body: NewUser, runtime: RuntimeDep) -> UserCreated:
-    """Register a user and create its topics; the token is shown only now."""
+    """Register a user: its Kafka principal and topics, then its record; the token and the
+    Kafka password are shown only now."""
     user_id, token = _new_id(), new_token()
-    # The topics first: a user that exists always has somewhere for its results to go,
-    # and the one topic it submits to (only it may write there: that is its identity).
-    _create_topic(runtime, "results.{user_id}", runtime.catalogue.results(user_id))
-    _create_topic(runtime, "from.user.{user_id}", runtime.catalogue.from_user(user_id))
+    # The principal and topics first: a user that exists can always submit and get results.
+    kafka = _kafka_principal(_accounts(runtime).create_user_principal, user_id)
     record = UserRecord(
         user_id=user_id, name=body.name, token_sha256=token_sha256(token), created_at=time.time()
     )
     runtime.writer.put(runtime.catalogue.users, user_id, record)
-    return UserCreated(user_id=user_id, token=token)
+    return UserCreated(
+        user_id=user_id,
+        token=token,
+        kafka_username=kafka.username if kafka.password else None,
+        kafka_password=kafka.password,
+    )
 
 
 @router.get("/users/me", tags=["users"])
@@ -630,12 +644,11 @@ def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 
 @router.post("/endpoints", status_code=201, tags=["endpoints"])
 def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -> EndpointCreated:
-    """Register an endpoint owned by the caller and create its queue topic."""
+    """Register an endpoint owned by the caller: its Kafka principal (for its agents, never
+    the owner's) and topics, then its record; the Kafka password is shown only now."""
     endpoint_id = _new_id()
-    # The queue first: an endpoint the router can see always has a queue to route to,
-    # and the one topic its agent reports on (the ingress checks and forwards them).
-    _create_topic(runtime, "tasks.ep.{endpoint_id}", runtime.catalogue.endpoint_queue(endpoint_id))
-    _create_topic(runtime, "from.ep.{endpoint_id}", runtime.catalogue.from_endpoint(endpoint_id))
+    # The queue first: an endpoint the router can see always has a queue to route to.
+    kafka = _kafka_principal(_accounts(runtime).create_endpoint_principal, endpoint_id)
     record = EndpointRecord(
         endpoint_id=endpoint_id,
         name=body.name,
@@ -647,7 +660,11 @@ def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -
         metadata=body.metadata,
     )
     runtime.writer.put(runtime.catalogue.endpoints, endpoint_id, record)
-    return EndpointCreated(endpoint_id=endpoint_id)
+    return EndpointCreated(
+        endpoint_id=endpoint_id,
+        kafka_username=kafka.username if kafka.password else None,
+        kafka_password=kafka.password,
+    )
 
 
 @router.get("/endpoints", tags=["endpoints"])
@@ -668,10 +685,15 @@ def read_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> d
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204, tags=["endpoints"])
 def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
-    """Delete one of the caller's endpoints (its queue topic is kept)."""
+    """Delete one of the caller's endpoints: its record, then its Kafka principal (no agent
+    of it logs in again), its ACLs and its topics (tasks still queued go with them)."""
     endpoint = _endpoint_or_404(runtime.view, endpoint_id)
     _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}")
     runtime.writer.delete(runtime.catalogue.endpoints, endpoint_id)
+    try:
+        _accounts(runtime).delete_endpoint_principal(endpoint_id)
+    except AccountError as exc:
+        raise _kafka_unavailable(f"{exc} (the endpoint's record is already deleted)") from exc
     return Response(status_code=204)
 
 
