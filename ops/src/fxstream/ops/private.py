@@ -27,6 +27,7 @@ from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
 from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, read_admin_token
 from fxstream.topics import Catalogue
 
 __all__ = [
@@ -97,6 +98,11 @@ class PrivatePlatform:
     def config(self) -> PlatformConfig:
         """The platform's config."""
         return self.platform.config
+
+    @property
+    def admin_token(self) -> str:
+        """The platform admin's API token (creates users), from its 0600 file in the home."""
+        return read_admin_token(self.home / "credentials" / ADMIN_TOKEN_FILE_NAME)
 
     @property
     def bootstrap(self) -> str:

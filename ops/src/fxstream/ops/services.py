@@ -8,7 +8,9 @@ Redis); it restarts a crashed child with backoff and records its restarts,
 which ``status`` reports. ``start`` also makes sure a local user exists
 (its credentials go to ``<home>/credentials.json``, mode 600, which the SDK
 reads through ``FXSTREAM_CREDENTIALS``) and that the local endpoint is
-configured under ``<home>/endpoints``.
+configured under ``<home>/endpoints``. The platform admin's API token (the only
+one that creates users) is made at the first start in
+``<home>/credentials/api-admin.json`` (0600); the API gets the file's path.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
+from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 
 __all__ = ["LOCAL_ENDPOINT", "ComponentStatus", "Credentials", "ServiceSet"]
 
@@ -97,6 +100,7 @@ class ServiceSet:
             die_with_parent=config.tie_to_caller,
         )
         connection = str(config.home / "platform.json")
+        self.admin_token_file = config.home / "credentials" / ADMIN_TOKEN_FILE_NAME
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
         self._specs = [
@@ -110,6 +114,8 @@ class ServiceSet:
                     connection,
                     "--port",
                     str(config.service_port),
+                    "--admin-token-file",
+                    str(self.admin_token_file),
                 ],
                 log_file=str(logs / "service-api.log"),
             ),
@@ -193,6 +199,7 @@ class ServiceSet:
         credentials and the local endpoint's id.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        admin_token = ensure_admin_token_file(self.admin_token_file)
         if not self.supervisor.is_running():
             if not self.api.is_running():
                 ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
@@ -203,7 +210,7 @@ class ServiceSet:
             self.endpoint.hold_file.touch()
             self.supervisor.start()
         self._wait_for_api()
-        credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url)
+        credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url, admin_token)
         endpoint_id = self._ensure_endpoint(credentials)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
@@ -310,16 +317,22 @@ class ServiceSet:
     # --- the local user and endpoint ---------------------------------------------------
 
     def _ensure_user(
-        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None
+        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None, admin_token: str
     ) -> Credentials:
         saved = Credentials.load(self.credentials_file)
-        if saved is not None and self._token_works(saved.token):
+        if saved is not None and not self._token_works(saved.token):
+            # Expired or revoked: the admin issues the same user a new token.
+            saved = self._reissue(saved, admin_token)
+        if saved is not None:
             if saved.store_url != store_url:
                 saved = dataclasses.replace(saved, store_url=store_url)
                 saved.save(self.credentials_file)
             return saved
         response = httpx.post(
-            f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
+            f"{self.service_url}/v1/users",
+            json={"name": getpass.getuser()},
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=30,
         )
         if response.status_code != 201:
             raise ProcessStartError(
@@ -336,6 +349,18 @@ class ServiceSet:
         )
         credentials.save(self.credentials_file)
         return credentials
+
+    def _reissue(self, saved: Credentials, admin_token: str) -> Credentials | None:
+        response = httpx.post(
+            f"{self.service_url}/v1/users/{saved.user_id}/token",
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=30,
+        )
+        if response.status_code != 200:
+            return None  # the user is gone (a new platform): register a new one
+        renewed = dataclasses.replace(saved, token=response.json()["token"])
+        renewed.save(self.credentials_file)
+        return renewed
 
     def _token_works(self, token: str) -> bool:
         response = httpx.get(
