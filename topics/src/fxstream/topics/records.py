@@ -329,16 +329,19 @@ class UserRecord(Record, tag="user", kw_only=True, frozen=True):
     token_revoked_at: Annotated[
         Timestamp | None, Meta(description="when the token was revoked; null: not revoked")
     ] = None
-    previous_token_sha256: Annotated[
-        str | None, Meta(pattern=r"^[0-9a-f]{64}$", description="the token rotated away")
-    ] = None
+    previous_token_sha256: (
+        Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="the token rotated away")] | None
+    ) = None
     previous_token_valid_until: Annotated[
         Timestamp | None, Meta(description="end of the rotated-away token's grace")
     ] = None
-    external_identity: Annotated[
-        str | None,
-        Meta(max_length=512, description="'<provider>:<subject>' of a linked identity provider"),
-    ] = None
+    external_identity: (
+        Annotated[
+            str,
+            Meta(max_length=512, description="'<provider>:<subject>' of a linked identity"),
+        ]
+        | None
+    ) = None
 
 
 class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
@@ -367,10 +370,13 @@ class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):
     allowed_users: list[Id] = []
     description: Text = ""
     metadata: dict[str, str] = {}
-    token_sha256: Annotated[
-        str | None,
-        Meta(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the endpoint's own API token"),
-    ] = None
+    token_sha256: (
+        Annotated[
+            str,
+            Meta(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the endpoint's own token"),
+        ]
+        | None
+    ) = None
 
 
 # --- endpoint telemetry --------------------------------------------------------------------
