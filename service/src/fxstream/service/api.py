@@ -863,19 +863,6 @@ def create_user(body: NewUser, admin: AdminDep, runtime: RuntimeDep) -> UserCrea
     )
 
 
-@router.post("/users/{user_id}/token", tags=["users"])
-def issue_token(user_id: str, _: AdminDep, runtime: RuntimeDep) -> NewToken:
-    """Issue a user a new token (platform admin only): every earlier token stops at once.
-
-    The remedy for an expired, revoked or lost token.
-    """
-    with runtime.account_lock:
-        user = runtime.view.user(user_id)
-        if user is None:
-            raise ApiError(404, "not-found", f"user {user_id!r} does not exist")
-        return _replace_token(runtime, user, grace_s=0.0)
-
-
 @router.get("/users/me", tags=["users"])
 def read_me(principal: PrincipalDep, runtime: RuntimeDep) -> Me:
     """The caller's id and name, and when the token used expires."""
@@ -925,6 +912,21 @@ def revoke_token(caller: CallerDep, runtime: RuntimeDep) -> Response:
         )
         runtime.writer.put(runtime.catalogue.users, caller.user_id, record)
     return Response(status_code=204)
+
+
+@router.post("/users/{user_id}/token", tags=["users"])
+def issue_token(user_id: str, _: AdminDep, runtime: RuntimeDep) -> NewToken:
+    """Issue a user a new token (platform admin only): every earlier token stops at once.
+
+    Declared after ``/users/me/token`` so that ``me`` is never taken for a user id.
+
+    The remedy for an expired, revoked or lost token.
+    """
+    with runtime.account_lock:
+        user = runtime.view.user(user_id)
+        if user is None:
+            raise ApiError(404, "not-found", f"user {user_id!r} does not exist")
+        return _replace_token(runtime, user, grace_s=0.0)
 
 
 @router.post("/login/{provider}", tags=["users"])
