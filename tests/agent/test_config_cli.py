@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fxstream.agent.config import ConfigError, EndpointConfig
+from fxstream.topics import KafkaConnection, write_secret_file
 
 ENDPOINT_CLI = Path(sys.executable).parent / "fxstream-endpoint"
 
@@ -119,3 +121,56 @@ def test_cli_configure_without_a_reachable_service_fails_clearly(endpoints_dir: 
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "cannot configure endpoint 'lab'" in done.stdout
+
+
+def _secure_credentials(directory: Path) -> Path:
+    """An endpoint principal's credentials file, 0600, as the service hands it out."""
+    ca = directory / "ca.pem"
+    ca.write_text("not parsed here: only the path goes to the Kafka client\n")
+    kafka = KafkaConnection("127.0.0.1:9", "ep.ep-1", "s3cret-password", ca)
+    path = directory / "kafka.json"
+    write_secret_file(path, json.dumps(kafka.to_json()).encode())
+    return path
+
+
+def test_the_agent_connects_as_the_principal_of_its_credentials_file(
+    endpoints_dir: Path, tmp_path: Path
+) -> None:
+    credentials = _secure_credentials(tmp_path)
+    path = _config(kafka_credentials=str(credentials)).save()
+    assert "s3cret-password" not in path.read_text()  # the config names the file only
+    kafka = EndpointConfig.load("laptop").kafka()
+    assert kafka.bootstrap == "127.0.0.1:1"  # the config's brokers
+    settings = kafka.confluent()
+    assert settings["security.protocol"] == "SASL_SSL"
+    assert settings["sasl.username"] == "ep.ep-1"
+    assert settings["sasl.password"] == "s3cret-password"
+    assert _config().kafka() == KafkaConnection("127.0.0.1:1")  # insecure platform only
+
+
+def test_a_credentials_file_others_can_read_is_refused(endpoints_dir: Path, tmp_path: Path) -> None:
+    credentials = _secure_credentials(tmp_path)
+    credentials.chmod(0o640)
+    with pytest.raises(ConfigError, match=f"chmod 600 {credentials}"):
+        _config(kafka_credentials=str(credentials)).save()
+    with pytest.raises(ConfigError, match="no credentials file"):
+        _config(kafka_credentials=str(tmp_path / "nowhere.json")).save()
+
+
+def test_cli_configure_records_the_credentials_file_not_the_secret(
+    endpoints_dir: Path, tmp_path: Path
+) -> None:
+    credentials = _secure_credentials(tmp_path)
+    env = {
+        **os.environ,
+        "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir),
+        "FXSTREAM_KAFKA_CREDENTIALS": str(credentials),
+    }
+    args = [str(ENDPOINT_CLI), "configure", "lab", "--service-url", "http://127.0.0.1:9"]
+    args += ["--bootstrap", "127.0.0.1:9", "--token", "t", "--endpoint-id", "ep-lab"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = EndpointConfig.load("lab")
+    assert config.kafka_credentials == str(credentials)
+    assert "s3cret-password" not in config.path.read_text()
+    assert config.kafka().username == "ep.ep-1"

@@ -174,7 +174,7 @@ def _dead_letter(stack: Stack, key: bytes, timeout_s: float = 60.0) -> DeadLette
     topic = Catalogue(prefix=stack.prefix).dead_letter
     reader = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"poison-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
@@ -194,9 +194,7 @@ def _dead_letter(stack: Stack, key: bytes, timeout_s: float = 60.0) -> DeadLette
 
 
 def _produce(stack: Stack, topic: str, key: bytes, value: bytes) -> None:
-    producer = Producer(
-        {"bootstrap.servers": stack.bootstrap, "message.max.bytes": 2_000_000, "log_level": 2}
-    )
+    producer = Producer({**stack.kafka.confluent(), "message.max.bytes": 2_000_000, "log_level": 2})
     producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
 

@@ -39,18 +39,20 @@ from fxstream.service.globus_auth import GlobusAuthProvider
 from fxstream.service.identity_provider import IdentityRejected
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     Serializer,
     TaskState,
     TaskStateName,
     TaskTimings,
     write_secret_file,
 )
+from tests.conftest import write_kafka_credentials
 from tests.security.globus_introspect_stub import GlobusIntrospectionStub, Issued
 from tests.service.conftest import (  # noqa: F401  (fixtures)
     Produce,
-    bootstrap_servers,
     catalogue,
     eventually,
+    module_kafka,
     produce,
 )
 
@@ -101,13 +103,13 @@ def globus_provider(stub: GlobusIntrospectionStub, *domains: str) -> GlobusAuthP
 
 @pytest.fixture(scope="module")
 def client(
-    bootstrap_servers: str,  # noqa: F811
+    module_kafka: KafkaConnection,  # noqa: F811
     catalogue: Catalogue,  # noqa: F811
     globus: GlobusIntrospectionStub,
 ) -> Iterator[TestClient]:
     """The API with this module's admin token and a Globus Auth login."""
     settings = accounts(identity_providers={"globus": globus_provider(globus)})
-    with TestClient(create_app(bootstrap_servers, catalogue, accounts=settings)) as client:
+    with TestClient(create_app(module_kafka, catalogue, accounts=settings)) as client:
         yield client
 
 
@@ -183,11 +185,11 @@ def test_the_admin_creates_a_user_whose_token_works(
 
 
 def test_an_expired_token_is_refused_and_the_remedy_works(
-    bootstrap_servers: str,  # noqa: F811
+    module_kafka: KafkaConnection,  # noqa: F811
     catalogue: Catalogue,  # noqa: F811
 ) -> None:
     short = accounts(token_lifetime_s=1.0)
-    with TestClient(create_app(bootstrap_servers, catalogue, accounts=short)) as api:
+    with TestClient(create_app(module_kafka, catalogue, accounts=short)) as api:
         user_id, token = create_user(api, "brief")
         assert api.get("/v1/users/me", headers=bearer(token)).status_code == 200
         time.sleep(1.2)
@@ -398,12 +400,12 @@ def test_another_users_private_objects_are_404_not_403(
 
 
 def test_registration_is_rate_limited_per_caller_with_retry_after(
-    bootstrap_servers: str,  # noqa: F811
+    module_kafka: KafkaConnection,  # noqa: F811
     catalogue: Catalogue,  # noqa: F811
 ) -> None:
     two = RateLimit(burst=2, per_hour=60)  # then one a minute
     limited = accounts(limits=RegistrationLimits(users=two, endpoints=two, functions=two))
-    with TestClient(create_app(bootstrap_servers, catalogue, accounts=limited)) as api:
+    with TestClient(create_app(module_kafka, catalogue, accounts=limited)) as api:
         _, alice = create_user(api, "a")
         _, bob = create_user(api, "b")
         refused = api.post("/v1/users", json={"name": "c"}, headers=ADMIN)
@@ -430,7 +432,7 @@ def test_registration_is_rate_limited_per_caller_with_retry_after(
 
 def test_the_real_service_takes_the_admin_token_from_a_0600_file(
     tmp_path: Path,
-    bootstrap_servers: str,  # noqa: F811
+    module_kafka: KafkaConnection,  # noqa: F811
     catalogue: Catalogue,  # noqa: F811
 ) -> None:
     connection = tmp_path / "platform.json"
@@ -438,7 +440,7 @@ def test_the_real_service_takes_the_admin_token_from_a_0600_file(
         json.dumps(
             {
                 "mode": "single",
-                "bootstrap_servers": bootstrap_servers,
+                "bootstrap_servers": module_kafka.bootstrap,
                 "redis_url": "redis://127.0.0.1:1/0",
                 "topic_prefix": catalogue.prefix,
                 "replication_factor": catalogue.replication_factor,
@@ -449,7 +451,17 @@ def test_the_real_service_takes_the_admin_token_from_a_0600_file(
     token_file = tmp_path / "credentials" / "api-admin.json"
     write_secret_file(token_file, json.dumps({"token": ADMIN_TOKEN}).encode())
     (port,) = free_ports(1)
-    argv = [str(SERVICE), "api", "--connection", str(connection), "--port", str(port)]
+    kafka_file = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
+    argv = [
+        str(SERVICE),
+        "api",
+        "--connection",
+        str(connection),
+        "--kafka-credentials",
+        str(kafka_file),
+        "--port",
+        str(port),
+    ]
 
     os.chmod(token_file, 0o644)
     loose = subprocess.run(

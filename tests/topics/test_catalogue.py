@@ -11,6 +11,8 @@ DESIGN_TOPICS = {
     "functions": CleanupPolicy.COMPACT,
     "endpoints": CleanupPolicy.COMPACT,
     "tasks.submitted": CleanupPolicy.DELETE,
+    "from.user.{user_id}": CleanupPolicy.DELETE,
+    "from.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "tasks.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "heartbeats": CleanupPolicy.DELETE,
     "warm": CleanupPolicy.COMPACT,
@@ -41,6 +43,8 @@ def test_templates_fill_ids() -> None:
     catalogue = Catalogue()
     assert catalogue.endpoint_queue("3f2c-ep") == "fx.tasks.ep.3f2c-ep"
     assert catalogue.results("alice") == "fx.results.alice"
+    assert catalogue.from_user("alice") == "fx.from.user.alice"
+    assert catalogue.from_endpoint("3f2c-ep") == "fx.from.ep.3f2c-ep"
     assert catalogue.events("detector-7") == "fx.events.detector-7"
     assert catalogue.stream("camera-1") == "fx.streams.camera-1"
 

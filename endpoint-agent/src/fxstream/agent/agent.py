@@ -107,6 +107,7 @@ from fxstream.topics import (
     producer_message_max_bytes,
     record_kind,
 )
+from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
 __all__ = ["AGENT_VERSION", "Agent"]
 
@@ -275,13 +276,14 @@ class Agent:
 
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
+        kafka = self.config.kafka().confluent()
         pool = WorkerPool(self.config.workers, self._runner)
         codes = _CodeCache(self.config.service_url, self.config.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
+                **kafka,
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 1,
@@ -291,8 +293,9 @@ class Agent:
         )
         consumer = Consumer(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
-                "group.id": f"fxstream-endpoint-{self.config.endpoint_id}",
+                **kafka,
+                # The one group the endpoint's principal may use (fxstream.topics.acls).
+                "group.id": endpoint_group(self.config.endpoint_id),
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
@@ -306,7 +309,7 @@ class Agent:
         )
         publisher = TransactionalPublisher(
             {
-                "bootstrap.servers": self.config.bootstrap_servers,
+                **kafka,
                 "message.max.bytes": producer_message_max_bytes(self.catalogue),
                 "log_level": 3,
             },
@@ -338,7 +341,8 @@ class Agent:
     @property
     def transactional_id(self) -> str:
         """Stable per agent (endpoint, host, name), so a restart fences its predecessor."""
-        return f"fxstream-agent-{self.config.endpoint_id}-{self._hostname}-{self.config.name}"
+        prefix = endpoint_transactional_prefix(self.config.endpoint_id)  # what its ACLs allow
+        return f"{prefix}{self._hostname}.{self.config.name}"
 
     def _count_committed(self, answers: int) -> None:
         self.results_published += answers

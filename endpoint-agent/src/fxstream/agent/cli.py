@@ -85,6 +85,16 @@ def configure(
         str | None, typer.Option(help="An existing endpoint id; registered if omitted.")
     ] = None,
     prefix: Annotated[str, typer.Option(help="Topic prefix.")] = "fx.",
+    kafka_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help="The endpoint's Kafka credentials file (0600 JSON: kafka_username, "
+            "kafka_password, kafka_ca_file); its path goes in the config, never the secret. "
+            "Omit only on the insecure development platform.",
+            envvar="FXSTREAM_KAFKA_CREDENTIALS",
+            dir_okay=False,
+        ),
+    ] = None,
     workers: Annotated[int, typer.Option(help="Warm worker processes.")] = 2,
     prefetch: Annotated[int, typer.Option(help="Tasks fetched beyond idle workers.")] = 16,
     heartbeat_period: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
@@ -105,6 +115,9 @@ def configure(
             endpoint_id=endpoint_id,
             service_url=service_url,
             bootstrap_servers=bootstrap,
+            kafka_credentials=None
+            if kafka_credentials is None
+            else str(kafka_credentials.absolute()),
             token=token,
             topic_prefix=prefix,
             workers=workers,

@@ -16,6 +16,7 @@ import msgspec
 import yaml
 
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
+from fxstream.topics import CredentialFileError, KafkaConnection
 
 __all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
@@ -71,6 +72,23 @@ class EndpointConfig:
     # above proxy_threshold bytes go there and only a reference goes to Kafka.
     store_url: str | None = None
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
+    # The endpoint's Kafka principal: the path of its 0600 JSON credentials file
+    # (kafka_username, kafka_password, kafka_ca_file), never the secret itself. None: the
+    # agent connects unauthenticated (the insecure development platform only).
+    kafka_credentials: str | None = None
+
+    def kafka(self) -> KafkaConnection:
+        """How the agent connects to Kafka: as the principal of ``kafka_credentials``, to
+        ``bootstrap_servers``; a :class:`ConfigError` says what is wrong with the file."""
+        if self.kafka_credentials is None:
+            return KafkaConnection(self.bootstrap_servers)
+        try:
+            connection = KafkaConnection.from_file(Path(self.kafka_credentials))
+        except CredentialFileError as exc:
+            raise ConfigError(f"kafka_credentials: {exc}") from None
+        return KafkaConnection(
+            self.bootstrap_servers, connection.username, connection.password, connection.ca_file
+        )
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the field when a value cannot work."""
@@ -102,6 +120,8 @@ class EndpointConfig:
                 StoreSpec.parse(self.store_url)
             except StoreURLError as exc:
                 raise ConfigError(f"store_url: {exc}") from None
+        if self.kafka_credentials is not None:
+            self.kafka()  # the file exists, is 0600 and names a usable principal
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "

@@ -12,6 +12,7 @@ import msgspec
 from msgspec import inspect as mi
 
 from fxstream.topics import SCHEMA_VERSIONS, Catalogue, TopicSpec
+from fxstream.topics.acls import render_acl_table_md
 from fxstream.topics.records import RECORD_TYPES
 
 __all__ = ["render_topics_md"]
@@ -188,6 +189,14 @@ def render_topics_md(catalogue: Catalogue | None = None) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [_topic_row(catalogue, spec) for spec in catalogue.specs]
+    lines += ["", '<a id="acls"></a>', "", "## Who may do what (ACLs)", ""]
+    lines += [
+        "The broker's ACLs, from `fxstream.topics.acls` (the one table in code; the ACL-matrix "
+        "test checks every cell against a real broker). `<U>` is a user id, `<E>` an "
+        "endpoint id; `*` ends a prefixed name.",
+        "",
+        render_acl_table_md(catalogue).rstrip("\n"),
+    ]
     lines += ["", "## Records", ""]
     for record in RECORD_TYPES:
         lines += _struct_section(record, "###")

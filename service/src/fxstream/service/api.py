@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
@@ -40,6 +40,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fxstream.service.accounts import AccountError, AccountManager
+from fxstream.service.accounts import Principal as KafkaPrincipal
 from fxstream.service.auth import (
     DEFAULT_TOKEN_LIFETIME_S,
     MAX_ROTATION_GRACE_S,
@@ -65,7 +67,7 @@ from fxstream.topics import (
     DeserializationError,
     EndpointRecord,
     FunctionRecord,
-    ProvisionError,
+    KafkaConnection,
     Record,
     RecordDecodeError,
     TaskState,
@@ -73,7 +75,6 @@ from fxstream.topics import (
     code_sha256,
     decode,
     encode,
-    ensure_topics,
     producer_message_max_bytes,
     record_bytes,
     strategy_of,
@@ -173,6 +174,12 @@ class UserCreated(BaseModel):
     user_id: str
     token: str
     token_expires_at: float = Field(description="when the token expires (Unix time)")
+    kafka_username: str | None = Field(
+        default=None, description="the user's own Kafka principal (null on an insecure platform)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
 
 
 class NewToken(BaseModel):
@@ -210,6 +217,12 @@ class LoggedIn(NewToken):
     """A login's fxstream token; ``created`` is true when this login created the user."""
 
     created: bool
+    kafka_username: str | None = Field(
+        default=None, description="a new user's Kafka principal (null if not created now)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
 
 
 class Me(BaseModel):
@@ -263,6 +276,12 @@ class EndpointCreated(BaseModel):
 
     endpoint_id: str
     token: str
+    kafka_username: str | None = Field(
+        default=None, description="the endpoint's Kafka principal for its agents (null if insecure)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
 
 
 class EndpointToken(BaseModel):
@@ -314,7 +333,7 @@ class RecordWriter:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         catalogue: Catalogue,
         view: RegistryView,
         *,
@@ -325,7 +344,7 @@ class RecordWriter:
         self._timeout_s = timeout_s
         self._producer = Producer(
             {
-                "bootstrap.servers": bootstrap_servers,
+                **kafka.confluent(),
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,
@@ -465,9 +484,9 @@ class Runtime:
 
 
 def _start_runtime(
-    bootstrap_servers: str, catalogue: Catalogue, timeout_s: float, accounts: AccountSettings
+    kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float, accounts: AccountSettings
 ) -> Runtime:
-    view = RegistryView(bootstrap_servers, catalogue, component="api registry view")
+    view = RegistryView(kafka, catalogue, component="api registry view")
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -477,9 +496,9 @@ def _start_runtime(
     except BaseException:
         view.close()
         raise
-    writer = RecordWriter(bootstrap_servers, catalogue, view, timeout_s=timeout_s)
+    writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)
     writer.start()
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
+    admin = AdminClient({**kafka.confluent(), "log_level": 2})
     return Runtime(
         catalogue,
         view,
@@ -491,17 +510,16 @@ def _start_runtime(
     )
 
 
-def _create_topic(runtime: Runtime, template: str, topic: str) -> None:
-    """Create one per-user or per-endpoint topic from the catalogue's ``template``."""
+def _accounts(runtime: Runtime) -> AccountManager:
+    """Kafka principals (credential, ACLs, topics), made with the API's admin client."""
+    return AccountManager(runtime.admin, runtime.catalogue, timeout_s=runtime.timeout_s)
+
+
+def _kafka_principal(create: Callable[[str], KafkaPrincipal], principal_id: str) -> KafkaPrincipal:
     try:
-        ensure_topics(
-            runtime.admin,
-            runtime.catalogue,
-            {topic: runtime.catalogue.spec(template)},
-            timeout_s=runtime.timeout_s,
-        )
-    except (ProvisionError, KafkaException) as exc:
-        raise _kafka_unavailable(f"cannot create topic {topic}: {exc}") from exc
+        return create(principal_id)
+    except AccountError as exc:
+        raise _kafka_unavailable(str(exc)) from exc
 
 
 def _kafka_answers(admin: AdminClient, timeout_s: float) -> bool:
@@ -810,11 +828,11 @@ router = APIRouter(prefix="/v1", responses=_ERRORS)
 
 def _register_user(
     runtime: Runtime, name: str, external_identity: str | None = None
-) -> tuple[UserRecord, str]:
-    """Create a user (its results topic first) and its first token."""
+) -> tuple[UserRecord, str, KafkaPrincipal]:
+    """Create a user: its Kafka principal and topics first, then its record and first token."""
     user_id, token = _new_id(), new_token()
-    # The topic first: a user that exists always has somewhere for its results to go.
-    _create_topic(runtime, "results.{user_id}", runtime.catalogue.results(user_id))
+    # The principal and topics first: a user that exists can always submit and get results.
+    kafka = _kafka_principal(_accounts(runtime).create_user_principal, user_id)
     now = time.time()
     record = UserRecord(
         user_id=user_id,
@@ -825,7 +843,7 @@ def _register_user(
         external_identity=external_identity,
     )
     runtime.writer.put(runtime.catalogue.users, user_id, record)
-    return record, token
+    return record, token, kafka
 
 
 def _replace_token(runtime: Runtime, user: UserRecord, grace_s: float) -> NewToken:
@@ -857,9 +875,13 @@ def create_user(body: NewUser, admin: AdminDep, runtime: RuntimeDep) -> UserCrea
     The token is shown only now; it expires after the service's token lifetime.
     """
     _limit(runtime, "users", admin.key)
-    record, token = _register_user(runtime, body.name)
+    record, token, kafka = _register_user(runtime, body.name)
     return UserCreated(
-        user_id=record.user_id, token=token, token_expires_at=record.token_expires_at or 0.0
+        user_id=record.user_id,
+        token=token,
+        token_expires_at=record.token_expires_at or 0.0,
+        kafka_username=kafka.username if kafka.password else None,
+        kafka_password=kafka.password,
     )
 
 
@@ -957,12 +979,14 @@ def login(provider: str, body: Login, request: Request, runtime: RuntimeDep) -> 
         user = runtime.view.user_by_external_identity(identity.key)
         if user is None:
             _limit(runtime, "users", f"provider:{provider}")
-            record, token = _register_user(runtime, identity.name, identity.key)
+            record, token, kafka = _register_user(runtime, identity.name, identity.key)
             return LoggedIn(
                 user_id=record.user_id,
                 token=token,
                 token_expires_at=record.token_expires_at or 0.0,
                 created=True,
+                kafka_username=kafka.username if kafka.password else None,
+                kafka_password=kafka.password,
             )
         issued = _replace_token(runtime, user, grace_s=0.0)
     return LoggedIn(**issued.model_dump(), created=False)
@@ -1030,14 +1054,15 @@ def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 
 @router.post("/endpoints", status_code=201, tags=["endpoints"])
 def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -> EndpointCreated:
-    """Register an endpoint owned by the caller and create its queue topic (rate-limited).
+    """Register an endpoint owned by the caller: its Kafka principal (for its agents, never
+    the owner's) and topics, then its record (rate-limited per user).
 
-    The answer carries the endpoint's own token for its agent, shown only now.
+    The answer carries the endpoint's own API token and Kafka password, shown only now.
     """
     _limit(runtime, "endpoints", f"user:{caller.user_id}")
     endpoint_id, token = _new_id(), new_token()
     # The queue first: an endpoint the router can see always has a queue to route to.
-    _create_topic(runtime, "tasks.ep.{endpoint_id}", runtime.catalogue.endpoint_queue(endpoint_id))
+    kafka = _kafka_principal(_accounts(runtime).create_endpoint_principal, endpoint_id)
     record = EndpointRecord(
         endpoint_id=endpoint_id,
         name=body.name,
@@ -1050,7 +1075,12 @@ def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -
         token_sha256=token_sha256(token),
     )
     runtime.writer.put(runtime.catalogue.endpoints, endpoint_id, record)
-    return EndpointCreated(endpoint_id=endpoint_id, token=token)
+    return EndpointCreated(
+        endpoint_id=endpoint_id,
+        token=token,
+        kafka_username=kafka.username if kafka.password else None,
+        kafka_password=kafka.password,
+    )
 
 
 @router.post("/endpoints/{endpoint_id}/token", tags=["endpoints"])
@@ -1090,10 +1120,15 @@ def read_endpoint(endpoint_id: str, principal: PrincipalDep, runtime: RuntimeDep
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204, tags=["endpoints"])
 def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
-    """Delete one of the caller's endpoints (its queue topic is kept)."""
+    """Delete one of the caller's endpoints: its record, then its Kafka principal (no agent
+    of it logs in again), its ACLs and its topics (tasks still queued go with them)."""
     endpoint = _endpoint_or_404(runtime.view, endpoint_id, Principal("user", user=caller))
     _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}")
     runtime.writer.delete(runtime.catalogue.endpoints, endpoint_id)
+    try:
+        _accounts(runtime).delete_endpoint_principal(endpoint_id)
+    except AccountError as exc:
+        raise _kafka_unavailable(f"{exc} (the endpoint's record is already deleted)") from exc
     return Response(status_code=204)
 
 
@@ -1241,14 +1276,14 @@ async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     *,
     timeout_s: float = 15.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     accounts: AccountSettings | None = None,
 ) -> FastAPI:
-    """The REST API on the registry topics of ``catalogue`` at ``bootstrap_servers``.
+    """The REST API on the registry topics of ``catalogue``, connecting to Kafka as ``kafka``.
 
     Starting it (its lifespan) reads the registry topics to their end before it
     serves; ``timeout_s`` bounds each wait for Kafka inside a request. A request
@@ -1261,9 +1296,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await asyncio.to_thread(
-            _start_runtime, bootstrap_servers, catalogue, timeout_s, settings
-        )
+        runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s, settings)
         app.state.runtime = runtime
         try:
             yield

@@ -130,6 +130,30 @@ ENDPOINT_QUEUE = TopicSpec(
     retention_ms=14 * DAY_MS,
     template_field="endpoint_id",
 )
+FROM_USER = TopicSpec(
+    name="from.user.{user_id}",
+    key="task id",
+    summary="The only topic one user writes: its task submissions and cancels; the router "
+    "takes the submitter's identity from the topic's name, never from the record.",
+    written_by="that user's SDK (and the API for it)",
+    read_by="router",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    template_field="user_id",
+)
+FROM_ENDPOINT = TopicSpec(
+    name="from.ep.{endpoint_id}",
+    key="task id / endpoint id",
+    summary="The only topic one endpoint's agents write: results, heartbeats, warm adverts, "
+    "data locations; the service checks each against the endpoint and forwards it.",
+    written_by="that endpoint's agents",
+    read_by="service (ingress)",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    template_field="endpoint_id",
+)
 HEARTBEATS = TopicSpec(
     name="heartbeats",
     key="endpoint id",
@@ -237,6 +261,8 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     FUNCTIONS,
     ENDPOINTS,
     TASKS_SUBMITTED,
+    FROM_USER,
+    FROM_ENDPOINT,
     ENDPOINT_QUEUE,
     HEARTBEATS,
     WARM,
@@ -389,6 +415,14 @@ class Catalogue:
     def endpoint_queue(self, endpoint_id: str) -> str:
         """The queue topic of one endpoint."""
         return self.topic(ENDPOINT_QUEUE, endpoint_id=endpoint_id)
+
+    def from_user(self, user_id: str) -> str:
+        """The only topic user ``user_id`` writes (its submissions and cancels)."""
+        return self.topic(FROM_USER, user_id=user_id)
+
+    def from_endpoint(self, endpoint_id: str) -> str:
+        """The only topic endpoint ``endpoint_id``'s agents write."""
+        return self.topic(FROM_ENDPOINT, endpoint_id=endpoint_id)
 
     def results(self, user_id: str) -> str:
         """The results topic of one user."""
