@@ -317,7 +317,9 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
     stack: Stack, tmp_path: Path
 ) -> None:
     owner = stack.client()
-    mallory_id, mallory_token = Client.register_user(stack.settings.service_url, "mallory")
+    mallory_id, mallory_token = Client.register_user(
+        stack.settings.service_url, "mallory", admin_token=stack.admin_token
+    )
     mallory = Client(
         stack.settings.service_url,
         kafka=stack.settings.kafka,

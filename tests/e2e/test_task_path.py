@@ -199,7 +199,9 @@ def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
 def test_another_users_private_function_is_refused(stack: Stack) -> None:
     owner = stack.client()
     settings = ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(stack.credentials)})
-    user_id, token = Client.register_user(settings.service_url, "mallory")
+    user_id, token = Client.register_user(
+        settings.service_url, "mallory", admin_token=stack.admin_token
+    )
     intruder = Client(
         settings.service_url,
         kafka=settings.kafka,

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 
-from fxstream.service import create_app
+from fxstream.service import AccountSettings, create_app, new_token, token_sha256
 from fxstream.topics import (
     Catalogue,
     Heartbeat,
@@ -53,12 +53,21 @@ FUZZ = settings(
 )
 
 
+# The platform admin of the fuzzed API (creates the fuzzed user).
+ADMIN_TOKEN = new_token()
+
+
 @pytest.fixture(scope="module")
 def client(
     kafka_platform: RunningPlatform, fuzz_catalogue: Catalogue, registry: Registry
 ) -> Iterator[TestClient]:
     """The API on the fuzz deployment, started (lifespan) and stopped around the module."""
-    app = create_app(kafka_platform.kafka, fuzz_catalogue, timeout_s=10)
+    app = create_app(
+        kafka_platform.kafka,
+        fuzz_catalogue,
+        timeout_s=10,
+        accounts=AccountSettings(admin_token_sha256=token_sha256(ADMIN_TOKEN)),
+    )
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 
@@ -72,7 +81,9 @@ def known(registry: Registry) -> KnownIds:
 @pytest.fixture(scope="module")
 def fuzzed(client: TestClient) -> KnownIds:
     """A user with a function and an endpoint, made through the API, for the fuzz to hit."""
-    user = client.post("/v1/users", json={"name": "fuzz"})
+    user = client.post(
+        "/v1/users", json={"name": "fuzz"}, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    )
     assert user.status_code == 201, user.text
     token, user_id = user.json()["token"], user.json()["user_id"]
     auth = {"Authorization": f"Bearer {token}"}

@@ -15,6 +15,7 @@ from fxstream.sdk import (
     InvalidRequest,
     NotFound,
     PermissionDenied,
+    RateLimited,
     ServiceError,
     ServiceUnavailable,
     TaskExecutionFailed,
@@ -42,7 +43,8 @@ def answer(status: int, body: object) -> httpx.Response:
         (409, InvalidRequest),
         (413, InvalidRequest),
         (422, InvalidRequest),
-        (429, ServiceError),
+        (429, RateLimited),
+        (418, ServiceError),
     ],
 )
 def test_error_answers_map_to_typed_exceptions_with_the_detail(
@@ -56,6 +58,19 @@ def test_error_answers_map_to_typed_exceptions_with_the_detail(
     assert isinstance(error, FxstreamError)
     assert (error.status_code, error.error, error.detail) == (status, "some-code", detail)
     assert detail in str(error) and "POST http://svc/v1/functions" in str(error)
+
+
+def test_a_429_carries_its_retry_after() -> None:
+    request = httpx.Request("POST", "http://svc/v1/endpoints")
+    response = httpx.Response(
+        429,
+        json={"error": "rate-limited", "detail": "retry after 7 s"},
+        headers={"Retry-After": "7"},
+        request=request,
+    )
+    with pytest.raises(RateLimited) as caught:
+        raise_for_error(response)
+    assert caught.value.retry_after == 7.0
 
 
 def test_validation_lists_are_flattened_naming_the_field() -> None:

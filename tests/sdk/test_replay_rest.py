@@ -19,6 +19,7 @@ from confluent_kafka import Producer
 
 from fxstream.ops.process import free_ports
 from fxstream.sdk import Client, NotFound, TaskExecutionFailed, TaskRejected
+from fxstream.service import AccountSettings, new_token, token_sha256
 from fxstream.service.api import MAX_GROUP_PAGE, create_app
 from fxstream.topics import (
     Attempt,
@@ -43,8 +44,13 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
     catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
     admin = kafka_platform.admin()
     ensure_topics(admin, catalogue)
+    admin_token = new_token()
     config = uvicorn.Config(
-        create_app(kafka, catalogue),
+        create_app(
+            kafka,
+            catalogue,
+            accounts=AccountSettings(admin_token_sha256=token_sha256(admin_token)),
+        ),
         host="127.0.0.1",
         port=free_ports(1)[0],
         log_level="warning",
@@ -59,7 +65,7 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
         assert time.monotonic() < deadline, "the service did not start in 60 s"
         time.sleep(0.05)
     try:
-        yield Service(f"http://127.0.0.1:{config.port}", kafka, catalogue)
+        yield Service(f"http://127.0.0.1:{config.port}", kafka, catalogue, admin_token)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -99,7 +105,7 @@ def state_of(
 
 
 def test_a_group_of_every_state_over_several_pages_is_reloaded(service: Service) -> None:
-    user = Client.register_user(service.url, "replayer")
+    user = Client.register_user(service.url, "replayer", admin_token=service.admin_token)
     client = service.client(user)
     group = str(uuid.uuid4())
     producer = Producer({**service.kafka.confluent(), "acks": "all", "log_level": 2})

@@ -29,6 +29,7 @@ from fxstream.sdk import (
     TaskExecutionFailed,
     TaskPending,
 )
+from fxstream.service import AccountSettings, new_token, token_sha256
 from fxstream.service.api import create_app
 from fxstream.topics import (
     Catalogue,
@@ -58,6 +59,7 @@ class Service:
     url: str
     kafka: KafkaConnection
     catalogue: Catalogue
+    admin_token: str = ""
 
     def client(self, user: RegisteredUser | None = None, *, token: str | None = None) -> Client:
         """A client for ``user`` (or anonymous); the user id is asked from the service."""
@@ -83,8 +85,13 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
     admin = kafka_platform.admin()
     ensure_topics(admin, catalogue)
     port = _free_port()
+    admin_token = new_token()
     config = uvicorn.Config(
-        create_app(kafka, catalogue),
+        create_app(
+            kafka,
+            catalogue,
+            accounts=AccountSettings(admin_token_sha256=token_sha256(admin_token)),
+        ),
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -99,7 +106,7 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
         assert time.monotonic() < deadline, "the service did not start in 60 s"
         time.sleep(0.05)
     try:
-        yield Service(f"http://127.0.0.1:{port}", kafka, catalogue)
+        yield Service(f"http://127.0.0.1:{port}", kafka, catalogue, admin_token)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -114,13 +121,13 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
 @pytest.fixture(scope="module")
 def alice(service: Service) -> RegisteredUser:
     """A registered user."""
-    return Client.register_user(service.url, "alice")
+    return Client.register_user(service.url, "alice", admin_token=service.admin_token)
 
 
 @pytest.fixture(scope="module")
 def bob(service: Service) -> RegisteredUser:
     """Another registered user."""
-    return Client.register_user(service.url, "bob")
+    return Client.register_user(service.url, "bob", admin_token=service.admin_token)
 
 
 def eventually(call: Callable[[], T], timeout: float = 20.0) -> T:
@@ -140,7 +147,8 @@ def test_register_user_and_who_am_i(service: Service, alice: RegisteredUser) -> 
     assert uuid.UUID(user_id) and token
     with service.client(alice) as client:
         assert client.user_id == user_id  # asked from the service: not configured
-        assert client.whoami() == {"user_id": user_id, "name": "alice"}
+        me = client.whoami()
+        assert {k: me[k] for k in ("user_id", "name")} == {"user_id": user_id, "name": "alice"}
     with (
         service.client(token="not-a-token") as stranger,
         pytest.raises(AuthenticationError) as caught,
@@ -181,9 +189,13 @@ def test_errors_carry_the_service_detail(
     service: Service, alice: RegisteredUser, bob: RegisteredUser
 ) -> None:
     with service.client(alice) as owner, service.client(bob) as other:
-        function_id = owner.register_function(square)
+        private = owner.register_function(square)
+        with pytest.raises(NotFound) as hidden:
+            other.delete_function(private)  # not visible to bob: as if it did not exist
+        assert hidden.value.status_code == 404 and hidden.value.detail
+        public = owner.register_function(square, public=True)
         with pytest.raises(PermissionDenied) as denied:
-            other.delete_function(function_id)
+            other.delete_function(public)  # visible, but not bob's to delete
         assert denied.value.status_code == 403 and denied.value.detail
         with pytest.raises(InvalidRequest, match=r"allowed_users\[0\]"):
             owner.register_endpoint("ep", allowed_users=["not an id!"])

@@ -27,7 +27,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from fxstream.ops.process import free_ports
-from fxstream.service import create_app
+from fxstream.service import AccountSettings, create_app, new_token, token_sha256
 from fxstream.topics import (
     Attempt,
     Catalogue,
@@ -37,6 +37,7 @@ from fxstream.topics import (
     TaskState,
     TaskStateName,
     TaskTimings,
+    write_secret_file,
 )
 from tests.conftest import RunningPlatform, write_kafka_credentials
 from tests.service.conftest import Produce, eventually
@@ -51,6 +52,10 @@ def double(x: int) -> int:
 
 CODE = Serializer().serialize_function(double)
 CODE_B64 = base64.b64encode(CODE).decode()
+# The platform admin's token of this module's services: the only one that creates users.
+ADMIN_TOKEN = new_token()
+ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+ACCOUNTS = AccountSettings(admin_token_sha256=token_sha256(ADMIN_TOKEN))
 
 
 @dataclass(frozen=True)
@@ -69,13 +74,13 @@ class User:
 @pytest.fixture(scope="module")
 def client(module_kafka: KafkaConnection, catalogue: Catalogue) -> Iterator[TestClient]:
     """The API on this module's topics, started (lifespan) and stopped around the module."""
-    with TestClient(create_app(module_kafka, catalogue)) as client:
+    with TestClient(create_app(module_kafka, catalogue, accounts=ACCOUNTS)) as client:
         yield client
 
 
 def register(client: TestClient | httpx.Client, name: str = "alice") -> User:
-    """A new user."""
-    answer = client.post("/v1/users", json={"name": name})
+    """A new user, created by the platform admin."""
+    answer = client.post("/v1/users", json={"name": name}, headers=ADMIN)
     assert answer.status_code == 201, answer.text
     body = answer.json()
     return User(body["user_id"], body["token"])
@@ -149,13 +154,19 @@ def test_register_creates_the_results_topic_and_me_answers(
 
     answer = client.get("/v1/users/me", headers=user.auth)
     assert answer.status_code == 200
-    assert answer.json() == {"user_id": user.user_id, "name": "Ada Lovelace"}
+    body = answer.json()
+    assert body.pop("token_expires_at") > time.time() + 29 * 86400  # the default: 30 days
+    assert body == {"user_id": user.user_id, "name": "Ada Lovelace"}
 
 
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
+        ("POST", "/v1/users", {"name": "u"}),
         ("GET", "/v1/users/me", None),
+        ("POST", "/v1/users/me/token", None),
+        ("DELETE", "/v1/users/me/token", None),
+        ("POST", f"/v1/users/{uuid.uuid4()}/token", None),
         ("POST", "/v1/functions", {"name": "f", "code": CODE_B64}),
         ("GET", "/v1/functions", None),
         ("GET", f"/v1/functions/{uuid.uuid4()}", None),
@@ -168,7 +179,7 @@ def test_register_creates_the_results_topic_and_me_answers(
         ("POST", "/v1/tasks/status", {"task_ids": []}),
     ],
 )
-def test_every_route_but_register_and_health_needs_a_known_token(
+def test_every_route_but_health_needs_a_known_token(
     client: TestClient, method: str, path: str, body: dict[str, Any] | None
 ) -> None:
     for headers in (
@@ -229,12 +240,13 @@ def test_function_lifecycle(client: TestClient) -> None:
     )
 
 
-def test_another_users_private_function_is_403(client: TestClient) -> None:
+def test_another_users_private_function_is_404(client: TestClient) -> None:
     alice, bob = register(client, "alice"), register(client, "bob")
     function_id = new_function(client, alice)
 
-    assert_error(client.get(f"/v1/functions/{function_id}", headers=bob.auth), 403, "forbidden")
-    assert_error(client.delete(f"/v1/functions/{function_id}", headers=bob.auth), 403, "forbidden")
+    # Exactly as a function that does not exist: its existence is not revealed.
+    assert_error(client.get(f"/v1/functions/{function_id}", headers=bob.auth), 404, "not-found")
+    assert_error(client.delete(f"/v1/functions/{function_id}", headers=bob.auth), 404, "not-found")
     assert function_id not in ids(client.get("/v1/functions", headers=bob.auth), "function_id")
     # Bob's failed delete changed nothing.
     assert client.get(f"/v1/functions/{function_id}", headers=alice.auth).status_code == 200
@@ -257,25 +269,21 @@ def test_functions_are_shared_publicly_or_with_named_users(client: TestClient) -
     assert shared_record.status_code == 200
     assert shared_record.json()["allowed_users"] == [bob.user_id]  # repeats dropped
     assert client.get(f"/v1/functions/{public}", headers=carol.auth).status_code == 200
-    assert_error(client.get(f"/v1/functions/{shared}", headers=carol.auth), 403, "forbidden")
-    # Sharing lets others run a function, not delete it.
+    assert_error(client.get(f"/v1/functions/{shared}", headers=carol.auth), 404, "not-found")
+    # Sharing lets others run a function, not delete it (they see it: 403, not 404).
     assert_error(client.delete(f"/v1/functions/{shared}", headers=bob.auth), 403, "forbidden")
     assert_error(client.delete(f"/v1/functions/{public}", headers=carol.auth), 403, "forbidden")
 
 
-def test_endpoint_owners_may_fetch_any_functions_code(client: TestClient) -> None:
+def test_owning_an_endpoint_gives_no_access_to_other_users_code(client: TestClient) -> None:
     alice, site_admin = register(client, "alice"), register(client, "site admin")
     function_id = new_function(client, alice)
-    assert_error(
-        client.get(f"/v1/functions/{function_id}", headers=site_admin.auth), 403, "forbidden"
-    )
-
     new_endpoint(client, site_admin)
-    # Its agent fetches the code on a cache miss; the router already checked the task.
-    answer = client.get(f"/v1/functions/{function_id}", headers=site_admin.auth)
-    assert answer.status_code == 200
-    assert base64.b64decode(answer.json()["code"]) == CODE
-    # It still does not list other users' private functions.
+    # Before issue 13 any endpoint owner could read any code; now only the endpoint's own
+    # token may, and only for a task routed to it (tests/security/test_accounts.py).
+    assert_error(
+        client.get(f"/v1/functions/{function_id}", headers=site_admin.auth), 404, "not-found"
+    )
     listed = ids(client.get("/v1/functions", headers=site_admin.auth), "function_id")
     assert function_id not in listed
 
@@ -330,8 +338,8 @@ def test_endpoint_lifecycle(
     listed = client.get("/v1/endpoints", headers=alice.auth).json()
     assert [e["status"] for e in listed if e["endpoint_id"] == endpoint_id] == [NEVER_SEEN]
 
-    assert_error(client.get(f"/v1/endpoints/{endpoint_id}", headers=bob.auth), 403, "forbidden")
-    assert_error(client.delete(f"/v1/endpoints/{endpoint_id}", headers=bob.auth), 403, "forbidden")
+    assert_error(client.get(f"/v1/endpoints/{endpoint_id}", headers=bob.auth), 404, "not-found")
+    assert_error(client.delete(f"/v1/endpoints/{endpoint_id}", headers=bob.auth), 404, "not-found")
     assert endpoint_id not in ids(client.get("/v1/endpoints", headers=bob.auth), "endpoint_id")
 
     assert client.delete(f"/v1/endpoints/{endpoint_id}", headers=alice.auth).status_code == 204
@@ -352,7 +360,7 @@ def test_endpoints_are_shared_publicly_or_with_named_users(client: TestClient) -
     assert public in seen_by_carol
     assert not {private, shared} & seen_by_carol
     assert client.get(f"/v1/endpoints/{shared}", headers=bob.auth).status_code == 200
-    assert_error(client.get(f"/v1/endpoints/{shared}", headers=carol.auth), 403, "forbidden")
+    assert_error(client.get(f"/v1/endpoints/{shared}", headers=carol.auth), 404, "not-found")
     assert_error(client.delete(f"/v1/endpoints/{public}", headers=bob.auth), 403, "forbidden")
 
 
@@ -473,7 +481,7 @@ def test_task_status_comes_from_the_task_state_topic(
     assert base64.b64decode(body["value"]) == value
     assert body["attempts"][0]["worker"] == "node1:4242"
     assert body["timings"]["routed_at"] is not None
-    assert_error(client.get(f"/v1/tasks/{task_id}", headers=bob.auth), 403, "forbidden")
+    assert_error(client.get(f"/v1/tasks/{task_id}", headers=bob.auth), 404, "not-found")
 
     answer = client.post(
         "/v1/tasks/status", json={"task_ids": [task_id, unknown]}, headers=alice.auth
@@ -555,8 +563,8 @@ B64_NOT_A_PAYLOAD = base64.b64encode(b"print('hello')").decode()
 def test_invalid_bodies_are_422_naming_the_field(
     client: TestClient, path: str, body: Any, field: str
 ) -> None:
-    user = register(client)
-    detail = assert_error(client.post(path, json=body, headers=user.auth), 422, "invalid-request")
+    headers = ADMIN if path == "/v1/users" else register(client).auth
+    detail = assert_error(client.post(path, json=body, headers=headers), 422, "invalid-request")
     assert detail.startswith(f"{field}:") or f"; {field}:" in detail, detail
 
 
@@ -596,16 +604,19 @@ def test_openapi_and_docs_are_served(client: TestClient) -> None:
 def test_everything_survives_a_restart_of_the_service(
     module_kafka: KafkaConnection, catalogue: Catalogue
 ) -> None:
-    with TestClient(create_app(module_kafka, catalogue)) as first:
+    with TestClient(create_app(module_kafka, catalogue, accounts=ACCOUNTS)) as first:
         alice = register(first, "alice")
         kept = new_function(first, alice, description="kept")
         dropped = new_function(first, alice)
         assert first.delete(f"/v1/functions/{dropped}", headers=alice.auth).status_code == 204
         endpoint_id = new_endpoint(first, alice, metadata={"site": "home"})
 
-    with TestClient(create_app(module_kafka, catalogue)) as second:
-        me = second.get("/v1/users/me", headers=alice.auth)
-        assert me.json() == {"user_id": alice.user_id, "name": "alice"}
+    with TestClient(create_app(module_kafka, catalogue, accounts=ACCOUNTS)) as second:
+        me = second.get("/v1/users/me", headers=alice.auth).json()
+        assert {k: me[k] for k in ("user_id", "name")} == {
+            "user_id": alice.user_id,
+            "name": "alice",
+        }
         function = second.get(f"/v1/functions/{kept}", headers=alice.auth).json()
         assert function["description"] == "kept"
         assert base64.b64decode(function["code"]) == CODE
@@ -632,6 +643,12 @@ def write_connection(path: Path, kafka: KafkaConnection, catalogue: Catalogue) -
             }
         )
     )
+    return path
+
+
+def admin_token_file(path: Path) -> Path:
+    """The admin token file as the platform writes it (0600 JSON)."""
+    write_secret_file(path, json.dumps({"token": ADMIN_TOKEN}).encode())
     return path
 
 
@@ -666,6 +683,8 @@ def test_the_real_service_serves_and_stops_on_sigterm(
                 str(credentials),
                 "--port",
                 str(port),
+                "--admin-token-file",
+                str(admin_token_file(tmp_path / "api-admin.json")),
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -722,7 +741,16 @@ def test_the_real_service_refuses_bodies_above_its_cap_unread(
     }
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [SERVICE, "api", "--connection", str(connection), "--port", str(port)],
+            [
+                SERVICE,
+                "api",
+                "--connection",
+                str(connection),
+                "--port",
+                str(port),
+                "--admin-token-file",
+                str(admin_token_file(tmp_path / "api-admin.json")),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

@@ -28,6 +28,7 @@ from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
 from fxstream.ops.services import KAFKA_CREDENTIALS_ENV
 from fxstream.sdk import Client, ClientSettings, Executor
+from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, read_admin_token
 from fxstream.topics import Catalogue, KafkaConnection
 
 __all__ = [
@@ -103,6 +104,11 @@ class PrivatePlatform:
     def config(self) -> PlatformConfig:
         """The platform's config."""
         return self.platform.config
+
+    @property
+    def admin_token(self) -> str:
+        """The platform admin's API token (creates users), from its 0600 file in the home."""
+        return read_admin_token(self.home / "credentials" / ADMIN_TOKEN_FILE_NAME)
 
     @property
     def bootstrap(self) -> str:

@@ -14,6 +14,8 @@ configured under ``<home>/endpoints``.
 Kafka credentials reach the processes as file paths, never secrets on a command line: the
 API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``,
 the local endpoint's config names ``<home>/credentials/endpoint-local.json``.
+The platform admin's API token (the only one that creates users) is made at the first
+start in ``<home>/credentials/api-admin.json`` (0600); the API gets the file's path.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
+from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
 from fxstream.topics import Catalogue, KafkaConnection, read_secret_json, write_secret_file
 
@@ -138,6 +141,7 @@ class ServiceSet:
             die_with_parent=config.tie_to_caller,
         )
         connection = str(config.home / "platform.json")
+        self.admin_token_file = config.home / "credentials" / ADMIN_TOKEN_FILE_NAME
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
         service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file)}
@@ -154,6 +158,8 @@ class ServiceSet:
                     connection,
                     "--port",
                     str(config.service_port),
+                    "--admin-token-file",
+                    str(self.admin_token_file),
                 ],
                 log_file=str(logs / "service-api.log"),
                 env=api_env,
@@ -266,6 +272,7 @@ class ServiceSet:
         credentials and the local endpoint's id.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        admin_token = ensure_admin_token_file(self.admin_token_file)
         text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
         write_secret_file(self.api_credentials_file, text)
         # The processors act as fxstream-service, with only the ACL table's rights; a new
@@ -289,7 +296,7 @@ class ServiceSet:
             self.endpoint.hold_file.touch()
             self.supervisor.start()
         self._wait_for_api()
-        credentials = self._ensure_user(kafka, topic_prefix, store_url)
+        credentials = self._ensure_user(kafka, topic_prefix, store_url, admin_token)
         endpoint_id = self._ensure_endpoint(credentials, secure=kafka.secure)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
@@ -396,17 +403,23 @@ class ServiceSet:
     # --- the local user and endpoint ---------------------------------------------------
 
     def _ensure_user(
-        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None
+        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None, admin_token: str
     ) -> Credentials:
         saved = Credentials.load(self.credentials_file)
-        if saved is not None and self._token_works(saved.token):
+        if saved is not None and not self._token_works(saved.token):
+            # Expired or revoked: the admin issues the same user a new token.
+            saved = self._reissue(saved, admin_token)
+        if saved is not None:
             # Rewritten every time: the store or the principal may have changed, and the file
             # may be of an older layout.
             updated = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
             updated.save(self.credentials_file)
             return updated
         response = httpx.post(
-            f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
+            f"{self.service_url}/v1/users",
+            json={"name": getpass.getuser()},
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=30,
         )
         if response.status_code != 201:
             raise ProcessStartError(
@@ -423,6 +436,18 @@ class ServiceSet:
         )
         credentials.save(self.credentials_file)
         return credentials
+
+    def _reissue(self, saved: Credentials, admin_token: str) -> Credentials | None:
+        response = httpx.post(
+            f"{self.service_url}/v1/users/{saved.user_id}/token",
+            headers={"Authorization": f"Bearer {admin_token}"},
+            timeout=30,
+        )
+        if response.status_code != 200:
+            return None  # the user is gone (a new platform): register a new one
+        renewed = dataclasses.replace(saved, token=response.json()["token"])
+        renewed.save(self.credentials_file)
+        return renewed
 
     def _token_works(self, token: str) -> bool:
         response = httpx.get(

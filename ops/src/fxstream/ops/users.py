@@ -21,7 +21,7 @@ from confluent_kafka import KafkaException, Producer
 
 from fxstream.ops.platform import Platform, PlatformError
 from fxstream.service.accounts import AccountError, AccountManager
-from fxstream.service.auth import new_token, token_sha256
+from fxstream.service.auth import DEFAULT_TOKEN_LIFETIME_S, new_token, token_sha256
 from fxstream.topics import UserRecord, encode, write_secret_file
 
 __all__ = ["AddedUser", "UserAddError", "add_user"]
@@ -64,9 +64,13 @@ def add_user(
         ).create_user_principal(user_id)
     except AccountError as exc:
         raise UserAddError(str(exc)) from exc
-    token = new_token()
+    token, now = new_token(), time.time()
     record = UserRecord(
-        user_id=user_id, name=name, token_sha256=token_sha256(token), created_at=time.time()
+        user_id=user_id,
+        name=name,
+        token_sha256=token_sha256(token),
+        created_at=now,
+        token_expires_at=now + DEFAULT_TOKEN_LIFETIME_S,
     )
     _write_record(admin.confluent(), catalogue.users, user_id, encode(record), timeout_s)
     fields: dict[str, object] = {

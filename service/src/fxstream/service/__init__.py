@@ -6,14 +6,18 @@
 - ``fxstream-service`` (:mod:`~fxstream.service.cli`): runs the API or the processors.
 """
 
-from fxstream.service.api import ApiError, create_app
+from fxstream.service.api import AccountSettings, ApiError, create_app
 from fxstream.service.auth import may_use, new_token, refusal_reason, token_matches, token_sha256
+from fxstream.service.rate_limit import RateLimit, RegistrationLimits
 from fxstream.service.registry import LIVENESS_PERIODS, EndpointStatus, RegistryView
 
 __all__ = [
     "LIVENESS_PERIODS",
+    "AccountSettings",
     "ApiError",
     "EndpointStatus",
+    "RateLimit",
+    "RegistrationLimits",
     "RegistryView",
     "create_app",
     "may_use",

@@ -18,19 +18,21 @@ import asyncio
 import base64
 import binascii
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from threading import Event, Thread
 from typing import Annotated, Any, Literal
 
 import msgspec
-from confluent_kafka import KafkaError, KafkaException, Message, Producer
-from confluent_kafka.admin import AdminClient
+from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import TopicPartition as KafkaTopicPartition
+from confluent_kafka.admin import AdminClient, OffsetSpec
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -38,9 +40,27 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fxstream.service.accounts import AccountError, AccountManager, Principal
-from fxstream.service.auth import may_use, new_token, token_sha256
+from fxstream.service.accounts import AccountError, AccountManager
+from fxstream.service.accounts import Principal as KafkaPrincipal
+from fxstream.service.auth import (
+    DEFAULT_TOKEN_LIFETIME_S,
+    MAX_ROTATION_GRACE_S,
+    TokenCheck,
+    check_user_token,
+    digest_matches,
+    endpoint_token_matches,
+    may_use,
+    new_token,
+    token_expires_at,
+    token_sha256,
+)
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fxstream.service.identity_provider import (
+    IdentityProvider,
+    IdentityProviderUnavailable,
+    IdentityRejected,
+)
+from fxstream.service.rate_limit import DEFAULT_LIMITS, RateLimiter, RegistrationLimits
 from fxstream.service.registry import RegistryView
 from fxstream.topics import (
     Catalogue,
@@ -60,7 +80,7 @@ from fxstream.topics import (
     strategy_of,
 )
 
-__all__ = ["ApiError", "RecordWriter", "create_app"]
+__all__ = ["AccountSettings", "ApiError", "Principal", "RecordWriter", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +173,52 @@ class UserCreated(BaseModel):
 
     user_id: str
     token: str
+    token_expires_at: float = Field(description="when the token expires (Unix time)")
     kafka_username: str | None = Field(
         default=None, description="the user's own Kafka principal (null on an insecure platform)"
+    )
+    kafka_password: str | None = Field(
+        default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
+    )
+
+
+class NewToken(BaseModel):
+    """A token issued by rotation, by the admin, or by a login (shown only this once)."""
+
+    user_id: str
+    token: str
+    token_expires_at: float = Field(description="when the token expires (Unix time)")
+    previous_token_valid_until: float | None = Field(
+        default=None,
+        description="until when the token rotated away still works; null: revoked at once",
+    )
+
+
+class Rotation(_Body):
+    """``POST /v1/users/me/token``."""
+
+    grace_s: Annotated[
+        float,
+        Field(
+            ge=0,
+            le=MAX_ROTATION_GRACE_S,
+            description="how long the old token keeps working; 0 (default): revoked at once",
+        ),
+    ] = 0.0
+
+
+class Login(_Body):
+    """``POST /v1/login/{provider}``: a bearer token issued by the identity provider."""
+
+    token: Annotated[str, Field(min_length=1, max_length=8192)]
+
+
+class LoggedIn(NewToken):
+    """A login's fxstream token; ``created`` is true when this login created the user."""
+
+    created: bool
+    kafka_username: str | None = Field(
+        default=None, description="a new user's Kafka principal (null if not created now)"
     )
     kafka_password: str | None = Field(
         default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
@@ -166,6 +230,9 @@ class Me(BaseModel):
 
     user_id: str
     name: str
+    token_expires_at: float | None = Field(
+        default=None, description="when the token used for this call expires"
+    )
 
 
 class NewFunction(_Body):
@@ -200,15 +267,28 @@ class NewEndpoint(_Body):
 
 
 class EndpointCreated(BaseModel):
-    """The new endpoint's id; its queue topic exists when this is answered."""
+    """The new endpoint's id and its own API token (shown only this once).
+
+    The token is the agent's credential: it may only fetch the code of functions
+    of tasks routed to this endpoint and read this endpoint. It is never the
+    owner's token. The queue topic exists when this is answered.
+    """
 
     endpoint_id: str
+    token: str
     kafka_username: str | None = Field(
         default=None, description="the endpoint's Kafka principal for its agents (null if insecure)"
     )
     kafka_password: str | None = Field(
         default=None, description="its SCRAM-SHA-512 password, shown only now and stored nowhere"
     )
+
+
+class EndpointToken(BaseModel):
+    """An endpoint's new token; the previous one stopped working at once."""
+
+    endpoint_id: str
+    token: str
 
 
 class TaskIds(_Body):
@@ -373,6 +453,16 @@ def _kafka_unavailable(detail: str) -> ApiError:
     return ApiError(503, "kafka-unavailable", f"{detail}; check that the platform is up")
 
 
+@dataclass(frozen=True)
+class AccountSettings:
+    """How the API authenticates and limits callers (docs/security.md, accounts)."""
+
+    admin_token_sha256: str | None = None
+    token_lifetime_s: float = DEFAULT_TOKEN_LIFETIME_S
+    limits: RegistrationLimits = DEFAULT_LIMITS
+    identity_providers: Mapping[str, IdentityProvider] | None = None
+
+
 @dataclass
 class Runtime:
     """What the handlers share: the catalogue, the view, the writer and an admin client."""
@@ -382,6 +472,10 @@ class Runtime:
     writer: RecordWriter
     admin: AdminClient
     timeout_s: float
+    accounts: AccountSettings = field(default_factory=AccountSettings)
+    limiter: RateLimiter = field(default_factory=lambda: RateLimiter(DEFAULT_LIMITS))
+    # Token changes read, modify and write a user record: one at a time in this process.
+    account_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -389,7 +483,9 @@ class Runtime:
         self.view.close()
 
 
-def _start_runtime(kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float) -> Runtime:
+def _start_runtime(
+    kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float, accounts: AccountSettings
+) -> Runtime:
     view = RegistryView(kafka, catalogue, component="api registry view")
     try:
         view.start()
@@ -403,7 +499,15 @@ def _start_runtime(kafka: KafkaConnection, catalogue: Catalogue, timeout_s: floa
     writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)
     writer.start()
     admin = AdminClient({**kafka.confluent(), "log_level": 2})
-    return Runtime(catalogue, view, writer, admin, timeout_s)
+    return Runtime(
+        catalogue,
+        view,
+        writer,
+        admin,
+        timeout_s,
+        accounts=accounts,
+        limiter=RateLimiter(accounts.limits),
+    )
 
 
 def _accounts(runtime: Runtime) -> AccountManager:
@@ -411,7 +515,7 @@ def _accounts(runtime: Runtime) -> AccountManager:
     return AccountManager(runtime.admin, runtime.catalogue, timeout_s=runtime.timeout_s)
 
 
-def _kafka_principal(create: Callable[[str], Principal], principal_id: str) -> Principal:
+def _kafka_principal(create: Callable[[str], KafkaPrincipal], principal_id: str) -> KafkaPrincipal:
     try:
         return create(principal_id)
     except AccountError as exc:
@@ -428,7 +532,11 @@ def _kafka_answers(admin: AdminClient, timeout_s: float) -> bool:
 
 # --- request context: the runtime and the caller -------------------------------------------
 
-_bearer = HTTPBearer(auto_error=False, description="the token POST /v1/users returned")
+_bearer = HTTPBearer(
+    auto_error=False,
+    description="a user's token (from the platform admin, a rotation or a login), an "
+    "endpoint's own token, or the platform admin's token",
+)
 
 
 def get_runtime(request: Request) -> Runtime:
@@ -440,26 +548,138 @@ def get_runtime(request: Request) -> Runtime:
 RuntimeDep = Annotated[Runtime, Depends(get_runtime)]
 
 
-def get_caller(
+@dataclass(frozen=True)
+class Principal:
+    """Who sent a request: a user, an endpoint (its agent), or the platform admin."""
+
+    kind: Literal["user", "endpoint", "admin"]
+    user: UserRecord | None = None
+    endpoint: EndpointRecord | None = None
+    token_check: TokenCheck | None = None
+
+    @property
+    def key(self) -> str:
+        """The caller's identity for rate limits."""
+        if self.user is not None:
+            return f"user:{self.user.user_id}"
+        if self.endpoint is not None:
+            return f"endpoint:{self.endpoint.endpoint_id}"
+        return "admin"
+
+
+_NEW_TOKEN_HELP = (
+    "ask the platform admin for a new token (POST /v1/users/{user_id}/token with the admin "
+    "token, which the platform keeps in <platform home>/credentials/api-admin.json)"
+)
+
+
+def _new_token_help(runtime: Runtime, user: UserRecord) -> str:
+    remedy = _NEW_TOKEN_HELP.format(user_id=user.user_id)
+    if user.external_identity is not None:
+        provider = user.external_identity.partition(":")[0]
+        if provider in (runtime.accounts.identity_providers or {}):
+            remedy = f"log in again (POST /v1/login/{provider}), or {remedy}"
+    return remedy
+
+
+def get_principal(
     runtime: RuntimeDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> UserRecord:
-    """The user whose bearer token came with the request; 401 if none or unknown."""
+) -> Principal:
+    """Whoever's bearer token came with the request; 401 if none, unknown or no longer valid."""
     if credentials is None:
-        raise _unauthorized("send 'Authorization: Bearer <token>'; POST /v1/users issues a token")
-    user = runtime.view.user_by_token_hash(token_sha256(credentials.credentials))
-    if user is None:
         raise _unauthorized(
-            "the token is not known; use the token POST /v1/users returned, or register again"
+            "send 'Authorization: Bearer <token>'; a user's token comes from the platform admin "
+            "(fxstream user add) or from a login (POST /v1/login/<provider>)"
         )
-    return user
+    presented = token_sha256(credentials.credentials)
+    if digest_matches(presented, runtime.accounts.admin_token_sha256):
+        return Principal("admin")
+    user = runtime.view.user_by_token_hash(presented)
+    if user is not None:
+        check = check_user_token(presented, user, lifetime_s=runtime.accounts.token_lifetime_s)
+        if check.accepted:
+            return Principal("user", user=user, token_check=check)
+        raise _token_refused(check, user, _new_token_help(runtime, user))
+    endpoint = runtime.view.endpoint_by_token_hash(presented)
+    if endpoint is not None and endpoint_token_matches(presented, endpoint):
+        return Principal("endpoint", endpoint=endpoint)
+    raise _unauthorized(
+        "the token is not known (it may have been replaced): a user gets a new token from "
+        "the platform admin or a login (POST /v1/login/<provider>); an endpoint's owner gets "
+        "a new endpoint token with POST /v1/endpoints/{endpoint_id}/token"
+    )
+
+
+PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+def get_caller(principal: PrincipalDep) -> UserRecord:
+    """The user whose token came with the request; 403 for an endpoint's or the admin's."""
+    if principal.user is None:
+        raise _wrong_principal(principal)
+    return principal.user
 
 
 CallerDep = Annotated[UserRecord, Depends(get_caller)]
 
 
-def _unauthorized(detail: str) -> ApiError:
-    return ApiError(401, "unauthorized", detail, headers={"WWW-Authenticate": "Bearer"})
+def get_admin(principal: PrincipalDep) -> Principal:
+    """The platform admin; 403 for any other token."""
+    if principal.kind != "admin":
+        raise ApiError(
+            403,
+            "admin-only",
+            "only the platform admin creates users and issues their tokens: ask your "
+            "platform's admin (fxstream user add), or log in through an identity provider "
+            "(POST /v1/login/<provider>) if the service offers one",
+        )
+    return principal
+
+
+AdminDep = Annotated[Principal, Depends(get_admin)]
+
+
+def _wrong_principal(principal: Principal) -> ApiError:
+    if principal.kind == "endpoint":
+        detail = (
+            "an endpoint's token may only fetch the code of functions of tasks routed to its "
+            "endpoint (GET /v1/functions/{id}) and read its own endpoint: use a user's token"
+        )
+    else:
+        detail = "the admin token only creates users and issues their tokens: use a user's token"
+    return ApiError(403, "wrong-token-kind", detail)
+
+
+def _unauthorized(detail: str, error: str = "unauthorized") -> ApiError:
+    return ApiError(401, error, detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _token_refused(check: TokenCheck, user: UserRecord, remedy: str) -> ApiError:
+    if check is TokenCheck.EXPIRED:
+        return _unauthorized(f"the token of user {user.user_id} expired: {remedy}", "token-expired")
+    if check is TokenCheck.REVOKED:
+        return _unauthorized(
+            f"the token of user {user.user_id} was revoked: {remedy}", "token-revoked"
+        )
+    return _unauthorized(
+        f"this token of user {user.user_id} was replaced by a rotation and its grace is over: "
+        f"use the token the rotation returned, or {remedy}",
+        "token-rotated-away",
+    )
+
+
+def _limit(runtime: Runtime, kind: str, caller: str) -> None:
+    """429 with Retry-After once ``caller`` used up its ``kind`` registrations."""
+    wait_s = runtime.limiter.take(kind, caller)
+    if wait_s is not None:
+        raise ApiError(
+            429,
+            "rate-limited",
+            f"too many {kind} registrations from this caller: retry after {wait_s:g} s "
+            "(the platform admin sets the limits)",
+            headers={"Retry-After": str(int(wait_s))},
+        )
 
 
 # --- rules and lookups ---------------------------------------------------------------------
@@ -491,13 +711,10 @@ def _may_use_endpoint(user_id: str, endpoint: EndpointRecord) -> bool:
     )
 
 
-def _owns_an_endpoint(view: RegistryView, user_id: str) -> bool:
-    return any(endpoint.owner_id == user_id for endpoint in view.endpoints())
-
-
-def _function_or_404(view: RegistryView, function_id: str) -> FunctionRecord:
+def _function_or_404(view: RegistryView, function_id: str, user_id: str) -> FunctionRecord:
+    # Another user's private function answers exactly as one that does not exist.
     function = view.function(function_id)
-    if function is None:
+    if function is None or not _may_use_function(user_id, function):
         raise ApiError(
             404,
             "not-found",
@@ -507,9 +724,19 @@ def _function_or_404(view: RegistryView, function_id: str) -> FunctionRecord:
     return function
 
 
-def _endpoint_or_404(view: RegistryView, endpoint_id: str) -> EndpointRecord:
+def _endpoint_or_404(view: RegistryView, endpoint_id: str, principal: Principal) -> EndpointRecord:
+    # An endpoint the caller may not use answers exactly as one that does not exist; an
+    # endpoint's token sees only its own endpoint.
     endpoint = view.endpoint(endpoint_id)
-    if endpoint is None:
+    if principal.endpoint is not None:
+        visible = endpoint is not None and endpoint.endpoint_id == principal.endpoint.endpoint_id
+    else:
+        visible = (
+            endpoint is not None
+            and principal.user is not None
+            and _may_use_endpoint(principal.user.user_id, endpoint)
+        )
+    if endpoint is None or not visible:
         raise ApiError(
             404,
             "not-found",
@@ -519,13 +746,40 @@ def _endpoint_or_404(view: RegistryView, endpoint_id: str) -> EndpointRecord:
     return endpoint
 
 
-def _require_owner(caller: UserRecord, owner_id: str, what: str) -> None:
+def _require_owner(caller: UserRecord, owner_id: str, what: str, action: str = "delete it") -> None:
+    # Only for an object the caller may see (shared with it): 404 was answered otherwise.
     if caller.user_id != owner_id:
-        raise ApiError(403, "forbidden", f"only the owner of {what} may delete it")
+        raise ApiError(403, "forbidden", f"only the owner of {what} may {action}")
 
 
-def _not_shared(what: str) -> ApiError:
-    return ApiError(403, "forbidden", f"{what} is not shared with you; ask its owner to share it")
+def _routed_here(runtime: Runtime, endpoint_id: str, function_id: str) -> bool:
+    """True when a task of ``function_id`` was routed to ``endpoint_id``.
+
+    The router writes a task's "routed" state in the transaction of its dispatch, so
+    when an agent asks for the code of a task it holds, that state is committed: on a
+    miss, wait (bounded) until the view has read task-state to its committed end as of
+    now, then look again. A caller with no such task waits that long for its 404.
+    """
+    view = runtime.view
+    if view.routed(endpoint_id, function_id):
+        return True
+    topic = runtime.catalogue.task_state
+    try:
+        described = runtime.admin.list_topics(topic, timeout=runtime.timeout_s).topics[topic]
+        asked = {
+            KafkaTopicPartition(topic, partition): OffsetSpec.latest()  # type: ignore[no-untyped-call]
+            for partition in described.partitions
+        }
+        answers = runtime.admin.list_offsets(
+            asked,
+            isolation_level=IsolationLevel.READ_COMMITTED,
+            request_timeout=runtime.timeout_s,
+        )
+        ends = {(tp.topic, tp.partition): f.result().offset for tp, f in answers.items()}
+    except (KafkaException, KeyError) as exc:
+        raise _kafka_unavailable(f"cannot read the end offsets of {topic}: {exc}") from exc
+    view.wait_until_read(ends, runtime.timeout_s)
+    return view.routed(endpoint_id, function_id)
 
 
 # --- records as JSON -----------------------------------------------------------------------
@@ -560,9 +814,10 @@ def _task_of_caller(view: RegistryView, caller: UserRecord, task_id: str) -> Tas
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorBody, "description": text}
     for code, text in {
-        401: "no token, or an unknown token",
-        403: "not shared with the caller, or not the caller's to change",
-        404: "unknown or deleted",
+        401: "no token, an unknown one, or one expired, revoked or rotated away",
+        403: "the wrong kind of token for the route, or not the caller's to change",
+        404: "unknown, deleted, or not visible to the caller",
+        429: "too many registrations from this caller; see Retry-After",
         422: "the request is not valid; detail names the field",
         503: "Kafka did not answer in time",
     }.items()
@@ -571,34 +826,176 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 router = APIRouter(prefix="/v1", responses=_ERRORS)
 
 
-@router.post("/users", status_code=201, tags=["users"])
-def create_user(body: NewUser, runtime: RuntimeDep) -> UserCreated:
-    """Register a user: its Kafka principal and topics, then its record; the token and the
-    Kafka password are shown only now."""
+def _register_user(
+    runtime: Runtime, name: str, external_identity: str | None = None
+) -> tuple[UserRecord, str, KafkaPrincipal]:
+    """Create a user: its Kafka principal and topics first, then its record and first token."""
     user_id, token = _new_id(), new_token()
     # The principal and topics first: a user that exists can always submit and get results.
     kafka = _kafka_principal(_accounts(runtime).create_user_principal, user_id)
+    now = time.time()
     record = UserRecord(
-        user_id=user_id, name=body.name, token_sha256=token_sha256(token), created_at=time.time()
+        user_id=user_id,
+        name=name,
+        token_sha256=token_sha256(token),
+        created_at=now,
+        token_expires_at=now + runtime.accounts.token_lifetime_s,
+        external_identity=external_identity,
     )
     runtime.writer.put(runtime.catalogue.users, user_id, record)
-    return UserCreated(
-        user_id=user_id,
+    return record, token, kafka
+
+
+def _replace_token(runtime: Runtime, user: UserRecord, grace_s: float) -> NewToken:
+    """Give ``user`` a new token; the current one works ``grace_s`` more seconds (0: none)."""
+    token, now = new_token(), time.time()
+    valid_until = now + grace_s if grace_s > 0 else None
+    record = msgspec.structs.replace(
+        user,
+        token_sha256=token_sha256(token),
+        token_expires_at=now + runtime.accounts.token_lifetime_s,
+        token_revoked_at=None,
+        # A revoked or expired token gets no grace: it stopped working already.
+        previous_token_sha256=user.token_sha256 if valid_until is not None else None,
+        previous_token_valid_until=valid_until,
+    )
+    runtime.writer.put(runtime.catalogue.users, user.user_id, record)
+    return NewToken(
+        user_id=user.user_id,
         token=token,
+        token_expires_at=record.token_expires_at or 0.0,
+        previous_token_valid_until=valid_until,
+    )
+
+
+@router.post("/users", status_code=201, tags=["users"])
+def create_user(body: NewUser, admin: AdminDep, runtime: RuntimeDep) -> UserCreated:
+    """Register a user and create its results topic (platform admin only; rate-limited).
+
+    The token is shown only now; it expires after the service's token lifetime.
+    """
+    _limit(runtime, "users", admin.key)
+    record, token, kafka = _register_user(runtime, body.name)
+    return UserCreated(
+        user_id=record.user_id,
+        token=token,
+        token_expires_at=record.token_expires_at or 0.0,
         kafka_username=kafka.username if kafka.password else None,
         kafka_password=kafka.password,
     )
 
 
 @router.get("/users/me", tags=["users"])
-def read_me(caller: CallerDep) -> Me:
-    """The caller's id and name."""
-    return Me(user_id=caller.user_id, name=caller.name)
+def read_me(principal: PrincipalDep, runtime: RuntimeDep) -> Me:
+    """The caller's id and name, and when the token used expires."""
+    caller = get_caller(principal)
+    expires = (
+        caller.previous_token_valid_until
+        if principal.token_check is TokenCheck.GRACE
+        else token_expires_at(caller, runtime.accounts.token_lifetime_s)
+    )
+    return Me(user_id=caller.user_id, name=caller.name, token_expires_at=expires)
+
+
+@router.post("/users/me/token", tags=["users"])
+def rotate_token(
+    principal: PrincipalDep, runtime: RuntimeDep, body: Rotation | None = None
+) -> NewToken:
+    """Replace the caller's token with a new one, shown only now.
+
+    The old token stops at once (``grace_s`` 0, the default) or keeps working for
+    ``grace_s`` seconds (at most a day): ``previous_token_valid_until`` says which.
+    Only the current token may rotate, not one already rotated away.
+    """
+    caller = get_caller(principal)
+    if principal.token_check is TokenCheck.GRACE:
+        raise _unauthorized(
+            "this token was already rotated away: rotate with the token the rotation returned",
+            "token-rotated-away",
+        )
+    grace_s = 0.0 if body is None else body.grace_s
+    with runtime.account_lock:
+        current = runtime.view.user(caller.user_id) or caller
+        return _replace_token(runtime, current, grace_s)
+
+
+@router.delete("/users/me/token", status_code=204, tags=["users"])
+def revoke_token(caller: CallerDep, runtime: RuntimeDep) -> Response:
+    """Revoke the caller's token (and a rotated-away one still in its grace) at once.
+
+    The user then needs a new token from the platform admin (or a login).
+    """
+    with runtime.account_lock:
+        current = runtime.view.user(caller.user_id) or caller
+        record = msgspec.structs.replace(
+            current,
+            token_revoked_at=time.time(),
+            previous_token_valid_until=None,
+        )
+        runtime.writer.put(runtime.catalogue.users, caller.user_id, record)
+    return Response(status_code=204)
+
+
+@router.post("/users/{user_id}/token", tags=["users"])
+def issue_token(user_id: str, _: AdminDep, runtime: RuntimeDep) -> NewToken:
+    """Issue a user a new token (platform admin only): every earlier token stops at once.
+
+    Declared after ``/users/me/token`` so that ``me`` is never taken for a user id.
+
+    The remedy for an expired, revoked or lost token.
+    """
+    with runtime.account_lock:
+        user = runtime.view.user(user_id)
+        if user is None:
+            raise ApiError(404, "not-found", f"user {user_id!r} does not exist")
+        return _replace_token(runtime, user, grace_s=0.0)
+
+
+@router.post("/login/{provider}", tags=["users"])
+def login(provider: str, body: Login, request: Request, runtime: RuntimeDep) -> LoggedIn:
+    """Exchange an identity provider's token (e.g. Globus Auth) for an fxstream token.
+
+    The first login of an identity creates its user; every login issues a new
+    token and stops the previous one at once. Rate-limited per client address.
+    """
+    providers = runtime.accounts.identity_providers or {}
+    adapter = providers.get(provider)
+    if adapter is None:
+        offered = ", ".join(sorted(providers)) or "none"
+        raise ApiError(
+            404,
+            "not-found",
+            f"this service has no identity provider {provider!r} (it offers: {offered}); "
+            "ask the platform admin for a user instead",
+        )
+    _limit(runtime, "logins", f"address:{request.client.host if request.client else '?'}")
+    try:
+        identity = adapter.identify(body.token)
+    except IdentityRejected as exc:
+        raise _unauthorized(str(exc), "identity-rejected") from exc
+    except IdentityProviderUnavailable as exc:
+        raise ApiError(503, "identity-provider-unavailable", str(exc)) from exc
+    with runtime.account_lock:
+        user = runtime.view.user_by_external_identity(identity.key)
+        if user is None:
+            _limit(runtime, "users", f"provider:{provider}")
+            record, token, kafka = _register_user(runtime, identity.name, identity.key)
+            return LoggedIn(
+                user_id=record.user_id,
+                token=token,
+                token_expires_at=record.token_expires_at or 0.0,
+                created=True,
+                kafka_username=kafka.username if kafka.password else None,
+                kafka_password=kafka.password,
+            )
+        issued = _replace_token(runtime, user, grace_s=0.0)
+    return LoggedIn(**issued.model_dump(), created=False)
 
 
 @router.post("/functions", status_code=201, tags=["functions"])
 def create_function(body: NewFunction, caller: CallerDep, runtime: RuntimeDep) -> FunctionCreated:
-    """Register a function owned by the caller."""
+    """Register a function owned by the caller (rate-limited per user)."""
+    _limit(runtime, "functions", f"user:{caller.user_id}")
     record = FunctionRecord(
         function_id=_new_id(),
         name=body.name,
@@ -623,20 +1020,33 @@ def list_functions(caller: CallerDep, runtime: RuntimeDep) -> list[dict[str, Any
 
 
 @router.get("/functions/{function_id}", tags=["functions"])
-def read_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
-    """A function with its code; endpoint owners may fetch any (their agents load code)."""
-    function = _function_or_404(runtime.view, function_id)
-    if not _may_use_function(caller.user_id, function) and not _owns_an_endpoint(
-        runtime.view, caller.user_id
-    ):
-        raise _not_shared(f"function {function_id!r}")
-    return _record_json(function)
+def read_function(function_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """A function with its code.
+
+    A user sees its own, public and shared functions. An endpoint's token sees a
+    function only once a task of it was routed to that endpoint (the agent fetching
+    the code of a task it holds). Anything else is 404, as if it did not exist.
+    """
+    if principal.endpoint is not None:
+        function = runtime.view.function(function_id)
+        if function is not None and _routed_here(
+            runtime, principal.endpoint.endpoint_id, function_id
+        ):
+            return _record_json(function)
+        raise ApiError(
+            404,
+            "not-found",
+            f"function {function_id!r} does not exist, or no task of it was routed to "
+            f"endpoint {principal.endpoint.endpoint_id}",
+        )
+    caller = get_caller(principal)
+    return _record_json(_function_or_404(runtime.view, function_id, caller.user_id))
 
 
 @router.delete("/functions/{function_id}", status_code=204, tags=["functions"])
 def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
     """Delete one of the caller's functions (a tombstone on the functions topic)."""
-    function = _function_or_404(runtime.view, function_id)
+    function = _function_or_404(runtime.view, function_id, caller.user_id)
     _require_owner(caller, function.owner_id, f"function {function_id!r}")
     runtime.writer.delete(runtime.catalogue.functions, function_id)
     return Response(status_code=204)
@@ -645,8 +1055,12 @@ def delete_function(function_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 @router.post("/endpoints", status_code=201, tags=["endpoints"])
 def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -> EndpointCreated:
     """Register an endpoint owned by the caller: its Kafka principal (for its agents, never
-    the owner's) and topics, then its record; the Kafka password is shown only now."""
-    endpoint_id = _new_id()
+    the owner's) and topics, then its record (rate-limited per user).
+
+    The answer carries the endpoint's own API token and Kafka password, shown only now.
+    """
+    _limit(runtime, "endpoints", f"user:{caller.user_id}")
+    endpoint_id, token = _new_id(), new_token()
     # The queue first: an endpoint the router can see always has a queue to route to.
     kafka = _kafka_principal(_accounts(runtime).create_endpoint_principal, endpoint_id)
     record = EndpointRecord(
@@ -658,28 +1072,49 @@ def create_endpoint(body: NewEndpoint, caller: CallerDep, runtime: RuntimeDep) -
         allowed_users=_shared_with(body.allowed_users),
         description=body.description,
         metadata=body.metadata,
+        token_sha256=token_sha256(token),
     )
     runtime.writer.put(runtime.catalogue.endpoints, endpoint_id, record)
     return EndpointCreated(
         endpoint_id=endpoint_id,
+        token=token,
         kafka_username=kafka.username if kafka.password else None,
         kafka_password=kafka.password,
     )
 
 
+@router.post("/endpoints/{endpoint_id}/token", tags=["endpoints"])
+def replace_endpoint_token(
+    endpoint_id: str, caller: CallerDep, runtime: RuntimeDep
+) -> EndpointToken:
+    """Give one of the caller's endpoints a new token; the old one stops at once."""
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id, Principal("user", user=caller))
+    _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}", "replace its token")
+    token = new_token()
+    with runtime.account_lock:
+        current = runtime.view.endpoint(endpoint_id) or endpoint
+        record = msgspec.structs.replace(current, token_sha256=token_sha256(token))
+        runtime.writer.put(runtime.catalogue.endpoints, endpoint_id, record)
+    return EndpointToken(endpoint_id=endpoint_id, token=token)
+
+
 @router.get("/endpoints", tags=["endpoints"])
-def list_endpoints(caller: CallerDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
-    """The endpoints the caller may use, each with its status."""
+def list_endpoints(principal: PrincipalDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
+    """The endpoints the caller may use, each with its status (an endpoint's token: itself)."""
+    if principal.endpoint is not None:
+        own = runtime.view.endpoint(principal.endpoint.endpoint_id)
+        return [] if own is None else [_endpoint_json(runtime.view, own)]
+    caller = get_caller(principal)
     visible = [e for e in runtime.view.endpoints() if _may_use_endpoint(caller.user_id, e)]
     return [_endpoint_json(runtime.view, e) for e in sorted(visible, key=lambda e: e.created_at)]
 
 
 @router.get("/endpoints/{endpoint_id}", tags=["endpoints"])
-def read_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+def read_endpoint(endpoint_id: str, principal: PrincipalDep, runtime: RuntimeDep) -> dict[str, Any]:
     """One endpoint and its status (online, lost or never-seen)."""
-    endpoint = _endpoint_or_404(runtime.view, endpoint_id)
-    if not _may_use_endpoint(caller.user_id, endpoint):
-        raise _not_shared(f"endpoint {endpoint_id!r}")
+    if principal.kind == "admin":
+        raise _wrong_principal(principal)
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id, principal)
     return _endpoint_json(runtime.view, endpoint)
 
 
@@ -687,7 +1122,7 @@ def read_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> d
 def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
     """Delete one of the caller's endpoints: its record, then its Kafka principal (no agent
     of it logs in again), its ACLs and its topics (tasks still queued go with them)."""
-    endpoint = _endpoint_or_404(runtime.view, endpoint_id)
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id, Principal("user", user=caller))
     _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}")
     runtime.writer.delete(runtime.catalogue.endpoints, endpoint_id)
     try:
@@ -700,16 +1135,15 @@ def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 @router.get("/tasks/{task_id}", tags=["tasks"])
 def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
     """The latest state of one of the caller's tasks."""
-    task = runtime.view.task(task_id)
+    task = _task_of_caller(runtime.view, caller, task_id)
     if task is None:
+        # Another user's task answers exactly as an unknown one.
         raise ApiError(
             404,
             "not-found",
             f"no state for task {task_id!r} (yet): a task appears once the processors "
             "have seen its submission",
         )
-    if task.user_id != caller.user_id:
-        raise ApiError(403, "forbidden", f"task {task_id!r} was submitted by another user")
     return _record_json(task)
 
 
@@ -741,13 +1175,7 @@ def read_task_group(
     """
     task_ids = runtime.view.task_group(task_group_id, caller.user_id)
     if not task_ids:
-        if runtime.view.task_group_users(task_group_id):
-            raise ApiError(
-                403,
-                "forbidden",
-                f"task group {task_group_id!r} holds only another user's tasks; use a task "
-                "group id of your own (a new Executor picks a fresh one)",
-            )
+        # A group holding only another user's tasks answers exactly as an unknown one.
         raise ApiError(
             404,
             "not-found",
@@ -853,18 +1281,22 @@ def create_app(
     *,
     timeout_s: float = 15.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    accounts: AccountSettings | None = None,
 ) -> FastAPI:
     """The REST API on the registry topics of ``catalogue``, connecting to Kafka as ``kafka``.
 
     Starting it (its lifespan) reads the registry topics to their end before it
     serves; ``timeout_s`` bounds each wait for Kafka inside a request. A request
     body above ``max_body_bytes`` is refused with 413 before it is read
-    (:mod:`fxstream.service.body_limit`).
+    (:mod:`fxstream.service.body_limit`). ``accounts`` holds the admin token's
+    hash (without one, no user can be created but through an identity provider),
+    the token lifetime, the registration limits and the identity providers.
     """
+    settings = AccountSettings() if accounts is None else accounts
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s)
+        runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s, settings)
         app.state.runtime = runtime
         try:
             yield

@@ -1,26 +1,74 @@
 """Who may do what: API tokens and the sharing rules for functions and endpoints.
 
-This is the seam broker-enforced security (SASL/ACLs) will replace: today a
-user is whoever presents a token whose SHA-256 the ``users`` topic holds.
+Three kinds of bearer token reach the REST API, and the service stores none of
+them, only their SHA-256:
+
+- a user's token (``UserRecord.token_sha256``): it expires
+  (``token_expires_at``), can be rotated (the token rotated away stays valid
+  until ``previous_token_valid_until``, or not at all) and revoked
+  (``token_revoked_at``);
+- an endpoint's own token (``EndpointRecord.token_sha256``), issued when the
+  endpoint is registered: the agent's credential, never its owner's token;
+- the platform admin's token, whose hash the service is given at start (from
+  a 0600 file the platform writes at bootstrap), never from a record: the only
+  token that creates users and issues replacement tokens.
+
+Every comparison of a presented token's hash with a stored one is constant-time
+(:func:`hmac.compare_digest`); lookups are by the SHA-256 of the token, so their
+timing says nothing usable about a token nobody has.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import secrets
+import time
 from collections.abc import Sequence
+from typing import Final
 
 from fxstream.topics import EndpointRecord, FunctionRecord, TaskCancel, TaskSubmission, UserRecord
 
 __all__ = [
+    "DEFAULT_ROTATION_GRACE_S",
+    "DEFAULT_TOKEN_LIFETIME_S",
+    "MAX_ROTATION_GRACE_S",
+    "TokenCheck",
     "cancel_refusal_reason",
+    "check_user_token",
+    "digest_matches",
+    "endpoint_token_matches",
     "may_use",
     "new_token",
     "refusal_reason",
+    "token_expires_at",
     "token_matches",
     "token_sha256",
 ]
+
+DEFAULT_TOKEN_LIFETIME_S: Final = 30 * 24 * 3600.0
+"""How long a user token lives unless the service is told otherwise (30 days)."""
+DEFAULT_ROTATION_GRACE_S: Final = 0.0
+"""A rotation revokes the old token at once unless the caller asks for a grace."""
+MAX_ROTATION_GRACE_S: Final = 24 * 3600.0
+"""The longest grace a rotated-away token may keep (one day)."""
+
+
+class TokenCheck(enum.StrEnum):
+    """What a presented token is to the user record its hash points at."""
+
+    VALID = "valid"
+    GRACE = "grace"  # rotated away, still inside its grace
+    EXPIRED = "expired"
+    REVOKED = "revoked"
+    ROTATED_AWAY = "rotated-away"  # rotated away, grace over (or none)
+    UNKNOWN = "unknown"
+
+    @property
+    def accepted(self) -> bool:
+        """True for a token that authenticates its user now."""
+        return self in (TokenCheck.VALID, TokenCheck.GRACE)
 
 
 def new_token() -> str:
@@ -33,9 +81,55 @@ def token_sha256(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def digest_matches(presented_sha256: str, stored_sha256: str | None) -> bool:
+    """True when two token hashes are equal (constant time); never for a missing one."""
+    if stored_sha256 is None:
+        return False
+    return hmac.compare_digest(presented_sha256.encode(), stored_sha256.encode())
+
+
+def token_expires_at(user: UserRecord, lifetime_s: float = DEFAULT_TOKEN_LIFETIME_S) -> float:
+    """When ``user``'s current token expires (a record without the field: created + lifetime)."""
+    if user.token_expires_at is not None:
+        return user.token_expires_at
+    return user.created_at + lifetime_s
+
+
+def check_user_token(
+    presented_sha256: str,
+    user: UserRecord,
+    *,
+    now: float | None = None,
+    lifetime_s: float = DEFAULT_TOKEN_LIFETIME_S,
+) -> TokenCheck:
+    """Whether the token hashing to ``presented_sha256`` authenticates ``user`` at ``now``."""
+    now = time.time() if now is None else now
+    if digest_matches(presented_sha256, user.token_sha256):
+        if user.token_revoked_at is not None:
+            return TokenCheck.REVOKED
+        if now >= token_expires_at(user, lifetime_s):
+            return TokenCheck.EXPIRED
+        return TokenCheck.VALID
+    if digest_matches(presented_sha256, user.previous_token_sha256):
+        # A revocation revokes the grace token too; a rotation never extends expiry.
+        valid_until = user.previous_token_valid_until or 0.0
+        if user.token_revoked_at is None and now < valid_until:
+            return TokenCheck.GRACE
+        return TokenCheck.ROTATED_AWAY
+    return TokenCheck.UNKNOWN
+
+
 def token_matches(token: str, user: UserRecord) -> bool:
-    """True when ``token`` is ``user``'s (compared in constant time)."""
-    return hmac.compare_digest(token_sha256(token), user.token_sha256)
+    """True when ``token`` authenticates ``user`` now (constant-time comparison).
+
+    A token that expired, was revoked, or was rotated away past its grace does not.
+    """
+    return check_user_token(token_sha256(token), user).accepted
+
+
+def endpoint_token_matches(presented_sha256: str, endpoint: EndpointRecord) -> bool:
+    """True when the token hashing to ``presented_sha256`` is ``endpoint``'s own."""
+    return digest_matches(presented_sha256, endpoint.token_sha256)
 
 
 def may_use(user_id: str, *, owner_id: str, public: bool, allowed_users: Sequence[str]) -> bool:

@@ -28,6 +28,13 @@ import uvicorn
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
+from fxstream.service.account_files import (
+    ADMIN_TOKEN_ENV,
+    DEFAULT_LIFETIME_DAYS,
+    GLOBUS_CREDENTIALS_ENV,
+    admin_token_sha256,
+    globus_provider,
+)
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
 from fxstream.topics import (
     Catalogue,
@@ -239,11 +246,32 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def accounts_from(
+    admin_token_file: Path | None, globus_credentials: Path | None, token_lifetime_days: float
+) -> Any:
+    """The API's AccountSettings from the admin token and Globus credentials files."""
+    from fxstream.service.api import AccountSettings
+
+    try:
+        admin_hash = None if admin_token_file is None else admin_token_sha256(admin_token_file)
+        providers = (
+            {} if globus_credentials is None else {"globus": globus_provider(globus_credentials)}
+        )
+    except (CredentialFileError, ValueError) as exc:
+        raise StartError(str(exc)) from exc
+    return AccountSettings(
+        admin_token_sha256=admin_hash,
+        token_lifetime_s=token_lifetime_days * 86400,
+        identity_providers=providers,
+    )
+
+
 def serve(
     target: Target,
     sock: socket.socket,
     log_level: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    accounts: Any = None,
 ) -> bool:
     """Run the API with uvicorn (one worker) on ``sock``; False if it did not start."""
     # Imported here so `worker` (and every start failure) does not pay for FastAPI.
@@ -251,7 +279,12 @@ def serve(
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        create_app(target.kafka, target.catalogue, max_body_bytes=max_body_bytes),
+        create_app(
+            target.kafka,
+            target.catalogue,
+            max_body_bytes=max_body_bytes,
+            accounts=accounts,
+        ),
         host=host,
         port=port,
         lifespan="on",
@@ -326,6 +359,26 @@ def api(
             min=0,
         ),
     ] = DEFAULT_MAX_BODY_BYTES,
+    admin_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=ADMIN_TOKEN_ENV,
+            help="the platform admin's API token file (0600 JSON); without it no user can "
+            "be created but through an identity provider",
+            dir_okay=False,
+        ),
+    ] = None,
+    globus_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            envvar=GLOBUS_CREDENTIALS_ENV,
+            help="Globus Auth client credentials (0600 JSON): enables POST /v1/login/globus",
+            dir_okay=False,
+        ),
+    ] = None,
+    token_lifetime_days: Annotated[
+        float, typer.Option(help="how long a user token lives", min=0.001)
+    ] = DEFAULT_LIFETIME_DAYS,
 ) -> None:
     """Serve the REST API (docs/api.md) until SIGTERM or Ctrl-C."""
     try:
@@ -337,6 +390,7 @@ def api(
             kafka_timeout_s=kafka_timeout,
         )
         check_topics(target, _api_topics(target.catalogue))
+        accounts = accounts_from(admin_token_file, globus_credentials, token_lifetime_days)
         sock = bind(host, port)
     except StartError as exc:
         fail(str(exc))
@@ -345,7 +399,7 @@ def api(
         f"topics {target.catalogue.prefix}*)",
         err=True,
     )
-    if not serve(target, sock, log_level.value, max_body_bytes):
+    if not serve(target, sock, log_level.value, max_body_bytes, accounts):
         fail("the API did not start (the log above says why); check that ./fx up succeeded")
 
 

@@ -140,6 +140,8 @@ class RegistryView:
             self._kinds[topic] = (followed, record_type)
         self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in ALL_FOLLOWED}
         self._token_index: dict[str, UserRecord] = {}
+        self._endpoint_token_index: dict[str, EndpointRecord] = {}
+        self._identity_index: dict[str, UserRecord] = {}
         # Task states and task groups live on disk (a temporary directory by default).
         self._task_table: TaskStateTable | None = None
         if "task-state" in (followed for followed, _ in self._kinds.values()):
@@ -226,11 +228,31 @@ class RegistryView:
         """Wait until the record at ``offset`` has been folded in (read-your-writes)."""
         return self._wait(lambda: self._positions.get((topic, partition), 0) > offset, timeout_s)
 
+    def wait_until_read(self, ends: dict[tuple[str, int], int], timeout_s: float) -> bool:
+        """Wait until each ``(topic, partition)`` has been read up to its offset in ``ends``."""
+        return self._wait(lambda: self._reached(ends), timeout_s)
+
     # --- lookups -------------------------------------------------------------------------
 
     def user_by_token_hash(self, token_sha256: str) -> UserRecord | None:
-        """The user whose token hashes to ``token_sha256``."""
+        """The user whose current or rotated-away token hashes to ``token_sha256``.
+
+        Whether that token is still accepted is :func:`fxstream.service.auth.check_user_token`'s
+        question.
+        """
         return self._token_index.get(token_sha256)
+
+    def endpoint_by_token_hash(self, token_sha256: str) -> EndpointRecord | None:
+        """The live endpoint whose own token hashes to ``token_sha256``."""
+        return self._endpoint_token_index.get(token_sha256)
+
+    def user_by_external_identity(self, identity: str) -> UserRecord | None:
+        """The user linked to ``"<provider>:<subject>"``."""
+        return self._identity_index.get(identity)
+
+    def routed(self, endpoint_id: str, function_id: str) -> bool:
+        """True once a task of ``function_id`` was routed to ``endpoint_id`` (task-state)."""
+        return self._task_table is not None and self._task_table.routed(endpoint_id, function_id)
 
     def user(self, user_id: str) -> UserRecord | None:
         """A user by id."""
@@ -367,6 +389,12 @@ class RegistryView:
         table[key] = record
         if isinstance(record, UserRecord):
             self._token_index[record.token_sha256] = record
+            if record.previous_token_sha256 is not None:
+                self._token_index[record.previous_token_sha256] = record
+            if record.external_identity is not None:
+                self._identity_index[record.external_identity] = record
+        elif isinstance(record, EndpointRecord) and record.token_sha256 is not None:
+            self._endpoint_token_index[record.token_sha256] = record
 
     def _bad(self, message: Message, reason: str, kind: DeadLetterReason) -> None:
         """Skip a bad record: log it, tell ``on_bad_record``, and dead-letter it."""
@@ -413,7 +441,13 @@ class RegistryView:
     def _remove(self, followed: Followed, key: str) -> None:
         old = self._tables[followed].pop(key, None)
         if isinstance(old, UserRecord):
-            self._token_index.pop(old.token_sha256, None)
+            for digest in (old.token_sha256, old.previous_token_sha256):
+                if digest is not None and self._token_index.get(digest) is old:
+                    del self._token_index[digest]
+            if old.external_identity is not None:
+                self._identity_index.pop(old.external_identity, None)
+        elif isinstance(old, EndpointRecord) and old.token_sha256 is not None:
+            self._endpoint_token_index.pop(old.token_sha256, None)
 
     def _reached(self, targets: dict[tuple[str, int], int]) -> bool:
         return all(self._positions.get(tp, 0) >= end for tp, end in targets.items() if end > 0)

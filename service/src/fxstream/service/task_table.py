@@ -38,7 +38,7 @@ from rocksdict import (
     WriteOptions,
 )
 
-from fxstream.topics import TaskState, decode
+from fxstream.topics import TaskState, TaskStateName, decode
 
 __all__ = [
     "DEFAULT_BLOCK_CACHE_BYTES",
@@ -56,6 +56,7 @@ TABLE_DIR_PREFIX: Final = "fxstream-task-state-"
 _STATE: Final = b"s\x00"
 _MEMBER: Final = b"m\x00"  # task id -> its group key
 _GROUP: Final = b"g\x00"  # group \0 user \0 sequence -> task id
+_ROUTED: Final = b"r\x00"  # endpoint \0 function -> b"" once a task of it was routed there
 _SEP: Final = b"\x00"
 _SEQUENCE_BYTES: Final = 8
 
@@ -144,6 +145,11 @@ class TaskStateTable:
             member = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
             batch.put(member, task_id)
             batch.put(_MEMBER + task_id, member)
+        if state.state == TaskStateName.ROUTED:
+            # Only the router writes "routed", in the transaction of the dispatch itself; a
+            # later state's function and endpoint come from the agent's result and are not
+            # evidence of routing.
+            batch.put(_routed_key(state.endpoint_id, state.function_id), b"")
         with self._lock:
             if not self._closed:
                 self._db.write(batch)
@@ -187,6 +193,16 @@ class TaskStateTable:
                     self._cache.popitem(last=False)
         return state
 
+    def routed(self, endpoint_id: str, function_id: str) -> bool:
+        """True once a task of ``function_id`` was routed to ``endpoint_id``.
+
+        Kept after the task's own state is deleted: the endpoint has had the code.
+        """
+        with self._lock:
+            if self._closed:
+                return False
+            return self._db.get(_routed_key(endpoint_id, function_id)) is not None
+
     def group(self, task_group_id: str, user_id: str) -> list[str]:
         """``user_id``'s task ids in ``task_group_id``, in the order first seen."""
         prefix = _GROUP + task_group_id.encode() + _SEP + user_id.encode() + _SEP
@@ -227,3 +243,7 @@ class TaskStateTable:
             self._cache.clear()
             self._db.close()
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _routed_key(endpoint_id: str, function_id: str) -> bytes:
+    return _ROUTED + endpoint_id.encode() + _SEP + function_id.encode()

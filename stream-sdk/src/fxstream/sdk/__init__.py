@@ -15,7 +15,7 @@ listener thread), ``history`` (results read back for replay), ``submit``
 """
 
 from fxstream.sdk.batch import Batch
-from fxstream.sdk.client import Client, RegisteredUser
+from fxstream.sdk.client import Client, IssuedToken, RegisteredUser
 from fxstream.sdk.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -24,6 +24,7 @@ from fxstream.sdk.errors import (
     NotFound,
     PayloadTooLarge,
     PermissionDenied,
+    RateLimited,
     ResultsTopicMissing,
     ServiceError,
     ServiceUnavailable,
@@ -61,6 +62,7 @@ __all__ = [
     "Executor",
     "FxstreamError",
     "InvalidRequest",
+    "IssuedToken",
     "KafkaPublisher",
     "KafkaStreamConsumer",
     "KafkaStreamProducer",
@@ -68,6 +70,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PermissionDenied",
+    "RateLimited",
     "RegisteredUser",
     "ResultsTopicMissing",
     "ServiceError",

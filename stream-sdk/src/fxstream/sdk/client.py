@@ -66,7 +66,7 @@ from fxstream.topics import (
     producer_message_max_bytes,
 )
 
-__all__ = ["Client", "RegisteredUser"]
+__all__ = ["Client", "IssuedToken", "RegisteredUser"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,29 @@ class RegisteredUser(NamedTuple):
 
     user_id: str
     token: str
+
+
+class IssuedToken(NamedTuple):
+    """A token from a rotation, the admin or a login (shown once), and when it expires.
+
+    ``previous_token_valid_until`` is when the token it replaced stops working
+    (None: it stopped at once).
+    """
+
+    user_id: str
+    token: str
+    token_expires_at: float
+    previous_token_valid_until: float | None = None
+
+
+def _issued(answer: dict[str, Any]) -> IssuedToken:
+    previous = answer.get("previous_token_valid_until")
+    return IssuedToken(
+        str(answer["user_id"]),
+        str(answer["token"]),
+        float(answer["token_expires_at"]),
+        None if previous is None else float(previous),
+    )
 
 
 class Client:
@@ -213,19 +236,69 @@ class Client:
 
     @staticmethod
     def register_user(
-        service_url: str, name: str, *, timeout: float = DEFAULT_TIMEOUT_S
+        service_url: str, name: str, *, admin_token: str, timeout: float = DEFAULT_TIMEOUT_S
     ) -> RegisteredUser:
-        """Register a new user (``POST /v1/users``); returns ``(user_id, token)``.
+        """Register a new user (``POST /v1/users``, platform admin only); ``(user_id, token)``.
 
-        The service also creates the user's results topic. Keep the token: the
-        service stores only its hash.
+        ``admin_token`` is the platform admin's token (``<platform
+        home>/credentials/api-admin.json``). The service also creates the user's
+        results topic. Keep the token: the service stores only its hash; it
+        expires after the service's token lifetime.
         """
-        rest = RestClient(service_url, timeout=timeout)
+        rest = RestClient(service_url, token=admin_token, timeout=timeout)
         try:
             answer = rest.post("/users", {"name": name})
         finally:
             rest.close()
         return RegisteredUser(str(answer["user_id"]), str(answer["token"]))
+
+    @staticmethod
+    def issue_token(
+        service_url: str, user_id: str, *, admin_token: str, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> IssuedToken:
+        """A new token for ``user_id`` (platform admin only); its earlier tokens stop at once.
+
+        The remedy for an expired, revoked or lost token.
+        """
+        rest = RestClient(service_url, token=admin_token, timeout=timeout)
+        try:
+            answer = rest.post(f"/users/{user_id}/token", None)
+        finally:
+            rest.close()
+        return _issued(answer)
+
+    @staticmethod
+    def login(
+        service_url: str, provider: str, provider_token: str, *, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> IssuedToken:
+        """An fxstream token for an identity provider's token (``POST /v1/login/{provider}``).
+
+        E.g. ``provider="globus"`` with a Globus Auth access token issued for the
+        service's Globus client; the first login creates the user.
+        """
+        rest = RestClient(service_url, timeout=timeout)
+        try:
+            answer = rest.post(f"/login/{provider}", {"token": provider_token})
+        finally:
+            rest.close()
+        return _issued(answer)
+
+    def rotate_token(self, *, grace_s: float = 0.0) -> IssuedToken:
+        """Replace this client's token with a new one, which this client uses from now on.
+
+        The old token stops at once (``grace_s`` 0) or after ``grace_s`` seconds
+        (at most a day), for other processes still using it.
+        """
+        self._require_token()
+        issued = _issued(self._rest.post("/users/me/token", {"grace_s": grace_s}))
+        self._token = issued.token
+        self._rest.set_token(issued.token)
+        return issued
+
+    def revoke_token(self) -> None:
+        """Revoke this client's token now (a new one then comes from the platform admin)."""
+        self._require_token()
+        self._rest.delete("/users/me/token")
 
     # --- identity ----------------------------------------------------------------------
 
@@ -722,9 +795,8 @@ class Client:
         in the order the service first saw them; every page of ``GET
         /v1/task-groups/{id}/tasks`` is fetched. Raises
         :class:`~fxstream.sdk.errors.NotFound` when the service knows no task
-        of the group (yet: a task appears once the router has seen it) and
-        :class:`~fxstream.sdk.errors.PermissionDenied` when the group holds
-        only another user's tasks.
+        of the caller's in the group (yet: a task appears once the router has
+        seen it); another user's tasks are never visible.
         """
         _check_group_id(task_group_id)
         tasks: list[dict[str, Any]] = []
@@ -753,9 +825,8 @@ class Client:
         tracked by this client keeps its future. Each result reaches its
         future once.
 
-        Raises :class:`~fxstream.sdk.errors.NotFound` (no task of the group
-        known) and :class:`~fxstream.sdk.errors.PermissionDenied` (another
-        user's group), as :meth:`get_taskgroup_tasks` does.
+        Raises :class:`~fxstream.sdk.errors.NotFound` (no task of the caller's
+        in the group known), as :meth:`get_taskgroup_tasks` does.
         """
         _check_group_id(task_group_id)
         listener = self._started_listener()

@@ -24,6 +24,7 @@ __all__ = [
     "NotFound",
     "PayloadTooLarge",
     "PermissionDenied",
+    "RateLimited",
     "ResultsTopicMissing",
     "ServiceError",
     "ServiceUnavailable",
@@ -68,7 +69,27 @@ class ServiceError(FxstreamError):
 
 
 class AuthenticationError(ServiceError):
-    """401: the token is missing or unknown (register with ``Client.register_user``)."""
+    """401: the token is missing, unknown, expired, revoked or rotated away.
+
+    ``detail`` says how to get a new one (from the platform admin, or a login).
+    """
+
+
+class RateLimited(ServiceError):
+    """429: too many registrations from this caller; ``retry_after`` says when to retry."""
+
+    def __init__(
+        self,
+        status_code: int,
+        error: str,
+        detail: str,
+        *,
+        method: str,
+        url: str,
+        retry_after: float | None = None,
+    ):
+        super().__init__(status_code, error, detail, method=method, url=url)
+        self.retry_after = retry_after
 
 
 class PermissionDenied(ServiceError):
@@ -76,7 +97,7 @@ class PermissionDenied(ServiceError):
 
 
 class NotFound(ServiceError):
-    """404: no such object (or it was deleted)."""
+    """404: no such object, it was deleted, or it is not the caller's to see."""
 
 
 class InvalidRequest(ServiceError):

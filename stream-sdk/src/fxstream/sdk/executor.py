@@ -276,9 +276,9 @@ class Executor(concurrent.futures.Executor):
         those that finished while no client was running; the others resolve
         when their results arrive. Each result is delivered once, and a task
         this executor's client already tracks keeps its future. An unknown
-        group (or one whose tasks the router has not seen yet) gives an empty
-        list and a warning; another user's group raises
-        :class:`~fxstream.sdk.errors.PermissionDenied`. The futures count as
+        group (or one whose tasks the router has not seen yet, or one holding
+        only another user's tasks, which are never visible) gives an empty
+        list and a warning. The futures count as
         outstanding for :meth:`shutdown`. See ``Client.reload_task_group``.
         """
         if task_group_id is not None:

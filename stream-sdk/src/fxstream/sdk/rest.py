@@ -17,6 +17,7 @@ from fxstream.sdk.errors import (
     InvalidRequest,
     NotFound,
     PermissionDenied,
+    RateLimited,
     ServiceError,
     ServiceUnavailable,
 )
@@ -47,6 +48,16 @@ def raise_for_error(response: httpx.Response) -> None:
     request = response.request
     method, url = request.method, str(request.url)
     error, detail = _error_body(response)
+    if response.status_code == 429:
+        retry_after = response.headers.get("Retry-After")
+        raise RateLimited(
+            429,
+            error,
+            detail,
+            method=method,
+            url=url,
+            retry_after=float(retry_after) if retry_after and retry_after.isdigit() else None,
+        )
     cls = _BY_STATUS.get(response.status_code)
     if cls is None:
         if response.status_code >= 500:
@@ -83,8 +94,8 @@ def _error_body(response: httpx.Response) -> tuple[str, str]:
 class RestClient:
     """A thin, thread-safe JSON client for the service under ``<service_url>/v1``.
 
-    ``token`` goes in ``Authorization: Bearer``; without it only unauthenticated
-    routes (user registration, health) succeed.
+    ``token`` goes in ``Authorization: Bearer`` (a user's, or the platform
+    admin's for user registration); without it only health and logins succeed.
     """
 
     def __init__(
@@ -121,6 +132,10 @@ class RestClient:
                 f"{method} {response.request.url} answered {response.status_code} with a body "
                 f"that is not JSON: {response.text[:200]!r}"
             ) from exc
+
+    def set_token(self, token: str) -> None:
+        """Send ``token`` from now on (after a rotation)."""
+        self._http.headers["Authorization"] = f"Bearer {token}"
 
     def get(self, path: str) -> Any:
         """``GET /v1{path}``."""

@@ -350,6 +350,26 @@ class UserRecord(Record, tag="user", kw_only=True, frozen=True):
         str, Meta(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the user's API token")
     ]
     created_at: Timestamp
+    # Accounts (issue 13): optional fields, so records written before them still read.
+    token_expires_at: Annotated[
+        Timestamp | None, Meta(description="when the token expires; null: created_at + default")
+    ] = None
+    token_revoked_at: Annotated[
+        Timestamp | None, Meta(description="when the token was revoked; null: not revoked")
+    ] = None
+    previous_token_sha256: (
+        Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="the token rotated away")] | None
+    ) = None
+    previous_token_valid_until: Annotated[
+        Timestamp | None, Meta(description="end of the rotated-away token's grace")
+    ] = None
+    external_identity: (
+        Annotated[
+            str,
+            Meta(max_length=512, description="'<provider>:<subject>' of a linked identity"),
+        ]
+        | None
+    ) = None
 
 
 class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
@@ -378,6 +398,13 @@ class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):
     allowed_users: list[Id] = []
     description: Text = ""
     metadata: dict[str, str] = {}
+    token_sha256: (
+        Annotated[
+            str,
+            Meta(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the endpoint's own token"),
+        ]
+        | None
+    ) = None
 
 
 # --- endpoint telemetry --------------------------------------------------------------------
