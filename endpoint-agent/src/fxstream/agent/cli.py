@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import psutil
@@ -20,9 +22,12 @@ from rich.table import Table
 
 from fxstream.agent.agent import Agent
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
+from fxstream.agent.credentials import EndpointCredentials
+from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
+from fxstream.topics.connection import CredentialFileError, KafkaConnection
 
-__all__ = ["app", "main", "register_endpoint"]
+__all__ = ["app", "issued_credentials", "main", "register_endpoint"]
 
 app = typer.Typer(help="Run fxstream endpoints on this machine.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -30,25 +35,78 @@ console = Console(soft_wrap=True)
 READY_LINE = "endpoint ready"
 
 
-def register_endpoint(service_url: str, token: str, name: str) -> str:
-    """Register an endpoint with the service and return its id."""
+def register_endpoint(
+    service_url: str,
+    token: str,
+    name: str,
+    *,
+    public: bool = False,
+    allowed_users: list[str] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Register an endpoint with the service as its owner (``token``); the service's answer.
+
+    The answer holds ``endpoint_id`` and what the service issues the endpoint (its API
+    ``token`` and Kafka principal ``kafka_username`` / ``kafka_password``, once it does).
+    """
     response = httpx.post(
         f"{service_url}/v1/endpoints",
         headers={"Authorization": f"Bearer {token}"},
         json={
             "name": name,
-            "public": False,
-            "allowed_users": [],
+            "public": public,
+            "allowed_users": allowed_users or [],
             "description": "",
-            "metadata": {},
+            "metadata": metadata or {},
         },
         timeout=30,
     )
     if response.status_code != 201:
         detail = response.json().get("detail", response.text) if response.content else ""
         raise ConfigError(f"the service refused to register endpoint {name!r}: {detail}")
-    endpoint_id: str = response.json()["endpoint_id"]
-    return endpoint_id
+    issued: dict[str, Any] = response.json()
+    return issued
+
+
+def issued_credentials(
+    endpoint_id: str,
+    issued: dict[str, Any],
+    *,
+    kafka: KafkaConnection,
+    owner_token: str | None,
+    warn: Callable[[str], None],
+) -> EndpointCredentials:
+    """The endpoint's credential from what the service issued at registration.
+
+    ``kafka`` is the connection to use when the service issued no Kafka principal (the
+    insecure development platform, or one given with ``--kafka-credentials``). When the
+    service issued no API token for the endpoint the owner's is used, with a warning:
+    then a task on the endpoint can read its owner's token from the credentials file.
+    """
+    username, password = issued.get("kafka_username"), issued.get("kafka_password")
+    if isinstance(username, str) and isinstance(password, str):
+        if kafka.ca_file is None:
+            raise ConfigError(
+                f"the service issued endpoint {endpoint_id} the Kafka principal {username!r} "
+                "but no CA certificate is known: pass --kafka-credentials FILE (a credentials "
+                "file of this platform, for its kafka_ca_file)"
+            )
+        kafka = kafka.as_user(username, password)
+    token = issued.get("token")
+    if not isinstance(token, str) or not token:
+        if not owner_token:
+            raise ConfigError(
+                f"no API token for endpoint {endpoint_id}: the service issued none; pass "
+                "--credentials FILE (the endpoint's credential) or set FXSTREAM_TOKEN"
+            )
+        warn(
+            f"the service issued endpoint {endpoint_id} no API token of its own, so the agent "
+            "uses its owner's (FXSTREAM_TOKEN), kept in the endpoint's 0600 credentials "
+            "file. Tasks run as the same OS user can read that file: do not let other users "
+            "run tasks on this endpoint"
+        )
+        token = owner_token
+    return EndpointCredentials(endpoint_id, kafka, token)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -79,10 +137,36 @@ def _running_pid(name: str) -> int | None:
 def configure(
     name: str,
     service_url: Annotated[str, typer.Option(help="The service's REST API.")],
-    bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers.")],
-    token: Annotated[str, typer.Option(help="The owner's API token.", envvar="FXSTREAM_TOKEN")],
+    bootstrap: Annotated[
+        str | None,
+        typer.Option(help="Kafka bootstrap servers (taken from --credentials if given)."),
+    ] = None,
+    credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help=(
+                "The endpoint's credential: a 0600 JSON file (endpoint_id, token, bootstrap, "
+                "kafka_username, kafka_password, kafka_ca_file). Without it the endpoint is "
+                "registered with its owner's token, read from FXSTREAM_TOKEN."
+            )
+        ),
+    ] = None,
+    kafka_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help="A 0600 credentials file naming the brokers, CA (and principal) to use when "
+            "the service issues the endpoint no Kafka principal."
+        ),
+    ] = None,
     endpoint_id: Annotated[
         str | None, typer.Option(help="An existing endpoint id; registered if omitted.")
+    ] = None,
+    public: Annotated[
+        bool, typer.Option(help="Registering: every user may run tasks on the endpoint.")
+    ] = False,
+    allowed_user: Annotated[
+        list[str] | None,
+        typer.Option(help="Registering: a user id that may run tasks on it (repeat it)."),
     ] = None,
     prefix: Annotated[str, typer.Option(help="Topic prefix.")] = "fx.",
     workers: Annotated[int, typer.Option(help="Warm worker processes.")] = 2,
@@ -95,29 +179,106 @@ def configure(
     proxy_threshold: Annotated[
         int, typer.Option(help="Results above this many bytes go to the proxy store.")
     ] = DEFAULT_PROXY_THRESHOLD_BYTES,
+    allow_function: Annotated[
+        list[str] | None,
+        typer.Option(help="Run only these function ids (repeat it; default: any function)."),
+    ] = None,
+    allow_serializer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Accept only arguments of these data strategies, e.g. json (repeat it; "
+            "default: any)."
+        ),
+    ] = None,
 ) -> None:
-    """Write the endpoint's YAML config (registering the endpoint with the service if needed)."""
+    """Write the endpoint's YAML config and its 0600 credentials file (registering the
+    endpoint with the service if needed). No secret is taken on the command line: the
+    owner's token, needed only to register, comes from FXSTREAM_TOKEN."""
+    owner_token = os.environ.get("FXSTREAM_TOKEN") or None
     try:
-        if endpoint_id is None:
-            endpoint_id = register_endpoint(service_url, token, name)
-        config = EndpointConfig(
+        settings = dict(
             name=name,
-            endpoint_id=endpoint_id,
             service_url=service_url,
-            bootstrap_servers=bootstrap,
-            token=token,
             topic_prefix=prefix,
             workers=workers,
             prefetch=prefetch,
             heartbeat_period_s=heartbeat_period,
             store_url=store_url,
             proxy_threshold=proxy_threshold,
+            allowed_functions=tuple(allow_function or ()),
+            allowed_serializers=tuple(allow_serializer or ()),
         )
+        if credentials is not None:
+            given = EndpointCredentials.load(credentials.expanduser().resolve())
+            if endpoint_id is not None and endpoint_id != given.endpoint_id:
+                raise ConfigError(
+                    f"{credentials} is the credential of endpoint {given.endpoint_id}, not "
+                    f"{endpoint_id}"
+                )
+            config = EndpointConfig(
+                endpoint_id=given.endpoint_id,
+                credentials_file=str(credentials.expanduser().resolve()),
+                **settings,  # type: ignore[arg-type]
+            )
+            config.validate()
+        else:
+            kafka = _kafka(bootstrap, kafka_credentials)
+            EndpointConfig(endpoint_id="-", **settings).validate()  # type: ignore[arg-type]
+            issued: dict[str, Any] = {}
+            if endpoint_id is None:
+                if owner_token is None:
+                    raise ConfigError(
+                        "registering an endpoint needs its owner's API token: set "
+                        "FXSTREAM_TOKEN (never on the command line), or pass --credentials "
+                        "FILE with the endpoint's credential"
+                    )
+                issued = register_endpoint(
+                    service_url,
+                    owner_token,
+                    name,
+                    public=public,
+                    allowed_users=list(allowed_user or ()),
+                )
+                endpoint_id = str(issued["endpoint_id"])
+            config = EndpointConfig(endpoint_id=endpoint_id, **settings)  # type: ignore[arg-type]
+            endpoint_credentials = _kept_credentials(config, kafka) or issued_credentials(
+                endpoint_id, issued, kafka=kafka, owner_token=owner_token, warn=_warn
+            )
+            endpoint_credentials.save(config.credentials_path)
         path = config.save()
-    except (ConfigError, httpx.HTTPError) as exc:
+    except (ConfigError, CredentialFileError, ValueError, httpx.HTTPError) as exc:
         raise _fail(f"cannot configure endpoint {name!r}: {exc}") from exc
-    console.print(f"endpoint {name!r} ({endpoint_id}) configured in {path}")
+    console.print(f"endpoint {name!r} ({config.endpoint_id}) configured in {path}")
+    console.print(f"its credential: {config.credentials_path} (mode 600)")
     console.print(f"start it with: fxstream-endpoint start {name}")
+
+
+def _warn(message: str) -> None:
+    console.print(f"[yellow]warning: {message}[/yellow]")
+
+
+def _kafka(bootstrap: str | None, kafka_credentials: Path | None) -> KafkaConnection:
+    """The brokers (and CA, and principal) to reach when the service issues none."""
+    if kafka_credentials is not None:
+        connection = KafkaConnection.from_file(kafka_credentials.expanduser())
+        if bootstrap is None or bootstrap == connection.bootstrap:
+            return connection
+        return dataclasses.replace(connection, bootstrap=bootstrap)
+    if bootstrap is None:
+        raise ConfigError("--bootstrap HOST:PORT is needed (or --credentials FILE)")
+    return KafkaConnection(bootstrap)
+
+
+def _kept_credentials(config: EndpointConfig, kafka: KafkaConnection) -> EndpointCredentials | None:
+    """The endpoint's credential already on file, when it is this endpoint's and its
+    brokers have not changed (configuring again keeps it)."""
+    try:
+        kept = EndpointCredentials.load(config.credentials_path)
+    except CredentialFileError:
+        return None
+    if kept.endpoint_id != config.endpoint_id or kept.kafka.bootstrap != kafka.bootstrap:
+        return None
+    return kept
 
 
 @app.command()
@@ -136,6 +297,9 @@ def start(
     if daemon:
         _start_daemon(name)
     else:
+        # Workers inherit the agent's environment: start again (same PID) without any
+        # variable that looks secret, so neither they nor /proc/<pid>/environ show one.
+        reexec_without_secrets([sys.executable, "-m", "fxstream.agent.cli", "start", name])
         _serve(config)
 
 
@@ -143,6 +307,11 @@ def _serve(config: EndpointConfig) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # No process of this user (a task included) may read this one's memory.
+    if not protect_memory():
+        logging.getLogger(__name__).warning(
+            "cannot make the agent non-dumpable here: tasks may read its memory"
+        )
     agent = Agent(config)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
@@ -170,6 +339,7 @@ def _start_daemon(name: str, timeout_s: float = 60.0) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=scrubbed(os.environ),
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

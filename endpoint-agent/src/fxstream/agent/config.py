@@ -1,7 +1,14 @@
 """An endpoint's configuration: one YAML file per named endpoint.
 
 Files live in ``$FXSTREAM_ENDPOINTS_DIR/<name>/config.yaml`` (default
-``~/.fxstream/endpoints``), beside the endpoint's log and PID file.
+``~/.fxstream/endpoints``), beside the endpoint's log and PID file, in a directory only
+its owner may enter (0700). ``config.yaml`` holds settings, never a secret: the endpoint's
+credential (its Kafka principal and API token, never its owner's) is in the 0600 file
+``credentials_file`` names (:mod:`fxstream.agent.credentials`).
+
+A shared endpoint narrows what it runs: ``allowed_functions`` (function ids) and
+``allowed_serializers`` (data strategies of the arguments, e.g. ``[json]``); a task outside
+them is refused before anything of it is deserialized (:mod:`fxstream.agent.policy`).
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from typing import Any
 import msgspec
 import yaml
 
+from fxstream.agent.credentials import EndpointCredentials
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
+from fxstream.topics import registered_strategies
+from fxstream.topics.connection import CredentialFileError, write_secret_file
 
 __all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
@@ -48,8 +58,9 @@ class EndpointConfig:
     name: str
     endpoint_id: str
     service_url: str
-    bootstrap_servers: str
-    token: str
+    # The 0600 JSON file with the endpoint's Kafka principal and API token; a relative
+    # path is relative to this endpoint's directory.
+    credentials_file: str = "credentials.json"
     topic_prefix: str = "fx."
     workers: int = 2
     prefetch: int = 16
@@ -71,6 +82,10 @@ class EndpointConfig:
     # above proxy_threshold bytes go there and only a reference goes to Kafka.
     store_url: str | None = None
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
+    # What this endpoint runs (empty: anything its users send): function ids, and the
+    # data strategies (ids or names, e.g. "js" or "json") their arguments may use.
+    allowed_functions: tuple[str, ...] = ()
+    allowed_serializers: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the field when a value cannot work."""
@@ -102,11 +117,53 @@ class EndpointConfig:
                 StoreSpec.parse(self.store_url)
             except StoreURLError as exc:
                 raise ConfigError(f"store_url: {exc}") from None
+        self.serializer_ids()
+        if any(not isinstance(f, str) or not f for f in self.allowed_functions):
+            raise ConfigError("allowed_functions must be a list of function ids")
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "
                 "processes) is built; batch-scheduler engines come later"
             )
+
+    def serializer_ids(self) -> frozenset[str]:
+        """The data strategy ids ``allowed_serializers`` names (empty: any)."""
+        data = [s for s in registered_strategies() if s.kind == "data"]
+        by_name = {s.id: s.id for s in data} | {s.name.lower(): s.id for s in data}
+        ids = set()
+        for entry in self.allowed_serializers:
+            found = by_name.get(str(entry).lower())
+            if found is None:
+                choices = ", ".join(f"{s.id} ({s.name})" for s in data)
+                raise ConfigError(
+                    f"allowed_serializers: {entry!r} is not a data strategy; choose from {choices}"
+                )
+            ids.add(found)
+        return frozenset(ids)
+
+    @property
+    def credentials_path(self) -> Path:
+        """The credentials file (``credentials_file`` resolved against the directory)."""
+        path = Path(self.credentials_file).expanduser()
+        return path if path.is_absolute() else self.directory / path
+
+    def credentials(self) -> EndpointCredentials:
+        """The endpoint's credential; :class:`ConfigError` saying what to do if unusable."""
+        path = self.credentials_path
+        try:
+            credentials = EndpointCredentials.load(path)
+        except CredentialFileError as exc:
+            raise ConfigError(
+                f"endpoint {self.name!r}: {exc} (run `fxstream-endpoint configure {self.name}` "
+                "to write it)"
+            ) from None
+        if credentials.endpoint_id != self.endpoint_id:
+            raise ConfigError(
+                f"{path} is the credential of endpoint {credentials.endpoint_id}, not of "
+                f"{self.endpoint_id} (this config's endpoint_id); point credentials_file at "
+                f"this endpoint's credential or run `fxstream-endpoint configure {self.name}`"
+            )
+        return credentials
 
     @property
     def directory(self) -> Path:
@@ -119,11 +176,14 @@ class EndpointConfig:
         return self.directory / "config.yaml"
 
     def save(self) -> Path:
-        """Write the YAML file (readable only by its owner: it holds a token)."""
+        """Write the YAML file atomically (0600, in the endpoint's 0700 directory)."""
         self.validate()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
-        self.path.chmod(0o600)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.directory.chmod(0o700)
+        settings = asdict(self)
+        settings["allowed_functions"] = list(self.allowed_functions)
+        settings["allowed_serializers"] = list(self.allowed_serializers)
+        write_secret_file(self.path, yaml.safe_dump(settings, sort_keys=False).encode())
         return self.path
 
     @classmethod
@@ -141,6 +201,15 @@ class EndpointConfig:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of settings")
+        secrets = sorted(set(raw) & _MOVED)
+        if secrets:
+            raise ConfigError(
+                f"{path} holds {', '.join(secrets)}: an endpoint's config no longer holds its "
+                "owner's token or Kafka settings; they go to the endpoint's own 0600 "
+                f"credentials file. Run `FXSTREAM_TOKEN=<owner token> fxstream-endpoint "
+                f"configure {name} --endpoint-id {raw.get('endpoint_id', '<id>')} "
+                "--service-url URL --bootstrap HOST:PORT` to rewrite both"
+            )
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
@@ -156,4 +225,6 @@ class EndpointConfig:
         return config
 
 
-_REQUIRED = {"name", "endpoint_id", "service_url", "bootstrap_servers", "token"}
+_REQUIRED = {"name", "endpoint_id", "service_url"}
+# Settings of configs written before the endpoint had its own credentials file.
+_MOVED = {"token", "bootstrap_servers"}

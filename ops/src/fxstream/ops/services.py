@@ -352,14 +352,15 @@ class ServiceSet:
 
     def _ensure_endpoint(self, credentials: Credentials) -> str:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
+        owned = config_file.is_file() and self._owns(credentials, _endpoint_id(config_file))
         if (
-            config_file.is_file()
-            and _setting(config_file, "token") == credentials.token
+            owned
             and _setting(config_file, "store_url") == credentials.store_url
+            and (config_file.parent / "credentials.json").is_file()
         ):
             return _endpoint_id(config_file)
         store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
-        if config_file.is_file() and _setting(config_file, "token") == credentials.token:
+        if owned:
             # Same owner, new settings: keep the registered endpoint.
             store += ["--endpoint-id", _endpoint_id(config_file)]
         done = subprocess.run(
@@ -371,19 +372,30 @@ class ServiceSet:
                 credentials.service_url,
                 "--bootstrap",
                 credentials.bootstrap_servers,
-                "--token",
-                credentials.token,
                 "--prefix",
                 credentials.topic_prefix,
                 *store,
             ],
-            env=self._endpoint_env(),
+            # The owner's token registers the endpoint; it goes through the environment
+            # of this one command, never its command line or the endpoint's config.
+            env={**self._endpoint_env(), "FXSTREAM_TOKEN": credentials.token},
             capture_output=True,
             text=True,
         )
         if done.returncode != 0:
             raise ProcessStartError(f"cannot configure the local endpoint: {done.stdout}")
         return _endpoint_id(config_file)
+
+    def _owns(self, credentials: Credentials, endpoint_id: str) -> bool:
+        """True when the local user owns ``endpoint_id`` (its config is still current)."""
+        response = httpx.get(
+            f"{self.service_url}/v1/endpoints/{endpoint_id}",
+            headers={"Authorization": f"Bearer {credentials.token}"},
+            timeout=10,
+        )
+        return response.status_code == 200 and response.json().get("owner_id") == (
+            credentials.user_id
+        )
 
 
 def _setting(config_file: Path, name: str) -> object:

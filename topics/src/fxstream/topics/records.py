@@ -203,6 +203,9 @@ class TaskErrorType(enum.StrEnum):
     RESULT_TOO_LARGE = "ResultTooLarge"
     RESULT_REFUSED = "ResultRefused"
     """Kafka refused to write the task's result (see the message for the limit to change)."""
+    NOT_ALLOWED = "NotAllowedOnEndpoint"
+    """The endpoint's owner does not allow this function or argument serializer there
+    (allowed_functions / allowed_serializers); refused before anything was deserialized."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
