@@ -6,10 +6,12 @@ tests exercise exactly what `./fx up` runs, and stopped by PID at the end.
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -17,6 +19,7 @@ from confluent_kafka.admin import AdminClient
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
+from fxstream.topics import KafkaConnection, write_secret_file
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")
@@ -68,27 +71,34 @@ def free_port_block(size: int) -> int:
     raise RuntimeError(f"no block of {size} free ports found")
 
 
+def write_kafka_credentials(kafka: KafkaConnection, path: Path) -> Path:
+    """``kafka`` as a 0600 credentials file: what a service process or agent is started with."""
+    write_secret_file(path, json.dumps(kafka.to_json()).encode())
+    return path
+
+
 @dataclass(frozen=True)
 class RunningPlatform:
-    """The session's platform: its config, launcher and connection."""
+    """The session's platform: its config, launcher, connection and admin principal."""
 
     config: PlatformConfig
     platform: Platform
     connection: ConnectionInfo
+    kafka: KafkaConnection
 
     def admin(self) -> AdminClient:
-        """A fresh admin client on the session broker."""
-        return AdminClient({"bootstrap.servers": self.connection.bootstrap_servers, "log_level": 2})
+        """A fresh admin client on the session broker (as the admin principal)."""
+        return AdminClient({**self.kafka.confluent(), "log_level": 2})
 
 
 @pytest.fixture(scope="session")
 def kafka_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningPlatform]:
-    """One private broker + Redis for the whole session (started once, ~10 s)."""
+    """One private secure broker + Redis for the whole session (started once, ~10 s)."""
     config = private_config(tmp_path_factory.mktemp("platform"))
     platform = Platform(config)
     try:
         connection = platform.up()
-        yield RunningPlatform(config, platform, connection)
+        yield RunningPlatform(config, platform, connection, platform.kafka(cluster=False))
     finally:
         platform.down()
 
@@ -97,6 +107,12 @@ def kafka_platform(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running
 def bootstrap(kafka_platform: RunningPlatform) -> str:
     """The session broker's bootstrap servers."""
     return kafka_platform.connection.bootstrap_servers
+
+
+@pytest.fixture
+def kafka(kafka_platform: RunningPlatform) -> KafkaConnection:
+    """The session broker as its admin principal (SASL/SCRAM-SHA-512 over TLS)."""
+    return kafka_platform.kafka
 
 
 @pytest.fixture

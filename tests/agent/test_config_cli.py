@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from fxstream.agent.config import ConfigError, EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
-from fxstream.topics.connection import KafkaConnection
+from fxstream.topics import KafkaConnection, write_secret_file
 
 ENDPOINT_CLI = Path(sys.executable).parent / "fxstream-endpoint"
 
@@ -27,6 +28,7 @@ def _config(**changes: object) -> EndpointConfig:
         "name": "laptop",
         "endpoint_id": "ep-1",
         "service_url": "http://127.0.0.1:1",
+        "bootstrap_servers": "127.0.0.1:1",
     }
     values.update(changes)
     return EndpointConfig(**values)  # type: ignore[arg-type]
@@ -44,7 +46,7 @@ def test_save_and_load_round_trip_private_file(endpoints_dir: Path) -> None:
 
 def test_a_config_holding_a_token_is_refused_saying_how_to_move_it(endpoints_dir: Path) -> None:
     path = _config().save()
-    path.write_text(path.read_text() + "token: owner-secret\nbootstrap_servers: h:1\n")
+    path.write_text(path.read_text() + "token: owner-secret\n")
     with pytest.raises(ConfigError, match="FXSTREAM_TOKEN=<owner token> fxstream-endpoint"):
         EndpointConfig.load("laptop")
 
@@ -56,7 +58,7 @@ def test_unknown_serializer_names_the_choices(endpoints_dir: Path) -> None:
 
 def test_credentials_file_is_private_and_checked(endpoints_dir: Path) -> None:
     config = _config()
-    credentials = EndpointCredentials("ep-1", KafkaConnection("127.0.0.1:1"), "ep-token")
+    credentials = EndpointCredentials("ep-1", "ep-token")
     credentials.save(config.credentials_path)
     assert oct(config.credentials_path.stat().st_mode & 0o777) == "0o600"
     assert "ep-token" not in repr(credentials)
@@ -172,3 +174,78 @@ def test_cli_takes_no_token_on_the_command_line(endpoints_dir: Path) -> None:
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
     assert "set FXSTREAM_TOKEN (never on the command line)" in done.stdout
+
+
+def _secure_credentials(directory: Path) -> Path:
+    """An endpoint principal's credentials file, 0600, as the service hands it out."""
+    ca = directory / "ca.pem"
+    ca.write_text("not parsed here: only the path goes to the Kafka client\n")
+    kafka = KafkaConnection("127.0.0.1:9", "ep.ep-1", "s3cret-password", ca)
+    path = directory / "kafka.json"
+    write_secret_file(path, json.dumps(kafka.to_json()).encode())
+    return path
+
+
+def test_the_agent_connects_as_the_principal_of_its_credentials_file(
+    endpoints_dir: Path, tmp_path: Path
+) -> None:
+    credentials = _secure_credentials(tmp_path)
+    path = _config(kafka_credentials=str(credentials)).save()
+    assert "s3cret-password" not in path.read_text()  # the config names the file only
+    kafka = EndpointConfig.load("laptop").kafka()
+    assert kafka.bootstrap == "127.0.0.1:1"  # the config's brokers
+    settings = kafka.confluent()
+    assert settings["security.protocol"] == "SASL_SSL"
+    assert settings["sasl.username"] == "ep.ep-1"
+    assert settings["sasl.password"] == "s3cret-password"
+    assert _config().kafka() == KafkaConnection("127.0.0.1:1")  # insecure platform only
+
+
+def test_a_credentials_file_others_can_read_is_refused(endpoints_dir: Path, tmp_path: Path) -> None:
+    credentials = _secure_credentials(tmp_path)
+    credentials.chmod(0o640)
+    with pytest.raises(ConfigError, match=f"chmod 600 {credentials}"):
+        _config(kafka_credentials=str(credentials)).save()
+    with pytest.raises(ConfigError, match="no credentials file"):
+        _config(kafka_credentials=str(tmp_path / "nowhere.json")).save()
+
+
+def test_cli_configure_records_the_credentials_file_not_the_secret(
+    endpoints_dir: Path, tmp_path: Path
+) -> None:
+    credentials = _secure_credentials(tmp_path)
+    env = {
+        **os.environ,
+        "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir),
+        "FXSTREAM_KAFKA_CREDENTIALS": str(credentials),
+    }
+    args = [str(ENDPOINT_CLI), "configure", "lab", "--service-url", "http://127.0.0.1:9"]
+    args += ["--bootstrap", "127.0.0.1:9", "--endpoint-id", "ep-lab"]
+    done = subprocess.run(
+        args, env={**env, "FXSTREAM_TOKEN": "t"}, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    config = EndpointConfig.load("lab")
+    assert config.kafka_credentials == str(credentials)
+    assert "s3cret-password" not in config.path.read_text()
+    assert config.kafka().username == "ep.ep-1"
+
+
+def test_a_principal_issued_to_the_endpoint_is_kept_in_its_credential(
+    endpoints_dir: Path, tmp_path: Path
+) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("only the path matters here\n")
+    config = _config()
+    issued = EndpointCredentials(
+        "ep-1", "ep-token", KafkaConnection("127.0.0.1:1", "ep.ep-1", "issued-password", ca)
+    )
+    issued.save(config.credentials_path)
+    config.save()
+    assert "issued-password" not in config.path.read_text()
+    kafka = EndpointConfig.load("laptop").kafka()
+    assert (kafka.username, kafka.password, kafka.bootstrap) == (
+        "ep.ep-1",
+        "issued-password",
+        "127.0.0.1:1",
+    )

@@ -12,6 +12,7 @@ from confluent_kafka.admin import NewTopic
 
 from fxstream.agent.offsets import OffsetTracker, decode_answered
 from fxstream.agent.publisher import Answer, PublisherFenced, Refusal, TransactionalPublisher
+from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform
 
 pytestmark = pytest.mark.platform
@@ -32,11 +33,11 @@ def topics(
 
 
 @pytest.fixture
-def group_consumer(bootstrap: str, topics: tuple[str, str]) -> Iterator[Consumer]:
+def group_consumer(kafka: KafkaConnection, topics: tuple[str, str]) -> Iterator[Consumer]:
     queue, _ = topics
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka.confluent(),
             "group.id": f"g-{uuid.uuid4().hex[:8]}",
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
@@ -56,8 +57,8 @@ def group_consumer(bootstrap: str, topics: tuple[str, str]) -> Iterator[Consumer
     consumer.close()
 
 
-def _fill(bootstrap: str, topic: str, count: int) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
+def _fill(kafka: KafkaConnection, topic: str, count: int) -> None:
+    producer = Producer({**kafka.confluent(), "log_level": 2})
     for i in range(count):
         producer.produce(topic, key=str(i).encode(), value=f"task {i}".encode())
     assert producer.flush(30) == 0
@@ -74,10 +75,10 @@ def _take(consumer: Consumer, count: int) -> list[Message]:
     return taken
 
 
-def _committed_values(bootstrap: str, topic: str) -> list[bytes]:
+def _committed_values(kafka: KafkaConnection, topic: str) -> list[bytes]:
     reader = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka.confluent(),
             "group.id": f"r-{uuid.uuid4().hex[:8]}",
             "isolation.level": "read_committed",
             "auto.offset.reset": "earliest",
@@ -100,11 +101,11 @@ def _committed_values(bootstrap: str, topic: str) -> list[bytes]:
 
 
 def _publisher(
-    bootstrap: str, consumer: Consumer, queue: str, tracker: OffsetTracker, txn_id: str
+    kafka: KafkaConnection, consumer: Consumer, queue: str, tracker: OffsetTracker, txn_id: str
 ) -> TransactionalPublisher:
     metadata = consumer.consumer_group_metadata()
     return TransactionalPublisher(
-        {"bootstrap.servers": bootstrap, "log_level": 2},
+        {**kafka.confluent(), "log_level": 2},
         transactional_id=txn_id,
         queue_topic=queue,
         tracker=tracker,
@@ -113,12 +114,12 @@ def _publisher(
 
 
 def test_answers_and_their_offsets_commit_together(
-    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer
 ) -> None:
     queue, out = topics
-    _fill(bootstrap, queue, 20)
+    _fill(kafka, queue, 20)
     tracker = OffsetTracker()
-    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher = _publisher(kafka, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
     publisher.start()
     try:
         for message in _take(group_consumer, 20):
@@ -131,7 +132,7 @@ def test_answers_and_their_offsets_commit_together(
         assert publisher.flush(30)
     finally:
         publisher.close()
-    assert sorted(_committed_values(bootstrap, out)) == sorted(
+    assert sorted(_committed_values(kafka, out)) == sorted(
         f"answer task {i}".encode() for i in range(20)
     )
     committed = group_consumer.committed(
@@ -141,16 +142,16 @@ def test_answers_and_their_offsets_commit_together(
 
 
 def test_a_restarted_agent_fences_the_old_one(
-    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer
 ) -> None:
     queue, out = topics
-    _fill(bootstrap, queue, 2)
+    _fill(kafka, queue, 2)
     first, second = _take(group_consumer, 2)
     txn_id = f"t-{uuid.uuid4()}"
     tracker = OffsetTracker()
-    zombie = _publisher(bootstrap, group_consumer, queue, tracker, txn_id)
+    zombie = _publisher(kafka, group_consumer, queue, tracker, txn_id)
     zombie.start()
-    successor = _publisher(bootstrap, group_consumer, queue, OffsetTracker(), txn_id)
+    successor = _publisher(kafka, group_consumer, queue, OffsetTracker(), txn_id)
     successor.start()  # same transactional id: the zombie is fenced
     try:
         for message in (first, second):
@@ -166,16 +167,16 @@ def test_a_restarted_agent_fences_the_old_one(
     finally:
         zombie.close()
         successor.close()
-    assert b"from the zombie" not in _committed_values(bootstrap, out)
+    assert b"from the zombie" not in _committed_values(kafka, out)
 
 
 def test_an_answer_without_a_topic_only_settles_its_offset(
-    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer
 ) -> None:
     queue, out = topics
-    _fill(bootstrap, queue, 4)
+    _fill(kafka, queue, 4)
     tracker = OffsetTracker()
-    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher = _publisher(kafka, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
     publisher.start()
     try:
         for message in _take(group_consumer, 4):
@@ -186,7 +187,7 @@ def test_an_answer_without_a_topic_only_settles_its_offset(
         assert publisher.flush(30)
     finally:
         publisher.close()
-    assert _committed_values(bootstrap, out) == []
+    assert _committed_values(kafka, out) == []
     committed = group_consumer.committed(
         [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
     )
@@ -194,7 +195,7 @@ def test_an_answer_without_a_topic_only_settles_its_offset(
 
 
 def _quarantining_publisher(
-    bootstrap: str,
+    kafka: KafkaConnection,
     consumer: Consumer,
     queue: str,
     tracker: OffsetTracker,
@@ -211,7 +212,7 @@ def _quarantining_publisher(
         return [Answer(replacement_topic, answer.key, small, answer.partition, answer.offset)]
 
     return TransactionalPublisher(
-        {"bootstrap.servers": bootstrap, "log_level": 2, "message.max.bytes": message_max_bytes},
+        {**kafka.confluent(), "log_level": 2, "message.max.bytes": message_max_bytes},
         transactional_id=f"t-{uuid.uuid4()}",
         queue_topic=queue,
         tracker=tracker,
@@ -236,7 +237,7 @@ def _answer_all(
 
 @pytest.mark.parametrize("where", ["producer", "broker"])
 def test_an_answer_kafka_refuses_is_quarantined_and_the_rest_commit(
-    bootstrap: str,
+    kafka: KafkaConnection,
     topics: tuple[str, str],
     group_consumer: Consumer,
     kafka_platform: RunningPlatform,
@@ -256,11 +257,11 @@ def test_an_answer_kafka_refuses_is_quarantined_and_the_rest_commit(
         for future in admin.create_topics([small]).values():
             future.result(timeout=30)
         topic_cleanup.append(target)
-    _fill(bootstrap, queue, 10)
+    _fill(kafka, queue, 10)
     tracker = OffsetTracker()
     refusals: list[tuple[Answer, Refusal]] = []
     publisher = _quarantining_publisher(
-        bootstrap,
+        kafka,
         group_consumer,
         queue,
         tracker,
@@ -286,9 +287,9 @@ def test_an_answer_kafka_refuses_is_quarantined_and_the_rest_commit(
     assert len(answer.value) == 100_000
     assert not refusal.topic_missing
     assert "SIZE" in refusal.reason.upper()
-    written = [v for v in _committed_values(bootstrap, target) if v.startswith(b"ok")]
+    written = [v for v in _committed_values(kafka, target) if v.startswith(b"ok")]
     assert sorted(written) == sorted(f"ok {i}".encode() for i in range(10) if i != 3)
-    assert any(v.startswith(b"quarantined") for v in _committed_values(bootstrap, out))
+    assert any(v.startswith(b"quarantined") for v in _committed_values(kafka, out))
     committed = group_consumer.committed(
         [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
     )
@@ -296,14 +297,14 @@ def test_an_answer_kafka_refuses_is_quarantined_and_the_rest_commit(
 
 
 def test_an_answer_to_a_missing_topic_is_quarantined_before_its_transaction(
-    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer, unique_prefix: str
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer, unique_prefix: str
 ) -> None:
     queue, out = topics
     missing = f"{unique_prefix}no-such-results"
-    _fill(bootstrap, queue, 6)
+    _fill(kafka, queue, 6)
     tracker = OffsetTracker()
     refusals: list[tuple[Answer, Refusal]] = []
-    publisher = _quarantining_publisher(bootstrap, group_consumer, queue, tracker, refusals, out)
+    publisher = _quarantining_publisher(kafka, group_consumer, queue, tracker, refusals, out)
     publisher.start()
     started = time.monotonic()
     try:
@@ -318,7 +319,7 @@ def test_an_answer_to_a_missing_topic_is_quarantined_before_its_transaction(
         publisher.close()
     assert time.monotonic() - started < 20, "no wait for metadata propagation"
     assert [r.topic_missing for _, r in refusals] == [True]
-    values = _committed_values(bootstrap, out)
+    values = _committed_values(kafka, out)
     assert sorted(v for v in values if v.startswith(b"ok")) == [
         f"ok {i}".encode() for i in range(1, 6)
     ]
@@ -330,14 +331,14 @@ def test_an_answer_to_a_missing_topic_is_quarantined_before_its_transaction(
 
 
 def test_answers_past_an_unanswered_record_are_named_in_the_committed_offsets_metadata(
-    bootstrap: str, topics: tuple[str, str], group_consumer: Consumer
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer
 ) -> None:
     """The agent-kill duplicate, at the publisher: the first record of a partition is still
     running when the ones after it are answered. Their results commit, the position cannot
     pass the first, so the commit's metadata (same transaction) must name them, and a
     successor resuming from the committed offsets settles them instead of running them."""
     queue, out = topics
-    _fill(bootstrap, queue, 12)
+    _fill(kafka, queue, 12)
     taken = _take(group_consumer, 12)
     tracker = OffsetTracker()
     by_partition: dict[int, list[int]] = {}
@@ -349,7 +350,7 @@ def test_answers_past_an_unanswered_record_are_named_in_the_committed_offsets_me
     partition, offsets = max(by_partition.items(), key=lambda item: len(item[1]))
     assert len(offsets) >= 3
     running, answered = offsets[0], offsets[1:]
-    publisher = _publisher(bootstrap, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher = _publisher(kafka, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
     publisher.start()
     try:
         for offset in answered:
@@ -357,9 +358,7 @@ def test_answers_past_an_unanswered_record_are_named_in_the_committed_offsets_me
         assert publisher.flush(30)
     finally:
         publisher.close()
-    assert sorted(_committed_values(bootstrap, out)) == sorted(
-        f"answer {o}".encode() for o in answered
-    )
+    assert sorted(_committed_values(kafka, out)) == sorted(f"answer {o}".encode() for o in answered)
     (committed,) = group_consumer.committed([TopicPartition(queue, partition)], timeout=10)
     assert committed.offset == running, "the position never passes the running record"
     assert decode_answered(committed.offset, committed.metadata) == [(answered[0], answered[-1])]

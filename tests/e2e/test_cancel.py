@@ -26,6 +26,7 @@ from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
+    KafkaConnection,
     TaskErrorType,
     TaskResult,
     decode,
@@ -47,9 +48,9 @@ class Stack:
     single_endpoint: str
 
     @property
-    def bootstrap(self) -> str:
-        """Kafka's bootstrap servers."""
-        return self.private.bootstrap
+    def kafka(self) -> KafkaConnection:
+        """How the tests' own clients connect (as the platform's admin)."""
+        return self.private.kafka
 
     @property
     def catalogue(self) -> Catalogue:
@@ -74,7 +75,7 @@ class Stack:
         """Every committed record of ``topic`` with this key, read from the beginning."""
         consumer = Consumer(
             {
-                "bootstrap.servers": self.bootstrap,
+                **self.kafka.confluent(),
                 "group.id": f"e2e-{uuid.uuid4()}",
                 "isolation.level": "read_committed",
                 "enable.partition.eof": True,
@@ -122,7 +123,7 @@ class Stack:
         cancel = self.wait_for_record(queue, task_id, lambda m: record_kind(m.value()) == "cancel")
         consumer = Consumer(
             {
-                "bootstrap.servers": self.bootstrap,
+                **self.kafka.confluent(),
                 "group.id": f"fxstream-endpoint-{endpoint_id}",
                 "log_level": 2,
             }
@@ -316,7 +317,7 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
     mallory_id, mallory_token = Client.register_user(stack.settings.service_url, "mallory")
     mallory = Client(
         stack.settings.service_url,
-        bootstrap_servers=stack.bootstrap,
+        kafka=stack.settings.kafka,
         topic_prefix=stack.catalogue.prefix,
         user_id=mallory_id,
         token=mallory_token,
@@ -352,7 +353,7 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
         # Her token with the owner's user id is refused by the router, before any queue.
         impostor = Client(
             stack.settings.service_url,
-            bootstrap_servers=stack.bootstrap,
+            kafka=stack.settings.kafka,
             topic_prefix=stack.catalogue.prefix,
             user_id=stack.settings.user_id,
             token=mallory_token,

@@ -176,7 +176,7 @@ def test_data_locations_record_creation_and_eviction(stack: Stack) -> None:
     topic = f"{stack.prefix}data-locations"
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"test-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "log_level": 3,

@@ -48,7 +48,6 @@ from fxstream.topics import (
     utf8_len,
 )
 from fxstream.topics.budget import ERROR_MESSAGE_MAX_BYTES
-from fxstream.topics.connection import KafkaConnection
 from tests.e2e.stack import Stack, running_stack
 
 pytestmark = pytest.mark.platform
@@ -94,14 +93,13 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
             name="inline",
             endpoint_id=endpoint_id,
             service_url=settings.service_url,
+            bootstrap_servers=stack.bootstrap,
             topic_prefix=stack.prefix,
             workers=2,
             heartbeat_period_s=2.0,
             lease_timeout_s=10.0,
         )
-        EndpointCredentials(endpoint_id, KafkaConnection(stack.bootstrap), _token(stack)).save(
-            config.credentials_path
-        )
+        EndpointCredentials(endpoint_id, _token(stack)).save(config.credentials_path)
         config.save()
     finally:
         del os.environ["FXSTREAM_ENDPOINTS_DIR"]
@@ -178,7 +176,7 @@ def _dead_letter(stack: Stack, key: bytes, timeout_s: float = 60.0) -> DeadLette
     topic = Catalogue(prefix=stack.prefix).dead_letter
     reader = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"poison-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest",
             "isolation.level": "read_committed",
@@ -198,9 +196,7 @@ def _dead_letter(stack: Stack, key: bytes, timeout_s: float = 60.0) -> DeadLette
 
 
 def _produce(stack: Stack, topic: str, key: bytes, value: bytes) -> None:
-    producer = Producer(
-        {"bootstrap.servers": stack.bootstrap, "message.max.bytes": 2_000_000, "log_level": 2}
-    )
+    producer = Producer({**stack.kafka.confluent(), "message.max.bytes": 2_000_000, "log_level": 2})
     producer.produce(topic, key=key, value=value)
     assert producer.flush(30) == 0
 

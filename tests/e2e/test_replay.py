@@ -216,7 +216,7 @@ def override_state(stack: Stack, client: Client, task_id: str, **changes: Any) -
         timings=TaskTimings(submitted_at=timings["submitted"], routed_at=timings["routed"]),
         value=None,
     )
-    producer = Producer({"bootstrap.servers": stack.bootstrap, "acks": "all", "log_level": 2})
+    producer = Producer({**stack.kafka.confluent(), "acks": "all", "log_level": 2})
     producer.produce(Catalogue(prefix=stack.prefix).task_state, key=task_id, value=encode(state))
     assert producer.flush(30) == 0
 
@@ -265,7 +265,7 @@ def test_another_users_group_is_refused_and_an_unknown_group_is_empty(
     user_id, token = Client.register_user(stack.settings.service_url, "mallory")
     intruder = Client(
         stack.settings.service_url,
-        bootstrap_servers=stack.bootstrap,
+        kafka=stack.settings.kafka,
         topic_prefix=stack.prefix,
         user_id=user_id,
         token=token,

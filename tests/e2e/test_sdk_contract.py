@@ -367,7 +367,7 @@ def test_a_duplicate_by_reference_result_is_evicted_without_loading_it(stack: St
             outcome="success",
             value=packed.payload,
         )
-        producer = Producer({"bootstrap.servers": stack.bootstrap})
+        producer = Producer(stack.kafka.confluent())
         producer.produce(
             client.catalogue.results(client.user_id), key=future.task_id, value=encode(duplicate)
         )

@@ -194,7 +194,7 @@ def test_another_users_private_function_is_refused(stack: Stack) -> None:
     user_id, token = Client.register_user(settings.service_url, "mallory")
     intruder = Client(
         settings.service_url,
-        bootstrap_servers=settings.bootstrap_servers,
+        kafka=settings.kafka,
         topic_prefix=settings.topic_prefix,
         user_id=user_id,
         token=token,
@@ -223,14 +223,14 @@ def test_an_argument_too_large_names_the_setting(stack: Stack) -> None:
 
 def test_malformed_submissions_are_dead_lettered_and_routing_goes_on(stack: Stack) -> None:
     marker = uuid.uuid4().bytes
-    producer = Producer({"bootstrap.servers": stack.bootstrap, "log_level": 2})
+    producer = Producer({**stack.kafka.confluent(), "log_level": 2})
     producer.produce(f"{stack.prefix}tasks.submitted", key=b"garbage", value=marker)
     assert producer.flush(30) == 0
     with stack.executor() as executor:
         assert executor.submit(double, 8).result(timeout=60) == 16
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"e2e-{uuid.uuid4()}",
             "auto.offset.reset": "earliest",
             "log_level": 2,

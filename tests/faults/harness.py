@@ -42,6 +42,7 @@ from fxstream.ops.services import LOCAL_ENDPOINT, ServiceSet
 from fxstream.sdk import Client, ClientSettings, Executor, TaskFuture
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     RecordDecodeError,
     TaskDispatch,
     TaskResult,
@@ -90,7 +91,7 @@ class FaultStack:
 
     home: Path
     services: ServiceSet
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     credentials: Path
     endpoint_id: str
@@ -103,7 +104,7 @@ class FaultStack:
 
     def admin(self) -> AdminClient:
         """A fresh admin client on the stack's broker."""
-        return AdminClient({"bootstrap.servers": self.bootstrap, "log_level": 2})
+        return AdminClient({**self.kafka.confluent(), "log_level": 2})
 
     def configure_agent(self, name: str, **settings: Any) -> None:
         """Write endpoint config ``name``: the local endpoint's, with ``settings`` changed.
@@ -112,6 +113,8 @@ class FaultStack:
         """
         source = self.services.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         config: dict[str, Any] = yaml.safe_load(source.read_text())
+        # The copy uses the local endpoint's credential (its own 0600 file, by path).
+        config["credentials_file"] = str(source.parent / config["credentials_file"])
         config.update(settings, name=name)
         target = self.services.endpoints_dir / name / "config.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +194,8 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         topic_prefix=prefix,
         replication_factor=base.replication_factor,
         min_insync_replicas=base.min_insync_replicas,
+        security=base.security,
+        ca_file=base.ca_file,
     )
     (home / "platform.json").write_text(json.dumps(asdict(connection), indent=2) + "\n")
     catalogue = connection.catalogue()
@@ -200,13 +205,13 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
     stack = FaultStack(
         home=home,
         services=services,
-        bootstrap=base.bootstrap_servers,
+        kafka=kafka_platform.kafka,
         catalogue=catalogue,
         credentials=services.credentials_file,
         endpoint_id="",
     )
     try:
-        _, endpoint_id = services.start(base.bootstrap_servers, prefix)
+        _, endpoint_id = services.start(kafka_platform.kafka, prefix)
     except BaseException:
         stack.stop()
         raise
@@ -341,7 +346,7 @@ def committed_results(
     topic = stack.catalogue.results(client.user_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"faults-check-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,
@@ -505,7 +510,7 @@ def dispatch_counts(stack: FaultStack, task_ids: Sequence[str]) -> Counter[str]:
     topic = stack.catalogue.endpoint_queue(stack.endpoint_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": stack.bootstrap,
+            **stack.kafka.confluent(),
             "group.id": f"faults-dispatches-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.partition.eof": True,

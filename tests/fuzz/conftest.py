@@ -108,7 +108,7 @@ def registry(kafka_platform: RunningPlatform, fuzz_catalogue: Catalogue) -> Regi
     ]
     producer = Producer(
         {
-            "bootstrap.servers": kafka_platform.connection.bootstrap_servers,
+            **kafka_platform.kafka.confluent(),
             "acks": "all",
             "log_level": 2,
         }

@@ -25,6 +25,7 @@ from fxstream.service import create_app
 from fxstream.topics import (
     Catalogue,
     Heartbeat,
+    KafkaConnection,
     Serializer,
     TaskState,
     TaskStateName,
@@ -57,7 +58,7 @@ def client(
     kafka_platform: RunningPlatform, fuzz_catalogue: Catalogue, registry: Registry
 ) -> Iterator[TestClient]:
     """The API on the fuzz deployment, started (lifespan) and stopped around the module."""
-    app = create_app(kafka_platform.connection.bootstrap_servers, fuzz_catalogue, timeout_s=10)
+    app = create_app(kafka_platform.kafka, fuzz_catalogue, timeout_s=10)
     with TestClient(app, raise_server_exceptions=False) as client:
         yield client
 
@@ -119,8 +120,8 @@ def test_huge_bodies_are_4xx_with_a_reason(
     assert_answer_is_sane(request, answer)
 
 
-def _produce(bootstrap: str, topic: str, key: str, value: bytes) -> None:
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 2})
+def _produce(kafka: KafkaConnection, topic: str, key: str, value: bytes) -> None:
+    producer = Producer({**kafka.confluent(), "acks": "all", "log_level": 2})
     producer.produce(topic, key=key.encode(), value=value)
     assert producer.flush(30) == 0
 
@@ -153,14 +154,14 @@ def test_regression_an_infinite_heartbeat_time_does_not_pin_the_endpoint(
     )
     for field in ("sent_at", "period_s"):
         _produce(
-            kafka_platform.connection.bootstrap_servers,
+            kafka_platform.kafka,
             fuzz_catalogue.heartbeats,
             known.endpoint_id,
             _with_infinity(beat, field),
         )
     # A later good record shows the view has read past the bad ones.
     _produce(
-        kafka_platform.connection.bootstrap_servers,
+        kafka_platform.kafka,
         fuzz_catalogue.heartbeats,
         known.endpoint_id,
         encode(beat),
@@ -193,7 +194,7 @@ def test_regression_an_infinite_task_state_time_is_not_shown(
         updated_at=time.time(),
     )
     _produce(
-        kafka_platform.connection.bootstrap_servers,
+        kafka_platform.kafka,
         fuzz_catalogue.task_state,
         task_id,
         _with_infinity(state, "updated_at"),

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from fxstream.ops import Platform
 from fxstream.ops.services import Credentials
 from fxstream.sdk import Client, ClientSettings, Executor
-from fxstream.topics import Catalogue, DeadLetter, Record, decode
+from fxstream.topics import Catalogue, DeadLetter, KafkaConnection, Record, decode
 from tests.conftest import private_config
 from tests.fuzz.api_fuzz import ApiRequest, KnownIds, assert_answer_is_sane, requests, send
 from tests.fuzz.checks import assert_kept
@@ -71,7 +71,7 @@ class Stack:
     """The module's platform, its local user and endpoint."""
 
     platform: Platform
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     credentials_file: Path
     credentials: Credentials
@@ -98,7 +98,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         assert endpoint_id is not None and credentials is not None
         yield Stack(
             platform,
-            connection.bootstrap_servers,
+            platform.kafka(cluster=False),
             Catalogue(prefix=connection.topic_prefix),
             services.credentials_file,
             credentials,
@@ -136,9 +136,9 @@ class Sent:
     how: BadValue
 
 
-def produce_all(bootstrap: str, records: list[BadRecord]) -> list[Sent]:
+def produce_all(kafka: KafkaConnection, records: list[BadRecord]) -> list[Sent]:
     """Produce ``(topic, key, bad value, headers)`` records; their coordinates once acknowledged."""
-    producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 2})
+    producer = Producer({**kafka.confluent(), "acks": "all", "log_level": 2})
     sent: list[Sent] = []
     failures: list[str] = []
     for topic, key, bad, record_headers in records:
@@ -164,10 +164,13 @@ def produce_all(bootstrap: str, records: list[BadRecord]) -> list[Sent]:
 
 
 def read_dead_letters(
-    bootstrap: str, catalogue: Catalogue, wanted: set[tuple[str, int, int]], timeout_s: float
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    wanted: set[tuple[str, int, int]],
+    timeout_s: float,
 ) -> dict[tuple[str, int, int], list[DeadLetter]]:
     """Dead letters by their original coordinates, until all of ``wanted`` are in (or timeout)."""
-    consumer = Consumer({"bootstrap.servers": bootstrap, "group.id": "unused", "log_level": 2})
+    consumer = Consumer({**kafka.confluent(), "group.id": "unused", "log_level": 2})
     topic = catalogue.dead_letter
     partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
     consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
@@ -230,7 +233,7 @@ def test_bad_records_on_every_topic_are_dead_lettered_while_tasks_run(stack: Sta
         try:
             with Executor(endpoint_id=stack.endpoint_id, client=client) as executor:
                 futures = [executor.submit(double, i) for i in range(GOOD_TASKS // 2)]
-                sent = produce_all(stack.bootstrap, bad)
+                sent = produce_all(stack.kafka, bad)
                 futures += [executor.submit(double, i) for i in range(GOOD_TASKS // 2, GOOD_TASKS)]
                 values = [f.result(timeout=120) for f in futures]
         finally:
@@ -238,7 +241,7 @@ def test_bad_records_on_every_topic_are_dead_lettered_while_tasks_run(stack: Sta
         assert values == [2 * i for i in range(GOOD_TASKS)]
         assert len(sent) == PER_TOPIC * len(samples)
         wanted = {(s.topic, s.partition, s.offset) for s in sent}
-        letters = read_dead_letters(stack.bootstrap, catalogue, wanted, timeout_s=90)
+        letters = read_dead_letters(stack.kafka, catalogue, wanted, timeout_s=90)
         missing = [s for s in sent if (s.topic, s.partition, s.offset) not in letters]
         assert not missing, f"{len(missing)} bad records not dead-lettered, e.g. {missing[:5]}"
         for s in sent:

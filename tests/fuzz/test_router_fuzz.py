@@ -74,9 +74,9 @@ def router(
     loop: asyncio.AbstractEventLoop,
 ) -> Iterator[Router]:
     """A started router on the fuzz deployment."""
-    bootstrap = kafka_platform.connection.bootstrap_servers
-    view = RegistryView(bootstrap, fuzz_catalogue, follow=("users", "functions", "endpoints"))
-    router = Router(fuzz_catalogue, view, TopicDirectory(bootstrap), catch_up_s=0.5)
+    kafka = kafka_platform.kafka
+    view = RegistryView(kafka, fuzz_catalogue, follow=("users", "functions", "endpoints"))
+    router = Router(fuzz_catalogue, view, TopicDirectory(kafka), catch_up_s=0.5)
     loop.run_until_complete(router.start())
     assert view.user(registry.user_id) is not None
     assert view.endpoint(registry.endpoint_id) is not None

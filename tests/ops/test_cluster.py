@@ -25,7 +25,8 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         assert len(connection.bootstrap_servers.split(",")) == 3
         assert (connection.replication_factor, connection.min_insync_replicas) == (3, 2)
 
-        admin = AdminClient({"bootstrap.servers": connection.bootstrap_servers, "log_level": 2})
+        kafka = platform.kafka(cluster=True)
+        admin = AdminClient({**kafka.confluent(), "log_level": 2})
         cluster = admin.describe_cluster(request_timeout=10).result(timeout=15)
         assert {node.id for node in cluster.nodes} == {1, 2, 3}
         assert cluster.controller is not None
@@ -41,7 +42,7 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         delivered: list[str] = []
         producer = Producer(
             {
-                "bootstrap.servers": connection.bootstrap_servers,
+                **kafka.confluent(),
                 "acks": "all",
                 "enable.idempotence": True,
                 "log_level": 2,

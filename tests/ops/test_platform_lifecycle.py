@@ -53,7 +53,8 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     topic = connection.catalogue().dead_letter
     marker = uuid.uuid4().bytes
-    producer = Producer({"bootstrap.servers": connection.bootstrap_servers, "acks": "all"})
+    kafka = own_platform.kafka(cluster=False)
+    producer = Producer({**kafka.confluent(), "acks": "all"})
     producer.produce(topic, key=b"durability", value=marker)
     assert producer.flush(30) == 0
     store = redis.Redis.from_url(connection.redis_url)
@@ -69,7 +70,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     connection = own_platform.up()
     consumer = Consumer(
         {
-            "bootstrap.servers": connection.bootstrap_servers,
+            **own_platform.kafka(cluster=False).confluent(),
             "group.id": f"durability-{uuid.uuid4()}",
             "auto.offset.reset": "earliest",
         }

@@ -12,7 +12,7 @@ from tests.conftest import RunningPlatform
 def test_stream_bench_measures_both_modes(kafka_platform: RunningPlatform, inline: bool) -> None:
     connection = kafka_platform.connection
     figures = measure_kafka_stream(
-        connection.bootstrap_servers, connection.redis_url, 64 * 1024, 20, inline=inline
+        kafka_platform.kafka, connection.redis_url, 64 * 1024, 20, inline=inline
     )
     assert figures["mode"] == ("kafka-inline" if inline else "kafka+redis")
     assert figures["items_per_s"] > 0 and figures["mb_per_s"] > 0
@@ -24,7 +24,7 @@ def test_stream_bench_skips_inline_arrays_above_the_topic_limit(
 ) -> None:
     connection = kafka_platform.connection
     figures = measure_kafka_stream(
-        connection.bootstrap_servers, connection.redis_url, 10_000_000, 3, inline=True
+        kafka_platform.kafka, connection.redis_url, 10_000_000, 3, inline=True
     )
     assert figures["items_per_s"] is None and figures["mb_per_s"] is None
     assert "max.message.bytes" in figures["skipped"]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pytest
 
 from fxstream.sdk import DEFAULT_MAX_INLINE_BYTES, Client
-from fxstream.topics import Catalogue, ensure_topics
+from fxstream.topics import Catalogue, KafkaConnection, ensure_topics
 from tests.conftest import RunningPlatform
 
 
@@ -26,7 +26,7 @@ from tests.conftest import RunningPlatform
 class SdkTopics:
     """The module's topics, user and credentials."""
 
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     user_id: str
     token: str
@@ -41,7 +41,7 @@ class SdkTopics:
         """A Client for this module's user (the caller closes it)."""
         return Client(
             self.service_url,
-            bootstrap_servers=self.bootstrap,
+            kafka=self.kafka,
             topic_prefix=self.catalogue.prefix,
             user_id=self.user_id,
             token=self.token,
@@ -70,7 +70,7 @@ def sdk_topics(kafka_platform: RunningPlatform) -> Iterator[SdkTopics]:
     ensure_topics(admin, catalogue, topics)
     try:
         yield SdkTopics(
-            bootstrap=kafka_platform.connection.bootstrap_servers,
+            kafka=kafka_platform.kafka,
             catalogue=catalogue,
             user_id=user_id,
             token=f"token-{uuid.uuid4().hex}",

@@ -4,7 +4,7 @@ Arrays carry their index: the first 8 bytes hold it, every other byte is
 ``index % 251``, so a consumer can check both the order and the content of
 each item without the producer's copy.
 
-As a process: ``python -m tests.sdk.stream_child BOOTSTRAP PREFIX STREAM GROUP
+As a process: ``python -m tests.sdk.stream_child KAFKA_CREDENTIALS_FILE PREFIX STREAM GROUP
 HOLD_AFTER INSTANCE_ID`` consumes the stream and prints one JSON line per item
 (``{"index": i}``, after checking the item's content). After ``HOLD_AFTER``
 items (-1: never) it prints ``{"holding": true}`` and sleeps, keeping the last
@@ -19,6 +19,7 @@ import json
 import struct
 import sys
 import time
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -29,6 +30,7 @@ from proxystore.store import Store
 
 from fxstream.connectors import RedisConnector
 from fxstream.sdk import stream_consumer
+from fxstream.topics import KafkaConnection
 
 __all__ = ["array_index", "check_array", "indexed_array", "redis_store"]
 
@@ -80,11 +82,11 @@ def _emit(line: dict[str, Any]) -> None:
 
 
 def main(
-    bootstrap: str, prefix: str, stream: str, group: str, hold_after: int, instance_id: str
+    kafka: KafkaConnection, prefix: str, stream: str, group: str, hold_after: int, instance_id: str
 ) -> None:
     """Consume ``stream`` as described in the module docstring."""
     consumer = stream_consumer(
-        bootstrap,
+        kafka,
         stream,
         group=group,
         topic_prefix=prefix,
@@ -104,4 +106,6 @@ def main(
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])
+    # The first argument names a Kafka credentials file: no secret on the command line.
+    connection = KafkaConnection.from_file(Path(sys.argv[1]))
+    main(connection, sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6])

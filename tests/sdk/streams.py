@@ -17,6 +17,7 @@ from confluent_kafka import Consumer, KafkaException, Message, Producer, TopicPa
 
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     Serializer,
     TaskError,
     TaskResult,
@@ -29,10 +30,10 @@ from fxstream.topics import (
 )
 
 
-def _consumer(bootstrap: str) -> Consumer:
+def _consumer(kafka: KafkaConnection) -> Consumer:
     return Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka.confluent(),
             "group.id": "fxstream-sdk-tests",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",
@@ -41,9 +42,9 @@ def _consumer(bootstrap: str) -> Consumer:
     )
 
 
-def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+def end_offsets(kafka: KafkaConnection, topic: str) -> dict[int, int]:
     """Partition -> current end offset of ``topic`` (retried while leaders are being elected)."""
-    consumer = _consumer(bootstrap)
+    consumer = _consumer(kafka)
     deadline = time.monotonic() + 30
     try:
         while True:
@@ -64,7 +65,7 @@ def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
 
 
 def read_from(
-    bootstrap: str,
+    kafka: KafkaConnection,
     topic: str,
     start: dict[int, int],
     *,
@@ -72,7 +73,7 @@ def read_from(
     timeout: float = 20.0,
 ) -> list[Message]:
     """The first ``count`` records of ``topic`` after the ``start`` offsets (fewer on timeout)."""
-    consumer = _consumer(bootstrap)
+    consumer = _consumer(kafka)
     try:
         consumer.assign([TopicPartition(topic, p, o) for p, o in start.items()])
         found: list[Message] = []
@@ -89,8 +90,8 @@ def read_from(
 class ResultWriter:
     """Produces records to a topic and waits for each to be acknowledged."""
 
-    def __init__(self, bootstrap: str) -> None:
-        self._producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 3})
+    def __init__(self, kafka: KafkaConnection) -> None:
+        self._producer = Producer({**kafka.confluent(), "acks": "all", "log_level": 3})
 
     def write(self, topic: str, key: str, value: bytes) -> None:
         """Produce one record and flush."""
@@ -153,14 +154,14 @@ class Responder:
 
     def __init__(
         self,
-        bootstrap: str,
+        kafka: KafkaConnection,
         catalogue: Catalogue,
         endpoint_id: str,
         functions: dict[str, bytes],
         *,
         reverse: bool = True,
     ) -> None:
-        self._bootstrap = bootstrap
+        self._kafka = kafka
         self._catalogue = catalogue
         self._endpoint_id = endpoint_id
         self._code = functions
@@ -168,15 +169,15 @@ class Responder:
         self._reverse = reverse
         self._serializer = Serializer()
         self._stop = threading.Event()
-        self._consumer = _consumer(bootstrap)
-        self._producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 3})
+        self._consumer = _consumer(kafka)
+        self._producer = Producer({**kafka.confluent(), "acks": "all", "log_level": 3})
         self._thread = threading.Thread(target=self._run, name="test-responder", daemon=True)
         self.answered: list[str] = []
         self.errors: list[BaseException] = []
 
     def __enter__(self) -> Responder:
         topic = self._catalogue.tasks_submitted
-        start = end_offsets(self._bootstrap, topic)
+        start = end_offsets(self._kafka, topic)
         self._consumer.assign([TopicPartition(topic, p, o) for p, o in start.items()])
         self._thread.start()
         return self

@@ -16,7 +16,7 @@ def test_run_futures_beyond_the_bound_drop_the_oldest_finished_first(
     sdk_topics: SdkTopics, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(client_module, "_RETAINED", 3)
-    writer = ResultWriter(sdk_topics.bootstrap)
+    writer = ResultWriter(sdk_topics.kafka)
     with sdk_topics.client() as client:
         tasks = [client.prepare_task(ENDPOINT, FUNCTION, (i,)) for i in range(6)]
         waiting = client.track(tasks[0], retain=True)  # never answered

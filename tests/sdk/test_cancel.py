@@ -13,7 +13,13 @@ import time
 import pytest
 
 from fxstream.sdk import Client, Executor
-from fxstream.topics import TaskCancel, TaskError, TaskErrorType, decode, record_kind
+from fxstream.topics import (
+    TaskCancel,
+    TaskError,
+    TaskErrorType,
+    decode,
+    record_kind,
+)
 from tests.sdk.conftest import SdkTopics
 from tests.sdk.streams import ResultWriter, end_offsets, failure, read_from, success
 
@@ -24,7 +30,7 @@ FUNCTION = "f-cancel"
 def cancels_after(sdk_topics: SdkTopics, start: dict[int, int], count: int) -> list[TaskCancel]:
     """The cancel records among the first ``count`` records after ``start`` (waits up to 20 s)."""
     topic = sdk_topics.catalogue.tasks_submitted
-    messages = read_from(sdk_topics.bootstrap, topic, start, count=count)
+    messages = read_from(sdk_topics.kafka, topic, start, count=count)
     found = []
     for message in messages:
         if record_kind(message.value()) == "cancel":
@@ -37,7 +43,7 @@ def cancels_after(sdk_topics: SdkTopics, start: dict[int, int], count: int) -> l
 def test_cancelling_a_sent_tasks_future_sends_one_remote_cancel(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    start = end_offsets(sdk_topics.bootstrap, sdk_topics.catalogue.tasks_submitted)
+    start = end_offsets(sdk_topics.kafka, sdk_topics.catalogue.tasks_submitted)
     task_id = client.run(endpoint_id=ENDPOINT, function_id=FUNCTION)  # acknowledged
     future = client.future(task_id)
     before = time.time()
@@ -58,7 +64,7 @@ def test_cancelling_a_sent_tasks_future_sends_one_remote_cancel(
 def test_client_cancel_returns_once_acknowledged_and_cancels_the_future(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    start = end_offsets(sdk_topics.bootstrap, sdk_topics.catalogue.tasks_submitted)
+    start = end_offsets(sdk_topics.kafka, sdk_topics.catalogue.tasks_submitted)
     task_id = client.run(endpoint_id=ENDPOINT, function_id=FUNCTION)
     client.cancel(task_id, reason="changed my mind")
     assert client.future(task_id).cancelled()
@@ -70,7 +76,7 @@ def test_client_cancel_returns_once_acknowledged_and_cancels_the_future(
 def test_client_cancel_of_another_sessions_task_needs_its_endpoint(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    start = end_offsets(sdk_topics.bootstrap, sdk_topics.catalogue.tasks_submitted)
+    start = end_offsets(sdk_topics.kafka, sdk_topics.catalogue.tasks_submitted)
     elsewhere = "5d1e9a8c-0f4e-4bde-9c55-3f2a1b7c9d10"
     client.cancel(elsewhere, endpoint_id=ENDPOINT)
     [cancel] = cancels_after(sdk_topics, start, count=1)
@@ -82,12 +88,12 @@ def test_client_cancel_of_another_sessions_task_needs_its_endpoint(
 def test_a_task_cancelled_elsewhere_ends_its_future_cancelled(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
-    start = end_offsets(sdk_topics.bootstrap, sdk_topics.catalogue.tasks_submitted)
+    start = end_offsets(sdk_topics.kafka, sdk_topics.catalogue.tasks_submitted)
     executor = Executor(endpoint_id=ENDPOINT, client=client)
     future = executor.submit_to_registered_function(FUNCTION)
     other = executor.submit_to_registered_function(FUNCTION)
     error = TaskError(type=TaskErrorType.CANCELLED, message="task was cancelled: by a colleague")
-    writer = ResultWriter(sdk_topics.bootstrap)
+    writer = ResultWriter(sdk_topics.kafka)
     writer.result(sdk_topics.results, failure(future.task_id, sdk_topics.user_id, error))
     writer.result(sdk_topics.results, success(other.task_id, sdk_topics.user_id, 7))
     done, _ = concurrent.futures.wait([future, other], timeout=20)
@@ -108,10 +114,10 @@ def test_shutdown_with_cancel_futures_cancels_sent_tasks_remotely(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     executor = Executor(endpoint_id=ENDPOINT, client=client)
     futures = [executor.submit_to_registered_function(FUNCTION, (i,)) for i in range(5)]
-    assert len(read_from(sdk_topics.bootstrap, topic, start, count=5)) == 5  # all sent
+    assert len(read_from(sdk_topics.kafka, topic, start, count=5)) == 5  # all sent
     executor.shutdown(wait=True, cancel_futures=True)
     assert all(f.cancelled() for f in futures)
     client.close()

@@ -23,7 +23,7 @@ from fxstream.sdk import (
 )
 from fxstream.sdk.errors import task_failure
 from fxstream.sdk.rest import raise_for_error
-from fxstream.topics import TaskError
+from fxstream.topics import KafkaConnection, TaskError
 
 
 def answer(status: int, body: object) -> httpx.Response:
@@ -78,7 +78,7 @@ def test_an_unreachable_service_names_the_setting() -> None:
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     with (
-        Client(url, bootstrap_servers="127.0.0.1:1", token="t") as client,
+        Client(url, kafka=KafkaConnection("127.0.0.1:1"), token="t") as client,
         pytest.raises(ServiceUnavailable, match="FXSTREAM_SERVICE_URL"),
     ):
         client.list_endpoints()

@@ -6,6 +6,7 @@ import concurrent.futures
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +22,7 @@ from fxstream.sdk import (
     TaskFuture,
 )
 from fxstream.topics import Serializer
+from tests.conftest import write_kafka_credentials
 from tests.sdk.conftest import SdkTopics
 from tests.sdk.streams import Responder, ResultWriter, success
 
@@ -60,7 +62,7 @@ FUNCTIONS: dict[str, Callable[..., Any]] = {
 def responder(sdk_topics: SdkTopics) -> Iterator[Responder]:
     """Answers every task for ENDPOINT through the broker."""
     code = {fid: Serializer().serialize_function(fn) for fid, fn in FUNCTIONS.items()}
-    with Responder(sdk_topics.bootstrap, sdk_topics.catalogue, ENDPOINT, code) as running:
+    with Responder(sdk_topics.kafka, sdk_topics.catalogue, ENDPOINT, code) as running:
         yield running
     assert running.errors == []
 
@@ -149,7 +151,7 @@ def test_shutdown_with_cancel_futures_cancels_pending_futures(
     with pytest.raises(RuntimeError, match="shut down"):
         ex.submit_to_registered_function("f-square", (1,))
     # A result that still comes for a cancelled task is dropped quietly.
-    ResultWriter(sdk_topics.bootstrap).result(
+    ResultWriter(sdk_topics.kafka).result(
         sdk_topics.results, success(futures[0].task_id, sdk_topics.user_id, 0)
     )
     assert futures[0].cancelled()
@@ -173,10 +175,12 @@ def test_a_shell_function_runs_through_the_executor(executor: Executor) -> None:
 
 
 def test_an_executor_without_a_client_reads_the_environment(
-    sdk_topics: SdkTopics, responder: Responder, monkeypatch: pytest.MonkeyPatch
+    sdk_topics: SdkTopics, responder: Responder, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    # The Kafka principal comes from the credentials file; the rest from the variables.
+    credentials = write_kafka_credentials(sdk_topics.kafka, tmp_path / "credentials.json")
+    monkeypatch.setenv("FXSTREAM_CREDENTIALS", str(credentials))
     monkeypatch.setenv("FXSTREAM_SERVICE_URL", sdk_topics.service_url)
-    monkeypatch.setenv("FXSTREAM_BOOTSTRAP", sdk_topics.bootstrap)
     monkeypatch.setenv("FXSTREAM_TOPIC_PREFIX", sdk_topics.catalogue.prefix)
     monkeypatch.setenv("FXSTREAM_USER_ID", sdk_topics.user_id)
     monkeypatch.setenv("FXSTREAM_TOKEN", sdk_topics.token)

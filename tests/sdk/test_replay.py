@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 from fxstream.sdk import FxstreamError, TaskFuture
 from fxstream.sdk.history import CLOCK_SKEW_S, read_back_results
 from fxstream.sdk.results import ResultListener
-from fxstream.topics import Serializer, TaskResult, encode
+from fxstream.topics import KafkaConnection, Serializer, TaskResult, encode
 from tests.sdk.conftest import SdkTopics
 from tests.sdk.streams import end_offsets, success
 
@@ -25,8 +25,8 @@ from tests.sdk.streams import end_offsets, success
 class Writer:
     """Produces results (optionally stamped with a given time) and reports where they landed."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
-        self._producer = Producer({"bootstrap.servers": bootstrap, "acks": "all", "log_level": 3})
+    def __init__(self, kafka: KafkaConnection, topic: str) -> None:
+        self._producer = Producer({**kafka.confluent(), "acks": "all", "log_level": 3})
         self._topic = topic
 
     def write(self, result: TaskResult, *, stamped_at: float | None = None) -> tuple[int, int]:
@@ -51,13 +51,13 @@ class Writer:
 @pytest.fixture
 def writer(sdk_topics: SdkTopics) -> Writer:
     """Writes to the module's results topic."""
-    return Writer(sdk_topics.bootstrap, sdk_topics.results)
+    return Writer(sdk_topics.kafka, sdk_topics.results)
 
 
 @pytest.fixture
 def listener(sdk_topics: SdkTopics) -> Iterator[ResultListener]:
     """A started listener on the module's results topic."""
-    the_listener = ResultListener(sdk_topics.bootstrap, sdk_topics.results, Serializer())
+    the_listener = ResultListener(sdk_topics.kafka, sdk_topics.results, Serializer())
     the_listener.start()
     yield the_listener
     the_listener.close()
@@ -118,7 +118,7 @@ def test_a_capture_splits_the_topic_at_its_boundary_with_no_gap_and_no_overlap(
 
         # What came before the boundary is read back, and only that.
         found = read_back_results(
-            sdk_topics.bootstrap, sdk_topics.results, {before: t0, during: t0}, boundary
+            sdk_topics.kafka, sdk_topics.results, {before: t0, during: t0}, boundary
         )
         assert set(found) == {before}
         before_future = listener.adopt(future_of(before))
@@ -162,7 +162,7 @@ def test_a_settled_future_is_claimed_once_and_its_later_result_is_a_duplicate(
 
 
 def test_a_capture_needs_a_started_listener(sdk_topics: SdkTopics) -> None:
-    idle = ResultListener(sdk_topics.bootstrap, sdk_topics.results, Serializer())
+    idle = ResultListener(sdk_topics.kafka, sdk_topics.results, Serializer())
     with pytest.raises(FxstreamError, match="start the results listener"), idle.capture("g"):
         raise AssertionError("a capture on a listener that never started must not begin")
 
@@ -177,9 +177,9 @@ def test_read_back_finds_the_first_result_of_each_task_stamped_since_its_submiss
     writer.write(success(first, user, 1))
     writer.write(success(duplicate, user, "first"))
     writer.write(success(duplicate, user, "second"))
-    ends = end_offsets(sdk_topics.bootstrap, sdk_topics.results)
+    ends = end_offsets(sdk_topics.kafka, sdk_topics.results)
     wanted = {skewed: now, first: now, duplicate: now, new_id(): now}
-    found = read_back_results(sdk_topics.bootstrap, sdk_topics.results, wanted, ends)
+    found = read_back_results(sdk_topics.kafka, sdk_topics.results, wanted, ends)
     assert set(found) == {skewed, first, duplicate}
     serializer = Serializer()
     value = found[duplicate].value
@@ -189,6 +189,4 @@ def test_read_back_finds_the_first_result_of_each_task_stamped_since_its_submiss
     # An end beyond what the topic holds is waited for, up to the timeout.
     beyond = {partition: end + 1 for partition, end in ends.items()}
     with pytest.raises(FxstreamError, match="longer than"):
-        read_back_results(
-            sdk_topics.bootstrap, sdk_topics.results, {new_id(): now}, beyond, timeout=2
-        )
+        read_back_results(sdk_topics.kafka, sdk_topics.results, {new_id(): now}, beyond, timeout=2)

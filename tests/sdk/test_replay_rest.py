@@ -39,12 +39,12 @@ from tests.sdk.test_rest import Service
 @pytest.fixture(scope="module")
 def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
     """The REST service on a prefix of this module's own."""
-    bootstrap = kafka_platform.connection.bootstrap_servers
+    kafka = kafka_platform.kafka
     catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
     admin = kafka_platform.admin()
     ensure_topics(admin, catalogue)
     config = uvicorn.Config(
-        create_app(bootstrap, catalogue),
+        create_app(kafka, catalogue),
         host="127.0.0.1",
         port=free_ports(1)[0],
         log_level="warning",
@@ -59,7 +59,7 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
         assert time.monotonic() < deadline, "the service did not start in 60 s"
         time.sleep(0.05)
     try:
-        yield Service(f"http://127.0.0.1:{config.port}", bootstrap, catalogue)
+        yield Service(f"http://127.0.0.1:{config.port}", kafka, catalogue)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -102,7 +102,7 @@ def test_a_group_of_every_state_over_several_pages_is_reloaded(service: Service)
     user = Client.register_user(service.url, "replayer")
     client = service.client(user)
     group = str(uuid.uuid4())
-    producer = Producer({"bootstrap.servers": service.bootstrap, "acks": "all", "log_level": 2})
+    producer = Producer({**service.kafka.confluent(), "acks": "all", "log_level": 2})
     results = service.catalogue.results(user.user_id)
     try:
         succeeded = {str(uuid.uuid4()): i for i in range(MAX_GROUP_PAGE + 205)}

@@ -32,6 +32,7 @@ from fxstream.sdk import (
 from fxstream.service.api import create_app
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     Serializer,
     TaskError,
     TaskState,
@@ -55,14 +56,14 @@ class Service:
     """The running service and its deployment."""
 
     url: str
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
 
     def client(self, user: RegisteredUser | None = None, *, token: str | None = None) -> Client:
         """A client for ``user`` (or anonymous); the user id is asked from the service."""
         return Client(
             self.url,
-            bootstrap_servers=self.bootstrap,
+            kafka=self.kafka,
             topic_prefix=self.catalogue.prefix,
             token=token if token is not None else (user.token if user else None),
         )
@@ -77,13 +78,13 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
     """The REST service on a prefix of this module's own."""
-    bootstrap = kafka_platform.connection.bootstrap_servers
+    kafka = kafka_platform.kafka
     catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
     admin = kafka_platform.admin()
     ensure_topics(admin, catalogue)
     port = _free_port()
     config = uvicorn.Config(
-        create_app(bootstrap, catalogue),
+        create_app(kafka, catalogue),
         host="127.0.0.1",
         port=port,
         log_level="warning",
@@ -98,7 +99,7 @@ def service(kafka_platform: RunningPlatform) -> Iterator[Service]:
         assert time.monotonic() < deadline, "the service did not start in 60 s"
         time.sleep(0.05)
     try:
-        yield Service(f"http://127.0.0.1:{port}", bootstrap, catalogue)
+        yield Service(f"http://127.0.0.1:{port}", kafka, catalogue)
     finally:
         server.should_exit = True
         thread.join(30)
@@ -190,9 +191,7 @@ def test_errors_carry_the_service_detail(
 
 def _write_state(service: Service, state: TaskState) -> None:
     """Write a task state as the task-state processor would."""
-    ResultWriter(service.bootstrap).write(
-        service.catalogue.task_state, state.task_id, encode(state)
-    )
+    ResultWriter(service.kafka).write(service.catalogue.task_state, state.task_id, encode(state))
 
 
 def _state(user: RegisteredUser, name: TaskStateName, **fields: Any) -> TaskState:
@@ -253,7 +252,7 @@ def test_executor_registers_through_the_service_and_runs_end_to_end(
         endpoint_id = client.register_endpoint("responder")
         functions: dict[str, bytes] = {}
         with (
-            Responder(service.bootstrap, service.catalogue, endpoint_id, functions),
+            Responder(service.kafka, service.catalogue, endpoint_id, functions),
             Executor(endpoint_id=endpoint_id, client=client) as ex,
         ):
             function_id = ex.register_function(square)  # POST /v1/functions

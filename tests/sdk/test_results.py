@@ -46,7 +46,7 @@ FUNCTION = "f-results"
 @pytest.fixture
 def writer(sdk_topics: SdkTopics) -> ResultWriter:
     """Produces result records to the module's broker."""
-    return ResultWriter(sdk_topics.bootstrap)
+    return ResultWriter(sdk_topics.kafka)
 
 
 @pytest.fixture
@@ -194,7 +194,7 @@ def test_results_racing_submissions_all_resolve(executor: Executor, sdk_topics: 
     futures = [executor.submit_to_registered_function(FUNCTION, (i,)) for i in range(50)]
 
     def answer() -> None:
-        w = ResultWriter(sdk_topics.bootstrap)
+        w = ResultWriter(sdk_topics.kafka)
         for i, f in enumerate(futures):
             w.result(sdk_topics.results, success(f.task_id, sdk_topics.user_id, i))
 
@@ -315,7 +315,7 @@ def test_run_then_get_result_get_task_and_batch_results(
 def test_a_missing_results_topic_is_a_clear_error(sdk_topics: SdkTopics) -> None:
     with Client(
         sdk_topics.service_url,
-        bootstrap_servers=sdk_topics.bootstrap,
+        kafka=sdk_topics.kafka,
         topic_prefix=sdk_topics.catalogue.prefix,
         user_id=str(uuid.uuid4()),
         token="t",

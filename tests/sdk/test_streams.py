@@ -38,8 +38,8 @@ from fxstream.sdk import (
     stream_producer,
 )
 from fxstream.sdk.streams import KafkaStreamConsumer, stream_group_id
-from fxstream.topics import Catalogue, DeadLetter, decode, ensure_topics
-from tests.conftest import RunningPlatform
+from fxstream.topics import Catalogue, DeadLetter, KafkaConnection, decode, ensure_topics
+from tests.conftest import RunningPlatform, write_kafka_credentials
 from tests.sdk.stream_child import check_array, indexed_array, redis_store
 
 MB: Final = 1 << 20
@@ -51,7 +51,7 @@ CHILD_TIMEOUT_S: Final = 60.0
 class StreamEnv:
     """The module's broker, Redis and topic prefix."""
 
-    bootstrap: str
+    kafka: KafkaConnection
     redis_url: str
     catalogue: Catalogue
 
@@ -66,7 +66,7 @@ def env(kafka_platform: RunningPlatform) -> Iterator[StreamEnv]:
     """A prefix of this module's own; every topic under it is deleted afterwards."""
     catalogue = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
     yield StreamEnv(
-        kafka_platform.connection.bootstrap_servers,
+        kafka_platform.kafka,
         kafka_platform.connection.redis_url,
         catalogue,
     )
@@ -96,7 +96,7 @@ def produce_arrays(
 ) -> None:
     """Send ``count`` indexed arrays, then end the stream."""
     store = redis_store(env.redis_url, store_name) if store_name is not None else None
-    with stream_producer(env.bootstrap, stream, store=store, topic_prefix=env.prefix) as producer:
+    with stream_producer(env.kafka, stream, store=store, topic_prefix=env.prefix) as producer:
         for index in range(count):
             producer.send(stream, indexed_array(index, nbytes))
         producer.close_topics(stream)
@@ -107,7 +107,7 @@ def consumer_for(
 ) -> KafkaStreamConsumer[Any]:
     """A consumer of ``stream`` in ``group`` that gives up after ``timeout_s`` without items."""
     return stream_consumer(
-        env.bootstrap, stream, group=group, topic_prefix=env.prefix, timeout_s=timeout_s
+        env.kafka, stream, group=group, topic_prefix=env.prefix, timeout_s=timeout_s
     )
 
 
@@ -115,7 +115,7 @@ def committed_offset(env: StreamEnv, stream: str, group: str) -> int:
     """The group's committed offset on the stream's partition (every item is in one)."""
     consumer = Consumer(
         {
-            "bootstrap.servers": env.bootstrap,
+            **env.kafka.confluent(),
             "group.id": stream_group_id(env.catalogue, stream, group),
             "log_level": 3,
         }
@@ -188,14 +188,15 @@ def read_lines_until(process: subprocess.Popen[str], key: str) -> list[dict[str,
 
 
 def test_consumer_killed_mid_stream_resumes_in_a_new_process_without_skipping(
-    env: StreamEnv, stream: str, store_name: str
+    env: StreamEnv, stream: str, store_name: str, tmp_path: Path
 ) -> None:
     count, hold_after = 30, 12
     produce_arrays(env, stream, store_name, count, 256 * 1024)
+    credentials = write_kafka_credentials(env.kafka, tmp_path / "kafka.json")
     child = subprocess.Popen(
         [
             *(sys.executable, "-m", "tests.sdk.stream_child"),
-            *(env.bootstrap, env.prefix, stream, "resume", str(hold_after), "member-1"),
+            *(str(credentials), env.prefix, stream, "resume", str(hold_after), "member-1"),
         ],
         cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
@@ -222,7 +223,7 @@ def test_consumer_killed_mid_stream_resumes_in_a_new_process_without_skipping(
     # The same static member id takes the dead process's partitions over at once (another
     # id would wait for the group's session timeout to expire first).
     restarted = stream_consumer(
-        env.bootstrap,
+        env.kafka,
         stream,
         group="resume",
         topic_prefix=env.prefix,
@@ -271,7 +272,7 @@ def test_rebalance_commits_done_items_before_the_partition_moves(
     produce_arrays(env, stream, store_name, count, 4096)
     # commit_every far above the stream: only a rebalance (or close) commits.
     first = stream_consumer(
-        env.bootstrap,
+        env.kafka,
         stream,
         group="shared",
         topic_prefix=env.prefix,
@@ -331,7 +332,7 @@ def test_publisher_batches_records_where_proxystore_shim_sends_one_request_each(
     events = 200
     ours: list[dict[str, Any]] = []
     stats_config = {"statistics.interval.ms": 100, "stats_cb": lambda s: ours.append(json.loads(s))}
-    publisher = KafkaPublisher(env.bootstrap, catalogue=env.catalogue, kafka_config=stats_config)
+    publisher = KafkaPublisher(env.kafka, catalogue=env.catalogue, kafka_config=stats_config)
     producer = StreamProducer[int](publisher)
     started = time.perf_counter()
     for index in range(events):
@@ -344,7 +345,7 @@ def test_publisher_batches_records_where_proxystore_shim_sends_one_request_each(
     shim_stats: list[dict[str, Any]] = []
     shim_producer = Producer(
         {
-            "bootstrap.servers": env.bootstrap,
+            **env.kafka.confluent(),
             "statistics.interval.ms": 100,
             "stats_cb": lambda s: shim_stats.append(json.loads(s)),
             "log_level": 3,
@@ -367,7 +368,7 @@ def test_publisher_batches_records_where_proxystore_shim_sends_one_request_each(
 
 def test_delivery_failures_are_raised_not_lost(env: StreamEnv, stream: str) -> None:
     publisher = KafkaPublisher(
-        env.bootstrap,
+        env.kafka,
         catalogue=env.catalogue,
         create_topics=False,
         kafka_config={"message.timeout.ms": 1500},
@@ -381,7 +382,7 @@ def test_delivery_failures_are_raised_not_lost(env: StreamEnv, stream: str) -> N
 
 def test_oversized_inline_object_is_refused_naming_the_store(env: StreamEnv, stream: str) -> None:
     with (
-        stream_producer(env.bootstrap, stream, store=None, topic_prefix=env.prefix) as producer,
+        stream_producer(env.kafka, stream, store=None, topic_prefix=env.prefix) as producer,
         pytest.raises(PayloadTooLarge, match="store") as refused,
     ):
         producer.send(stream, np.zeros(2 * MB, dtype=np.uint8))
@@ -401,7 +402,7 @@ def test_malformed_record_is_dead_lettered_and_skipped(
     ensure_topics(
         kafka_platform.admin(), env.catalogue, {dead_letter: env.catalogue.spec("dead-letter")}
     )
-    publisher = KafkaPublisher(env.bootstrap, catalogue=env.catalogue)
+    publisher = KafkaPublisher(env.kafka, catalogue=env.catalogue)
     topic = publisher.ensure_stream(stream)
     publisher.producer.produce(topic, b"not an event", key=stream.encode())
     producer = StreamProducer[int](publisher)
@@ -412,7 +413,7 @@ def test_malformed_record_is_dead_lettered_and_skipped(
         assert list(consumer) == [7]
     reader = Consumer(
         {
-            "bootstrap.servers": env.bootstrap,
+            **env.kafka.confluent(),
             "group.id": f"dl-{uuid.uuid4().hex}",
             "auto.offset.reset": "earliest",
             "log_level": 3,

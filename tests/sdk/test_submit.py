@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
 from fxstream.sdk import Client, ConfigurationError, Executor, PayloadTooLarge
 from fxstream.topics import SerializationError, Serializer, client_info
+from tests.conftest import write_kafka_credentials
 from tests.sdk.conftest import SdkTopics
 from tests.sdk.streams import end_offsets, read_from, submissions
 
@@ -20,12 +22,12 @@ def test_run_produces_a_valid_submission_with_the_packed_arguments(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     before = time.time()
     task_id = client.run(1, "two", endpoint_id=ENDPOINT, function_id="fn-a", three=[3, 3.0])
     after = time.time()
 
-    [(key, record)] = list(submissions(read_from(sdk_topics.bootstrap, topic, start, count=1)))
+    [(key, record)] = list(submissions(read_from(sdk_topics.kafka, topic, start, count=1)))
     assert key == task_id == record.task_id
     assert uuid.UUID(task_id).version == 4
     assert record.function_id == "fn-a"
@@ -40,7 +42,7 @@ def test_run_produces_a_valid_submission_with_the_packed_arguments(
 
 def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: SdkTopics) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     group = str(uuid.uuid4())
     batch = client.create_batch(task_group_id=group)
     batch.add("fn-a", args=(1,))
@@ -51,7 +53,7 @@ def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: S
     task_ids = client.batch_run(ENDPOINT, batch)
     assert len(set(task_ids)) == 3
 
-    found = dict(submissions(read_from(sdk_topics.bootstrap, topic, start, count=3)))
+    found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=3)))
     assert set(found) == set(task_ids)
     unpack = Serializer().unpack_arguments
     expected = [("fn-a", ((1,), {})), ("fn-b", ((), {"x": 2})), ("fn-a", ((3,), {"y": "z"}))]
@@ -66,10 +68,10 @@ def test_executor_submissions_carry_the_task_group_and_future_ids(
     client: Client, sdk_topics: SdkTopics
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     ex = Executor(endpoint_id=ENDPOINT, client=client, batch_size=4)
     futures = [ex.submit_to_registered_function("fn-c", (i,)) for i in range(10)]
-    found = dict(submissions(read_from(sdk_topics.bootstrap, topic, start, count=10)))
+    found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=10)))
     ex.shutdown(wait=False, cancel_futures=True)
     assert set(found) == {f.task_id for f in futures}
     for i, future in enumerate(futures):
@@ -83,7 +85,7 @@ def test_arguments_above_the_inline_limit_are_refused_before_sending(
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
     client.start()
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     big = os.urandom(600 * 1024)
 
     with pytest.raises(PayloadTooLarge) as caught:
@@ -105,14 +107,14 @@ def test_arguments_above_the_inline_limit_are_refused_before_sending(
         client.create_batch().add("fn-big", kwargs={"data": big})
 
     time.sleep(0.5)  # anything sent would be on the broker by now
-    assert end_offsets(sdk_topics.bootstrap, topic) == start
+    assert end_offsets(sdk_topics.kafka, topic) == start
 
 
 def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
     sdk_topics: SdkTopics,
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     with (
         sdk_topics.client(max_inline_bytes=8 * 1024 * 1024) as roomy,
         pytest.raises(PayloadTooLarge) as caught,
@@ -123,26 +125,28 @@ def test_a_record_above_the_topic_limit_is_refused_naming_the_topic(
     assert error.limit == sdk_topics.catalogue.spec("tasks.submitted").max_message_bytes
     assert topic in str(error) and "max.message.bytes" in str(error)
     assert "proxy store" in str(error)
-    assert end_offsets(sdk_topics.bootstrap, topic) == start
+    assert end_offsets(sdk_topics.kafka, topic) == start
 
 
 def test_a_payload_just_under_the_record_limit_is_accepted_by_the_broker(
     sdk_topics: SdkTopics,
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     data = os.urandom(1_040_000)  # incompressible: lz4 cannot shrink it under the limit
     with sdk_topics.client(max_inline_bytes=2 * 1024 * 1024) as roomy:
         task_id = roomy.run(data, endpoint_id=ENDPOINT, function_id="fn-big")
-    [(key, record)] = list(submissions(read_from(sdk_topics.bootstrap, topic, start, count=1)))
+    [(key, record)] = list(submissions(read_from(sdk_topics.kafka, topic, start, count=1)))
     assert key == task_id
     assert Serializer().unpack_arguments(record.payload) == ((data,), {})
 
 
-def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics) -> None:
+def test_the_inline_limit_comes_from_the_environment(sdk_topics: SdkTopics, tmp_path: Path) -> None:
+    # The Kafka principal comes from the credentials file; the rest from the variables.
+    credentials = write_kafka_credentials(sdk_topics.kafka, tmp_path / "credentials.json")
     env = {
+        "FXSTREAM_CREDENTIALS": str(credentials),
         "FXSTREAM_SERVICE_URL": sdk_topics.service_url,
-        "FXSTREAM_BOOTSTRAP": sdk_topics.bootstrap,
         "FXSTREAM_TOPIC_PREFIX": sdk_topics.catalogue.prefix,
         "FXSTREAM_USER_ID": sdk_topics.user_id,
         "FXSTREAM_TOKEN": sdk_topics.token,
@@ -160,20 +164,20 @@ def test_invalid_fields_and_unserializable_arguments_are_refused(
 ) -> None:
     topic = sdk_topics.catalogue.tasks_submitted
     client.start()
-    start = end_offsets(sdk_topics.bootstrap, topic)
+    start = end_offsets(sdk_topics.kafka, topic)
     with pytest.raises(ValueError, match="endpoint_id"):
         client.run(endpoint_id="not an id!", function_id="fn-a")
     with pytest.raises(SerializationError, match="argument 0: dill cannot serialize generator"):
         client.run((x for x in "ab"), endpoint_id=ENDPOINT, function_id="fn-a")
     time.sleep(0.5)
-    assert end_offsets(sdk_topics.bootstrap, topic) == start
+    assert end_offsets(sdk_topics.kafka, topic) == start
 
 
 def test_submitting_without_a_token_names_the_setting(sdk_topics: SdkTopics) -> None:
     with (
         Client(
             sdk_topics.service_url,
-            bootstrap_servers=sdk_topics.bootstrap,
+            kafka=sdk_topics.kafka,
             topic_prefix=sdk_topics.catalogue.prefix,
             user_id=sdk_topics.user_id,
         ) as anonymous,

@@ -229,7 +229,7 @@ def test_the_agents_credentials_are_private(stack: Stack, shared: Shared) -> Non
     assert pid is not None
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
     secrets = [shared.owner_token, credentials.token, *PLANTED.values()]
-    if credentials.kafka.password:
+    if credentials.kafka is not None and credentials.kafka.password:
         secrets.append(credentials.kafka.password)
     assert not [s for s in secrets if s in cmdline]
     if os.geteuid() == 0:
@@ -261,7 +261,7 @@ def test_a_task_finds_no_secret_in_its_environment_or_its_agent(
 ) -> None:
     credentials = shared.credentials
     secrets = [shared.owner_token, credentials.token, *PLANTED.values()]
-    if credentials.kafka.password:
+    if credentials.kafka is not None and credentials.kafka.password:
         secrets.append(credentials.kafka.password)
     with json_client(stack) as client:
         endpoint = shared.endpoint.endpoint_id

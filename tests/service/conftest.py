@@ -15,7 +15,7 @@ import pytest
 from confluent_kafka import KafkaError, Message, Producer
 from confluent_kafka.admin import AdminClient
 
-from fxstream.topics import Catalogue, Record, encode, ensure_topics
+from fxstream.topics import Catalogue, KafkaConnection, Record, encode, ensure_topics
 from tests.conftest import RunningPlatform
 
 
@@ -45,21 +45,21 @@ def catalogue(kafka_platform: RunningPlatform) -> Iterator[Catalogue]:
 
 
 @pytest.fixture(scope="module")
-def bootstrap_servers(kafka_platform: RunningPlatform) -> str:
-    """The session broker (module-scoped, unlike the top-level ``bootstrap``)."""
-    return kafka_platform.connection.bootstrap_servers
+def module_kafka(kafka_platform: RunningPlatform) -> KafkaConnection:
+    """How to connect to the session broker (module-scoped, unlike the top-level ``kafka``)."""
+    return kafka_platform.kafka
 
 
 Produce = Callable[[str, str, Record | bytes | None], tuple[int, int]]
 
 
 @pytest.fixture(scope="module")
-def produce(bootstrap_servers: str) -> Iterator[Produce]:
+def produce(module_kafka: KafkaConnection) -> Iterator[Produce]:
     """Write one record (a Record, raw bytes, or None for a tombstone); returns (partition, offset).
 
     It waits for the broker's acknowledgement, as the service's own writes do.
     """
-    producer = Producer({"bootstrap.servers": bootstrap_servers, "acks": "all", "log_level": 2})
+    producer = Producer({**module_kafka.confluent(), "acks": "all", "log_level": 2})
 
     def send(topic: str, key: str, value: Record | bytes | None) -> tuple[int, int]:
         delivered: list[Message] = []

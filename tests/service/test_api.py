@@ -32,12 +32,13 @@ from fxstream.topics import (
     Attempt,
     Catalogue,
     Heartbeat,
+    KafkaConnection,
     Serializer,
     TaskState,
     TaskStateName,
     TaskTimings,
 )
-from tests.conftest import RunningPlatform
+from tests.conftest import RunningPlatform, write_kafka_credentials
 from tests.service.conftest import Produce, eventually
 
 SERVICE = Path(sys.executable).parent / "fxstream-service"
@@ -66,9 +67,9 @@ class User:
 
 
 @pytest.fixture(scope="module")
-def client(bootstrap_servers: str, catalogue: Catalogue) -> Iterator[TestClient]:
+def client(module_kafka: KafkaConnection, catalogue: Catalogue) -> Iterator[TestClient]:
     """The API on this module's topics, started (lifespan) and stopped around the module."""
-    with TestClient(create_app(bootstrap_servers, catalogue)) as client:
+    with TestClient(create_app(module_kafka, catalogue)) as client:
         yield client
 
 
@@ -586,16 +587,16 @@ def test_openapi_and_docs_are_served(client: TestClient) -> None:
 
 
 def test_everything_survives_a_restart_of_the_service(
-    bootstrap_servers: str, catalogue: Catalogue
+    module_kafka: KafkaConnection, catalogue: Catalogue
 ) -> None:
-    with TestClient(create_app(bootstrap_servers, catalogue)) as first:
+    with TestClient(create_app(module_kafka, catalogue)) as first:
         alice = register(first, "alice")
         kept = new_function(first, alice, description="kept")
         dropped = new_function(first, alice)
         assert first.delete(f"/v1/functions/{dropped}", headers=alice.auth).status_code == 204
         endpoint_id = new_endpoint(first, alice, metadata={"site": "home"})
 
-    with TestClient(create_app(bootstrap_servers, catalogue)) as second:
+    with TestClient(create_app(module_kafka, catalogue)) as second:
         me = second.get("/v1/users/me", headers=alice.auth)
         assert me.json() == {"user_id": alice.user_id, "name": "alice"}
         function = second.get(f"/v1/functions/{kept}", headers=alice.auth).json()
@@ -610,13 +611,13 @@ def test_everything_survives_a_restart_of_the_service(
 # --- the real command ----------------------------------------------------------------------
 
 
-def write_connection(path: Path, bootstrap_servers: str, catalogue: Catalogue) -> Path:
+def write_connection(path: Path, kafka: KafkaConnection, catalogue: Catalogue) -> Path:
     """A platform.json as ``./fx up`` writes it, pointing at this module's topics."""
     path.write_text(
         json.dumps(
             {
                 "mode": "single",
-                "bootstrap_servers": bootstrap_servers,
+                "bootstrap_servers": kafka.bootstrap,
                 "redis_url": "redis://127.0.0.1:1/0",
                 "topic_prefix": catalogue.prefix,
                 "replication_factor": catalogue.replication_factor,
@@ -641,14 +642,24 @@ def wait_until_serving(process: subprocess.Popen[bytes], base_url: str, log: Pat
 
 
 def test_the_real_service_serves_and_stops_on_sigterm(
-    tmp_path: Path, bootstrap_servers: str, catalogue: Catalogue, client: TestClient
+    tmp_path: Path, module_kafka: KafkaConnection, catalogue: Catalogue, client: TestClient
 ) -> None:
-    connection = write_connection(tmp_path / "platform.json", bootstrap_servers, catalogue)
+    connection = write_connection(tmp_path / "platform.json", module_kafka, catalogue)
+    credentials = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
     (port,) = free_ports(1)
     log = tmp_path / "service.log"
     with log.open("wb") as out:
         process = subprocess.Popen(
-            [SERVICE, "api", "--connection", str(connection), "--port", str(port)],
+            [
+                SERVICE,
+                "api",
+                "--connection",
+                str(connection),
+                "--kafka-credentials",
+                str(credentials),
+                "--port",
+                str(port),
+            ],
             stdout=out,
             stderr=subprocess.STDOUT,
         )
@@ -689,13 +700,19 @@ def test_the_real_service_serves_and_stops_on_sigterm(
 
 
 def test_the_real_service_refuses_bodies_above_its_cap_unread(
-    tmp_path: Path, bootstrap_servers: str, catalogue: Catalogue
+    tmp_path: Path, module_kafka: KafkaConnection, catalogue: Catalogue
 ) -> None:
     """413 naming the setting: at once for a declared length, and mid-stream for chunks."""
-    connection = write_connection(tmp_path / "platform.json", bootstrap_servers, catalogue)
+    connection = write_connection(tmp_path / "platform.json", module_kafka, catalogue)
+    credentials = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
     (port,) = free_ports(1)
     log = tmp_path / "service.log"
-    env = {**os.environ, "FXSTREAM_API_MAX_BODY_BYTES": "65536"}
+    # The credentials file named by the environment, as the platform's supervisor does.
+    env = {
+        **os.environ,
+        "FXSTREAM_API_MAX_BODY_BYTES": "65536",
+        "FXSTREAM_KAFKA_CREDENTIALS": str(credentials),
+    }
     with log.open("wb") as out:
         process = subprocess.Popen(
             [SERVICE, "api", "--connection", str(connection), "--port", str(port)],
@@ -759,16 +776,17 @@ def test_start_fails_in_one_line_when_kafka_does_not_answer() -> None:
 
 
 def test_start_fails_in_one_line_when_the_port_is_in_use(
-    bootstrap_servers: str, catalogue: Catalogue
+    tmp_path: Path, module_kafka: KafkaConnection, catalogue: Catalogue
 ) -> None:
+    credentials = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
         result = run_service(
             "api",
-            "--bootstrap",
-            bootstrap_servers,
+            "--kafka-credentials",
+            str(credentials),
             "--prefix",
             catalogue.prefix,
             "--port",
@@ -777,14 +795,34 @@ def test_start_fails_in_one_line_when_the_port_is_in_use(
     assert_one_line_failure(result, f"127.0.0.1:{port}", "--port")
 
 
-def test_start_fails_in_one_line_when_topics_are_missing(bootstrap_servers: str) -> None:
+def test_start_fails_in_one_line_when_topics_are_missing(
+    tmp_path: Path, module_kafka: KafkaConnection
+) -> None:
+    credentials = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
     unprovisioned = f"t{uuid.uuid4().hex[:10]}."
-    result = run_service("api", "--bootstrap", bootstrap_servers, "--prefix", unprovisioned)
+    result = run_service("api", "--kafka-credentials", str(credentials), "--prefix", unprovisioned)
     assert_one_line_failure(result, "topics missing", f"{unprovisioned}users", "./fx up")
 
 
+def test_start_fails_in_one_line_on_a_credentials_file_others_can_read(
+    tmp_path: Path, module_kafka: KafkaConnection, catalogue: Catalogue
+) -> None:
+    credentials = write_kafka_credentials(module_kafka, tmp_path / "kafka.json")
+    credentials.chmod(0o644)
+    for command in ("api", "worker"):
+        result = run_service(
+            command, "--kafka-credentials", str(credentials), "--prefix", catalogue.prefix
+        )
+        assert_one_line_failure(result, str(credentials), f"chmod 600 {credentials}")
+    missing = tmp_path / "nowhere.json"
+    result = run_service("api", "--kafka-credentials", str(missing))
+    assert_one_line_failure(result, f"no credentials file at {missing}")
+
+
 def test_start_fails_in_one_line_without_a_usable_connection(tmp_path: Path) -> None:
-    assert_one_line_failure(run_service("api"), "--bootstrap", "--connection")
+    assert_one_line_failure(
+        run_service("api"), "--bootstrap", "--kafka-credentials", "--connection"
+    )
     missing = tmp_path / "platform.json"
     assert_one_line_failure(run_service("api", "--connection", str(missing)), str(missing))
     missing.write_text('{"bootstrap_servers": "127.0.0.1:1"}')

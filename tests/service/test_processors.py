@@ -189,7 +189,7 @@ def deployment(
 ) -> Iterator[tuple[Deployment, Processors]]:
     """Topics and the processors; the processors must stop cleanly on SIGTERM."""
     dep = Deployment.provision(kafka_platform, users=[USER], endpoints=[])
-    processors = Processors(dep.bootstrap, dep.catalogue, tmp_path_factory.mktemp("task-state"))
+    processors = Processors(dep.kafka, dep.catalogue, tmp_path_factory.mktemp("task-state"))
     try:
         yield dep, processors
     finally:

@@ -69,10 +69,10 @@ def stack(
     dep.add_function(PUBLIC_FN, ALICE, public=True)
     dep.add_endpoint(PUBLIC_EP, ALICE, public=True)
     router = Processors(
-        dep.bootstrap, dep.catalogue, tmp_path_factory.mktemp("router"), roles=("router",)
+        dep.kafka, dep.catalogue, tmp_path_factory.mktemp("router"), roles=("router",)
     )
     task_state = Processors(
-        dep.bootstrap, dep.catalogue, tmp_path_factory.mktemp("task-state"), roles=("task-state",)
+        dep.kafka, dep.catalogue, tmp_path_factory.mktemp("task-state"), roles=("task-state",)
     )
     try:
         yield Stack(dep, router, task_state)
@@ -198,9 +198,7 @@ def test_a_submission_whose_dispatch_is_over_the_queue_limit_is_refused_and_rout
     limit = dep.catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes
     value, headers = _oversized_dispatch(big_id, limit)
     # librdkafka's own default cap (message.max.bytes 1,000,000) is below the topic's.
-    producer = Producer(
-        {"bootstrap.servers": dep.bootstrap, "message.max.bytes": 2 * limit, "log_level": 2}
-    )
+    producer = Producer({**dep.kafka.confluent(), "message.max.bytes": 2 * limit, "log_level": 2})
     errors: list[object] = []
     ordinary = submission(user=BOB)
     # Both in one flush, so the router most likely reads them in one batch: the refused

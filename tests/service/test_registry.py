@@ -17,6 +17,7 @@ from fxstream.topics import (
     DeadLetterReason,
     FunctionRecord,
     Heartbeat,
+    KafkaConnection,
     TaskState,
     TaskStateName,
     UserRecord,
@@ -34,12 +35,12 @@ ViewFactory = Callable[..., RegistryView]
 
 
 @pytest.fixture
-def start_view(bootstrap_servers: str, catalogue: Catalogue) -> Iterator[ViewFactory]:
+def start_view(module_kafka: KafkaConnection, catalogue: Catalogue) -> Iterator[ViewFactory]:
     """Start views on this module's topics (current before returned); closed after the test."""
     views: list[RegistryView] = []
 
     def start(**options: object) -> RegistryView:
-        view = RegistryView(bootstrap_servers, catalogue, **options)  # type: ignore[arg-type]
+        view = RegistryView(module_kafka, catalogue, **options)  # type: ignore[arg-type]
         views.append(view)
         view.start()
         assert view.wait_until_current(timeout_s=30)
@@ -154,11 +155,11 @@ def test_bad_bytes_are_skipped_and_reported(
 
 
 def _dead_letters(
-    bootstrap_servers: str, catalogue: Catalogue, key: bytes, count: int
+    module_kafka: KafkaConnection, catalogue: Catalogue, key: bytes, count: int
 ) -> list[DeadLetter]:
     reader = Consumer(
         {
-            "bootstrap.servers": bootstrap_servers,
+            **module_kafka.confluent(),
             "group.id": f"dl-{uuid.uuid4().hex[:8]}",
             "auto.offset.reset": "earliest",
             "log_level": 2,
@@ -178,7 +179,7 @@ def _dead_letters(
 
 
 def test_bad_and_mis_keyed_registry_records_are_dead_lettered_and_ignored(
-    start_view: ViewFactory, catalogue: Catalogue, produce: Produce, bootstrap_servers: str
+    start_view: ViewFactory, catalogue: Catalogue, produce: Produce, module_kafka: KafkaConnection
 ) -> None:
     view = start_view(component="test view")
     topic = catalogue.functions
@@ -191,7 +192,7 @@ def test_bad_and_mis_keyed_registry_records_are_dead_lettered_and_ignored(
     kept = view.function(key)
     assert kept is not None and kept.name == "good"  # the bad records changed nothing
     assert view.function(other) is None
-    letters = _dead_letters(bootstrap_servers, catalogue, key.encode(), 2)
+    letters = _dead_letters(module_kafka, catalogue, key.encode(), 2)
     found = {(d.original_offset, d.error_type) for d in letters if d.original_topic == topic}
     assert found == {
         (garbage_at, str(DeadLetterReason.DECODE_ERROR)),
@@ -269,14 +270,14 @@ def test_current_even_when_a_partition_was_emptied(
 
 
 def test_current_even_after_transactional_writes(
-    bootstrap_servers: str, start_view: ViewFactory, catalogue: Catalogue
+    module_kafka: KafkaConnection, start_view: ViewFactory, catalogue: Catalogue
 ) -> None:
     # A transactional producer (a processor writing exactly-once) leaves a commit
     # marker at the end of the partition that no consumer ever receives.
     task_id = new_id()
     producer = Producer(
         {
-            "bootstrap.servers": bootstrap_servers,
+            **module_kafka.confluent(),
             "transactional.id": f"test-{task_id}",
             "log_level": 2,
         }
@@ -298,9 +299,9 @@ def test_current_even_after_transactional_writes(
     eventually(lambda: view.task(task_id) is not None, what="the committed task-state is read")
 
 
-def test_start_names_a_missing_topic(bootstrap_servers: str) -> None:
+def test_start_names_a_missing_topic(module_kafka: KafkaConnection) -> None:
     unprovisioned = Catalogue(prefix=f"t{uuid.uuid4().hex[:10]}.")
-    view = RegistryView(bootstrap_servers, unprovisioned)
+    view = RegistryView(module_kafka, unprovisioned)
     try:
         with pytest.raises(RuntimeError, match=r"users is missing: run \./fx up"):
             view.start()

@@ -29,6 +29,7 @@ from fxstream.topics import (
     DeadLetter,
     EndpointRecord,
     FunctionRecord,
+    KafkaConnection,
     Record,
     RecordDecodeError,
     TaskCancel,
@@ -44,7 +45,7 @@ from fxstream.topics import (
     ensure_topics,
     record_kind,
 )
-from tests.conftest import RunningPlatform
+from tests.conftest import RunningPlatform, write_kafka_credentials
 
 WAIT_S = 30.0  # generous: the first record also waits for the processors to start
 
@@ -54,12 +55,12 @@ WAIT_S = 30.0  # generous: the first record also waits for the processors to sta
 class Reader:
     """Reads one topic from the beginning (no consumer group) and remembers every record."""
 
-    def __init__(self, bootstrap: str, topic: str) -> None:
+    def __init__(self, kafka: KafkaConnection, topic: str) -> None:
         self.topic = topic
         self.messages: list[Message] = []
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka.confluent(),
                 "group.id": "unused",
                 "enable.auto.commit": False,
                 "log_level": 2,
@@ -101,16 +102,21 @@ class Processors:
     """``python -m fxstream.service.processors`` in a subprocess, stopped by PID."""
 
     def __init__(
-        self, bootstrap: str, catalogue: Catalogue, workdir: Path, roles: tuple[str, ...] = ()
+        self,
+        kafka: KafkaConnection,
+        catalogue: Catalogue,
+        workdir: Path,
+        roles: tuple[str, ...] = (),
     ) -> None:
         self.log_path = workdir / f"processors{'-'.join(('', *roles))}.log"
         app_id = "test-processors-" + catalogue.prefix.strip(".")
+        credentials = write_kafka_credentials(kafka, workdir / "kafka-credentials.json")
         command = [
             sys.executable,
             "-m",
             "fxstream.service.processors",
-            "--bootstrap",
-            bootstrap,
+            "--kafka-credentials",
+            str(credentials),
             "--prefix",
             catalogue.prefix,
             "--app-id",
@@ -150,7 +156,7 @@ class Processors:
 class Deployment:
     """A unique-prefix catalogue with its topics, a producer, and readers on the outputs."""
 
-    bootstrap: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     topics: list[str]
     producer: Producer
@@ -168,14 +174,14 @@ class Deployment:
         for endpoint in endpoints:
             topics[catalogue.endpoint_queue(endpoint)] = catalogue.spec("tasks.ep.{endpoint_id}")
         ensure_topics(platform.admin(), catalogue, topics)
-        bootstrap = platform.connection.bootstrap_servers
-        producer = Producer({"bootstrap.servers": bootstrap, "log_level": 2})
-        return cls(bootstrap, catalogue, list(topics), producer)
+        kafka = platform.kafka
+        producer = Producer({**kafka.confluent(), "log_level": 2})
+        return cls(kafka, catalogue, list(topics), producer)
 
     def reader(self, topic: str) -> Reader:
         """The (one, shared) reader of ``topic``."""
         if topic not in self.readers:
-            self.readers[topic] = Reader(self.bootstrap, topic)
+            self.readers[topic] = Reader(self.kafka, topic)
         return self.readers[topic]
 
     def produce(
@@ -266,7 +272,7 @@ def deployment(
     deployment.add_endpoint(PRIVATE_EP, ALICE)
     deployment.add_endpoint(NO_QUEUE_EP, BOB, public=True)
     processors = Processors(
-        deployment.bootstrap, deployment.catalogue, tmp_path_factory.mktemp("router")
+        deployment.kafka, deployment.catalogue, tmp_path_factory.mktemp("router")
     )
     try:
         yield deployment, processors

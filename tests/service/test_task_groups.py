@@ -16,15 +16,22 @@ from fastapi.testclient import TestClient
 
 from fxstream.service import create_app
 from fxstream.service.api import MAX_GROUP_PAGE
-from fxstream.topics import Catalogue, Serializer, TaskState, TaskStateName, TaskTimings
+from fxstream.topics import (
+    Catalogue,
+    KafkaConnection,
+    Serializer,
+    TaskState,
+    TaskStateName,
+    TaskTimings,
+)
 from tests.service.conftest import Produce, eventually
 from tests.service.test_api import User, assert_error, register
 
 
 @pytest.fixture(scope="module")
-def client(bootstrap_servers: str, catalogue: Catalogue) -> Iterator[TestClient]:
+def client(module_kafka: KafkaConnection, catalogue: Catalogue) -> Iterator[TestClient]:
     """The API on this module's topics, started and stopped around the module."""
-    with TestClient(create_app(bootstrap_servers, catalogue)) as client:
+    with TestClient(create_app(module_kafka, catalogue)) as client:
         yield client
 
 

@@ -29,6 +29,7 @@ from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetter,
+    KafkaConnection,
     RawRecord,
     TaskEvent,
     TaskResult,
@@ -147,9 +148,9 @@ def test_a_table_left_by_a_dead_process_is_swept(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def view(bootstrap_servers: str, catalogue: Catalogue) -> Iterator[RegistryView]:
+def view(module_kafka: KafkaConnection, catalogue: Catalogue) -> Iterator[RegistryView]:
     """A view of task-state alone, started."""
-    made = RegistryView(bootstrap_servers, catalogue, follow=("task-state",))
+    made = RegistryView(module_kafka, catalogue, follow=("task-state",))
     made.start()
     assert made.wait_until_current(timeout_s=30)
     yield made
@@ -157,7 +158,7 @@ def view(bootstrap_servers: str, catalogue: Catalogue) -> Iterator[RegistryView]
 
 
 def test_the_view_holds_task_states_on_disk_not_in_python_memory(
-    view: RegistryView, bootstrap_servers: str, catalogue: Catalogue, produce: Produce
+    view: RegistryView, module_kafka: KafkaConnection, catalogue: Catalogue, produce: Produce
 ) -> None:
     group = f"g-{uuid.uuid4().hex[:8]}"
     tasks = 5_000
@@ -165,7 +166,7 @@ def test_the_view_holds_task_states_on_disk_not_in_python_memory(
     # A realistic record: the states the API kept in memory were ~1.4 kB each.
     padding = b"x" * 1_000
     records = [msgspec.structs.replace(r, value=padding) for r in records]
-    producer = Producer({"bootstrap.servers": bootstrap_servers, "log_level": 2})
+    producer = Producer({**module_kafka.confluent(), "log_level": 2})
     gc.collect()
     tracemalloc.start()
     try:

@@ -299,8 +299,8 @@ class Agent:
 
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
+        kafka = self.config.kafka(self._credentials).confluent()
         pool = WorkerPool(self.config.workers, self._runner)
-        kafka = self._credentials.kafka.confluent()
         codes = _CodeCache(self.config.service_url, self._credentials.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -78,20 +77,22 @@ def issued_credentials(
 ) -> EndpointCredentials:
     """The endpoint's credential from what the service issued at registration.
 
-    ``kafka`` is the connection to use when the service issued no Kafka principal (the
-    insecure development platform, or one given with ``--kafka-credentials``). When the
-    service issued no API token for the endpoint the owner's is used, with a warning:
-    then a task on the endpoint can read its owner's token from the credentials file.
+    A Kafka principal the service issued (``kafka_username``, ``kafka_password``) is kept
+    with the brokers and CA certificate of ``kafka`` (the endpoint's configured
+    connection). When the service issued the endpoint no API token of its own, its
+    owner's is used, with a warning: a task on the endpoint could then read its owner's
+    token from the credentials file.
     """
+    principal = None
     username, password = issued.get("kafka_username"), issued.get("kafka_password")
     if isinstance(username, str) and isinstance(password, str):
         if kafka.ca_file is None:
             raise ConfigError(
                 f"the service issued endpoint {endpoint_id} the Kafka principal {username!r} "
-                "but no CA certificate is known: pass --kafka-credentials FILE (a credentials "
-                "file of this platform, for its kafka_ca_file)"
+                "but the platform's CA certificate is not known: pass --kafka-credentials "
+                "FILE (a credentials file of this platform, for its kafka_ca_file)"
             )
-        kafka = kafka.as_user(username, password)
+        principal = kafka.as_user(username, password)
     token = issued.get("token")
     if not isinstance(token, str) or not token:
         if not owner_token:
@@ -106,7 +107,7 @@ def issued_credentials(
             "run tasks on this endpoint"
         )
         token = owner_token
-    return EndpointCredentials(endpoint_id, kafka, token)
+    return EndpointCredentials(endpoint_id, token, principal)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -137,25 +138,17 @@ def _running_pid(name: str) -> int | None:
 def configure(
     name: str,
     service_url: Annotated[str, typer.Option(help="The service's REST API.")],
-    bootstrap: Annotated[
-        str | None,
-        typer.Option(help="Kafka bootstrap servers (taken from --credentials if given)."),
-    ] = None,
+    bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers.")],
     credentials: Annotated[
         Path | None,
         typer.Option(
             help=(
-                "The endpoint's credential: a 0600 JSON file (endpoint_id, token, bootstrap, "
-                "kafka_username, kafka_password, kafka_ca_file). Without it the endpoint is "
-                "registered with its owner's token, read from FXSTREAM_TOKEN."
-            )
-        ),
-    ] = None,
-    kafka_credentials: Annotated[
-        Path | None,
-        typer.Option(
-            help="A 0600 credentials file naming the brokers, CA (and principal) to use when "
-            "the service issues the endpoint no Kafka principal."
+                "The endpoint's own credential: a 0600 JSON file (endpoint_id, token, and "
+                "the Kafka principal the service issued it, if any). Without it the "
+                "endpoint is registered with its owner's token, read from FXSTREAM_TOKEN, "
+                "and the credential the service issues is written beside the config."
+            ),
+            dir_okay=False,
         ),
     ] = None,
     endpoint_id: Annotated[
@@ -169,6 +162,17 @@ def configure(
         typer.Option(help="Registering: a user id that may run tasks on it (repeat it)."),
     ] = None,
     prefix: Annotated[str, typer.Option(help="Topic prefix.")] = "fx.",
+    kafka_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help="The endpoint's Kafka credentials file (0600 JSON: kafka_username, "
+            "kafka_password, kafka_ca_file); its path goes in the config, never the secret. "
+            "Omit on the insecure development platform, or when the service issues the "
+            "endpoint its Kafka principal.",
+            envvar="FXSTREAM_KAFKA_CREDENTIALS",
+            dir_okay=False,
+        ),
+    ] = None,
     workers: Annotated[int, typer.Option(help="Warm worker processes.")] = 2,
     prefetch: Annotated[int, typer.Option(help="Tasks fetched beyond idle workers.")] = 16,
     heartbeat_period: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
@@ -196,34 +200,36 @@ def configure(
     owner's token, needed only to register, comes from FXSTREAM_TOKEN."""
     owner_token = os.environ.get("FXSTREAM_TOKEN") or None
     try:
-        settings = dict(
-            name=name,
-            service_url=service_url,
-            topic_prefix=prefix,
-            workers=workers,
-            prefetch=prefetch,
-            heartbeat_period_s=heartbeat_period,
-            store_url=store_url,
-            proxy_threshold=proxy_threshold,
-            allowed_functions=tuple(allow_function or ()),
-            allowed_serializers=tuple(allow_serializer or ()),
-        )
+        settings: dict[str, Any] = {
+            "name": name,
+            "service_url": service_url,
+            "bootstrap_servers": bootstrap,
+            "kafka_credentials": None
+            if kafka_credentials is None
+            else str(kafka_credentials.absolute()),
+            "topic_prefix": prefix,
+            "workers": workers,
+            "prefetch": prefetch,
+            "heartbeat_period_s": heartbeat_period,
+            "store_url": store_url,
+            "proxy_threshold": proxy_threshold,
+            "allowed_functions": tuple(allow_function or ()),
+            "allowed_serializers": tuple(allow_serializer or ()),
+        }
         if credentials is not None:
-            given = EndpointCredentials.load(credentials.expanduser().resolve())
+            path = credentials.expanduser().absolute()
+            given = EndpointCredentials.load(path)
             if endpoint_id is not None and endpoint_id != given.endpoint_id:
                 raise ConfigError(
                     f"{credentials} is the credential of endpoint {given.endpoint_id}, not "
                     f"{endpoint_id}"
                 )
             config = EndpointConfig(
-                endpoint_id=given.endpoint_id,
-                credentials_file=str(credentials.expanduser().resolve()),
-                **settings,  # type: ignore[arg-type]
+                endpoint_id=given.endpoint_id, credentials_file=str(path), **settings
             )
             config.validate()
         else:
-            kafka = _kafka(bootstrap, kafka_credentials)
-            EndpointConfig(endpoint_id="-", **settings).validate()  # type: ignore[arg-type]
+            EndpointConfig(endpoint_id="-", **settings).validate()
             issued: dict[str, Any] = {}
             if endpoint_id is None:
                 if owner_token is None:
@@ -240,9 +246,13 @@ def configure(
                     allowed_users=list(allowed_user or ()),
                 )
                 endpoint_id = str(issued["endpoint_id"])
-            config = EndpointConfig(endpoint_id=endpoint_id, **settings)  # type: ignore[arg-type]
-            endpoint_credentials = _kept_credentials(config, kafka) or issued_credentials(
-                endpoint_id, issued, kafka=kafka, owner_token=owner_token, warn=_warn
+            config = EndpointConfig(endpoint_id=endpoint_id, **settings)
+            endpoint_credentials = _kept_credentials(config, issued) or issued_credentials(
+                endpoint_id,
+                issued,
+                kafka=config.kafka(),
+                owner_token=owner_token,
+                warn=_warn,
             )
             endpoint_credentials.save(config.credentials_path)
         path = config.save()
@@ -257,28 +267,16 @@ def _warn(message: str) -> None:
     console.print(f"[yellow]warning: {message}[/yellow]")
 
 
-def _kafka(bootstrap: str | None, kafka_credentials: Path | None) -> KafkaConnection:
-    """The brokers (and CA, and principal) to reach when the service issues none."""
-    if kafka_credentials is not None:
-        connection = KafkaConnection.from_file(kafka_credentials.expanduser())
-        if bootstrap is None or bootstrap == connection.bootstrap:
-            return connection
-        return dataclasses.replace(connection, bootstrap=bootstrap)
-    if bootstrap is None:
-        raise ConfigError("--bootstrap HOST:PORT is needed (or --credentials FILE)")
-    return KafkaConnection(bootstrap)
-
-
-def _kept_credentials(config: EndpointConfig, kafka: KafkaConnection) -> EndpointCredentials | None:
-    """The endpoint's credential already on file, when it is this endpoint's and its
-    brokers have not changed (configuring again keeps it)."""
+def _kept_credentials(config: EndpointConfig, issued: dict[str, Any]) -> EndpointCredentials | None:
+    """The endpoint's credential already on file, when nothing new was issued and it is
+    this endpoint's (configuring an endpoint again keeps its credential)."""
+    if issued:
+        return None
     try:
         kept = EndpointCredentials.load(config.credentials_path)
     except CredentialFileError:
         return None
-    if kept.endpoint_id != config.endpoint_id or kept.kafka.bootstrap != kafka.bootstrap:
-        return None
-    return kept
+    return kept if kept.endpoint_id == config.endpoint_id else None
 
 
 @app.command()

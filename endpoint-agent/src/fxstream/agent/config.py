@@ -24,8 +24,8 @@ import yaml
 
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
-from fxstream.topics import registered_strategies
-from fxstream.topics.connection import CredentialFileError, write_secret_file
+from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
+from fxstream.topics.connection import write_secret_file
 
 __all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
@@ -58,8 +58,9 @@ class EndpointConfig:
     name: str
     endpoint_id: str
     service_url: str
-    # The 0600 JSON file with the endpoint's Kafka principal and API token; a relative
-    # path is relative to this endpoint's directory.
+    bootstrap_servers: str
+    # The 0600 JSON file with the endpoint's own credential: its API token (and the Kafka
+    # principal the service issued it, if any); relative to this endpoint's directory.
     credentials_file: str = "credentials.json"
     topic_prefix: str = "fx."
     workers: int = 2
@@ -82,10 +83,37 @@ class EndpointConfig:
     # above proxy_threshold bytes go there and only a reference goes to Kafka.
     store_url: str | None = None
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
+    # The endpoint's Kafka principal: the path of its 0600 JSON credentials file
+    # (kafka_username, kafka_password, kafka_ca_file), never the secret itself. None: the
+    # principal in credentials_file, if the service issued one; else the agent connects
+    # unauthenticated (the insecure development platform only).
+    kafka_credentials: str | None = None
     # What this endpoint runs (empty: anything its users send): function ids, and the
     # data strategies (ids or names, e.g. "js" or "json") their arguments may use.
     allowed_functions: tuple[str, ...] = ()
     allowed_serializers: tuple[str, ...] = ()
+
+    def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
+        """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
+        ``kafka_credentials``, else as the one in the endpoint's credential (``credentials``,
+        read from ``credentials_file`` if not given and the file exists), else
+        unauthenticated. A :class:`ConfigError` says what is wrong with a file."""
+        if self.kafka_credentials is not None:
+            try:
+                principal: KafkaConnection | None = KafkaConnection.from_file(
+                    Path(self.kafka_credentials)
+                )
+            except CredentialFileError as exc:
+                raise ConfigError(f"kafka_credentials: {exc}") from None
+        else:
+            if credentials is None and self.credentials_path.is_file():
+                credentials = self.credentials()
+            principal = credentials.kafka if credentials is not None else None
+        if principal is None or principal.username is None:
+            return KafkaConnection(self.bootstrap_servers)
+        return KafkaConnection(
+            self.bootstrap_servers, principal.username, principal.password, principal.ca_file
+        )
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the field when a value cannot work."""
@@ -120,6 +148,8 @@ class EndpointConfig:
         self.serializer_ids()
         if any(not isinstance(f, str) or not f for f in self.allowed_functions):
             raise ConfigError("allowed_functions must be a list of function ids")
+        if self.kafka_credentials is not None:
+            self.kafka()  # the file exists, is 0600 and names a usable principal
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "
@@ -201,14 +231,13 @@ class EndpointConfig:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of settings")
-        secrets = sorted(set(raw) & _MOVED)
-        if secrets:
+        if set(raw) & _MOVED:
             raise ConfigError(
-                f"{path} holds {', '.join(secrets)}: an endpoint's config no longer holds its "
-                "owner's token or Kafka settings; they go to the endpoint's own 0600 "
-                f"credentials file. Run `FXSTREAM_TOKEN=<owner token> fxstream-endpoint "
-                f"configure {name} --endpoint-id {raw.get('endpoint_id', '<id>')} "
-                "--service-url URL --bootstrap HOST:PORT` to rewrite both"
+                f"{path} holds a token: an endpoint's config no longer holds its owner's "
+                "token; the endpoint's own credential goes to its 0600 credentials file. "
+                "Run `FXSTREAM_TOKEN=<owner token> fxstream-endpoint configure "
+                f"{name} --endpoint-id {raw.get('endpoint_id', '<id>')} --service-url URL "
+                "--bootstrap HOST:PORT` to rewrite both"
             )
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
@@ -225,6 +254,6 @@ class EndpointConfig:
         return config
 
 
-_REQUIRED = {"name", "endpoint_id", "service_url"}
+_REQUIRED = {"name", "endpoint_id", "service_url", "bootstrap_servers"}
 # Settings of configs written before the endpoint had its own credentials file.
-_MOVED = {"token", "bootstrap_servers"}
+_MOVED = {"token"}

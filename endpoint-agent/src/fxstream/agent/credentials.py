@@ -1,4 +1,4 @@
-"""An endpoint's credential: its Kafka principal and its API token, in one 0600 file.
+"""An endpoint's credential: its API token and Kafka principal, in one 0600 file.
 
 ``config.yaml`` holds settings only; it names this file (``credentials_file``), which holds
 what the agent authenticates with::
@@ -7,8 +7,9 @@ what the agent authenticates with::
      "bootstrap": "host:port", "kafka_username": "ep.<endpoint id>",
      "kafka_password": "...", "kafka_ca_file": "/path/ca.pem"}
 
-(the ``kafka_*`` fields are :meth:`KafkaConnection.to_json`'s; without them the agent talks
-to the insecure development platform). The file is written ``0600`` atomically
+(the Kafka fields are :meth:`KafkaConnection.to_json`'s, present when the service issued the
+endpoint a Kafka principal; a config's ``kafka_credentials`` file, if set, names the
+principal instead). The file is written ``0600`` atomically
 (:func:`~fxstream.topics.connection.write_secret_file`) and refused when group or others may
 read it. The agent reads it at start; no secret is put on a command line or in the
 environment of the agent or its workers (:mod:`fxstream.agent.environment`).
@@ -36,8 +37,8 @@ class EndpointCredentials:
     """What one endpoint's agent authenticates with (never its owner's user credential)."""
 
     endpoint_id: str
-    kafka: KafkaConnection
     token: str = field(repr=False)
+    kafka: KafkaConnection | None = None
 
     def __post_init__(self) -> None:
         if not self.endpoint_id:
@@ -47,7 +48,10 @@ class EndpointCredentials:
 
     def to_json(self) -> dict[str, str]:
         """The credentials-file fields (secrets included: write them with :meth:`save`)."""
-        return {"endpoint_id": self.endpoint_id, "token": self.token, **self.kafka.to_json()}
+        fields = {"endpoint_id": self.endpoint_id, "token": self.token}
+        if self.kafka is not None and self.kafka.secure:
+            fields.update(self.kafka.to_json())
+        return fields
 
     def save(self, path: Path) -> None:
         """Write the file ``0600``, atomically, in a directory only its owner may enter."""
@@ -65,7 +69,10 @@ class EndpointCredentials:
                 f"{source}: no 'token' (the endpoint's API token, issued when the endpoint "
                 "was registered)"
             )
-        return cls(endpoint_id, KafkaConnection.from_json(fields, source=source), token)
+        kafka = None
+        if "kafka_username" in fields:
+            kafka = KafkaConnection.from_json(fields, source=source)
+        return cls(endpoint_id, token, kafka)
 
     @classmethod
     def load(cls, path: Path) -> EndpointCredentials:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
@@ -16,7 +18,7 @@ from fxstream.ops.config import ConfigError, PlatformConfig, repo_root
 from fxstream.ops.install import InstallError, ensure_requirements
 from fxstream.ops.platform import Platform, PlatformError, PlatformStatus
 from fxstream.ops.process import ProcessStartError
-from fxstream.topics import ProvisionError
+from fxstream.topics import CredentialFileError, KafkaConnection, ProvisionError
 
 __all__ = ["app", "main"]
 
@@ -75,9 +77,29 @@ def up(
     quickstart: Annotated[
         bool, typer.Option(help="Run the 1,000-task quickstart once everything is up.")
     ] = True,
+    insecure: Annotated[
+        bool,
+        typer.Option(
+            "--insecure",
+            help="DEVELOPMENT ONLY: PLAINTEXT Kafka with no authentication "
+            "(also FXSTREAM_INSECURE=1). Anyone who reaches its ports owns the platform.",
+        ),
+    ] = False,
 ) -> None:
-    """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart."""
+    """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart.
+
+    Secure by default: Kafka takes only SASL/SCRAM-SHA-512 over TLS, with certificates from a
+    local CA in the platform home and the admin credential in ``<home>/credentials``.
+    """
     config = _config()
+    if insecure:
+        config = config.with_overrides(insecure=True)
+    if config.insecure:
+        err.print(
+            "[bold red]WARNING: starting the INSECURE platform: Kafka without "
+            "authentication, encryption or ACLs. Development on a private machine only."
+            "[/bold red]"
+        )
     platform = Platform(config)
     try:
         with console.status("starting fxstream") as spinner:
@@ -104,6 +126,13 @@ def up(
         print(snippet(services.credentials_file, endpoint_id))
     console.print(f"REST API: [bold]{services.service_url}[/bold] (docs at /docs)")
     console.print(f"Kafka bootstrap servers: [bold]{connection.bootstrap_servers}[/bold]")
+    if connection.secure:
+        console.print(
+            f"Kafka: SASL/SCRAM-SHA-512 over TLS, CA {connection.ca_file}; admin credentials "
+            f"in {platform.credentials_file('admin')} (0600)"
+        )
+    else:
+        err.print("[bold red]Kafka: INSECURE (PLAINTEXT, no authentication)[/bold red]")
     console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
     console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")
     console.print("stop everything with [bold]./fx down[/bold]")
@@ -205,15 +234,36 @@ def bench_kafka(
         str | None,
         typer.Option(help="Measure this broker instead of starting a private one."),
     ] = None,
+    kafka_credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help="Measure the broker of this 0600 Kafka credentials file (bootstrap, "
+            "kafka_username, kafka_password, kafka_ca_file); --bootstrap overrides its brokers.",
+            envvar="FXSTREAM_KAFKA_CREDENTIALS",
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Raw Kafka limits on this machine: produce, consume, round trip, 3-hop relay."""
     from fxstream.ops.bench.kafka import BenchError, run_kafka_bench
 
     try:
+        kafka = None if bootstrap is None else KafkaConnection(bootstrap)
+        if kafka_credentials is not None:
+            kafka = KafkaConnection.from_file(kafka_credentials)
+            if bootstrap is not None:
+                kafka = dataclasses.replace(kafka, bootstrap=bootstrap)
         run_kafka_bench(
-            console=console, records=records, latency_samples=latency_samples, bootstrap=bootstrap
+            console=console, records=records, latency_samples=latency_samples, kafka=kafka
         )
-    except (BenchError, InstallError, PlatformError, ProcessStartError, TimeoutError) as exc:
+    except (
+        BenchError,
+        CredentialFileError,
+        InstallError,
+        PlatformError,
+        ProcessStartError,
+        TimeoutError,
+    ) as exc:
         err.print(f"[red]bench kafka failed:[/red] {exc}")
         raise typer.Exit(1) from exc
 

@@ -31,6 +31,19 @@ def repo_root() -> Path:
     return Path(__file__).resolve().parents[4]
 
 
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _flag(raw: Any, source: str) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in _TRUE | _FALSE:
+        return text in _TRUE
+    raise ConfigError(f"{source} must be 1 or 0 (true or false), got {raw!r}")
+
+
 def _default_home(env: Mapping[str, str]) -> Path:
     state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "fxstream"
@@ -69,6 +82,9 @@ class PlatformConfig:
     # after which a restarted service process counts as stable again (backoff reset).
     restart_backoff_max_s: int = 60
     restart_stable_s: int = 60
+    # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
+    # --insecure). Secure is the default everywhere.
+    insecure: bool = False
     # Not a file or environment setting: tests set it so every process they start is
     # stopped by the kernel if the test run itself dies before its teardown.
     tie_to_caller: bool = False
@@ -87,6 +103,7 @@ class PlatformConfig:
         "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
         "restart_backoff_max_s": "FXSTREAM_RESTART_BACKOFF_MAX_S",
         "restart_stable_s": "FXSTREAM_RESTART_STABLE_S",
+        "insecure": "FXSTREAM_INSECURE",
     }
 
     @classmethod
@@ -132,6 +149,8 @@ class PlatformConfig:
                 kwargs[f.name] = str(raw)
             elif f.name == "tie_to_caller":
                 kwargs[f.name] = bool(raw)
+            elif f.name == "insecure":
+                kwargs[f.name] = _flag(raw, source)
             else:
                 try:
                     kwargs[f.name] = int(raw)

@@ -3,12 +3,22 @@
 ``up`` installs what is missing, starts everything in the background and
 provisions topics; ``down`` stops by PID and waits; ``status`` reports what
 runs and whether it answers. Where to connect is written to
-``<home>/platform.json`` for the other parts (SDK, agent, service) to read.
+``<home>/platform.json`` for the other parts (SDK, agent, service) to read; it holds no
+secret. The secrets are in ``<home>/credentials/`` (0700), one 0600 JSON file per principal
+(:meth:`~fxstream.topics.KafkaConnection.to_json` fields): ``admin.json`` (the Kafka admin,
+the only super user), and ``service.json`` and ``endpoint-local.json`` (what the service
+processes and the local endpoint connect as) once the services start.
+
+Secure by default: the home is 0700, the local CA and the nodes' certificates are made in
+``<home>/pki`` (:mod:`fxstream.ops.pki`), and Kafka authenticates every connection (see
+:mod:`fxstream.ops.kafka`). ``PlatformConfig.insecure`` (``./fx up --insecure``,
+``FXSTREAM_INSECURE=1``) starts the old PLAINTEXT platform and says so on stderr at every start.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,19 +28,50 @@ from confluent_kafka.admin import AdminClient
 
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
-from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_cluster
+from fxstream.ops.kafka import (
+    ADMIN_PRINCIPAL,
+    KafkaNode,
+    KafkaSecurity,
+    admin_password,
+    cluster_id_for,
+    kafka_nodes,
+    wait_for_cluster,
+)
+from fxstream.ops.pki import LocalCA, ensure_private_dir
 from fxstream.ops.process import ProcessStartError, stop_together
 from fxstream.ops.redis_server import RedisServer
 from fxstream.ops.services import ComponentStatus, ServiceSet
-from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
+from fxstream.topics import (
+    Catalogue,
+    KafkaConnection,
+    ProvisionError,
+    ProvisionReport,
+    ensure_topics,
+    write_secret_file,
+)
 
 __all__ = [
+    "INSECURE_WARNING",
+    "SECURITY_INSECURE",
+    "SECURITY_SCRAM",
     "ComponentStatus",
     "ConnectionInfo",
     "Platform",
     "PlatformError",
     "PlatformStatus",
 ]
+
+# ConnectionInfo.security: SASL/SCRAM-SHA-512 over TLS, or the insecure development platform.
+SECURITY_SCRAM = "sasl_ssl-scram-sha-512"
+SECURITY_INSECURE = "insecure"
+
+INSECURE_WARNING = """\
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+!! fxstream: INSECURE platform (--insecure / FXSTREAM_INSECURE=1): Kafka takes PLAINTEXT   !!
+!! connections with NO authentication, NO encryption and NO authorization. Anyone who can !!
+!! reach its ports can run code on every endpoint. Development on a private machine only. !!
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+"""
 
 Step = Callable[[str], None]
 
@@ -53,6 +94,14 @@ class ConnectionInfo:
     topic_prefix: str
     replication_factor: int
     min_insync_replicas: int
+    # How clients authenticate (SECURITY_SCRAM or SECURITY_INSECURE) and the CA they trust.
+    security: str = SECURITY_SCRAM
+    ca_file: str = ""
+
+    @property
+    def secure(self) -> bool:
+        """False on the insecure development platform."""
+        return self.security != SECURITY_INSECURE
 
     def catalogue(self) -> Catalogue:
         """The topic catalogue of this platform."""
@@ -120,13 +169,57 @@ class Platform:
         """The connection file clients read."""
         return self.config.home / "platform.json"
 
+    @property
+    def ca(self) -> LocalCA:
+        """The platform's local certificate authority (``<home>/pki``)."""
+        return LocalCA(self.config.home / "pki")
+
+    @property
+    def credentials_dir(self) -> Path:
+        """Where the principals' credential files are (0700; each file 0600)."""
+        return self.config.home / "credentials"
+
+    def credentials_file(self, name: str) -> Path:
+        """``<home>/credentials/<name>.json``."""
+        return self.credentials_dir / f"{name}.json"
+
+    def secure(self) -> bool:
+        """Whether this platform's Kafka authenticates: as the running platform was started
+        (platform.json), else as the config asks."""
+        try:
+            return self.read_connection(self.config.home).secure
+        except (PlatformError, TypeError, ValueError):
+            return not self.config.insecure
+
+    def kafka(self, *, cluster: bool) -> KafkaConnection:
+        """The admin principal's connection to this platform's Kafka in the given mode
+        (without a principal on the insecure platform)."""
+        bootstrap = ",".join(node.bootstrap for node in self.nodes(cluster=cluster))
+        if not self.secure():
+            return KafkaConnection(bootstrap)
+        return KafkaConnection(
+            bootstrap, ADMIN_PRINCIPAL, admin_password(self.config.home), self.ca.cert_file
+        )
+
+    def security(self) -> KafkaSecurity | None:
+        """What this platform's secure Kafka nodes need (None on the insecure platform).
+
+        Pass it to :meth:`nodes` for a node that will be (re)started: a node started
+        without it would render the insecure configuration.
+        """
+        if not self.secure():
+            return None
+        return KafkaSecurity(self.ca, admin_password(self.config.home))
+
     def redis(self, binary: str = "redis-server") -> RedisServer:
         """The Redis server of this platform."""
         return RedisServer(self.config, binary)
 
-    def nodes(self, *, cluster: bool, java: str = "java") -> list[KafkaNode]:
+    def nodes(
+        self, *, cluster: bool, java: str = "java", security: KafkaSecurity | None = None
+    ) -> list[KafkaNode]:
         """The Kafka node(s) of this platform in the given mode."""
-        return kafka_nodes(self.config, java, cluster=cluster)
+        return kafka_nodes(self.config, java, cluster=cluster, security=security)
 
     def running_mode(self) -> str | None:
         """ "single" or "cluster" if Kafka nodes of that mode run, else None."""
@@ -141,6 +234,7 @@ class Platform:
         catalogue = Catalogue(prefix=self.config.topic_prefix)
         if cluster:
             catalogue = catalogue.for_cluster(len(nodes))
+        secure = self.secure()
         return ConnectionInfo(
             mode="cluster" if cluster else "single",
             bootstrap_servers=",".join(node.bootstrap for node in nodes),
@@ -148,6 +242,8 @@ class Platform:
             topic_prefix=catalogue.prefix,
             replication_factor=catalogue.replication_factor,
             min_insync_replicas=catalogue.min_insync_replicas,
+            security=SECURITY_SCRAM if secure else SECURITY_INSECURE,
+            ca_file=str(self.ca.cert_file) if secure else "",
         )
 
     @staticmethod
@@ -178,6 +274,15 @@ class Platform:
                 f"a {running} platform already runs in {self.config.home}: "
                 f"stop it with ./fx down before starting a {wanted} one"
             )
+        if self.config.insecure:
+            sys.stderr.write(INSECURE_WARNING)
+            sys.stderr.flush()
+        elif running is not None and not self.secure():
+            raise PlatformError(
+                f"an insecure platform already runs in {self.config.home}: stop it with "
+                "./fx down before starting the secure one (or add --insecure)"
+            )
+        ensure_private_dir(self.config.home)
         step("checking Java")
         java = ensure_java()
         step(f"fetching Apache Kafka {self.config.kafka_version} (cached after the first time)")
@@ -188,34 +293,72 @@ class Platform:
         redis = self.redis(redis_binary)
         step(f"starting Redis on port {self.config.redis_port}")
         redis.start()
-        nodes = self.nodes(cluster=cluster, java=java)
+        security = (
+            None
+            if self.config.insecure
+            else KafkaSecurity(self.ca, admin_password(self.config.home))
+        )
+        if security is not None:
+            step("making the local CA and the Kafka nodes' certificates (kept in pki/)")
+            security.ca.ensure()
+        nodes = self.nodes(cluster=cluster, java=java, security=security)
         cluster_id = cluster_id_for(nodes[0].directory.parent if cluster else nodes[0].directory)
-        for node in nodes:
-            step(f"starting Kafka node {node.node_id} on port {node.broker_port}")
-            node.start(cluster_id)
+        try:
+            for node in nodes:
+                step(f"starting Kafka node {node.node_id} on port {node.broker_port}")
+                node.start(cluster_id)
+        except ProcessStartError:
+            self.down()
+            raise
+        bootstrap = ",".join(node.bootstrap for node in nodes)
+        kafka = (
+            KafkaConnection(bootstrap)
+            if security is None
+            else KafkaConnection(
+                bootstrap, ADMIN_PRINCIPAL, security.admin_password, security.ca.cert_file
+            )
+        )
         try:
             redis.wait_ready()
             step("waiting for Kafka to elect a controller and register brokers")
-            wait_for_cluster(nodes)
+            wait_for_cluster(nodes, kafka)
         except (ProcessStartError, TimeoutError):
             self.down()
             raise
-        connection = self.connection(cluster=cluster)
+        # Written first: everything below (and every client) reads the mode from it.
+        connection = self._write_connection(cluster=cluster, secure=security is not None)
+        self._write_credentials(kafka)
         step("provisioning topics")
-        report = ensure_topics(self._admin(connection), connection.catalogue())
+        report = ensure_topics(self._admin(kafka), connection.catalogue())
         if report.drifted:
             step("topic drift: " + "; ".join(str(d) for d in report.drifted))
-        self.info_file.write_text(json.dumps(asdict(connection), indent=2) + "\n")
         if services:
             step("starting the service, the stream processors and the local endpoint")
             try:
-                self.services().start(
-                    connection.bootstrap_servers, connection.topic_prefix, connection.redis_url
-                )
+                self.services().start(kafka, connection.topic_prefix, connection.redis_url)
             except (ProcessStartError, TimeoutError):
                 self.down()
                 raise
         return connection
+
+    def _write_connection(self, *, cluster: bool, secure: bool) -> ConnectionInfo:
+        # A platform.json left by an earlier run must not decide the mode of this one.
+        self.info_file.unlink(missing_ok=True)
+        info = self.connection(cluster=cluster)
+        if not secure:
+            info = ConnectionInfo(**{**asdict(info), "security": SECURITY_INSECURE, "ca_file": ""})
+        self.info_file.write_text(json.dumps(asdict(info), indent=2) + "\n")
+        return info
+
+    def _write_credentials(self, kafka: KafkaConnection) -> None:
+        """``<home>/credentials/admin.json`` (0600, directory 0700): the admin's connection.
+
+        The service set writes ``service.json`` and ``endpoint-local.json`` when it starts.
+        """
+        ensure_private_dir(self.credentials_dir)
+        if kafka.secure:
+            text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
+            write_secret_file(self.credentials_file("admin"), text)
 
     def services(self) -> ServiceSet:
         """The Python services of this platform."""
@@ -264,8 +407,8 @@ class Platform:
         nodes = self.nodes(cluster=cluster)
         connection = self.connection(cluster=cluster)
         registered: set[int] = set()
-        admin = self._admin(connection)
-        if mode is not None:
+        admin = self._admin(self.kafka(cluster=cluster)) if mode is not None else None
+        if admin is not None:
             try:
                 described = admin.describe_cluster(request_timeout=3).result(timeout=5)
                 registered = {n.id for n in described.nodes}
@@ -278,7 +421,7 @@ class Platform:
             result.components.append(
                 ComponentStatus(f"kafka node {node.node_id}", node.bootstrap, pid, healthy, detail)
             )
-        if registered:
+        if registered and admin is not None:
             try:
                 result.topics = ensure_topics(
                     admin, connection.catalogue(), create=False, timeout_s=10
@@ -288,10 +431,10 @@ class Platform:
         return result
 
     @staticmethod
-    def _admin(connection: ConnectionInfo) -> AdminClient:
+    def _admin(kafka: KafkaConnection) -> AdminClient:
         return AdminClient(
             {
-                "bootstrap.servers": connection.bootstrap_servers,
+                **kafka.confluent(),
                 "socket.timeout.ms": 5000,
                 # Failures surface as exceptions with reasons; librdkafka's own log would
                 # repeat them on stderr.

@@ -29,7 +29,7 @@ from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
 from fxstream.sdk import Client, ClientSettings, Executor
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, KafkaConnection
 
 __all__ = [
     "ExtraEndpoint",
@@ -48,11 +48,14 @@ class PrivatePlatformError(RuntimeError):
     """The private platform did not start as asked."""
 
 
-def private_config(home: Path, *, cluster_base_port: int | None = None) -> PlatformConfig:
+def private_config(
+    home: Path, *, cluster_base_port: int | None = None, insecure: bool = False
+) -> PlatformConfig:
     """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.
 
     The TOML file lets a subprocess (the real CLI) find the same platform with only
-    ``FXSTREAM_HOME`` set. Every process started from it dies with the caller.
+    ``FXSTREAM_HOME`` set. Every process started from it dies with the caller. The platform
+    is the secure one unless ``insecure`` (the benches' plain comparison only).
     """
     kafka, controller, redis, service = free_ports(4)
     home.mkdir(parents=True, exist_ok=True)
@@ -64,6 +67,8 @@ def private_config(home: Path, *, cluster_base_port: int | None = None) -> Platf
     ]
     if cluster_base_port is not None:
         lines.append(f"cluster_base_port = {cluster_base_port}")
+    if insecure:
+        lines.append("insecure = true")
     (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
     return PlatformConfig.load(env={}, home=home, tie_to_caller=True)
 
@@ -104,6 +109,11 @@ class PrivatePlatform:
     def bootstrap(self) -> str:
         """Kafka's bootstrap servers."""
         return self.connection.bootstrap_servers
+
+    @property
+    def kafka(self) -> KafkaConnection:
+        """The platform's Kafka as its admin principal (every ops-side client uses it)."""
+        return self.platform.kafka(cluster=self.connection.mode == "cluster")
 
     @property
     def prefix(self) -> str:

@@ -6,9 +6,14 @@ processor, the liveness processor and the local endpoint. The supervisor is
 itself a process started detached and tracked by PID (like the broker and
 Redis); it restarts a crashed child with backoff and records its restarts,
 which ``status`` reports. ``start`` also makes sure a local user exists
-(its credentials go to ``<home>/credentials.json``, mode 600, which the SDK
-reads through ``FXSTREAM_CREDENTIALS``) and that the local endpoint is
+(its credentials go to ``<home>/credentials.json``, created 0600, which the SDK
+reads through ``FXSTREAM_CREDENTIALS``; they include the user's Kafka principal as
+:meth:`~fxstream.topics.KafkaConnection.to_json` fields) and that the local endpoint is
 configured under ``<home>/endpoints``.
+
+Kafka credentials reach the processes as file paths, never secrets on a command line: the
+API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``,
+the local endpoint's config names ``<home>/credentials/endpoint-local.json``.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -29,10 +34,19 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
+from fxstream.topics import KafkaConnection, read_secret_json, write_secret_file
 
-__all__ = ["LOCAL_ENDPOINT", "ComponentStatus", "Credentials", "ServiceSet"]
+__all__ = [
+    "KAFKA_CREDENTIALS_ENV",
+    "LOCAL_ENDPOINT",
+    "ComponentStatus",
+    "Credentials",
+    "ServiceSet",
+]
 
 LOCAL_ENDPOINT = "local"
+# Names the Kafka credentials file a service process or `fxstream-endpoint configure` reads.
+KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 
 
 @dataclass(frozen=True)
@@ -53,26 +67,52 @@ class ComponentStatus:
 
 @dataclass(frozen=True)
 class Credentials:
-    """The local user and where everything is: what ``FXSTREAM_CREDENTIALS`` points at."""
+    """The local user and where everything is: what ``FXSTREAM_CREDENTIALS`` points at.
+
+    The file holds the SDK's credentials keys (:mod:`fxstream.sdk.settings`): the user's
+    Kafka principal as :meth:`~fxstream.topics.KafkaConnection.to_json` fields
+    (``bootstrap``, and on the secure platform ``kafka_username``, ``kafka_password``,
+    ``kafka_ca_file``).
+    """
 
     service_url: str
-    bootstrap_servers: str
+    kafka: KafkaConnection
     topic_prefix: str
     user_id: str
-    token: str
+    token: str = field(repr=False)
     store_url: str | None = None
 
+    def to_json(self) -> dict[str, str | None]:
+        """The file's fields."""
+        return {
+            "service_url": self.service_url,
+            **self.kafka.to_json(),
+            "topic_prefix": self.topic_prefix,
+            "user_id": self.user_id,
+            "token": self.token,
+            "store_url": self.store_url,
+        }
+
     def save(self, path: Path) -> None:
-        """Write the file readable by its owner only (it holds a token)."""
-        path.write_text(json.dumps(self.__dict__, indent=2) + "\n")
-        path.chmod(0o600)
+        """Write the file readable by its owner only, atomically (it holds secrets)."""
+        write_secret_file(path, (json.dumps(self.to_json(), indent=2) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> Credentials | None:
-        """The saved credentials, or None if there are none."""
+        """The saved credentials, or None if there are none (refused if others may read it)."""
         if not path.is_file():
             return None
-        return cls(**json.loads(path.read_text()))
+        fields = read_secret_json(path)
+        if "bootstrap_servers" in fields:  # the layout before the Kafka principal was in it
+            fields["bootstrap"] = fields.pop("bootstrap_servers")
+        return cls(
+            service_url=fields["service_url"],
+            kafka=KafkaConnection.from_json(fields, source=str(path)),
+            topic_prefix=fields["topic_prefix"],
+            user_id=fields["user_id"],
+            token=fields["token"],
+            store_url=fields.get("store_url"),
+        )
 
 
 def _bin(name: str) -> str:
@@ -99,6 +139,7 @@ class ServiceSet:
         connection = str(config.home / "platform.json")
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
+        service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file)}
         self._specs = [
             ChildSpec(
                 name="service api",
@@ -112,6 +153,7 @@ class ServiceSet:
                     str(config.service_port),
                 ],
                 log_file=str(logs / "service-api.log"),
+                env=service_env,
             ),
             *(
                 ChildSpec(
@@ -121,6 +163,7 @@ class ServiceSet:
                     log_file=str(logs / f"service-{role}.log"),
                     cwd=str(self.state_dir),
                     stop_wave=1,
+                    env=service_env,
                 )
                 for role in ("router", "task-state", "liveness")
             ),
@@ -157,6 +200,16 @@ class ServiceSet:
         return self.config.home / "credentials.json"
 
     @property
+    def service_credentials_file(self) -> Path:
+        """The service processes' Kafka principal (written by the platform, 0600)."""
+        return self.config.home / "credentials" / "service.json"
+
+    @property
+    def endpoint_credentials_file(self) -> Path:
+        """The local endpoint's Kafka principal (0600)."""
+        return self.config.home / "credentials" / f"endpoint-{LOCAL_ENDPOINT}.json"
+
+    @property
     def endpoints_dir(self) -> Path:
         """Where the local endpoint's config lives."""
         return self.config.home / "endpoints"
@@ -184,15 +237,21 @@ class ServiceSet:
     # --- start / stop ------------------------------------------------------------------
 
     def start(
-        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None = None
+        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None = None
     ) -> tuple[Credentials, str]:
         """Start the API and processors, ensure the local user and endpoint, start the endpoint.
 
+        ``kafka`` is the platform's admin connection: for now the service processes, the
+        local user and the local endpoint all connect as that principal (files 0600 in
+        ``<home>/credentials``); per-role principals replace it (issue 13's principal table).
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
+        write_secret_file(self.service_credentials_file, text)
+        write_secret_file(self.endpoint_credentials_file, text)
         if not self.supervisor.is_running():
             if not self.api.is_running():
                 ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
@@ -203,8 +262,8 @@ class ServiceSet:
             self.endpoint.hold_file.touch()
             self.supervisor.start()
         self._wait_for_api()
-        credentials = self._ensure_user(bootstrap_servers, topic_prefix, store_url)
-        endpoint_id = self._ensure_endpoint(credentials)
+        credentials = self._ensure_user(kafka, topic_prefix, store_url)
+        endpoint_id = self._ensure_endpoint(credentials, secure=kafka.secure)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
         return credentials, endpoint_id
@@ -310,14 +369,15 @@ class ServiceSet:
     # --- the local user and endpoint ---------------------------------------------------
 
     def _ensure_user(
-        self, bootstrap_servers: str, topic_prefix: str, store_url: str | None
+        self, kafka: KafkaConnection, topic_prefix: str, store_url: str | None
     ) -> Credentials:
         saved = Credentials.load(self.credentials_file)
         if saved is not None and self._token_works(saved.token):
-            if saved.store_url != store_url:
-                saved = dataclasses.replace(saved, store_url=store_url)
-                saved.save(self.credentials_file)
-            return saved
+            # Rewritten every time: the store or the principal may have changed, and the file
+            # may be of an older layout.
+            updated = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
+            updated.save(self.credentials_file)
+            return updated
         response = httpx.post(
             f"{self.service_url}/v1/users", json={"name": getpass.getuser()}, timeout=30
         )
@@ -328,7 +388,7 @@ class ServiceSet:
         body = response.json()
         credentials = Credentials(
             service_url=self.service_url,
-            bootstrap_servers=bootstrap_servers,
+            kafka=kafka,
             topic_prefix=topic_prefix,
             user_id=body["user_id"],
             token=body["token"],
@@ -350,13 +410,16 @@ class ServiceSet:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         return _endpoint_id(config_file) if config_file.is_file() else None
 
-    def _ensure_endpoint(self, credentials: Credentials) -> str:
+    def _ensure_endpoint(self, credentials: Credentials, *, secure: bool) -> str:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         owned = config_file.is_file() and self._owns(credentials, _endpoint_id(config_file))
+        kafka_credentials = str(self.endpoint_credentials_file) if secure else None
         if (
             owned
             and _setting(config_file, "store_url") == credentials.store_url
             and (config_file.parent / "credentials.json").is_file()
+            and _setting(config_file, "kafka_credentials") == kafka_credentials
+            and _setting(config_file, "bootstrap_servers") == credentials.kafka.bootstrap
         ):
             return _endpoint_id(config_file)
         store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
@@ -371,14 +434,19 @@ class ServiceSet:
                 "--service-url",
                 credentials.service_url,
                 "--bootstrap",
-                credentials.bootstrap_servers,
+                credentials.kafka.bootstrap,
                 "--prefix",
                 credentials.topic_prefix,
                 *store,
             ],
             # The owner's token registers the endpoint; it goes through the environment
-            # of this one command, never its command line or the endpoint's config.
-            env={**self._endpoint_env(), "FXSTREAM_TOKEN": credentials.token},
+            # of this one command, never its command line or the endpoint's config (the
+            # agent gets its own credential file). Kafka credentials by file path.
+            env={
+                **self._endpoint_env(),
+                "FXSTREAM_TOKEN": credentials.token,
+                **({KAFKA_CREDENTIALS_ENV: kafka_credentials} if kafka_credentials else {}),
+            },
             capture_output=True,
             text=True,
         )

@@ -46,6 +46,7 @@ from fxstream.topics import (
     DeserializationError,
     EndpointRecord,
     FunctionRecord,
+    KafkaConnection,
     ProvisionError,
     Record,
     RecordDecodeError,
@@ -241,7 +242,7 @@ class RecordWriter:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         catalogue: Catalogue,
         view: RegistryView,
         *,
@@ -252,7 +253,7 @@ class RecordWriter:
         self._timeout_s = timeout_s
         self._producer = Producer(
             {
-                "bootstrap.servers": bootstrap_servers,
+                **kafka.confluent(),
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,
@@ -377,8 +378,8 @@ class Runtime:
         self.view.close()
 
 
-def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: float) -> Runtime:
-    view = RegistryView(bootstrap_servers, catalogue, component="api registry view")
+def _start_runtime(kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float) -> Runtime:
+    view = RegistryView(kafka, catalogue, component="api registry view")
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -388,9 +389,9 @@ def _start_runtime(bootstrap_servers: str, catalogue: Catalogue, timeout_s: floa
     except BaseException:
         view.close()
         raise
-    writer = RecordWriter(bootstrap_servers, catalogue, view, timeout_s=timeout_s)
+    writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)
     writer.start()
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
+    admin = AdminClient({**kafka.confluent(), "log_level": 2})
     return Runtime(catalogue, view, writer, admin, timeout_s)
 
 
@@ -821,13 +822,13 @@ async def _on_unexpected_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 def create_app(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     *,
     timeout_s: float = 15.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
-    """The REST API on the registry topics of ``catalogue`` at ``bootstrap_servers``.
+    """The REST API on the registry topics of ``catalogue``, connecting to Kafka as ``kafka``.
 
     Starting it (its lifespan) reads the registry topics to their end before it
     serves; ``timeout_s`` bounds each wait for Kafka inside a request. A request
@@ -837,7 +838,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await asyncio.to_thread(_start_runtime, bootstrap_servers, catalogue, timeout_s)
+        runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s)
         app.state.runtime = runtime
         try:
             yield

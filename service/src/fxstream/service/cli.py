@@ -1,13 +1,19 @@
 """``fxstream-service``: run the REST API or the stream processors.
 
 Where Kafka is comes from ``--bootstrap``/``--prefix`` or from a platform's
-``platform.json`` (``--connection``). Before serving, each command checks that
-Kafka answers and the topics exist, so a start failure is one line saying what
-to do (exit status 1) rather than a traceback.
+``platform.json`` (``--connection``). Who the process is on Kafka (its SCRAM
+principal, password and the platform's CA) comes from a credentials file, 0600 JSON
+as ``fxstream`` writes it, named by ``--kafka-credentials`` or the
+``FXSTREAM_KAFKA_CREDENTIALS`` variable: never a password on the command line.
+Without one the process connects unauthenticated (the insecure development
+platform only). Before serving, each command checks that Kafka answers and the
+topics exist, so a start failure is one line saying what to do (exit status 1)
+rather than a traceback.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import socket
@@ -23,12 +29,20 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
-from fxstream.topics import Catalogue, InvalidTopicName, ProvisionError, ensure_topics
+from fxstream.topics import (
+    Catalogue,
+    CredentialFileError,
+    InvalidTopicName,
+    KafkaConnection,
+    ProvisionError,
+    ensure_topics,
+)
 
-__all__ = ["Target", "app", "main", "target_from"]
+__all__ = ["KAFKA_CREDENTIALS_ENV", "Target", "app", "main", "target_from"]
 
 DEFAULT_PORT = 19180  # the platform's `service_port` default (docs/api.md)
 KAFKA_TIMEOUT_S = 10.0  # how long a start waits for Kafka to answer
+KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"  # names the Kafka credentials file
 
 app = typer.Typer(
     name="fxstream-service",
@@ -40,11 +54,16 @@ app = typer.Typer(
 
 @dataclass(frozen=True)
 class Target:
-    """Which Kafka to use and the catalogue of its topics."""
+    """Which Kafka to use, as whom, and the catalogue of its topics."""
 
-    bootstrap_servers: str
+    kafka: KafkaConnection
     catalogue: Catalogue
     kafka_timeout_s: float = KAFKA_TIMEOUT_S
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """The brokers' host:port list (for messages)."""
+        return self.kafka.bootstrap
 
 
 class StartError(RuntimeError):
@@ -90,24 +109,37 @@ def _from_connection(path: Path) -> tuple[str, Catalogue]:
         raise StartError(f"{path} is not usable ({exc}); run ./fx up to rewrite it") from exc
 
 
-def _admin(bootstrap_servers: str) -> AdminClient:
+def _admin(kafka: KafkaConnection) -> AdminClient:
     # Silent: a broker that does not answer is reported once, by us, in words.
-    return AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 0})
+    return AdminClient({**kafka.confluent(), "log_level": 0})
 
 
-def _broker_count(bootstrap_servers: str, timeout_s: float) -> int:
+def _broker_count(kafka: KafkaConnection, timeout_s: float) -> int:
     try:
-        metadata = _admin(bootstrap_servers).list_topics(timeout=timeout_s)
+        metadata = _admin(kafka).list_topics(timeout=timeout_s)
     except KafkaException as exc:
-        raise _unreachable(bootstrap_servers, timeout_s) from exc
+        raise _unreachable(kafka.bootstrap, timeout_s) from exc
     return len(metadata.brokers)
 
 
 def _unreachable(bootstrap_servers: str, timeout_s: float) -> StartError:
     return StartError(
         f"Kafka at {bootstrap_servers} does not answer within {timeout_s:g}s; "
-        "start the platform with ./fx up, or fix --bootstrap"
+        "start the platform with ./fx up, or fix --bootstrap (and check the credentials "
+        "file named by --kafka-credentials)"
     )
+
+
+def _kafka(bootstrap: str | None, credentials: Path | None) -> KafkaConnection | None:
+    """The connection of ``credentials`` (its brokers overridden by ``bootstrap``), else an
+    unauthenticated one to ``bootstrap``, else None."""
+    if credentials is None:
+        return None if bootstrap is None else KafkaConnection(bootstrap)
+    try:
+        kafka = KafkaConnection.from_file(credentials)
+    except CredentialFileError as exc:
+        raise StartError(str(exc)) from exc
+    return kafka if bootstrap is None else dataclasses.replace(kafka, bootstrap=bootstrap)
 
 
 def target_from(
@@ -115,16 +147,20 @@ def target_from(
     prefix: str | None,
     connection: Path | None,
     *,
+    kafka_credentials: Path | None = None,
     kafka_timeout_s: float = KAFKA_TIMEOUT_S,
 ) -> Target:
     """Where to connect: ``connection`` (platform.json) gives defaults, the flags override.
 
-    Without a connection file the replication of new per-user and per-endpoint
-    topics follows the broker count (1 broker: RF 1; 3 or more: RF 3, ISR 2).
+    ``kafka_credentials`` names the credentials file of the principal to connect as (its
+    brokers are used unless ``bootstrap`` overrides them); without it the connection is
+    unauthenticated. Without a connection file the replication of new per-user and
+    per-endpoint topics follows the broker count (1 broker: RF 1; 3 or more: RF 3, ISR 2).
     """
+    kafka = _kafka(bootstrap, kafka_credentials)
     if connection is not None:
         servers, catalogue = _from_connection(connection)
-        bootstrap = bootstrap or servers
+        kafka = kafka or KafkaConnection(servers)
         try:
             catalogue = Catalogue(
                 prefix=catalogue.prefix if prefix is None else prefix,
@@ -133,15 +169,18 @@ def target_from(
             )
         except InvalidTopicName as exc:
             raise StartError(str(exc)) from exc
-        return Target(bootstrap, catalogue, kafka_timeout_s)
-    if bootstrap is None:
-        raise StartError("say where Kafka is: --bootstrap HOST:PORT or --connection platform.json")
+        return Target(kafka, catalogue, kafka_timeout_s)
+    if kafka is None:
+        raise StartError(
+            "say where Kafka is: --bootstrap HOST:PORT, --kafka-credentials FILE or "
+            "--connection platform.json"
+        )
     try:
         catalogue = Catalogue(prefix="fx." if prefix is None else prefix)
     except InvalidTopicName as exc:
         raise StartError(str(exc)) from exc
-    brokers = _broker_count(bootstrap, kafka_timeout_s)
-    return Target(bootstrap, catalogue.for_cluster(brokers), kafka_timeout_s)
+    brokers = _broker_count(kafka, kafka_timeout_s)
+    return Target(kafka, catalogue.for_cluster(brokers), kafka_timeout_s)
 
 
 def check_topics(target: Target, topics: Iterable[str]) -> None:
@@ -152,7 +191,7 @@ def check_topics(target: Target, topics: Iterable[str]) -> None:
     }
     try:
         report = ensure_topics(
-            _admin(target.bootstrap_servers),
+            _admin(target.kafka),
             target.catalogue,
             specs,
             create=False,
@@ -212,7 +251,7 @@ def serve(
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
-        create_app(target.bootstrap_servers, target.catalogue, max_body_bytes=max_body_bytes),
+        create_app(target.kafka, target.catalogue, max_body_bytes=max_body_bytes),
         host=host,
         port=port,
         lifespan="on",
@@ -228,6 +267,16 @@ def serve(
 
 Bootstrap = Annotated[
     str | None, typer.Option("--bootstrap", help="Kafka bootstrap servers, HOST:PORT[,...]")
+]
+KafkaCredentials = Annotated[
+    Path | None,
+    typer.Option(
+        "--kafka-credentials",
+        envvar=KAFKA_CREDENTIALS_ENV,
+        help="the 0600 JSON credentials file of the Kafka principal to connect as "
+        "(bootstrap, kafka_username, kafka_password, kafka_ca_file); none: unauthenticated",
+        dir_okay=False,
+    ),
 ]
 Prefix = Annotated[
     str | None, typer.Option("--prefix", help="topic name prefix", show_default="fx.")
@@ -263,6 +312,7 @@ def api(
     bootstrap: Bootstrap = None,
     prefix: Prefix = None,
     connection: Connection = None,
+    kafka_credentials: KafkaCredentials = None,
     kafka_timeout: KafkaTimeout = KAFKA_TIMEOUT_S,
     port: Annotated[int, typer.Option(help="port to listen on", min=1, max=65535)] = DEFAULT_PORT,
     host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
@@ -279,7 +329,13 @@ def api(
 ) -> None:
     """Serve the REST API (docs/api.md) until SIGTERM or Ctrl-C."""
     try:
-        target = target_from(bootstrap, prefix, connection, kafka_timeout_s=kafka_timeout)
+        target = target_from(
+            bootstrap,
+            prefix,
+            connection,
+            kafka_credentials=kafka_credentials,
+            kafka_timeout_s=kafka_timeout,
+        )
         check_topics(target, _api_topics(target.catalogue))
         sock = bind(host, port)
     except StartError as exc:
@@ -306,6 +362,7 @@ def worker(
     bootstrap: Bootstrap = None,
     prefix: Prefix = None,
     connection: Connection = None,
+    kafka_credentials: KafkaCredentials = None,
     kafka_timeout: KafkaTimeout = KAFKA_TIMEOUT_S,
     only: Annotated[
         list[Processor] | None,
@@ -317,14 +374,20 @@ def worker(
 ) -> None:
     """Run the stream processors (router, task state, liveness) until stopped."""
     try:
-        target = target_from(bootstrap, prefix, connection, kafka_timeout_s=kafka_timeout)
+        target = target_from(
+            bootstrap,
+            prefix,
+            connection,
+            kafka_credentials=kafka_credentials,
+            kafka_timeout_s=kafka_timeout,
+        )
         check_topics(target, target.catalogue.static_topics())
     except StartError as exc:
         fail(str(exc))
     run_processors = _load_processors()
     roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
-        run_processors(target.bootstrap_servers, target.catalogue, roles=roles)
+        run_processors(target.kafka, target.catalogue, roles=roles)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 

@@ -20,8 +20,10 @@ app never declares one. Consumer groups, whichever way they run: the router
 ``<app id>-router``, the task-state processor ``<app id>-task-state``, the
 liveness agent the app id.
 
-Run it with ``python -m fxstream.service.processors --bootstrap HOST:PORT
---prefix fx. [--only router|task-state|liveness]``; SIGTERM or SIGINT stops it
+Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
+--prefix fx. [--only router|task-state|liveness]`` (``FILE``: the service principal's
+0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure development
+platform); SIGTERM or SIGINT stops it
 cleanly (the batch in hand is finished and committed). An input whose output
 Kafka refuses for a reason of its own (too large, invalid, topic gone) is
 dead-lettered and the processor goes on (:mod:`fxstream.service.quarantine`).
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -59,11 +62,18 @@ from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
-from fxstream.topics import Catalogue, RawRecord, aiokafka_max_request_size
+from fxstream.topics import (
+    Catalogue,
+    CredentialFileError,
+    KafkaConnection,
+    RawRecord,
+    aiokafka_max_request_size,
+)
 
 __all__ = [
     "DEFAULT_APP_ID",
     "EXIT_WRITE_FAILED",
+    "KAFKA_CREDENTIALS_ENV",
     "ROLES",
     "build_app",
     "main",
@@ -73,6 +83,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_APP_ID = "fxstream-processors"
+# Names the Kafka credentials file when --kafka-credentials does not (as in the CLI).
+KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # What --only can choose; all of them run in one process without it.
 ROLES = ("router", "task-state", "liveness")
 BATCH_SIZE = 500
@@ -80,8 +92,22 @@ BATCH_SIZE = 500
 LIVENESS_CHECK_S = 1.0
 
 
-def _broker_urls(bootstrap_servers: str) -> list[str]:
-    return [f"kafka://{server.strip()}" for server in bootstrap_servers.split(",") if server]
+def _broker_urls(kafka: KafkaConnection) -> list[str]:
+    return [f"kafka://{server.strip()}" for server in kafka.bootstrap.split(",") if server]
+
+
+def _broker_settings(kafka: KafkaConnection) -> dict[str, Any]:
+    """faust's broker settings: the brokers, and the SASL/SCRAM-over-TLS credentials if any."""
+    settings: dict[str, Any] = {"broker": _broker_urls(kafka)}
+    if kafka.secure:
+        client = kafka.aiokafka()
+        settings["broker_credentials"] = faust.SASLCredentials(
+            username=client["sasl_plain_username"],
+            password=client["sasl_plain_password"],
+            ssl_context=client["ssl_context"],
+            mechanism=client["sasl_mechanism"],
+        )
+    return settings
 
 
 def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
@@ -130,7 +156,7 @@ def faust_app_id(app_id: str, roles: Sequence[str]) -> str:
 
 
 def build_app(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     *,
     app_id: str = DEFAULT_APP_ID,
@@ -149,18 +175,16 @@ def build_app(
     faust_id = faust_app_id(app_id, roles)
     data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / faust_id
     data_dir.mkdir(parents=True, exist_ok=True)
-    app = faust.App(
-        faust_id, broker=_broker_urls(bootstrap_servers), **_app_settings(catalogue, data_dir)
-    )
+    app = faust.App(faust_id, **_broker_settings(kafka), **_app_settings(catalogue, data_dir))
     if "liveness" not in roles:
         # No faust agent: faust's own consumer would subscribe to no topic, which crashes
         # its conductor. The router and task-state loops bring their own consumers.
         app.producer_only = True
     stoppers: list[Callable[[], Awaitable[None]]] = []
     if "router" in roles:
-        _add_router(app, bootstrap_servers, catalogue, app_id, batch_size, stoppers)
+        _add_router(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "task-state" in roles:
-        _add_task_state(app, bootstrap_servers, catalogue, app_id, batch_size, stoppers)
+        _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "liveness" in roles:
         _add_liveness(app, catalogue, batch_size)
 
@@ -173,18 +197,18 @@ def build_app(
 
 def _add_router(
     app: faust.App,
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     app_id: str,
     batch_size: int,
     stoppers: list[Callable[[], Awaitable[None]]],
 ) -> None:
-    view = RegistryView(bootstrap_servers, catalogue, follow=("users", "functions", "endpoints"))
-    router = Router(catalogue, view, TopicDirectory(bootstrap_servers))
+    view = RegistryView(kafka, catalogue, follow=("users", "functions", "endpoints"))
+    router = Router(catalogue, view, TopicDirectory(kafka))
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
     # with faust's assignor.
     router_loop = RouterLoop(
-        bootstrap_servers, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
+        kafka, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
     )
 
     async def route() -> None:
@@ -201,7 +225,7 @@ def _add_router(
 
 def _add_task_state(
     app: faust.App,
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     app_id: str,
     batch_size: int,
@@ -211,14 +235,14 @@ def _add_task_state(
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
     # every platform on the machine that uses the default app id).
-    states = RegistryView(bootstrap_servers, catalogue, follow=("task-state",))
+    states = RegistryView(kafka, catalogue, follow=("task-state",))
     planner = TaskStatePlanner(catalogue, memory=TaskMemory(recall=recall_from(states)))
 
     async def write(records: Sequence[Outgoing], inputs: Sequence[RawRecord]) -> None:
         await _write_or_exit(app, catalogue, TASK_STATE, records, inputs)
 
     follower = ResultsFollower(
-        bootstrap_servers,
+        kafka,
         planner,
         write,
         group_id=f"{app_id}-task-state",
@@ -284,7 +308,7 @@ async def _write_or_exit(
 
 
 def run_processors(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     *,
     app_id: str = DEFAULT_APP_ID,
@@ -298,7 +322,7 @@ def run_processors(
     Raises what crashed the worker, if something did.
     """
     app = build_app(
-        bootstrap_servers,
+        kafka,
         catalogue,
         app_id=app_id,
         data_dir=data_dir,
@@ -321,7 +345,19 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m fxstream.service.processors",
         description="Run fxstream's stream processors (router, task-state, liveness).",
     )
-    parser.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers, host:port,...")
+    parser.add_argument(
+        "--kafka-credentials",
+        type=Path,
+        default=os.environ.get(KAFKA_CREDENTIALS_ENV) or None,
+        help="the Kafka principal's 0600 JSON credentials file "
+        f"(default: ${KAFKA_CREDENTIALS_ENV})",
+    )
+    parser.add_argument(
+        "--bootstrap",
+        default=None,
+        help="Kafka bootstrap servers, host:port,... (overrides the credentials file's; "
+        "alone: an unauthenticated connection, the insecure platform only)",
+    )
     parser.add_argument("--prefix", default="fx.", help="topic prefix (default: fx.)")
     parser.add_argument("--app-id", default=DEFAULT_APP_ID, help="faust app id = consumer group")
     parser.add_argument("--data-dir", type=Path, default=None, help="faust's working directory")
@@ -339,9 +375,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.kafka_credentials is not None:
+        try:
+            kafka = KafkaConnection.from_file(Path(args.kafka_credentials))
+        except CredentialFileError as exc:
+            parser.error(str(exc))
+        if args.bootstrap:
+            kafka = dataclasses.replace(kafka, bootstrap=args.bootstrap)
+    elif args.bootstrap:
+        kafka = KafkaConnection(args.bootstrap)
+    else:
+        parser.error("say where Kafka is: --kafka-credentials FILE or --bootstrap HOST:PORT")
     run_processors(
-        args.bootstrap,
+        kafka,
         Catalogue(prefix=args.prefix),
         app_id=args.app_id,
         data_dir=args.data_dir,

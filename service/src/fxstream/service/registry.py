@@ -50,6 +50,7 @@ from fxstream.topics import (
     EndpointRecord,
     FunctionRecord,
     Heartbeat,
+    KafkaConnection,
     Record,
     RecordDecodeError,
     TaskState,
@@ -112,7 +113,7 @@ class RegistryView:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         catalogue: Catalogue,
         *,
         follow: Iterable[Followed] = ALL_FOLLOWED,
@@ -145,11 +146,11 @@ class RegistryView:
         self._stop = threading.Event()
         self._on_bad_record = on_bad_record
         self._component = component
-        self._bootstrap = bootstrap_servers
+        self._kafka = kafka
         self._dead_letters: Producer | None = None
         self._consumer = Consumer(
             {
-                "bootstrap.servers": bootstrap_servers,
+                **kafka.confluent(),
                 # No group: the view assigns every partition itself and never commits.
                 "group.id": "fxstream-registry-view-unused",
                 "enable.auto.commit": False,
@@ -380,7 +381,7 @@ class RegistryView:
         if self._dead_letters is None:
             self._dead_letters = Producer(
                 {
-                    "bootstrap.servers": self._bootstrap,
+                    **self._kafka.confluent(),
                     "enable.idempotence": True,
                     "acks": "all",
                     "message.max.bytes": producer_message_max_bytes(self._catalogue),

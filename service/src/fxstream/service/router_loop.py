@@ -59,7 +59,14 @@ from fxstream.service.quarantine import (
     refusal_reason,
 )
 from fxstream.service.router import COMPONENT, Router
-from fxstream.topics import Catalogue, RawRecord, aiokafka_max_request_size, dead_letter, encode
+from fxstream.topics import (
+    Catalogue,
+    KafkaConnection,
+    RawRecord,
+    aiokafka_max_request_size,
+    dead_letter,
+    encode,
+)
 
 __all__ = ["EXIT_WRITE_FAILED", "RouterLoop"]
 
@@ -81,7 +88,7 @@ class RouterLoop(StoppableLoop):
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         catalogue: Catalogue,
         router: Router,
         *,
@@ -97,7 +104,7 @@ class RouterLoop(StoppableLoop):
         self.transactional_id = f"{group_id}-{instance}"
         largest = max(spec.max_message_bytes for spec in catalogue.specs)
         self._consumer_settings: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers,
+            **kafka.aiokafka(),
             "group_id": group_id,
             "client_id": group_id,
             "enable_auto_commit": False,
@@ -108,7 +115,7 @@ class RouterLoop(StoppableLoop):
             "max_partition_fetch_bytes": largest + 65_536,
         }
         self._producer_settings: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers,
+            **kafka.aiokafka(),
             "client_id": group_id,
             "transactional_id": self.transactional_id,
             "enable_idempotence": True,

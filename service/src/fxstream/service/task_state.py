@@ -48,6 +48,7 @@ from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetterReason,
+    KafkaConnection,
     RawRecord,
     RecordDecodeError,
     TaskError,
@@ -342,7 +343,7 @@ class ResultsFollower(StoppableLoop):
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         planner: TaskStatePlanner,
         send: Send,
         *,
@@ -357,7 +358,7 @@ class ResultsFollower(StoppableLoop):
         self._send = send
         self._batch_size = batch_size
         self._consumer_settings: dict[str, Any] = {
-            "bootstrap_servers": bootstrap_servers,
+            **kafka.aiokafka(),
             "group_id": group_id,
             "client_id": group_id,
             "enable_auto_commit": False,

@@ -15,14 +15,16 @@ from collections.abc import Iterable
 from confluent_kafka import TopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 
+from fxstream.topics import KafkaConnection
+
 __all__ = ["TopicDirectory"]
 
 
 class TopicDirectory:
     """A cache of the cluster's topic names that refreshes when asked about a missing one."""
 
-    def __init__(self, bootstrap_servers: str, *, timeout_s: float = 10.0) -> None:
-        self._admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 2})
+    def __init__(self, kafka: KafkaConnection, *, timeout_s: float = 10.0) -> None:
+        self._admin = AdminClient({**kafka.confluent(), "log_level": 2})
         self._timeout_s = timeout_s
         self._partitions: dict[str, int] = {}
         self._lock = asyncio.Lock()

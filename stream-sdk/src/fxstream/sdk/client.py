@@ -55,6 +55,7 @@ from fxstream.sdk.submit import (
 from fxstream.topics import (
     Attempt,
     Catalogue,
+    KafkaConnection,
     Serializer,
     TaskError,
     TaskTimings,
@@ -108,14 +109,14 @@ class RegisteredUser(NamedTuple):
 class Client:
     """A user's connection to fxstream: the REST service and the Kafka broker.
 
-    ``service_url`` is the REST service (docs/api.md); ``bootstrap_servers``
-    the Kafka brokers; ``topic_prefix`` the deployment's topic prefix. A task
-    needs ``token`` (and ``user_id``, which is asked from the service when not
-    given). ``serializer`` encodes functions, arguments and results (default:
-    dill by value for code; for data, pickle, or dill by value where the value
-    holds a class or function of ``__main__``, a lambda or a closure). The data
-    strategy also governs results: the worker answers with the strategy of the
-    task's arguments.
+    ``service_url`` is the REST service (docs/api.md); ``kafka`` the Kafka brokers and your
+    principal on them (a :class:`~fxstream.topics.KafkaConnection`, read from your credentials
+    file by :meth:`from_environment`); ``topic_prefix`` the deployment's topic prefix. A task
+    needs ``token`` (and ``user_id``, which is asked from the service when not given).
+    ``serializer`` encodes functions, arguments and results (default: dill by value for code;
+    for data, pickle, or dill by value where the value holds a class or function of
+    ``__main__``, a lambda or a closure). The data strategy also governs results: the worker
+    answers with the strategy of the task's arguments.
 
     Large arguments travel by reference: with a ``store`` (a store URL such as
     ``redis://HOST:PORT``, or a ProxyStore ``Store``), each argument that
@@ -135,7 +136,7 @@ class Client:
         self,
         service_url: str,
         *,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         topic_prefix: str = DEFAULT_TOPIC_PREFIX,
         user_id: str | None = None,
         token: str | None = None,
@@ -151,7 +152,7 @@ class Client:
         if proxy_threshold < 0:
             raise ValueError(f"proxy_threshold must not be negative, not {proxy_threshold}")
         self.service_url = service_url
-        self.bootstrap_servers = bootstrap_servers
+        self.kafka = kafka
         self.catalogue = Catalogue(prefix=topic_prefix)
         self.serializer = serializer if serializer is not None else Serializer()
         self.max_inline_bytes = max_inline_bytes
@@ -182,7 +183,7 @@ class Client:
         """A client from :class:`~fxstream.sdk.settings.ClientSettings`."""
         return cls(
             settings.service_url,
-            bootstrap_servers=settings.bootstrap_servers,
+            kafka=settings.kafka,
             topic_prefix=settings.topic_prefix,
             user_id=settings.user_id,
             token=settings.token,
@@ -420,7 +421,7 @@ class Client:
                 raise FxstreamError("this Client is closed")
             if self._producer is None:
                 self._producer = TaskProducer(
-                    self.bootstrap_servers,
+                    self.kafka,
                     self.catalogue.tasks_submitted,
                     max_message_bytes=producer_message_max_bytes(self.catalogue),
                     kafka_config=self._kafka_config,
@@ -434,7 +435,7 @@ class Client:
                 raise FxstreamError("this Client is closed")
             if self._listener is None:
                 listener = ResultListener(
-                    self.bootstrap_servers,
+                    self.kafka,
                     self.catalogue.results(self.user_id),
                     self.serializer,
                     kafka_config=self._kafka_config,
@@ -733,7 +734,7 @@ class Client:
                     self._resolve_from_state(future, state)
             if unfinished:
                 found = read_back_results(
-                    self.bootstrap_servers,
+                    self.kafka,
                     listener.topic,
                     unfinished,
                     boundary,
@@ -962,7 +963,7 @@ class Client:
 
     def __repr__(self) -> str:
         return (
-            f"Client({self.service_url!r}, bootstrap_servers={self.bootstrap_servers!r}, "
+            f"Client({self.service_url!r}, kafka={self.kafka!r}, "
             f"topic_prefix={self.catalogue.prefix!r}, user_id={self._user_id!r})"
         )
 

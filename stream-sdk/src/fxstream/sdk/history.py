@@ -20,7 +20,7 @@ from typing import Any, Final
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from fxstream.sdk.errors import FxstreamError
-from fxstream.topics import RecordDecodeError, TaskResult, decode
+from fxstream.topics import KafkaConnection, RecordDecodeError, TaskResult, decode
 
 __all__ = ["CLOCK_SKEW_S", "read_back_results"]
 
@@ -34,7 +34,7 @@ _BATCH: Final = 1_000
 
 
 def read_back_results(
-    bootstrap_servers: str,
+    kafka: KafkaConnection,
     topic: str,
     wanted: Mapping[str, float],
     until: Mapping[int, int],
@@ -57,7 +57,7 @@ def read_back_results(
     since_ms = max(0, int((min(wanted.values()) - CLOCK_SKEW_S) * 1000))
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap_servers,
+            **kafka.confluent(),
             # Required by librdkafka although no group is joined (assign, no commits).
             "group.id": f"fxstream-sdk-history-{uuid.uuid4()}",
             "enable.auto.commit": False,

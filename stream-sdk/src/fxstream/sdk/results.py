@@ -48,6 +48,7 @@ from fxstream.topics import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
     DeserializationError,
+    KafkaConnection,
     RecordDecodeError,
     Serializer,
     TaskErrorType,
@@ -105,7 +106,7 @@ class ResultListener:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         topic: str,
         serializer: Serializer,
         *,
@@ -123,7 +124,7 @@ class ResultListener:
             max_workers=_FETCH_THREADS, thread_name_prefix="fx-fetch"
         )
         self._config: dict[str, Any] = {
-            "bootstrap.servers": bootstrap_servers,
+            **kafka.confluent(),
             # Required by librdkafka even though no group is joined (assign, no commits).
             "group.id": f"fxstream-sdk-{uuid.uuid4()}",
             "enable.auto.commit": False,
@@ -192,7 +193,7 @@ class ResultListener:
         except KafkaException as exc:
             raise FxstreamError(
                 f"cannot read the metadata of {self.topic!r} from Kafka ({exc}); is the broker "
-                "up, and is FXSTREAM_BOOTSTRAP (bootstrap_servers) right?"
+                "up, and is FXSTREAM_BOOTSTRAP (bootstrap) right?"
             ) from exc
         topic = metadata.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:

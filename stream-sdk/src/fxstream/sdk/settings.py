@@ -1,14 +1,14 @@
 """Where a Client finds its service, broker and credentials.
 
 :meth:`ClientSettings.from_environment` reads a credentials JSON file (named
-by ``FXSTREAM_CREDENTIALS``) first, then the ``FXSTREAM_*`` variables, which
-override the file key by key:
+by ``FXSTREAM_CREDENTIALS``; readable by its owner only, mode 600, since it holds
+secrets) first, then the ``FXSTREAM_*`` variables, which override the file key by key:
 
 =============================  ======================  ============================
 variable                       credentials file key    meaning
 =============================  ======================  ============================
 ``FXSTREAM_SERVICE_URL``       ``service_url``         the REST service's base URL
-``FXSTREAM_BOOTSTRAP``         ``bootstrap_servers``   Kafka bootstrap servers
+``FXSTREAM_BOOTSTRAP``         ``bootstrap``           Kafka bootstrap servers
 ``FXSTREAM_TOPIC_PREFIX``      ``topic_prefix``        topic name prefix (``fx.``)
 ``FXSTREAM_USER_ID``           ``user_id``             your user id
 ``FXSTREAM_TOKEN``             ``token``               your API token
@@ -21,11 +21,17 @@ variable                       credentials file key    meaning
 ``store_url`` is a store URL (``redis://HOST:PORT``, ``file:///DIR``; see
 :mod:`fxstream.connectors.stores`); ``./fx up`` writes the platform's Redis.
 Without one, every argument must fit inline.
+
+Your Kafka principal comes from the file only (no variable, so the password is
+never in the environment): ``kafka_username``, ``kafka_password`` and
+``kafka_ca_file`` (the platform's CA certificate), read by
+:meth:`fxstream.topics.KafkaConnection.from_json`. Without ``kafka_username`` the
+client connects unauthenticated, which only the insecure development platform
+accepts.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +40,7 @@ from typing import Any, Final
 
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.sdk.errors import ConfigurationError
+from fxstream.topics import CredentialFileError, KafkaConnection, read_secret_json
 
 __all__ = [
     "CREDENTIALS_VARIABLE",
@@ -41,6 +48,7 @@ __all__ = [
     "DEFAULT_PROXY_THRESHOLD",
     "DEFAULT_TOPIC_PREFIX",
     "ENV_VARIABLES",
+    "KAFKA_KEYS",
     "ClientSettings",
 ]
 
@@ -56,7 +64,7 @@ CREDENTIALS_VARIABLE: Final = "FXSTREAM_CREDENTIALS"
 
 ENV_VARIABLES: Final[dict[str, str]] = {
     "service_url": "FXSTREAM_SERVICE_URL",
-    "bootstrap_servers": "FXSTREAM_BOOTSTRAP",
+    "bootstrap": "FXSTREAM_BOOTSTRAP",
     "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
     "user_id": "FXSTREAM_USER_ID",
     "token": "FXSTREAM_TOKEN",
@@ -66,13 +74,16 @@ ENV_VARIABLES: Final[dict[str, str]] = {
 }
 """Setting name -> environment variable (the setting name is also the credentials file key)."""
 
+KAFKA_KEYS: Final = ("kafka_username", "kafka_password", "kafka_ca_file")
+"""The credentials file keys of your Kafka principal (file only: no variables)."""
+
 
 @dataclass(frozen=True)
 class ClientSettings:
     """Everything a :class:`~fxstream.sdk.Client` needs to connect."""
 
     service_url: str
-    bootstrap_servers: str
+    kafka: KafkaConnection
     topic_prefix: str = DEFAULT_TOPIC_PREFIX
     user_id: str | None = None
     token: str | None = None
@@ -96,16 +107,22 @@ class ClientSettings:
             value = env.get(variable)
             if value:
                 values[setting] = value
-        missing = [s for s in ("service_url", "bootstrap_servers") if not values.get(s)]
+        missing = [s for s in ("service_url", "bootstrap") if not values.get(s)]
         if missing:
             names = " and ".join(f"{ENV_VARIABLES[s]} (key {s!r})" for s in missing)
             raise ConfigurationError(
                 f"no {' or '.join(missing)} configured: set {names}, or point "
                 f"{CREDENTIALS_VARIABLE} at a credentials JSON file holding them"
             )
+        try:
+            kafka = KafkaConnection.from_json(
+                values, source=str(path) if path else "the FXSTREAM_* variables"
+            )
+        except CredentialFileError as exc:
+            raise ConfigurationError(str(exc)) from None
         return cls(
             service_url=str(values["service_url"]),
-            bootstrap_servers=str(values["bootstrap_servers"]),
+            kafka=kafka,
             topic_prefix=str(values.get("topic_prefix") or DEFAULT_TOPIC_PREFIX),
             user_id=_optional_str(values.get("user_id")),
             token=_optional_str(values.get("token")),
@@ -142,27 +159,21 @@ def _size(value: Any, setting: str) -> int:
 
 def _read_credentials(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
+        data = read_secret_json(path)
+    except CredentialFileError as exc:
         raise ConfigurationError(
-            f"cannot read the credentials file {str(path)!r} named by {CREDENTIALS_VARIABLE}: "
-            f"{exc.strerror or exc}"
+            f"cannot use the credentials file named by {CREDENTIALS_VARIABLE}: {exc}"
         ) from exc
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ConfigurationError(
-            f"the credentials file {str(path)!r} is not valid JSON ({exc})"
-        ) from exc
-    if not isinstance(data, dict):
-        raise ConfigurationError(
-            f"the credentials file {str(path)!r} must hold a JSON object with the keys "
-            f"{', '.join(ENV_VARIABLES)}"
-        )
-    unknown = sorted(set(data) - set(ENV_VARIABLES))
+    known = (*ENV_VARIABLES, *KAFKA_KEYS)
+    unknown = sorted(set(data) - set(known))
     if unknown:
+        renamed = (
+            "; 'bootstrap_servers' is now 'bootstrap' (./fx up rewrites the file)"
+            if "bootstrap_servers" in unknown
+            else ""
+        )
         raise ConfigurationError(
             f"the credentials file {str(path)!r} has unknown keys {unknown}; "
-            f"known keys: {', '.join(ENV_VARIABLES)}"
+            f"known keys: {', '.join(known)}{renamed}"
         )
     return data

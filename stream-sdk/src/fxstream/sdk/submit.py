@@ -29,6 +29,7 @@ from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
 from fxstream.topics import (
     Catalogue,
+    KafkaConnection,
     RecordDecodeError,
     Serializer,
     TaskCancel,
@@ -271,7 +272,7 @@ class TaskProducer:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         topic: str,
         *,
         max_message_bytes: int,
@@ -279,7 +280,7 @@ class TaskProducer:
     ) -> None:
         self.topic = topic
         config: dict[str, Any] = {
-            "bootstrap.servers": bootstrap_servers,
+            **kafka.confluent(),
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 1,

@@ -61,7 +61,7 @@ from fxstream.ops.process import free_port_block, free_ports
 from fxstream.ops.services import LOCAL_ENDPOINT, Credentials, ServiceSet
 from fxstream.ops.supervisor import SupervisedProcess
 from fxstream.sdk import Client, Executor, TaskFuture
-from fxstream.topics import TaskResult, decode
+from fxstream.topics import KafkaConnection, TaskResult, decode
 
 __all__ = [
     "COMPONENTS",
@@ -136,7 +136,7 @@ class ChaosCluster:
             raise BenchError("the cluster platform started without its user or local endpoint")
         report(f"restarting the local endpoint with a {LEASE_S:g} s lease")
         _shorten_lease(services)
-        nodes = platform.nodes(cluster=True, java=ensure_java())
+        nodes = platform.nodes(cluster=True, java=ensure_java(), security=platform.security())
         return cls(platform, connection, services, credentials, endpoint_id, nodes)
 
     # --- clients -------------------------------------------------------------------------
@@ -148,18 +148,23 @@ class ChaosCluster:
         """
         return Client(
             self.credentials.service_url,
-            bootstrap_servers=self.connection.bootstrap_servers,
+            kafka=self.credentials.kafka,
             topic_prefix=self.connection.topic_prefix,
             user_id=self.credentials.user_id,
             token=self.credentials.token,
             kafka_config={"log_level": 2},
         )
 
+    @property
+    def kafka(self) -> KafkaConnection:
+        """How the chaos bench's own clients connect: as the platform's admin."""
+        return self.platform.kafka(cluster=True)
+
     def admin(self) -> AdminClient:
         """An admin client on the cluster."""
         return AdminClient(
             {
-                "bootstrap.servers": self.connection.bootstrap_servers,
+                **self.kafka.confluent(),
                 "socket.timeout.ms": 5000,
                 "log_level": 0,
             }
@@ -227,7 +232,7 @@ class ChaosCluster:
     def restart_broker(self, node: KafkaNode, timeout_s: float = 90.0) -> None:
         """Start a stopped broker again and wait until every broker is registered."""
         node.start(cluster_id_for(node.directory.parent))
-        wait_for_cluster(self.nodes, timeout_s=timeout_s)
+        wait_for_cluster(self.nodes, self.platform.kafka(cluster=True), timeout_s=timeout_s)
 
     # --- the Python services -------------------------------------------------------------
 
@@ -537,7 +542,7 @@ def read_result_counts(
     topic = cluster.connection.catalogue().results(cluster.credentials.user_id)
     consumer = Consumer(
         {
-            "bootstrap.servers": cluster.connection.bootstrap_servers,
+            **cluster.kafka.confluent(),
             "group.id": f"fxstream-chaos-audit-{time.monotonic_ns()}",
             "enable.auto.commit": False,
             "isolation.level": "read_committed",

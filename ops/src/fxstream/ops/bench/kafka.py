@@ -39,6 +39,7 @@ from rich.table import Table
 
 from fxstream.ops.bench.stack import BenchError, percentile, private_platform
 from fxstream.ops.config import PlatformConfig
+from fxstream.topics import KafkaConnection
 
 __all__ = ["BenchError", "run_kafka_bench"]
 
@@ -108,11 +109,11 @@ class _Producer:
     It remembers failed deliveries and waits when its local queue is full.
     """
 
-    def __init__(self, bootstrap: str, *, linger_ms: float) -> None:
+    def __init__(self, kafka: KafkaConnection, *, linger_ms: float) -> None:
         self.failures: list[str] = []
         self._producer = Producer(
             {
-                "bootstrap.servers": bootstrap,
+                **kafka.confluent(),
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": linger_ms,
@@ -160,11 +161,11 @@ class _Producer:
             )
 
 
-def _consumer(bootstrap: str, topic: str) -> Consumer:
+def _consumer(kafka: KafkaConnection, topic: str) -> Consumer:
     """A consumer of a fresh group, subscribed to ``topic``."""
     consumer = Consumer(
         {
-            "bootstrap.servers": bootstrap,
+            **kafka.confluent(),
             "group.id": f"bench.kafka.{uuid.uuid4().hex}",
             # The topics are new, so "earliest" loses nothing, and it keeps a record written
             # between assignment and the first fetch, which "latest" could skip.
@@ -286,7 +287,7 @@ def _fresh_topics(console: Console, admin: AdminClient, names: list[str]) -> Ite
 class _Broker:
     """The broker under test."""
 
-    bootstrap: str
+    kafka: KafkaConnection
     label: str
     kafka_version: str
 
@@ -295,40 +296,38 @@ class _Broker:
 def _private_broker(console: Console) -> Iterator[_Broker]:
     """A single-node platform of our own in a temporary home, stopped when the block ends."""
     with private_platform(console, services=False) as platform:
-        yield _Broker(
-            platform.connection.bootstrap_servers, "private", platform.config.kafka_version
-        )
+        yield _Broker(platform.kafka, "private", platform.config.kafka_version)
 
 
 @contextmanager
-def _broker(console: Console, bootstrap: str | None) -> Iterator[_Broker]:
-    """The broker at ``bootstrap``, or a private one when it is None."""
-    if bootstrap is None:
+def _broker(console: Console, kafka: KafkaConnection | None) -> Iterator[_Broker]:
+    """The broker of ``kafka``, or a private one when it is None."""
+    if kafka is None:
         with _private_broker(console) as broker:
             yield broker
     else:
-        yield _Broker(bootstrap, bootstrap, PlatformConfig.load().kafka_version)
+        yield _Broker(kafka, kafka.bootstrap, PlatformConfig.load().kafka_version)
 
 
 # --- relays --------------------------------------------------------------------------------
 
 
 def _relay(
-    bootstrap: str, source: str, target: str, ready: _Flag, stop: _Flag, failed: _Flag
+    kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag, failed: _Flag
 ) -> None:
     """One task-path hop, run in a thread or process: forward ``source`` to ``target``."""
     try:
-        _forward(bootstrap, source, target, ready, stop)
+        _forward(kafka, source, target, ready, stop)
     except BaseException:
         failed.set()
         raise
 
 
-def _forward(bootstrap: str, source: str, target: str, ready: _Flag, stop: _Flag) -> None:
+def _forward(kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag) -> None:
     """Copy every record of ``source`` to ``target`` until ``stop`` is set."""
-    producer = _Producer(bootstrap, linger_ms=RELAY_LINGER_MS)
+    producer = _Producer(kafka, linger_ms=RELAY_LINGER_MS)
     producer.connect(target)
-    consumer = _consumer(bootstrap, source)
+    consumer = _consumer(kafka, source)
     try:
         _await_assignment(consumer)
         ready.set()
@@ -372,7 +371,7 @@ RELAY_RUNTIME = PROCESSES
 
 
 @contextmanager
-def _relays(runtime: _Runtime, bootstrap: str, topics: Sequence[str]) -> Iterator[_Flag]:
+def _relays(runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str]) -> Iterator[_Flag]:
     """A relay between each pair of consecutive ``topics``, all assigned before the block.
 
     Yields the flag a failing relay sets.
@@ -384,7 +383,7 @@ def _relays(runtime: _Runtime, bootstrap: str, topics: Sequence[str]) -> Iterato
         for source, target in itertools.pairwise(topics):
             readies.append(runtime.event())
             workers.append(
-                runtime.worker(_relay, (bootstrap, source, target, readies[-1], stop, failed))
+                runtime.worker(_relay, (kafka, source, target, readies[-1], stop, failed))
             )
             workers[-1].start()
         _await_ready(readies, failed)
@@ -409,17 +408,17 @@ def _await_ready(readies: Sequence[_Flag], failed: _Flag) -> None:
 # --- phases --------------------------------------------------------------------------------
 
 
-def _warm_up(bootstrap: str, topic: str, records: int, padding: bytes) -> None:
+def _warm_up(kafka: KafkaConnection, topic: str, records: int, padding: bytes) -> None:
     """One untimed produce and consume of ``records`` records on the empty ``topic``.
 
     A new broker's JVM is cold (a first flood ran at a third of the later rate here) and it
     creates its offsets topic on the first group lookup, which takes seconds; the phases
     should time neither.
     """
-    consumer = _consumer(bootstrap, topic)
+    consumer = _consumer(kafka, topic)
     try:
         _await_assignment(consumer)
-        producer = _Producer(bootstrap, linger_ms=THROUGHPUT_LINGER_MS)
+        producer = _Producer(kafka, linger_ms=THROUGHPUT_LINGER_MS)
         _send_many(producer, topic, records, padding)
         producer.flush()
         _consume_all(consumer, records, _Watchdog("warm-up"))
@@ -435,9 +434,9 @@ def _send_many(producer: _Producer, topic: str, count: int, padding: bytes) -> N
             producer.serve()
 
 
-def _bench_produce(bootstrap: str, topic: str, records: int, padding: bytes) -> Figures:
+def _bench_produce(kafka: KafkaConnection, topic: str, records: int, padding: bytes) -> Figures:
     """Records per second one producer writes, until ``flush()`` has them all acknowledged."""
-    producer = _Producer(bootstrap, linger_ms=THROUGHPUT_LINGER_MS)
+    producer = _Producer(kafka, linger_ms=THROUGHPUT_LINGER_MS)
     producer.connect(topic)
     start = time.perf_counter()
     _send_many(producer, topic, records, padding)
@@ -449,9 +448,9 @@ def _bench_produce(bootstrap: str, topic: str, records: int, padding: bytes) -> 
     }
 
 
-def _bench_consume(bootstrap: str, topic: str, records: int) -> Figures:
+def _bench_consume(kafka: KafkaConnection, topic: str, records: int) -> Figures:
     """Records per second one fresh consumer reads, from its first poll to the last record."""
-    consumer = _consumer(bootstrap, topic)
+    consumer = _consumer(kafka, topic)
     watchdog = _Watchdog("consume")
     try:
         start = time.perf_counter()
@@ -513,11 +512,11 @@ def _round_trips(
     return trips
 
 
-def _bench_rtt(bootstrap: str, topic: str, samples: int, padding: bytes) -> Figures:
+def _bench_rtt(kafka: KafkaConnection, topic: str, samples: int, padding: bytes) -> Figures:
     """Single-hop round trip, one record in flight, producer without linger."""
-    producer = _Producer(bootstrap, linger_ms=0)
+    producer = _Producer(kafka, linger_ms=0)
     producer.connect(topic)
-    consumer = _consumer(bootstrap, topic)
+    consumer = _consumer(kafka, topic)
     try:
         _await_assignment(consumer)
         watchdog = _Watchdog("round trip")
@@ -574,17 +573,17 @@ def _flood(
 
 def _bench_relay3(
     runtime: _Runtime,
-    bootstrap: str,
+    kafka: KafkaConnection,
     topics: Sequence[str],
     records: int,
     samples: int,
     padding: bytes,
 ) -> Figures:
     """End-to-end through two relays: latency one record in flight, then a flood."""
-    with _relays(runtime, bootstrap, topics) as failed:
-        producer = _Producer(bootstrap, linger_ms=RELAY_LINGER_MS)
+    with _relays(runtime, kafka, topics) as failed:
+        producer = _Producer(kafka, linger_ms=RELAY_LINGER_MS)
         producer.connect(topics[0])
-        sink = _consumer(bootstrap, topics[-1])
+        sink = _consumer(kafka, topics[-1])
         try:
             _await_assignment(sink)
             watchdog = _Watchdog("relay3", failed)
@@ -654,7 +653,7 @@ class _Run:
 
     console: Console
     admin: AdminClient
-    bootstrap: str
+    kafka: KafkaConnection
     run_id: str
     padding: bytes
 
@@ -686,7 +685,7 @@ def _warm_phase(run: _Run, records: int) -> None:
         run.topics("warmup") as (topic,),
         run.console.status(f"[bold]warming the broker up with {records:,} records"),
     ):
-        _warm_up(run.bootstrap, topic, records, run.padding)
+        _warm_up(run.kafka, topic, records, run.padding)
 
 
 def _throughput_phases(run: _Run, records: int) -> Figures:
@@ -695,11 +694,11 @@ def _throughput_phases(run: _Run, records: int) -> Figures:
         return _phase(
             run.console,
             f"producing {records:,} records",
-            lambda: _bench_produce(run.bootstrap, topic, records, run.padding),
+            lambda: _bench_produce(run.kafka, topic, records, run.padding),
         ) | _phase(
             run.console,
             f"consuming {records:,} records",
-            lambda: _bench_consume(run.bootstrap, topic, records),
+            lambda: _bench_consume(run.kafka, topic, records),
         )
 
 
@@ -709,7 +708,7 @@ def _rtt_phase(run: _Run, samples: int) -> Figures:
         return _phase(
             run.console,
             f"timing {samples:,} round trips",
-            lambda: _bench_rtt(run.bootstrap, topic, samples, run.padding),
+            lambda: _bench_rtt(run.kafka, topic, samples, run.padding),
         )
 
 
@@ -719,9 +718,7 @@ def _relay3_phase(run: _Run, samples: int, records: int) -> Figures:
         return _phase(
             run.console,
             f"3-hop relay: {samples:,} round trips, then {records:,} records",
-            lambda: _bench_relay3(
-                RELAY_RUNTIME, run.bootstrap, topics, records, samples, run.padding
-            ),
+            lambda: _bench_relay3(RELAY_RUNTIME, run.kafka, topics, records, samples, run.padding),
         )
 
 
@@ -729,8 +726,8 @@ def _measure(console: Console, broker: _Broker, records: int, samples: int) -> F
     """Every phase against ``broker``, each on topics of its own."""
     run = _Run(
         console=console,
-        admin=AdminClient({"bootstrap.servers": broker.bootstrap, "log_level": LOG_LEVEL}),
-        bootstrap=broker.bootstrap,
+        admin=AdminClient({**broker.kafka.confluent(), "log_level": LOG_LEVEL}),
+        kafka=broker.kafka,
         run_id=uuid.uuid4().hex[:12],
         padding=os.urandom(RECORD_BYTES - _STAMP.size),
     )
@@ -743,18 +740,18 @@ def _measure(console: Console, broker: _Broker, records: int, samples: int) -> F
 
 
 def run_kafka_bench(
-    *, console: Console, records: int, latency_samples: int, bootstrap: str | None
+    *, console: Console, records: int, latency_samples: int, kafka: KafkaConnection | None
 ) -> dict[str, float | int | str]:
     """Measure raw Kafka on this machine: produce, consume, round trip and a 3-hop relay.
 
-    Against the broker at ``bootstrap``, or a private single-node platform started (and
+    Against the broker of ``kafka``, or a private single-node platform started (and
     stopped) here when it is None. Prints a table and, as the last line of stdout, the
     figures as one JSON object, which is also returned.
     """
     if records < 1 or latency_samples < 1:
         raise ValueError("records and latency_samples must be at least 1")
     started = time.perf_counter()
-    with _broker(console, bootstrap) as broker:
+    with _broker(console, kafka) as broker:
         figures = _measure(console, broker, records, latency_samples)
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     _print_table(console, figures)

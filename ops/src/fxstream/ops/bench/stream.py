@@ -49,7 +49,7 @@ def run_stream_bench(
                         figures["mode"] = mode
                     else:
                         figures = measure_kafka_stream(
-                            connection.bootstrap_servers,
+                            platform.kafka,
                             connection.redis_url,
                             array_bytes,
                             count,

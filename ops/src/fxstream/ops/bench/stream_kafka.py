@@ -44,7 +44,7 @@ from fxstream.sdk.streams import (
     stream_producer,
 )
 from fxstream.sdk.streams.publisher import RECORD_OVERHEAD_BYTES
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, KafkaConnection
 
 __all__ = ["measure_kafka_stream"]
 
@@ -74,7 +74,7 @@ def _inline_record_bytes(array_bytes: int) -> int:
 
 
 def _consume(
-    bootstrap: str,
+    kafka: KafkaConnection,
     prefix: str,
     group: str,
     items: int,
@@ -86,7 +86,7 @@ def _consume(
     """The consumer process: read the stream to its end, checking every array; report times."""
     try:
         consumer: KafkaStreamConsumer[Any] = stream_consumer(
-            bootstrap, STREAM, group=group, topic_prefix=prefix, timeout_s=IDLE_TIMEOUT_S
+            kafka, STREAM, group=group, topic_prefix=prefix, timeout_s=IDLE_TIMEOUT_S
         )
         with consumer:
             consumer.kafka.wait_for_assignment(STARTUP_TIMEOUT_S)
@@ -124,7 +124,7 @@ def _redis_store(redis_url: str, name: str) -> Store[Any]:
 
 
 def _produce(
-    bootstrap: str,
+    kafka: KafkaConnection,
     catalogue: Catalogue,
     store: Store[Any] | None,
     items: int,
@@ -133,7 +133,7 @@ def _produce(
 ) -> tuple[float, float]:
     """Warm up, send the arrays and end the stream; when the first send began and flush ended."""
     array = _array(array_bytes)
-    producer = stream_producer(bootstrap, STREAM, store=store, topic_prefix=catalogue.prefix)
+    producer = stream_producer(kafka, STREAM, store=store, topic_prefix=catalogue.prefix)
     with producer:
         # One array end to end before the clock starts: a fresh topic's first produce and
         # first fetch each wait out a retry backoff (~0.5 s measured) while its partitions
@@ -164,7 +164,7 @@ def _await_ready(ready: Any, consumer: Any) -> None:
 
 
 def measure_kafka_stream(
-    bootstrap: str, redis_url: str, array_bytes: int, items: int, *, inline: bool
+    kafka: KafkaConnection, redis_url: str, array_bytes: int, items: int, *, inline: bool
 ) -> dict[str, Any]:
     """Stream ``items`` arrays of ``array_bytes`` bytes to a consumer process; items/s and MB/s.
 
@@ -199,14 +199,14 @@ def measure_kafka_stream(
             )
             return figures
 
-    admin = AdminClient({"bootstrap.servers": bootstrap, "log_level": 3})
+    admin = AdminClient({**kafka.confluent(), "log_level": 3})
     topic = ensure_stream_topic(admin, catalogue, STREAM)
     store = None if inline else _redis_store(redis_url, f"bench-stream-{run_id}")
     ready, warmed, results = _SPAWN.Event(), _SPAWN.Event(), _SPAWN.Queue()
     consumer = _SPAWN.Process(
         target=_consume,
         args=(
-            *(bootstrap, catalogue.prefix, f"bench-{run_id}", items, array_bytes),
+            *(kafka, catalogue.prefix, f"bench-{run_id}", items, array_bytes),
             *(ready, warmed, results),
         ),
         daemon=True,
@@ -214,7 +214,7 @@ def measure_kafka_stream(
     consumer.start()
     try:
         _await_ready(ready, consumer)
-        start, flushed = _produce(bootstrap, catalogue, store, items, array_bytes, warmed)
+        start, flushed = _produce(kafka, catalogue, store, items, array_bytes, warmed)
         try:
             report = results.get(timeout=IDLE_TIMEOUT_S + items * 1.0)
         except queue.Empty as exc:

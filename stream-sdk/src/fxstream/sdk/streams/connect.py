@@ -23,7 +23,7 @@ from fxstream.sdk.client import Client
 from fxstream.sdk.settings import DEFAULT_TOPIC_PREFIX, ClientSettings
 from fxstream.sdk.streams.publisher import DEFAULT_LINGER_MS, KafkaPublisher, StreamKey
 from fxstream.sdk.streams.subscriber import DEFAULT_COMMIT_EVERY, KafkaSubscriber
-from fxstream.topics import Catalogue
+from fxstream.topics import Catalogue, KafkaConnection
 
 __all__ = [
     "KafkaStreamConsumer",
@@ -35,28 +35,30 @@ __all__ = [
 
 T = TypeVar("T")
 
-StreamSource = Client | ClientSettings | str
-"""Where a stream's Kafka is: a Client, its settings, or bootstrap servers (+ ``topic_prefix``)."""
+StreamSource = Client | ClientSettings | KafkaConnection
+"""Where a stream's Kafka is: a Client, its settings, or a KafkaConnection (+ ``topic_prefix``)."""
 
 
-def _connection(source: StreamSource, topic_prefix: str | None) -> tuple[str, Catalogue]:
+def _connection(
+    source: StreamSource, topic_prefix: str | None
+) -> tuple[KafkaConnection, Catalogue]:
     if isinstance(source, Client):
         catalogue = source.catalogue
-        bootstrap = source.bootstrap_servers
+        kafka = source.kafka
     elif isinstance(source, ClientSettings):
         catalogue = Catalogue(prefix=source.topic_prefix)
-        bootstrap = source.bootstrap_servers
-    elif isinstance(source, str):
+        kafka = source.kafka
+    elif isinstance(source, KafkaConnection):
         catalogue = Catalogue(prefix=DEFAULT_TOPIC_PREFIX)
-        bootstrap = source
+        kafka = source
     else:
         raise TypeError(
-            f"streams connect through a Client, ClientSettings or a bootstrap servers string, "
+            f"streams connect through a Client, ClientSettings or a KafkaConnection, "
             f"not {type(source).__name__}"
         )
     if topic_prefix is not None:
         catalogue = Catalogue(prefix=topic_prefix)
-    return bootstrap, catalogue
+    return kafka, catalogue
 
 
 class KafkaStreamProducer(StreamProducer[T]):
@@ -145,9 +147,9 @@ def stream_producer(
     the stream name). The store is the default for any other stream name sent
     through this producer too.
     """
-    bootstrap, catalogue = _connection(source, topic_prefix)
+    kafka, catalogue = _connection(source, topic_prefix)
     publisher = KafkaPublisher(
-        bootstrap,
+        kafka,
         catalogue=catalogue,
         key=key,
         linger_ms=linger_ms,
@@ -180,9 +182,9 @@ def stream_consumer(
     consumer a static group member: a restart with the same id takes over its
     partitions at once instead of after the session timeout.
     """
-    bootstrap, catalogue = _connection(source, topic_prefix)
+    kafka, catalogue = _connection(source, topic_prefix)
     subscriber = KafkaSubscriber(
-        bootstrap,
+        kafka,
         stream,
         group,
         catalogue=catalogue,

@@ -30,7 +30,14 @@ from confluent_kafka.admin import AdminClient
 from proxystore.stream.events import EventBatch, event_to_bytes
 
 from fxstream.sdk.errors import PayloadTooLarge, StreamDeliveryFailed, StreamError
-from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, budget, ensure_topics
+from fxstream.topics import (
+    Catalogue,
+    KafkaConnection,
+    ProvisionError,
+    ProvisionReport,
+    budget,
+    ensure_topics,
+)
 
 __all__ = [
     "DEFAULT_LINGER_MS",
@@ -79,7 +86,7 @@ def _default_key(stream: str) -> bytes:
 class KafkaPublisher:
     """ProxyStore ``EventPublisher`` writing stream events to fxstream's Kafka stream topics.
 
-    ``bootstrap_servers`` names the brokers and ``catalogue`` the deployment's
+    ``kafka`` names the brokers and the principal to connect as, ``catalogue`` the deployment's
     topics (prefix). ``key`` maps a stream name to its records' key; keep it
     constant per stream, since Kafka orders records only within a partition and
     the end-of-stream event must follow the stream's items. ``linger_ms`` is how
@@ -87,12 +94,12 @@ class KafkaPublisher:
     idempotent with ``acks=all``, so a retried send neither duplicates nor
     reorders records. With ``create_topics`` a stream's topic is created from the
     catalogue (``streams.<stream>``, 7 days, delete) on its first event.
-    ``kafka_config`` adds or overrides librdkafka settings (e.g. SASL).
+    ``kafka_config`` adds or overrides librdkafka settings.
     """
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         *,
         catalogue: Catalogue | None = None,
         key: StreamKey | None = None,
@@ -102,7 +109,7 @@ class KafkaPublisher:
     ) -> None:
         if linger_ms < 0:
             raise ValueError(f"linger_ms must be >= 0, not {linger_ms}")
-        self.bootstrap_servers = bootstrap_servers
+        self.kafka = kafka
         self.catalogue = catalogue if catalogue is not None else Catalogue()
         self._key: StreamKey = key if key is not None else _default_key
         self._create_topics = create_topics
@@ -114,7 +121,7 @@ class KafkaPublisher:
         streams_spec = self.catalogue.spec_for_topic(self.catalogue.stream("x"))
         assert streams_spec is not None
         config: dict[str, Any] = {
-            "bootstrap.servers": bootstrap_servers,
+            **kafka.confluent(),
             # librdkafka's own cap (1,000,000) is below the topic's; records are checked
             # against the topic's limit in send_events, and batches stay within batch.size.
             "message.max.bytes": budget.producer_message_max_bytes(self.catalogue),
@@ -180,7 +187,7 @@ class KafkaPublisher:
         if left:
             raise StreamDeliveryFailed(
                 f"{left} stream record(s) still unacknowledged after {timeout_s:g} s: is the "
-                f"broker at {self.bootstrap_servers} reachable?",
+                f"broker at {self.kafka.bootstrap} reachable?",
                 failures=[f"{left} unacknowledged"],
             )
         self.raise_failures()
@@ -235,7 +242,7 @@ class KafkaPublisher:
         assert spec is not None
         if self._create_topics:
             admin_config: dict[str, Any] = {
-                "bootstrap.servers": self.bootstrap_servers,
+                **self.kafka.confluent(),
                 "log_level": 3,
             }
             admin_config.update(_admin_settings(self._kafka_config))

@@ -52,6 +52,7 @@ from fxstream.sdk.streams.publisher import ensure_stream_topic
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
+    KafkaConnection,
     ProvisionError,
     dead_letter,
     encode,
@@ -105,7 +106,7 @@ class KafkaSubscriber:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        kafka: KafkaConnection,
         stream: str,
         group: str,
         *,
@@ -121,7 +122,7 @@ class KafkaSubscriber:
             raise ValueError(f"commit_every must be >= 1, not {commit_every}")
         if timeout_s is not None and timeout_s < 0:
             raise ValueError(f"timeout_s must be >= 0 or None, not {timeout_s}")
-        self.bootstrap_servers = bootstrap_servers
+        self.kafka = kafka
         self.stream = stream
         self.catalogue = catalogue if catalogue is not None else Catalogue()
         self.topic = self.catalogue.stream(stream)
@@ -140,7 +141,7 @@ class KafkaSubscriber:
         self._dead_letters: Producer | None = None
         self._closed = False
         if create_topic:
-            admin = AdminClient({"bootstrap.servers": bootstrap_servers, "log_level": 3})
+            admin = AdminClient({**kafka.confluent(), "log_level": 3})
             try:
                 ensure_stream_topic(admin, self.catalogue, stream)
             except ProvisionError as exc:
@@ -149,7 +150,7 @@ class KafkaSubscriber:
                     f"{self.topic!r} (see docs/topics.md) or check the broker address"
                 ) from exc
         config: dict[str, Any] = {
-            "bootstrap.servers": bootstrap_servers,
+            **kafka.confluent(),
             "group.id": self.group_id,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -427,7 +428,7 @@ class KafkaSubscriber:
         if self._dead_letters is None:
             self._dead_letters = Producer(
                 {
-                    "bootstrap.servers": self.bootstrap_servers,
+                    **self.kafka.confluent(),
                     "enable.idempotence": True,
                     "acks": "all",
                     "message.max.bytes": producer_message_max_bytes(self.catalogue),
