@@ -88,6 +88,7 @@ class Shared:
     config: EndpointConfig
     credentials: EndpointCredentials
     credentials_path: Path
+    kafka_password: str | None
     add: str
     environment: str
     snoop: str
@@ -129,6 +130,7 @@ def shared(stack: Stack, markers: Path) -> Iterator[Shared]:
     try:
         config = EndpointConfig.load("shared")
         credentials, credentials_path = config.credentials(), config.credentials_path
+        kafka_password = config.kafka(credentials).password
         assert config.directory == stack.home / "extra-endpoints" / "shared"
     finally:
         del os.environ["FXSTREAM_ENDPOINTS_DIR"]
@@ -139,6 +141,7 @@ def shared(stack: Stack, markers: Path) -> Iterator[Shared]:
         config,
         credentials,
         credentials_path,
+        kafka_password,
         ids["add"],
         ids["environment"],
         ids["snoop"],
@@ -229,8 +232,8 @@ def test_the_agents_credentials_are_private(stack: Stack, shared: Shared) -> Non
     assert pid is not None
     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode()
     secrets = [shared.owner_token, credentials.token, *PLANTED.values()]
-    if credentials.kafka is not None and credentials.kafka.password:
-        secrets.append(credentials.kafka.password)
+    if shared.kafka_password:
+        secrets.append(shared.kafka_password)
     assert not [s for s in secrets if s in cmdline]
     if os.geteuid() == 0:
         # Root reads any process's environment (CAP_SYS_PTRACE): it shows the agent was
@@ -261,8 +264,8 @@ def test_a_task_finds_no_secret_in_its_environment_or_its_agent(
 ) -> None:
     credentials = shared.credentials
     secrets = [shared.owner_token, credentials.token, *PLANTED.values()]
-    if credentials.kafka is not None and credentials.kafka.password:
-        secrets.append(credentials.kafka.password)
+    if shared.kafka_password:
+        secrets.append(shared.kafka_password)
     with json_client(stack) as client:
         endpoint = shared.endpoint.endpoint_id
         env = result(client, client.run(endpoint_id=endpoint, function_id=shared.environment))

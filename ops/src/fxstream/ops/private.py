@@ -28,6 +28,7 @@ import yaml
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
 from fxstream.ops.process import ManagedProcess, free_ports
+from fxstream.ops.services import KAFKA_CREDENTIALS_ENV
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import Catalogue, KafkaConnection
 
@@ -207,9 +208,14 @@ class PrivatePlatform:
             argv += ["--store-url", store]
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file.
+        configure_env = {**env, "FXSTREAM_TOKEN": settings.token or ""}
+        # On the secure platform: the Kafka principal endpoints use (by file path).
+        kafka_file = self.platform.services().endpoint_credentials_file
+        if kafka_file.is_file():
+            configure_env[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
         done = subprocess.run(
             argv,
-            env={**env, "FXSTREAM_TOKEN": settings.token or ""},
+            env=configure_env,
             capture_output=True,
             text=True,
         )
