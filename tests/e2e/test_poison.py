@@ -86,16 +86,17 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     finally:
         client.close()
     settings = stack.settings
+    # The agent's Kafka principal: the local endpoint's credentials file (secure platform).
+    kafka_file = stack.platform.services().endpoint_credentials_file
     env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(home)}
     os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(home)
     try:
-        kafka_file = stack.platform.services().endpoint_credentials_file
         config = EndpointConfig(
             name="inline",
             endpoint_id=endpoint_id,
             service_url=settings.service_url,
             bootstrap_servers=stack.bootstrap,
-            kafka_credentials=str(kafka_file) if kafka_file.is_file() else None,
+            kafka_credentials=str(kafka_file) if stack.connection.secure else None,
             topic_prefix=stack.prefix,
             workers=2,
             heartbeat_period_s=2.0,

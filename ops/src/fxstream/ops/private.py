@@ -207,15 +207,15 @@ class PrivatePlatform:
         if store:
             argv += ["--store-url", store]
         # The owner's token registers the endpoint: through the environment of this one
-        # command, never a command line; the agent gets its own credential file.
-        configure_env = {**env, "FXSTREAM_TOKEN": settings.token or ""}
-        # On the secure platform: the Kafka principal endpoints use (by file path).
-        kafka_file = self.platform.services().endpoint_credentials_file
-        if kafka_file.is_file():
-            configure_env[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
+        # command, never a command line; the agent gets its own credential file. On the
+        # secure platform also the path of the Kafka credentials file endpoints use.
+        secrets = {"FXSTREAM_TOKEN": settings.token or ""}
+        if self.connection.secure:
+            kafka_file = self.platform.services().endpoint_credentials_file
+            secrets[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
         done = subprocess.run(
             argv,
-            env=configure_env,
+            env={**env, **secrets},
             capture_output=True,
             text=True,
         )
