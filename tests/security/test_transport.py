@@ -10,10 +10,13 @@ that succeeds, so a broken check cannot pass by accident.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 import ssl
 import stat
 import struct
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -37,7 +40,7 @@ from cryptography.x509.oid import NameOID
 from fxstream.ops import Platform
 from fxstream.ops.kafka import ADMIN_PRINCIPAL, StorageMismatchError, kafka_nodes
 from fxstream.ops.pki import LocalCA
-from fxstream.ops.private import private_config
+from fxstream.ops.private import private_config, private_platform
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform, free_port_block
 
@@ -316,6 +319,81 @@ def test_no_password_on_any_command_line_of_the_platform(kafka_platform: Running
             cmdline = "\0".join(process.cmdline())
             assert password not in cmdline
             assert "password" not in cmdline.lower(), cmdline
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+@pytest.mark.platform
+def test_the_services_connect_by_credential_files_that_stay_private(tmp_path: Path) -> None:
+    """The full secure platform (service processes, the local endpoint and an added one)
+    runs tasks; every credential file is 0600 in a 0700 directory, no process of the platform
+    has a secret on its command line, and no log holds the admin password."""
+    with private_platform(tmp_path / "home") as running:
+        extra = running.add_endpoint("extra")
+        with running.executor() as local, running.executor(extra.endpoint_id) as other:
+            assert list(local.map(_square, range(5))) == [0, 1, 4, 9, 16]
+            assert other.submit(_square, 7).result(timeout=120) == 49
+        home = running.home
+        password = running.kafka.password
+        assert running.kafka.secure and password is not None
+        assert _mode(home) == 0o700 and _mode(home / "credentials") == 0o700
+        services = running.platform.services()
+        files = [
+            services.credentials_file,
+            services.service_credentials_file,
+            services.endpoint_credentials_file,
+            running.platform.credentials_file("admin"),
+        ]
+        for path in files:
+            assert _mode(path) == 0o600, path
+        user = KafkaConnection.from_file(services.credentials_file)
+        assert user.secure and _works(user)
+        pids = [c.pid for c in running.platform.status().components if c.pid is not None]
+        pids += [extra.process.pid()]
+        assert len(pids) >= 9  # supervisor, API, 3 processors, 2 endpoints, broker, Redis
+        token = running.settings.token
+        assert token is not None
+        for pid in pids:
+            assert pid is not None
+            root = psutil.Process(pid)
+            for process in (root, *root.children(recursive=True)):
+                cmdline = "\0".join(process.cmdline())
+                assert password not in cmdline and token not in cmdline, cmdline
+        for log in (home / "logs").iterdir():
+            assert password not in log.read_text(errors="replace"), log
+
+
+@pytest.mark.platform
+def test_the_insecure_switch_is_explicit_and_loud(tmp_path: Path) -> None:
+    """`./fx up --insecure` runs PLAINTEXT Kafka and says so on stderr at every start."""
+    home = tmp_path / "insecure"
+    private_config(home)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FXSTREAM_")}
+    env["FXSTREAM_HOME"] = str(home)
+    fxstream = str(Path(sys.executable).parent / "fxstream")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [fxstream, *args], env=env, capture_output=True, text=True, timeout=240
+        )
+
+    try:
+        up = cli("up", "--insecure", "--no-quickstart")
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert "INSECURE" in up.stderr and "NO authentication" in up.stderr
+        info = Platform.read_connection(home)
+        assert not info.secure and info.ca_file == ""
+        assert _works(KafkaConnection(info.bootstrap_servers))
+        assert not (home / "credentials" / "admin.json").exists()
+        again = cli("up", "--insecure", "--no-quickstart")  # every start says it
+        assert again.returncode == 0 and "INSECURE" in again.stderr
+        # A secure start does not silently reuse the running insecure platform.
+        secure = cli("up", "--no-quickstart")
+        assert secure.returncode == 1 and "--insecure" in secure.stderr
+    finally:
+        assert cli("down").returncode == 0
 
 
 def test_a_secure_start_refuses_data_formatted_without_its_credential(tmp_path: Path) -> None:

@@ -208,14 +208,14 @@ class PrivatePlatform:
             argv += ["--store-url", store]
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file. On the
-        # secure platform also the path of the Kafka credentials file endpoints use.
-        secrets = {"FXSTREAM_TOKEN": settings.token or ""}
-        if self.connection.secure:
-            kafka_file = self.platform.services().endpoint_credentials_file
-            secrets[KAFKA_CREDENTIALS_ENV] = str(kafka_file)
+        # secure platform also the path of the local endpoint's Kafka credentials file.
+        secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
+        if self.kafka.secure:
+            credentials = self.platform.services().endpoint_credentials_file
+            secrets_env[KAFKA_CREDENTIALS_ENV] = str(credentials)
         done = subprocess.run(
             argv,
-            env={**env, **secrets},
+            env={**env, **secrets_env},
             capture_output=True,
             text=True,
         )
