@@ -27,6 +27,7 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fxstream.agent.config import EndpointConfig
+from fxstream.agent.credentials import EndpointCredentials
 from fxstream.sdk import (
     Client,
     Executor,
@@ -92,18 +93,19 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
     env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(home)}
     os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(home)
     try:
-        EndpointConfig(
+        config = EndpointConfig(
             name="inline",
             endpoint_id=endpoint_id,
             service_url=settings.service_url,
             bootstrap_servers=stack.bootstrap,
             kafka_credentials=str(kafka_file) if stack.connection.secure else None,
-            token=_token(stack),
             topic_prefix=stack.prefix,
             workers=2,
             heartbeat_period_s=2.0,
             lease_timeout_s=10.0,
-        ).save()
+        )
+        EndpointCredentials(endpoint_id, _token(stack)).save(config.credentials_path)
+        config.save()
     finally:
         del os.environ["FXSTREAM_ENDPOINTS_DIR"]
     log = home / "agent.log"

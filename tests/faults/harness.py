@@ -113,6 +113,8 @@ class FaultStack:
         """
         source = self.services.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         config: dict[str, Any] = yaml.safe_load(source.read_text())
+        # The copy uses the local endpoint's credential (its own 0600 file, by path).
+        config["credentials_file"] = str(source.parent / config["credentials_file"])
         config.update(settings, name=name)
         target = self.services.endpoints_dir / name / "config.yaml"
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,13 @@ answered) only settles its own offset, and one from another user than the
 submitter (the dispatch's router-stamped ``user_id``) is dead-lettered. A
 cancelled task is never retried: a cancel asked while it ran wins over whatever
 its worker's death looked like.
+
+Policy: a task the endpoint does not allow (``allowed_functions``,
+``allowed_serializers``; :mod:`fxstream.agent.policy`) is answered with a
+``NotAllowedOnEndpoint`` error as it is taken off the queue, from its record's
+fields and its arguments' header alone: its code is not fetched, nothing of it is
+deserialized. The agent authenticates with its endpoint's own credential (Kafka
+principal and API token, :mod:`fxstream.agent.credentials`), never its owner's.
 """
 
 from __future__ import annotations
@@ -83,7 +90,9 @@ from confluent_kafka import (
 )
 
 from fxstream.agent.config import EndpointConfig
+from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.offsets import OffsetTracker
+from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.publisher import Answer, Refusal, TransactionalPublisher
 from fxstream.agent.runner import runner_for
 from fxstream.agent.workers import RunnerSpec, WorkerPool, WorkItem, WorkOutcome
@@ -139,7 +148,13 @@ POLL_S = 0.1
 STOP_GRACE_S = 5.0
 STOP_CLOSE_S = 1.5
 # Failures a retry cannot cure, even with retry_user_errors.
-_NEVER_RETRIED = frozenset({str(TaskErrorType.CANCELLED), str(TaskErrorType.RESULT_TOO_LARGE)})
+_NEVER_RETRIED = frozenset(
+    {
+        str(TaskErrorType.CANCELLED),
+        str(TaskErrorType.RESULT_TOO_LARGE),
+        str(TaskErrorType.NOT_ALLOWED),
+    }
+)
 # How often tasks waiting for an unreachable service try to fetch their code again.
 CODE_RETRY_S = 2.0
 
@@ -233,9 +248,18 @@ class _CodeCache:
 class Agent:
     """Serves one endpoint until :meth:`stop` (or the ``stop`` event passed to :meth:`run`)."""
 
-    def __init__(self, config: EndpointConfig, *, runner: RunnerSpec | None = None) -> None:
+    def __init__(
+        self,
+        config: EndpointConfig,
+        *,
+        runner: RunnerSpec | None = None,
+        credentials: EndpointCredentials | None = None,
+    ) -> None:
         config.validate()
         self.config = config
+        # The endpoint's own credential (read from its 0600 file unless given).
+        self._credentials = credentials if credentials is not None else config.credentials()
+        self.policy = TaskPolicy.of(config)
         self.agent_id = str(uuid.uuid4())
         self.catalogue = Catalogue(prefix=config.topic_prefix)
         self.queue_topic = self.catalogue.endpoint_queue(config.endpoint_id)
@@ -293,9 +317,9 @@ class Agent:
 
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
-        kafka = self.config.kafka().confluent()
+        kafka = self.config.kafka(self._credentials).confluent()
         pool = WorkerPool(self.config.workers, self._runner)
-        codes = _CodeCache(self.config.service_url, self.config.token)
+        codes = _CodeCache(self.config.service_url, self._credentials.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
@@ -507,6 +531,12 @@ class Agent:
                 return
             # A run from before a lost assignment is answered nowhere: this one replaces it.
             self._held[submission.task_id] = held
+        refusal = self.policy.refusal(submission)
+        if refusal is not None:
+            # Before its code is fetched or anything of it deserialized.
+            log.warning("task %s refused: %s", submission.task_id, refusal)
+            self._publish(held, _failed(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal)))
+            return
         try:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
             sha, code = _verified_code(codes, dispatch, submission.function_id)

@@ -9,8 +9,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import psutil
@@ -20,9 +21,12 @@ from rich.table import Table
 
 from fxstream.agent.agent import Agent
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
+from fxstream.agent.credentials import EndpointCredentials
+from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
+from fxstream.topics.connection import CredentialFileError, KafkaConnection
 
-__all__ = ["app", "main", "register_endpoint"]
+__all__ = ["app", "issued_credentials", "main", "register_endpoint"]
 
 app = typer.Typer(help="Run fxstream endpoints on this machine.", no_args_is_help=True)
 console = Console(soft_wrap=True)
@@ -30,25 +34,80 @@ console = Console(soft_wrap=True)
 READY_LINE = "endpoint ready"
 
 
-def register_endpoint(service_url: str, token: str, name: str) -> str:
-    """Register an endpoint with the service and return its id."""
+def register_endpoint(
+    service_url: str,
+    token: str,
+    name: str,
+    *,
+    public: bool = False,
+    allowed_users: list[str] | None = None,
+    metadata: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """Register an endpoint with the service as its owner (``token``); the service's answer.
+
+    The answer holds ``endpoint_id`` and what the service issues the endpoint (its API
+    ``token`` and Kafka principal ``kafka_username`` / ``kafka_password``, once it does).
+    """
     response = httpx.post(
         f"{service_url}/v1/endpoints",
         headers={"Authorization": f"Bearer {token}"},
         json={
             "name": name,
-            "public": False,
-            "allowed_users": [],
+            "public": public,
+            "allowed_users": allowed_users or [],
             "description": "",
-            "metadata": {},
+            "metadata": metadata or {},
         },
         timeout=30,
     )
     if response.status_code != 201:
         detail = response.json().get("detail", response.text) if response.content else ""
         raise ConfigError(f"the service refused to register endpoint {name!r}: {detail}")
-    endpoint_id: str = response.json()["endpoint_id"]
-    return endpoint_id
+    issued: dict[str, Any] = response.json()
+    return issued
+
+
+def issued_credentials(
+    endpoint_id: str,
+    issued: dict[str, Any],
+    *,
+    kafka: KafkaConnection,
+    owner_token: str | None,
+    warn: Callable[[str], None],
+) -> EndpointCredentials:
+    """The endpoint's credential from what the service issued at registration.
+
+    A Kafka principal the service issued (``kafka_username``, ``kafka_password``) is kept
+    with the brokers and CA certificate of ``kafka`` (the endpoint's configured
+    connection). When the service issued the endpoint no API token of its own, its
+    owner's is used, with a warning: a task on the endpoint could then read its owner's
+    token from the credentials file.
+    """
+    principal = None
+    username, password = issued.get("kafka_username"), issued.get("kafka_password")
+    if isinstance(username, str) and isinstance(password, str):
+        if kafka.ca_file is None:
+            raise ConfigError(
+                f"the service issued endpoint {endpoint_id} the Kafka principal {username!r} "
+                "but the platform's CA certificate is not known: pass --kafka-credentials "
+                "FILE (a credentials file of this platform, for its kafka_ca_file)"
+            )
+        principal = kafka.as_user(username, password)
+    token = issued.get("token")
+    if not isinstance(token, str) or not token:
+        if not owner_token:
+            raise ConfigError(
+                f"no API token for endpoint {endpoint_id}: the service issued none; pass "
+                "--credentials FILE (the endpoint's credential) or set FXSTREAM_TOKEN"
+            )
+        warn(
+            f"the service issued endpoint {endpoint_id} no API token of its own, so the agent "
+            "uses its owner's (FXSTREAM_TOKEN), kept in the endpoint's 0600 credentials "
+            "file. Tasks run as the same OS user can read that file: do not let other users "
+            "run tasks on this endpoint"
+        )
+        token = owner_token
+    return EndpointCredentials(endpoint_id, token, principal)
 
 
 def _fail(message: str) -> typer.Exit:
@@ -80,9 +139,27 @@ def configure(
     name: str,
     service_url: Annotated[str, typer.Option(help="The service's REST API.")],
     bootstrap: Annotated[str, typer.Option(help="Kafka bootstrap servers.")],
-    token: Annotated[str, typer.Option(help="The owner's API token.", envvar="FXSTREAM_TOKEN")],
+    credentials: Annotated[
+        Path | None,
+        typer.Option(
+            help=(
+                "The endpoint's own credential: a 0600 JSON file (endpoint_id, token, and "
+                "the Kafka principal the service issued it, if any). Without it the "
+                "endpoint is registered with its owner's token, read from FXSTREAM_TOKEN, "
+                "and the credential the service issues is written beside the config."
+            ),
+            dir_okay=False,
+        ),
+    ] = None,
     endpoint_id: Annotated[
         str | None, typer.Option(help="An existing endpoint id; registered if omitted.")
+    ] = None,
+    public: Annotated[
+        bool, typer.Option(help="Registering: every user may run tasks on the endpoint.")
+    ] = False,
+    allowed_user: Annotated[
+        list[str] | None,
+        typer.Option(help="Registering: a user id that may run tasks on it (repeat it)."),
     ] = None,
     prefix: Annotated[str, typer.Option(help="Topic prefix.")] = "fx.",
     kafka_credentials: Annotated[
@@ -90,7 +167,8 @@ def configure(
         typer.Option(
             help="The endpoint's Kafka credentials file (0600 JSON: kafka_username, "
             "kafka_password, kafka_ca_file); its path goes in the config, never the secret. "
-            "Omit only on the insecure development platform.",
+            "Omit on the insecure development platform, or when the service issues the "
+            "endpoint its Kafka principal.",
             envvar="FXSTREAM_KAFKA_CREDENTIALS",
             dir_okay=False,
         ),
@@ -105,32 +183,100 @@ def configure(
     proxy_threshold: Annotated[
         int, typer.Option(help="Results above this many bytes go to the proxy store.")
     ] = DEFAULT_PROXY_THRESHOLD_BYTES,
+    allow_function: Annotated[
+        list[str] | None,
+        typer.Option(help="Run only these function ids (repeat it; default: any function)."),
+    ] = None,
+    allow_serializer: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Accept only arguments of these data strategies, e.g. json (repeat it; "
+            "default: any)."
+        ),
+    ] = None,
 ) -> None:
-    """Write the endpoint's YAML config (registering the endpoint with the service if needed)."""
+    """Write the endpoint's YAML config and its 0600 credentials file (registering the
+    endpoint with the service if needed). No secret is taken on the command line: the
+    owner's token, needed only to register, comes from FXSTREAM_TOKEN."""
+    owner_token = os.environ.get("FXSTREAM_TOKEN") or None
     try:
-        if endpoint_id is None:
-            endpoint_id = register_endpoint(service_url, token, name)
-        config = EndpointConfig(
-            name=name,
-            endpoint_id=endpoint_id,
-            service_url=service_url,
-            bootstrap_servers=bootstrap,
-            kafka_credentials=None
+        settings: dict[str, Any] = {
+            "name": name,
+            "service_url": service_url,
+            "bootstrap_servers": bootstrap,
+            "kafka_credentials": None
             if kafka_credentials is None
             else str(kafka_credentials.absolute()),
-            token=token,
-            topic_prefix=prefix,
-            workers=workers,
-            prefetch=prefetch,
-            heartbeat_period_s=heartbeat_period,
-            store_url=store_url,
-            proxy_threshold=proxy_threshold,
-        )
+            "topic_prefix": prefix,
+            "workers": workers,
+            "prefetch": prefetch,
+            "heartbeat_period_s": heartbeat_period,
+            "store_url": store_url,
+            "proxy_threshold": proxy_threshold,
+            "allowed_functions": tuple(allow_function or ()),
+            "allowed_serializers": tuple(allow_serializer or ()),
+        }
+        if credentials is not None:
+            path = credentials.expanduser().absolute()
+            given = EndpointCredentials.load(path)
+            if endpoint_id is not None and endpoint_id != given.endpoint_id:
+                raise ConfigError(
+                    f"{credentials} is the credential of endpoint {given.endpoint_id}, not "
+                    f"{endpoint_id}"
+                )
+            config = EndpointConfig(
+                endpoint_id=given.endpoint_id, credentials_file=str(path), **settings
+            )
+            config.validate()
+        else:
+            EndpointConfig(endpoint_id="-", **settings).validate()
+            issued: dict[str, Any] = {}
+            if endpoint_id is None:
+                if owner_token is None:
+                    raise ConfigError(
+                        "registering an endpoint needs its owner's API token: set "
+                        "FXSTREAM_TOKEN (never on the command line), or pass --credentials "
+                        "FILE with the endpoint's credential"
+                    )
+                issued = register_endpoint(
+                    service_url,
+                    owner_token,
+                    name,
+                    public=public,
+                    allowed_users=list(allowed_user or ()),
+                )
+                endpoint_id = str(issued["endpoint_id"])
+            config = EndpointConfig(endpoint_id=endpoint_id, **settings)
+            endpoint_credentials = _kept_credentials(config, issued) or issued_credentials(
+                endpoint_id,
+                issued,
+                kafka=config.kafka(),
+                owner_token=owner_token,
+                warn=_warn,
+            )
+            endpoint_credentials.save(config.credentials_path)
         path = config.save()
-    except (ConfigError, httpx.HTTPError) as exc:
+    except (ConfigError, CredentialFileError, ValueError, httpx.HTTPError) as exc:
         raise _fail(f"cannot configure endpoint {name!r}: {exc}") from exc
-    console.print(f"endpoint {name!r} ({endpoint_id}) configured in {path}")
+    console.print(f"endpoint {name!r} ({config.endpoint_id}) configured in {path}")
+    console.print(f"its credential: {config.credentials_path} (mode 600)")
     console.print(f"start it with: fxstream-endpoint start {name}")
+
+
+def _warn(message: str) -> None:
+    console.print(f"[yellow]warning: {message}[/yellow]")
+
+
+def _kept_credentials(config: EndpointConfig, issued: dict[str, Any]) -> EndpointCredentials | None:
+    """The endpoint's credential already on file, when nothing new was issued and it is
+    this endpoint's (configuring an endpoint again keeps its credential)."""
+    if issued:
+        return None
+    try:
+        kept = EndpointCredentials.load(config.credentials_path)
+    except CredentialFileError:
+        return None
+    return kept if kept.endpoint_id == config.endpoint_id else None
 
 
 @app.command()
@@ -149,6 +295,9 @@ def start(
     if daemon:
         _start_daemon(name)
     else:
+        # Workers inherit the agent's environment: start again (same PID) without any
+        # variable that looks secret, so neither they nor /proc/<pid>/environ show one.
+        reexec_without_secrets([sys.executable, "-m", "fxstream.agent.cli", "start", name])
         _serve(config)
 
 
@@ -156,6 +305,11 @@ def _serve(config: EndpointConfig) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # No process of this user (a task included) may read this one's memory.
+    if not protect_memory():
+        logging.getLogger(__name__).warning(
+            "cannot make the agent non-dumpable here: tasks may read its memory"
+        )
     agent = Agent(config)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
@@ -183,6 +337,7 @@ def _start_daemon(name: str, timeout_s: float = 60.0) -> None:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=scrubbed(os.environ),
         )
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -1,7 +1,14 @@
 """An endpoint's configuration: one YAML file per named endpoint.
 
 Files live in ``$FXSTREAM_ENDPOINTS_DIR/<name>/config.yaml`` (default
-``~/.fxstream/endpoints``), beside the endpoint's log and PID file.
+``~/.fxstream/endpoints``), beside the endpoint's log and PID file, in a directory only
+its owner may enter (0700). ``config.yaml`` holds settings, never a secret: the endpoint's
+credential (its Kafka principal and API token, never its owner's) is in the 0600 file
+``credentials_file`` names (:mod:`fxstream.agent.credentials`).
+
+A shared endpoint narrows what it runs: ``allowed_functions`` (function ids) and
+``allowed_serializers`` (data strategies of the arguments, e.g. ``[json]``); a task outside
+them is refused before anything of it is deserialized (:mod:`fxstream.agent.policy`).
 """
 
 from __future__ import annotations
@@ -15,8 +22,10 @@ from typing import Any
 import msgspec
 import yaml
 
+from fxstream.agent.credentials import EndpointCredentials
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
-from fxstream.topics import CredentialFileError, KafkaConnection
+from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
+from fxstream.topics.connection import write_secret_file
 
 __all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
@@ -50,7 +59,9 @@ class EndpointConfig:
     endpoint_id: str
     service_url: str
     bootstrap_servers: str
-    token: str
+    # The 0600 JSON file with the endpoint's own credential: its API token (and the Kafka
+    # principal the service issued it, if any); relative to this endpoint's directory.
+    credentials_file: str = "credentials.json"
     topic_prefix: str = "fx."
     workers: int = 2
     prefetch: int = 16
@@ -74,20 +85,34 @@ class EndpointConfig:
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
     # The endpoint's Kafka principal: the path of its 0600 JSON credentials file
     # (kafka_username, kafka_password, kafka_ca_file), never the secret itself. None: the
-    # agent connects unauthenticated (the insecure development platform only).
+    # principal in credentials_file, if the service issued one; else the agent connects
+    # unauthenticated (the insecure development platform only).
     kafka_credentials: str | None = None
+    # What this endpoint runs (empty: anything its users send): function ids, and the
+    # data strategies (ids or names, e.g. "js" or "json") their arguments may use.
+    allowed_functions: tuple[str, ...] = ()
+    allowed_serializers: tuple[str, ...] = ()
 
-    def kafka(self) -> KafkaConnection:
-        """How the agent connects to Kafka: as the principal of ``kafka_credentials``, to
-        ``bootstrap_servers``; a :class:`ConfigError` says what is wrong with the file."""
-        if self.kafka_credentials is None:
+    def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
+        """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
+        ``kafka_credentials``, else as the one in the endpoint's credential (``credentials``,
+        read from ``credentials_file`` if not given and the file exists), else
+        unauthenticated. A :class:`ConfigError` says what is wrong with a file."""
+        if self.kafka_credentials is not None:
+            try:
+                principal: KafkaConnection | None = KafkaConnection.from_file(
+                    Path(self.kafka_credentials)
+                )
+            except CredentialFileError as exc:
+                raise ConfigError(f"kafka_credentials: {exc}") from None
+        else:
+            if credentials is None and self.credentials_path.is_file():
+                credentials = self.credentials()
+            principal = credentials.kafka if credentials is not None else None
+        if principal is None or principal.username is None:
             return KafkaConnection(self.bootstrap_servers)
-        try:
-            connection = KafkaConnection.from_file(Path(self.kafka_credentials))
-        except CredentialFileError as exc:
-            raise ConfigError(f"kafka_credentials: {exc}") from None
         return KafkaConnection(
-            self.bootstrap_servers, connection.username, connection.password, connection.ca_file
+            self.bootstrap_servers, principal.username, principal.password, principal.ca_file
         )
 
     def validate(self) -> None:
@@ -120,6 +145,9 @@ class EndpointConfig:
                 StoreSpec.parse(self.store_url)
             except StoreURLError as exc:
                 raise ConfigError(f"store_url: {exc}") from None
+        self.serializer_ids()
+        if any(not isinstance(f, str) or not f for f in self.allowed_functions):
+            raise ConfigError("allowed_functions must be a list of function ids")
         if self.kafka_credentials is not None:
             self.kafka()  # the file exists, is 0600 and names a usable principal
         if self.engine != "process":
@@ -127,6 +155,45 @@ class EndpointConfig:
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "
                 "processes) is built; batch-scheduler engines come later"
             )
+
+    def serializer_ids(self) -> frozenset[str]:
+        """The data strategy ids ``allowed_serializers`` names (empty: any)."""
+        data = [s for s in registered_strategies() if s.kind == "data"]
+        by_name = {s.id: s.id for s in data} | {s.name.lower(): s.id for s in data}
+        ids = set()
+        for entry in self.allowed_serializers:
+            found = by_name.get(str(entry).lower())
+            if found is None:
+                choices = ", ".join(f"{s.id} ({s.name})" for s in data)
+                raise ConfigError(
+                    f"allowed_serializers: {entry!r} is not a data strategy; choose from {choices}"
+                )
+            ids.add(found)
+        return frozenset(ids)
+
+    @property
+    def credentials_path(self) -> Path:
+        """The credentials file (``credentials_file`` resolved against the directory)."""
+        path = Path(self.credentials_file).expanduser()
+        return path if path.is_absolute() else self.directory / path
+
+    def credentials(self) -> EndpointCredentials:
+        """The endpoint's credential; :class:`ConfigError` saying what to do if unusable."""
+        path = self.credentials_path
+        try:
+            credentials = EndpointCredentials.load(path)
+        except CredentialFileError as exc:
+            raise ConfigError(
+                f"endpoint {self.name!r}: {exc} (run `fxstream-endpoint configure {self.name}` "
+                "to write it)"
+            ) from None
+        if credentials.endpoint_id != self.endpoint_id:
+            raise ConfigError(
+                f"{path} is the credential of endpoint {credentials.endpoint_id}, not of "
+                f"{self.endpoint_id} (this config's endpoint_id); point credentials_file at "
+                f"this endpoint's credential or run `fxstream-endpoint configure {self.name}`"
+            )
+        return credentials
 
     @property
     def directory(self) -> Path:
@@ -139,11 +206,14 @@ class EndpointConfig:
         return self.directory / "config.yaml"
 
     def save(self) -> Path:
-        """Write the YAML file (readable only by its owner: it holds a token)."""
+        """Write the YAML file atomically (0600, in the endpoint's 0700 directory)."""
         self.validate()
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(yaml.safe_dump(asdict(self), sort_keys=False))
-        self.path.chmod(0o600)
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.directory.chmod(0o700)
+        settings = asdict(self)
+        settings["allowed_functions"] = list(self.allowed_functions)
+        settings["allowed_serializers"] = list(self.allowed_serializers)
+        write_secret_file(self.path, yaml.safe_dump(settings, sort_keys=False).encode())
         return self.path
 
     @classmethod
@@ -161,6 +231,14 @@ class EndpointConfig:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path} must hold a mapping of settings")
+        if set(raw) & _MOVED:
+            raise ConfigError(
+                f"{path} holds a token: an endpoint's config no longer holds its owner's "
+                "token; the endpoint's own credential goes to its 0600 credentials file. "
+                "Run `FXSTREAM_TOKEN=<owner token> fxstream-endpoint configure "
+                f"{name} --endpoint-id {raw.get('endpoint_id', '<id>')} --service-url URL "
+                "--bootstrap HOST:PORT` to rewrite both"
+            )
         known = {f.name for f in fields(cls)}
         unknown = set(raw) - known
         if unknown:
@@ -176,4 +254,6 @@ class EndpointConfig:
         return config
 
 
-_REQUIRED = {"name", "endpoint_id", "service_url", "bootstrap_servers", "token"}
+_REQUIRED = {"name", "endpoint_id", "service_url", "bootstrap_servers"}
+# Settings of configs written before the endpoint had its own credentials file.
+_MOVED = {"token"}

@@ -18,10 +18,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from fxstream.ops.config import PlatformConfig
 from fxstream.ops.platform import ConnectionInfo, Platform
@@ -170,16 +172,17 @@ class PrivatePlatform:
         heartbeat_period_s: float = 1.0,
         store_url: str | None = "platform",
         public: bool = False,
+        allowed_functions: Sequence[str] = (),
+        allowed_serializers: Sequence[str] = (),
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
         ``store_url`` ``"platform"`` gives it the platform's store, None none (large
-        results then travel inline). It is stopped by :meth:`stop_extra_endpoints`
-        (and by :func:`private_platform` at the end).
+        results then travel inline). ``allowed_functions`` and ``allowed_serializers`` set
+        what it runs (see the endpoint config). It is stopped by
+        :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
         settings = self.settings
-        with self.client() as owner:
-            endpoint_id = owner.register_endpoint(name, public=public)
         endpoints_dir = self.home / "extra-endpoints"
         env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(endpoints_dir)}
         cli = str(Path(sys.executable).parent / "fxstream-endpoint")
@@ -187,8 +190,6 @@ class PrivatePlatform:
             cli,
             "configure",
             name,
-            "--endpoint-id",
-            endpoint_id,
             "--service-url",
             settings.service_url,
             "--bootstrap",
@@ -202,11 +203,18 @@ class PrivatePlatform:
             "--heartbeat-period",
             str(heartbeat_period_s),
         ]
+        if public:
+            argv.append("--public")
+        for function_id in allowed_functions:
+            argv += ["--allow-function", function_id]
+        for serializer in allowed_serializers:
+            argv += ["--allow-serializer", serializer]
         store = settings.store_url if store_url == "platform" else store_url
         if store:
             argv += ["--store-url", store]
-        # Secrets go through the environment and files, never the command line. The agent
-        # connects as the local endpoint's Kafka principal (the platform writes its file).
+        # The owner's token registers the endpoint: through the environment of this one
+        # command, never a command line; the agent gets its own credential file. On the
+        # secure platform also the path of the local endpoint's Kafka credentials file.
         secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
         if self.kafka.secure:
             credentials = self.platform.services().endpoint_credentials_file
@@ -218,7 +226,10 @@ class PrivatePlatform:
             text=True,
         )
         if done.returncode != 0:
-            raise PrivatePlatformError(f"fxstream-endpoint configure {name}: {done.stderr}")
+            raise PrivatePlatformError(
+                f"fxstream-endpoint configure {name}: {done.stdout}{done.stderr}"
+            )
+        endpoint_id = _configured_endpoint_id(endpoints_dir / name / "config.yaml")
         process = ManagedProcess(
             name=f"endpoint {name}",
             argv=[cli, "start", name],
@@ -246,6 +257,13 @@ class PrivatePlatform:
         """Stop every endpoint :meth:`add_endpoint` started, by PID."""
         while self.extra_endpoints:
             self.extra_endpoints.pop().process.stop(timeout_s=timeout_s)
+
+
+def _configured_endpoint_id(config_file: Path) -> str:
+    endpoint_id = yaml.safe_load(config_file.read_text()).get("endpoint_id")
+    if not isinstance(endpoint_id, str):
+        raise PrivatePlatformError(f"{config_file} has no endpoint_id")
+    return endpoint_id
 
 
 def start_private_platform(

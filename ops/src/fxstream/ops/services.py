@@ -464,17 +464,18 @@ class ServiceSet:
 
     def _ensure_endpoint(self, credentials: Credentials, *, secure: bool) -> str:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
+        owned = config_file.is_file() and self._owns(credentials, _endpoint_id(config_file))
         kafka_credentials = str(self.endpoint_credentials_file) if secure else None
         if (
-            config_file.is_file()
-            and _setting(config_file, "token") == credentials.token
+            owned
             and _setting(config_file, "store_url") == credentials.store_url
+            and (config_file.parent / "credentials.json").is_file()
             and _setting(config_file, "kafka_credentials") == kafka_credentials
             and _setting(config_file, "bootstrap_servers") == credentials.kafka.bootstrap
         ):
             return _endpoint_id(config_file)
         store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
-        if config_file.is_file() and _setting(config_file, "token") == credentials.token:
+        if owned:
             # Same owner, new settings: keep the registered endpoint.
             store += ["--endpoint-id", _endpoint_id(config_file)]
         done = subprocess.run(
@@ -490,7 +491,9 @@ class ServiceSet:
                 credentials.topic_prefix,
                 *store,
             ],
-            # Secrets by environment and file, never on the command line.
+            # The owner's token registers the endpoint; it goes through the environment
+            # of this one command, never its command line or the endpoint's config (the
+            # agent gets its own credential file). Kafka credentials by file path.
             env={
                 **self._endpoint_env(),
                 "FXSTREAM_TOKEN": credentials.token,
@@ -502,6 +505,17 @@ class ServiceSet:
         if done.returncode != 0:
             raise ProcessStartError(f"cannot configure the local endpoint: {done.stdout}")
         return _endpoint_id(config_file)
+
+    def _owns(self, credentials: Credentials, endpoint_id: str) -> bool:
+        """True when the local user owns ``endpoint_id`` (its config is still current)."""
+        response = httpx.get(
+            f"{self.service_url}/v1/endpoints/{endpoint_id}",
+            headers={"Authorization": f"Bearer {credentials.token}"},
+            timeout=10,
+        )
+        return response.status_code == 200 and response.json().get("owner_id") == (
+            credentials.user_id
+        )
 
 
 def _setting(config_file: Path, name: str) -> object:

@@ -231,6 +231,9 @@ class TaskErrorType(enum.StrEnum):
     """Kafka refused to write the task's result (see the message for the limit to change)."""
     CODE_INTEGRITY = "CodeIntegrityError"
     """The function code the agent fetched does not have the digest the task was routed with."""
+    NOT_ALLOWED = "NotAllowedOnEndpoint"
+    """The endpoint's owner does not allow this function or argument serializer there
+    (allowed_functions / allowed_serializers); refused before anything was deserialized."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):

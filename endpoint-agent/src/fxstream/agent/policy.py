@@ -1,0 +1,88 @@
+"""What a (shared) endpoint agrees to run: allowed functions and argument serializers.
+
+An endpoint's owner may list ``allowed_functions`` (function ids) and
+``allowed_serializers`` (data strategies, e.g. only ``json``) in its ``config.yaml``. The
+agent checks every task against them as it takes it off its queue, from the submission
+record's fields and the arguments' 5-byte strategy header only
+(:func:`~fxstream.topics.strategy_of`): a refused task's code is not even fetched and
+nothing of it is deserialized. It is answered with a ``NotAllowedOnEndpoint`` error
+(:attr:`~fxstream.topics.TaskErrorType.NOT_ALLOWED`, never retried) saying what the
+endpoint allows and how its owner changes that.
+
+JSON-only arguments matter because every pickle-based strategy runs code while loading:
+with ``allowed_serializers: [json]`` and a list of allowed functions, a user of the endpoint
+can run only those functions, on plain data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from fxstream.agent.config import EndpointConfig
+from fxstream.topics import DeserializationError, TaskSubmission, get_strategy, strategy_of
+
+__all__ = ["TaskPolicy"]
+
+# How many allowed function ids a refusal lists.
+_LISTED: Final = 10
+
+
+@dataclass(frozen=True)
+class TaskPolicy:
+    """The functions and argument strategies one endpoint runs (empty sets: any)."""
+
+    endpoint: str
+    functions: frozenset[str] = frozenset()
+    serializers: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, config: EndpointConfig) -> TaskPolicy:
+        """The policy ``config`` sets."""
+        return cls(
+            endpoint=f"endpoint {config.name!r} ({config.endpoint_id})",
+            functions=frozenset(config.allowed_functions),
+            serializers=config.serializer_ids(),
+        )
+
+    @property
+    def open(self) -> bool:
+        """True when the endpoint runs anything its users send."""
+        return not self.functions and not self.serializers
+
+    def refusal(self, submission: TaskSubmission) -> str | None:
+        """Why this endpoint refuses ``submission``, or None to run it.
+
+        Reads the record's fields and the arguments' header only; deserializes nothing.
+        """
+        if self.functions and submission.function_id not in self.functions:
+            listed = sorted(self.functions)
+            shown = ", ".join(listed[:_LISTED]) + (
+                f" and {len(listed) - _LISTED} more" if len(listed) > _LISTED else ""
+            )
+            return (
+                f"{self.endpoint} runs only the functions its owner allows ({shown}); "
+                f"function {submission.function_id} is not one of them. Run one of those, or "
+                f"ask the endpoint's owner to add {submission.function_id} to "
+                "allowed_functions in the endpoint's config.yaml and restart the endpoint"
+            )
+        if not self.serializers:
+            return None
+        allowed = ", ".join(f"{get_strategy(i).name} ({i})" for i in sorted(self.serializers))
+        try:
+            strategy = strategy_of(submission.payload)
+        except DeserializationError as exc:
+            return (
+                f"{self.endpoint} accepts arguments serialized with {allowed} only, and this "
+                f"task's arguments do not say which serializer wrote them ({exc})"
+            )
+        if strategy.id in self.serializers:
+            return None
+        first = sorted(self.serializers)[0]
+        return (
+            f"{self.endpoint} accepts arguments serialized with {allowed} only; this task's "
+            f"arguments are {strategy.name} ({strategy.id}), refused unread. Submit with "
+            f"Client(serializer=fxstream.topics.Serializer(data={first!r})), or ask the "
+            f"endpoint's owner to add {strategy.id!r} to allowed_serializers in the "
+            "endpoint's config.yaml and restart the endpoint"
+        )
