@@ -114,6 +114,10 @@ def load_function(
     submitter's versions are known for the error message; it is kept after that.
     """
     loaded: list[Callable[..., Any]] = []
+    if store_url is not None:
+        # Opened now, so the store's credentials are known in this worker before an
+        # argument proxy (whose config carries no password) resolves.
+        _store(store_url)
 
     def function_for(client: ClientInfo) -> Callable[..., Any]:
         if not loaded:

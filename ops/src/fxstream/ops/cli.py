@@ -104,7 +104,10 @@ def up(
         print(snippet(services.credentials_file, endpoint_id))
     console.print(f"REST API: [bold]{services.service_url}[/bold] (docs at /docs)")
     console.print(f"Kafka bootstrap servers: [bold]{connection.bootstrap_servers}[/bold]")
-    console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
+    console.print(
+        f"Redis: [bold]{platform.redis().url}[/bold] (user fxstream; its password is in the "
+        "connection file below)"
+    )
     console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")
     console.print("stop everything with [bold]./fx down[/bold]")
 

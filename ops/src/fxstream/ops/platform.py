@@ -22,7 +22,13 @@ from fxstream.ops.kafka import KafkaNode, cluster_id_for, kafka_nodes, wait_for_
 from fxstream.ops.process import ProcessStartError, stop_together
 from fxstream.ops.redis_server import RedisServer
 from fxstream.ops.services import ComponentStatus, ServiceSet
-from fxstream.topics import Catalogue, ProvisionError, ProvisionReport, ensure_topics
+from fxstream.topics import (
+    Catalogue,
+    ProvisionError,
+    ProvisionReport,
+    ensure_topics,
+    write_secret_file,
+)
 
 __all__ = [
     "ComponentStatus",
@@ -45,11 +51,15 @@ class PlatformError(RuntimeError):
 
 @dataclass(frozen=True)
 class ConnectionInfo:
-    """Where a running platform listens (written to ``<home>/platform.json``)."""
+    """Where a running platform listens (written to ``<home>/platform.json``, 0600).
+
+    ``redis_url`` is the store URL clients use: it carries the ``fxstream`` Redis user's
+    password, so it is left out of the repr and only ever shown redacted.
+    """
 
     mode: str
     bootstrap_servers: str
-    redis_url: str
+    redis_url: str = field(repr=False)
     topic_prefix: str
     replication_factor: int
     min_insync_replicas: int
@@ -144,7 +154,7 @@ class Platform:
         return ConnectionInfo(
             mode="cluster" if cluster else "single",
             bootstrap_servers=",".join(node.bootstrap for node in nodes),
-            redis_url=self.redis().url,
+            redis_url=self.redis().client_url,
             topic_prefix=catalogue.prefix,
             replication_factor=catalogue.replication_factor,
             min_insync_replicas=catalogue.min_insync_replicas,
@@ -205,7 +215,10 @@ class Platform:
         report = ensure_topics(self._admin(connection), connection.catalogue())
         if report.drifted:
             step("topic drift: " + "; ".join(str(d) for d in report.drifted))
-        self.info_file.write_text(json.dumps(asdict(connection), indent=2) + "\n")
+        # It holds the store URL with its password: owner-only, written atomically.
+        write_secret_file(
+            self.info_file, (json.dumps(asdict(connection), indent=2) + "\n").encode()
+        )
         if services:
             step("starting the service, the stream processors and the local endpoint")
             try:

@@ -186,12 +186,15 @@ class PrivatePlatform:
             str(heartbeat_period_s),
         ]
         store = settings.store_url if store_url == "platform" else store_url
-        if store:
-            argv += ["--store-url", store]
-        # The token goes through the environment, never the command line.
+        # The token and the store URL (it holds the Redis password) go through the
+        # environment, never the command line.
+        secrets_env = {"FXSTREAM_TOKEN": settings.token or "", "FXSTREAM_STORE_URL": store or ""}
+        if not store:
+            env.pop("FXSTREAM_STORE_URL", None)
+            del secrets_env["FXSTREAM_STORE_URL"]
         done = subprocess.run(
             argv,
-            env={**env, "FXSTREAM_TOKEN": settings.token or ""},
+            env={**env, **secrets_env},
             capture_output=True,
             text=True,
         )

@@ -358,7 +358,12 @@ class ServiceSet:
             and _setting(config_file, "store_url") == credentials.store_url
         ):
             return _endpoint_id(config_file)
-        store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
+        # The store URL holds the Redis password: it goes through the environment.
+        env = self._endpoint_env()
+        env.pop("FXSTREAM_STORE_URL", None)
+        if credentials.store_url is not None:
+            env["FXSTREAM_STORE_URL"] = credentials.store_url
+        store: list[str] = []
         if config_file.is_file() and _setting(config_file, "token") == credentials.token:
             # Same owner, new settings: keep the registered endpoint.
             store += ["--endpoint-id", _endpoint_id(config_file)]
@@ -377,7 +382,7 @@ class ServiceSet:
                 credentials.topic_prefix,
                 *store,
             ],
-            env=self._endpoint_env(),
+            env=env,
             capture_output=True,
             text=True,
         )

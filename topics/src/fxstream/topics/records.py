@@ -434,6 +434,13 @@ class ObjectReference(msgspec.Struct, kw_only=True, frozen=True):
         ""
     )
     node: Annotated[str, Meta(max_length=256, description="the host that wrote it")] = ""
+    sha256: Annotated[
+        str,
+        Meta(
+            pattern="^([0-9a-f]{64})?$",
+            description="SHA-256 of the stored bytes, checked before they are deserialized",
+        ),
+    ] = ""
 
 
 class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):

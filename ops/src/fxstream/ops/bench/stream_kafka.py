@@ -27,7 +27,6 @@ import struct
 import time
 import uuid
 from typing import Any, Final
-from urllib.parse import urlparse
 
 import numpy as np
 from confluent_kafka.admin import AdminClient
@@ -35,7 +34,7 @@ from proxystore.proxy import Proxy, extract
 from proxystore.store import Store, unregister_store
 from proxystore.stream.events import EventBatch, NewObjectEvent, event_to_bytes
 
-from fxstream.connectors import RedisConnector
+from fxstream.connectors import RedisConnector, StoreSpec, StoreURLError
 from fxstream.ops.bench.stack import BenchError
 from fxstream.sdk.streams import (
     KafkaStreamConsumer,
@@ -116,11 +115,12 @@ def _consume(
 
 
 def _redis_store(redis_url: str, name: str) -> Store[Any]:
-    url = urlparse(redis_url)
-    if url.hostname is None or url.port is None:
-        raise BenchError(f"cannot read host and port from the Redis URL {redis_url!r}")
+    try:
+        options = StoreSpec.parse(redis_url).options  # host, port and the store's credentials
+    except StoreURLError as exc:
+        raise BenchError(f"cannot use the Redis URL: {exc}") from None
     # A lease well above the run: the consumer evicts each array once it committed it.
-    return Store(name, RedisConnector(url.hostname, url.port, lease_s=3600))
+    return Store(name, RedisConnector(**{**options, "lease_s": 3600}))
 
 
 def _produce(
