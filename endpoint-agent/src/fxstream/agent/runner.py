@@ -38,6 +38,7 @@ from fxstream.connectors import (
 from fxstream.topics import (
     ClientInfo,
     DeserializationError,
+    IntegrityError,
     Serializer,
     TaskSubmission,
     decode,
@@ -127,9 +128,15 @@ def load_function(
     def call(submission_bytes: bytes) -> bytes:
         submission = decode(submission_bytes, TaskSubmission)
         function = function_for(submission.client)
-        args, kwargs = _serializer.unpack_arguments(
-            submission.payload, submitted_by=submission.client
-        )
+        try:
+            args, kwargs = _serializer.unpack_arguments(
+                submission.payload, submitted_by=submission.client
+            )
+        except IntegrityError as exc:
+            # A substituted by-reference argument (fetched as the payload loads): the
+            # client gets the integrity error itself, as for one found inside the function.
+            _attach_serialized(exc, _serializer)
+            raise
         strategy_id = _result_strategy(submission.payload)
         try:
             value = function(*args, **kwargs)
