@@ -38,6 +38,7 @@ from fxstream.connectors import (
 )
 from fxstream.ops.redis_server import ADMIN_USER, STORE_USER, RedisServer
 from fxstream.sdk import Client, Executor, TaskExecutionFailed
+from fxstream.sdk.results import unreadable_result
 from fxstream.topics import Serializer
 from tests.conftest import RunningPlatform
 from tests.e2e.stack import Stack, running_stack, wait_for_state
@@ -97,6 +98,23 @@ def test_a_substituted_redis_object_is_refused_before_it_loads(
     assert f"127.0.0.1:{kafka_platform.config.redis_port}" in caught.value.store
     assert "nothing was deserialized" in str(caught.value)
     store.evict(stored.key)
+
+
+def test_a_substituted_result_is_refused_as_itself(
+    kafka_platform: RunningPlatform, tmp_path: Path
+) -> None:
+    """A result by reference (what a worker writes): loading it raises the integrity error
+    itself, not a DeserializationError, and the SDK hands that error to the caller."""
+    store = open_store(kafka_platform.connection.redis_url)
+    packed = ByReference(store, threshold_bytes=1000).pack_value(os.urandom(5000))
+    [reference] = packed.references
+    marker = tmp_path / "marker"
+    store.connector._client.set(reference.object_key, _crafted(marker))
+    with pytest.raises(StoreIntegrityError) as caught:
+        Serializer().deserialize(packed.payload)
+    assert not marker.exists()
+    assert unreadable_result("task-1", caught.value, packed.payload) is caught.value
+    store.evict(packed.stored[0].key)
 
 
 def test_a_substituted_chunk_is_refused(kafka_platform: RunningPlatform) -> None:

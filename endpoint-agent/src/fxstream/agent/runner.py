@@ -141,6 +141,12 @@ def load_function(
         try:
             value = function(*args, **kwargs)
         except Exception as exc:
+            integrity = _integrity_cause(exc)
+            if integrity is not None:
+                # A substituted argument met inside the function: ProxyStore wraps it in
+                # ProxyResolveError; the client gets the integrity error itself.
+                _attach_serialized(integrity, _serializer)
+                raise integrity from None
             _attach_serialized(exc, _serializer_for(strategy_id))
             raise
         if store_url is None:
@@ -149,6 +155,18 @@ def load_function(
         return by_reference.pack_value(value).payload
 
     return call
+
+
+def _integrity_cause(exc: BaseException) -> IntegrityError | None:
+    """The integrity error behind ``exc`` (itself, or its cause's chain), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, IntegrityError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _attach_serialized(exc: Exception, serializer: Serializer) -> None:
