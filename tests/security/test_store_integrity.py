@@ -17,6 +17,7 @@ Against the real platform (real Redis, real directories, real agents and workers
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import stat
 import time
@@ -24,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
 import redis
@@ -31,6 +33,8 @@ import redis
 from fxstream.connectors import (
     ByReference,
     FileConnector,
+    FileStreamReader,
+    FileStreamWriter,
     RedisConnector,
     StoreIntegrityError,
     StoreSpec,
@@ -142,6 +146,51 @@ def test_a_replaced_file_object_is_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreIntegrityError, match=key.filename):
         connector.get(key)
     assert not marker.exists()
+
+
+def test_a_tampered_file_stream_fails_its_digest_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "frames.fxstream"
+    chunks = [os.urandom(1000) for _ in range(3)]
+    with FileStreamWriter(path) as writer:
+        for chunk in chunks:
+            writer.write(chunk)
+    digest = writer.describe().sha256
+    assert digest == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert writer.describe().reference("files").sha256 == digest
+    with FileStreamReader(path, expected_sha256=digest) as reader:
+        assert list(reader) == chunks
+    data = path.read_bytes()
+    start = data.index(chunks[1])
+    path.write_bytes(data[:start] + bytes(1000) + data[start + 1000 :])
+    with (
+        FileStreamReader(path, expected_sha256=digest) as reader,
+        pytest.raises(StoreIntegrityError, match="a file stream"),
+    ):
+        list(reader)
+
+
+def test_a_tampered_adios2_stream_fails_its_digest_at_the_end(tmp_path: Path) -> None:
+    from fxstream.connectors import Adios2Stream
+
+    stream = Adios2Stream(str(tmp_path / "frames"), engine="bp5")
+    arrays = [np.arange(100, dtype=np.float64) + 1000 * n for n in range(3)]
+    with stream.writer() as writer:
+        for array in arrays:
+            writer.send(array, n=int(array[0]))
+    digest = writer.describe().sha256
+    assert len(digest) == 64
+    with stream.reader(expected_sha256=digest) as reader:
+        assert [int(step.attributes["n"]) for step in reader] == [0, 1000, 2000]
+    [data_file] = Path(stream.path).glob("data.*")
+    data = data_file.read_bytes()
+    start = data.index(arrays[1].tobytes())
+    data_file.write_bytes(data[:start] + bytes(800) + data[start + 800 :])
+    with (
+        stream.reader(expected_sha256=digest) as reader,
+        pytest.raises(StoreIntegrityError, match="ADIOS2 BP5 stream"),
+    ):
+        list(reader)
+    stream.remove()
 
 
 # --- end to end: the task fails with the integrity error -----------------------------------

@@ -142,8 +142,11 @@ class Adios2Connector:
         )
 
     def describe(self, key: Adios2Key) -> ObjectDescription:
-        """(path, size in bytes, tier, node) of the object at ``key``, for data-locations."""
-        return ObjectDescription(self.object_key(key), key.size_bytes, self.tier, self.node)
+        """(path, size in bytes, tier, node, sha256) of the object at ``key``, for
+        data-locations."""
+        return ObjectDescription(
+            self.object_key(key), key.size_bytes, self.tier, self.node, sha256=key.sha256
+        )
 
     def object_key(self, key: Adios2Key) -> str:
         """The key as data-locations names it: the object's BP5 file (a directory)."""
