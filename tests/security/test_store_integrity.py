@@ -40,10 +40,11 @@ from fxstream.connectors import (
     StoreSpec,
     open_store,
 )
-from fxstream.ops.redis_server import ADMIN_USER, STORE_USER, RedisServer
+from fxstream.ops.private import private_config
+from fxstream.ops.redis_server import ADMIN_USER, STORE_USER, RedisServer, RedisTLSMissing
 from fxstream.sdk import Client, Executor, TaskExecutionFailed
 from fxstream.sdk.results import unreadable_result
-from fxstream.topics import Serializer
+from fxstream.topics import Serializer, write_secret_file
 from tests.conftest import RunningPlatform
 from tests.e2e.stack import Stack, running_stack, wait_for_state
 
@@ -405,3 +406,88 @@ def test_the_store_url_is_redacted_everywhere_it_is_shown(kafka_platform: Runnin
     assert password not in repr(store.connector)
     assert password not in str(store.config()), "a proxy's store config would carry it"
     assert "password" not in store.connector.config()
+
+
+# --- Redis over TLS, when the operator asks --------------------------------------------------
+
+
+def _write_tls_files(pki: Path) -> None:
+    """A CA and a server certificate for 127.0.0.1 signed by it (the platform CA's role)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test platform CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "redis")]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pki.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (pki / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (pki / "redis.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_bytes = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    write_secret_file(pki / "redis.key", key_bytes)
+
+
+def test_redis_serves_tls_only_when_asked(tmp_path: Path) -> None:
+    config = private_config(tmp_path / "home")
+    server = RedisServer(config, "redis-server", tls=True)
+    with pytest.raises(RedisTLSMissing, match=r"ca\.crt"):
+        server.start()
+    _write_tls_files(server.pki_dir)
+    server.start()
+    try:
+        server.wait_ready()
+        url = server.client_url
+        assert url.startswith("rediss://fxstream:") and "ca_file=" in url
+        connector = open_store(url).connector
+        assert isinstance(connector, RedisConnector) and connector.tls
+        data = os.urandom(10_000)
+        key = connector.put(data)
+        assert connector.get(key) == data
+        connector.evict(key)
+        # No plaintext listener: a client without TLS gets no Redis answer.
+        plain = redis.Redis(
+            port=config.redis_port,
+            username=STORE_USER,
+            password=server.passwords()[STORE_USER],
+            socket_timeout=3,
+            socket_connect_timeout=3,
+        )
+        with pytest.raises(redis.exceptions.ConnectionError):
+            plain.ping()
+        plain.close()
+    finally:
+        assert server.process.stop(30)

@@ -245,6 +245,7 @@ class RedisServer:
         if self.tls:
             options = {"ssl": True, "ssl_cert_reqs": "required", "ssl_ca_certs": str(self.ca_file)}
         return redis.Redis(
+            host="127.0.0.1",  # the name the TLS certificate is for
             port=self.config.redis_port,
             username=user,
             password=self.passwords()[user],
