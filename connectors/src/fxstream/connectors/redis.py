@@ -20,8 +20,9 @@ URL, ``redis://USER:PASSWORD@HOST:PORT/DB``) and never appear in
 :meth:`RedisConnector.config`, in a repr or in an error: a connector rebuilt
 from its config in the same process (a ProxyStore factory resolving a proxy)
 finds them in a process-wide table filled when the first connector to that
-server was opened with them. TLS (``rediss://``) verifies the server against
-``ca_file``.
+server was opened with them, or else in ``FXSTREAM_STORE_URL`` (the SDK's store
+URL variable) when that names the same host and port. TLS (``rediss://``)
+verifies the server against ``ca_file``.
 
 Keys are ``<prefix><uuid4 hex>``; :meth:`RedisConnector.count_objects` scans
 for the prefix, which is how the tests count leaked objects.
@@ -30,7 +31,9 @@ for the prefix, which is how the tests count leaked objects.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
+import urllib.parse
 import uuid
 from collections.abc import Iterator, Sequence
 from typing import Any, Final, NamedTuple
@@ -44,6 +47,7 @@ from fxstream.topics import StorageTier
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_KEY_PREFIX",
+    "STORE_URL_ENV",
     "RedisConnector",
     "RedisObjectKey",
     "redact_url",
@@ -71,6 +75,26 @@ def redact_url(url: str) -> str:
     return f"{scheme}://{user}:***@{hostport}{slash}{tail}"
 
 
+STORE_URL_ENV: Final = "FXSTREAM_STORE_URL"
+"""The SDK's store URL variable; a connector without a password looks there too."""
+
+
+def _credentials_from_environment(hostname: str, port: int) -> tuple[str | None, str] | None:
+    """The user and password of ``FXSTREAM_STORE_URL`` when it names this server."""
+    url = os.environ.get(STORE_URL_ENV, "")
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        same = parsed.hostname == hostname and parsed.port == port
+    except ValueError:
+        return None
+    if not same or parsed.password is None:
+        return None
+    username = urllib.parse.unquote(parsed.username) if parsed.username else None
+    return username, urllib.parse.unquote(parsed.password)
+
+
 class RedisObjectKey(NamedTuple):
     """Where an object is: its Redis key, how many chunks it was split into, its size, and
     the SHA-256 of its bytes (checked by :meth:`RedisConnector.get` before they are used)."""
@@ -96,7 +120,8 @@ class RedisConnector:
         username: The Redis ACL user (None: the server's default user).
         password: Its password; never kept in :meth:`config`. When None, the
             password a connector to the same host and port was opened with in
-            this process is used.
+            this process is used, or that of ``FXSTREAM_STORE_URL`` if it names
+            this server.
         tls: Connect over TLS (``rediss://``).
         ca_file: The CA that signed the server's certificate (TLS only).
     """
@@ -130,6 +155,10 @@ class RedisConnector:
         self.tls = tls
         self.ca_file = ca_file
         with _credentials_lock:
+            if password is None and (hostname, port) not in _credentials:
+                found = _credentials_from_environment(hostname, port)
+                if found is not None:
+                    _credentials[(hostname, port)] = found
             if password is not None:
                 _credentials[(hostname, port)] = (username, password)
             elif (hostname, port) in _credentials:
