@@ -81,9 +81,16 @@ def _consume(
     ready: Any,
     warmed: Any,
     results: Any,
+    redis_url: str | None = None,
 ) -> None:
-    """The consumer process: read the stream to its end, checking every array; report times."""
+    """The consumer process: read the stream to its end, checking every array; report times.
+
+    ``redis_url`` (given through multiprocessing's pipe, not a command line) opens the
+    store once, so the proxies (whose configs carry no password) can authenticate.
+    """
     try:
+        if redis_url is not None:
+            RedisConnector(**StoreSpec.parse(redis_url).options).close()
         consumer: KafkaStreamConsumer[Any] = stream_consumer(
             bootstrap, STREAM, group=group, topic_prefix=prefix, timeout_s=IDLE_TIMEOUT_S
         )
@@ -208,6 +215,7 @@ def measure_kafka_stream(
         args=(
             *(bootstrap, catalogue.prefix, f"bench-{run_id}", items, array_bytes),
             *(ready, warmed, results),
+            None if inline else redis_url,
         ),
         daemon=True,
     )
