@@ -135,7 +135,14 @@ def test_config_round_trip_tier_and_description(workdir: Path) -> None:
     key = connector.put(b"12345")
     assert rebuilt.get(key) == b"12345"
     object_path = str(workdir / "local" / f"{key.object_id}.bp")
-    assert rebuilt.describe(key) == (object_path, 5, "ephemeral", socket.gethostname(), True)
+    assert rebuilt.describe(key) == (
+        object_path,
+        5,
+        "ephemeral",
+        socket.gethostname(),
+        True,
+        key.sha256,
+    )
     assert rebuilt.object_key(key) == object_path and rebuilt.size_of(key) == 5
     reference = rebuilt.describe(key).reference("adios", site="endpoint-1")
     assert (reference.object_key, reference.tier, reference.site) == (
