@@ -16,7 +16,7 @@ import pytest
 from proxystore.connectors.protocols import Connector
 from proxystore.store import Store
 
-from fxstream.connectors import Adios2Connector, Adios2Key
+from fxstream.connectors import Adios2Connector, Adios2Key, StoreIntegrityError
 from fxstream.topics import StorageTier
 from tests.connectors.roles import chunk_bytes, start_role
 
@@ -38,7 +38,11 @@ def test_round_trips_small_and_large_objects_and_evicts(workdir: Path) -> None:
         assert connector.exists(key)
         got = connector.get(key)
         assert got is not None and bytes(got) == bytes(obj)
-    assert sorted(connector.keys()) == sorted(keys)
+    # Listed keys carry no digest (the directory is not trusted), so they cannot be read.
+    listed = connector.keys()
+    assert sorted(k[:2] for k in listed) == sorted(k[:2] for k in keys)
+    with pytest.raises(StoreIntegrityError, match="carries no sha256 digest"):
+        connector.get(listed[0])
     connector.evict(keys[-1])
     connector.evict(keys[-1])  # evicting twice is not an error
     assert not connector.exists(keys[-1])
@@ -131,7 +135,14 @@ def test_config_round_trip_tier_and_description(workdir: Path) -> None:
     key = connector.put(b"12345")
     assert rebuilt.get(key) == b"12345"
     object_path = str(workdir / "local" / f"{key.object_id}.bp")
-    assert rebuilt.describe(key) == (object_path, 5, "ephemeral", socket.gethostname(), True)
+    assert rebuilt.describe(key) == (
+        object_path,
+        5,
+        "ephemeral",
+        socket.gethostname(),
+        True,
+        key.sha256,
+    )
     assert rebuilt.object_key(key) == object_path and rebuilt.size_of(key) == 5
     reference = rebuilt.describe(key).reference("adios", site="endpoint-1")
     assert (reference.object_key, reference.tier, reference.site) == (

@@ -60,13 +60,15 @@ def test_a_reader_process_receives_every_step_then_the_end(workdir: Path, engine
         assert first["seq"] == 0 and first["intact"]
         gate.touch()
         reports = [first, *reader.reports_until("end", "aborted", timeout=60)]
-        assert writer.reports_until("closed")[-1]["described"] == [
+        described = writer.reports_until("closed")[-1]["described"]
+        assert described[:5] == [
             stream.path,
             20 * 50000 * 8,
             stream.storage_tier.value,
             socket.gethostname(),
             True,
         ]
+        assert len(described[5]) == 64, "a closed stream describes its sha256"
         assert writer.wait() == 0 and reader.wait() == 0
     steps = [r for r in reports if "seq" in r]
     assert [r["seq"] for r in steps] == list(range(20))

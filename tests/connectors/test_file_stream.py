@@ -8,6 +8,7 @@ reads while the stream is being written.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import socket
@@ -121,10 +122,13 @@ def test_writer_describes_itself_and_refuses_misuse(workdir: Path) -> None:
         writer.write(b"abc")
         writer.write(bytearray(10))
         writer.write(memoryview(b"x" * 5))
-        assert writer.describe() == (str(path), 18, "ephemeral", socket.gethostname(), False)
+        # No digest while the stream is open: it names the whole stream.
+        assert writer.describe() == (str(path), 18, "ephemeral", socket.gethostname(), False, "")
         assert (workdir / "stream.writer").exists()
     assert not (workdir / "stream.writer").exists()
     assert writer.describe().complete
+    expected = hashlib.sha256(b"abc" + bytes(10) + b"xxxxx").hexdigest()
+    assert writer.describe().sha256 == expected
     with pytest.raises(ValueError, match="is closed"):
         writer.write(b"late")
     with pytest.raises(FileExistsError, match="written once"):

@@ -32,10 +32,9 @@ from tests.conftest import RunningPlatform
 @pytest.fixture
 def redis_connector(kafka_platform: RunningPlatform) -> Iterator[RedisConnector]:
     spec = StoreSpec.parse(kafka_platform.connection.redis_url)
-    prefix = f"test-{os.urandom(4).hex()}:"
-    connector = RedisConnector(
-        spec.options["hostname"], spec.options["port"], key_prefix=prefix, chunk_bytes=1_000_000
-    )
+    # Under fxobj:, the only keys the platform's fxstream Redis user may touch.
+    prefix = f"fxobj:test-{os.urandom(4).hex()}:"
+    connector = RedisConnector(**{**spec.options, "key_prefix": prefix, "chunk_bytes": 1_000_000})
     yield connector
     for name in connector._client.scan_iter(match=f"{prefix}*"):
         connector._client.delete(name)
@@ -88,20 +87,38 @@ def test_redis_batch_and_config_round_trip(redis_connector: RedisConnector) -> N
 
 
 def test_a_proxy_resolves_in_another_process(kafka_platform: RunningPlatform) -> None:
-    store = open_store(kafka_platform.connection.redis_url)
+    """A proxy carries no password: the other process opens the store with its own URL
+    (as a worker does with its endpoint's store_url), then the proxy resolves there."""
+    url = kafka_platform.connection.redis_url
+    password = StoreSpec.parse(url).options["password"]
+    store = open_store(url)
     proxy = store.proxy(b"from the parent " * 1000)
+    pickled = pickle.dumps(proxy)
+    assert password.encode() not in pickled, "the proxy carries the store's password"
     script = (
-        "import pickle, sys; proxy = pickle.loads(sys.stdin.buffer.read()); "
+        "import os, pickle, sys; from fxstream.connectors import open_store; "
+        "open_store(os.environ['STORE_URL']); proxy = pickle.loads(sys.stdin.buffer.read()); "
         "sys.stdout.write(str(len(proxy)) + ' ' + bytes(proxy[:16]).decode())"
     )
     done = subprocess.run(
         [sys.executable, "-c", script],
-        input=pickle.dumps(proxy),
+        input=pickled,
         capture_output=True,
         timeout=60,
         check=True,
+        env={**os.environ, "STORE_URL": url},
     )
     assert done.stdout.decode() == "16000 from the parent "
+    # Without the URL, the other process is refused, with an error that says what to do.
+    refused = subprocess.run(
+        [sys.executable, "-c", script.replace("open_store(os.environ['STORE_URL']); ", "")],
+        input=pickled,
+        capture_output=True,
+        timeout=60,
+    )
+    assert refused.returncode != 0
+    assert b"requires a user and password" in refused.stderr
+    assert password.encode() not in refused.stderr
     store.evict(get_factory(proxy).key)
 
 

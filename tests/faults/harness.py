@@ -48,6 +48,7 @@ from fxstream.topics import (
     TaskResult,
     decode,
     ensure_topics,
+    write_secret_file,
 )
 from tests.conftest import RunningPlatform
 
@@ -197,7 +198,8 @@ def start_fault_stack(kafka_platform: RunningPlatform, home: Path) -> FaultStack
         security=base.security,
         ca_file=base.ca_file,
     )
-    (home / "platform.json").write_text(json.dumps(asdict(connection), indent=2) + "\n")
+    # It holds the store URL with its password: owner-only, as the platform writes it.
+    write_secret_file(home / "platform.json", (json.dumps(asdict(connection)) + "\n").encode())
     catalogue = connection.catalogue()
     report = ensure_topics(kafka_platform.admin(), catalogue)
     assert report.ok, report

@@ -58,7 +58,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
     producer.produce(topic, key=b"durability", value=marker)
     assert producer.flush(30) == 0
     store = redis.Redis.from_url(connection.redis_url)
-    store.set("durability", marker)
+    store.set("fxobj:durability", marker)
     store.close()
 
     pids = _pids(own_platform)
@@ -88,7 +88,7 @@ def test_data_survives_down_and_up(own_platform: Platform) -> None:
         consumer.close()
     assert marker in values
     store = redis.Redis.from_url(connection.redis_url)
-    assert store.get("durability") == marker
+    assert store.get("fxobj:durability") == marker
     store.close()
 
 

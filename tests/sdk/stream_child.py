@@ -21,14 +21,13 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 import numpy.typing as npt
 from proxystore.proxy import Proxy, extract
 from proxystore.store import Store
 
-from fxstream.connectors import RedisConnector
+from fxstream.connectors import RedisConnector, StoreSpec
 from fxstream.sdk import stream_consumer
 from fxstream.topics import KafkaConnection
 
@@ -67,12 +66,11 @@ STREAM_LEASE_S = 7 * 24 * 3600
 
 def redis_store(redis_url: str, name: str) -> Store[Any]:
     """A ProxyStore store on the platform's Redis, its keys under a prefix of ``name``'s own."""
-    url = urlparse(redis_url)
-    assert url.hostname is not None and url.port is not None, redis_url
+    options = StoreSpec.parse(redis_url).options  # host, port and the store's credentials
     # Typed Any: mypy does not match this connector's key type to ProxyStore's Connector
     # protocol (fxstream.connectors.stores builds its stores from configs for the same reason).
     connector: Any = RedisConnector(
-        url.hostname, url.port, lease_s=STREAM_LEASE_S, key_prefix=f"fxobj:{name}:"
+        **{**options, "lease_s": STREAM_LEASE_S, "key_prefix": f"fxobj:{name}:"}
     )
     return Store(name, connector)
 

@@ -199,6 +199,8 @@ def test_consumer_killed_mid_stream_resumes_in_a_new_process_without_skipping(
             *(str(credentials), env.prefix, stream, "resume", str(hold_after), "member-1"),
         ],
         cwd=REPO_ROOT,
+        # The store's credentials, as a consumer's environment would hold them.
+        env={**os.environ, "FXSTREAM_STORE_URL": env.redis_url},
         stdout=subprocess.PIPE,
         text=True,
     )

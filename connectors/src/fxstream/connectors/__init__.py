@@ -12,6 +12,8 @@
 - :mod:`~fxstream.connectors.file_stream`: read-while-writing byte streams on files.
 - :mod:`~fxstream.connectors.liveness`: stream writer leases, and ``StreamAborted``.
 - :mod:`~fxstream.connectors.descriptions`: (key, size, tier) of what a connector made.
+- :mod:`~fxstream.connectors.integrity`: the SHA-256 every stored object's key carries,
+  checked before anything is deserialized (``StoreIntegrityError``).
 
 The ADIOS2 names are imported on first use: ``adios2`` takes about 0.3 s to import,
 which every user of this package would otherwise pay.
@@ -31,9 +33,10 @@ from fxstream.connectors.globus import (
     GlobusTransferError,
     GlobusTransferHelper,
 )
+from fxstream.connectors.integrity import StoreIntegrityError
 from fxstream.connectors.liveness import StreamAborted
 from fxstream.connectors.locations import LocationPublisher, location_of
-from fxstream.connectors.redis import RedisConnector, RedisObjectKey
+from fxstream.connectors.redis import RedisConnector, RedisObjectKey, redact_url
 from fxstream.connectors.reference import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
     ByReference,
@@ -89,6 +92,7 @@ __all__ = [
     "Packed",
     "RedisConnector",
     "RedisObjectKey",
+    "StoreIntegrityError",
     "StoreSpec",
     "StoreURLError",
     "StoredObject",
@@ -100,6 +104,7 @@ __all__ = [
     "location_of",
     "open_store",
     "proxies_by_value",
+    "redact_url",
 ]
 
 

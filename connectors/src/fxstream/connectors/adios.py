@@ -36,6 +36,7 @@ import numpy as np
 from proxystore.serialize import BytesLike
 
 from fxstream.connectors.descriptions import ObjectDescription, check_tier
+from fxstream.connectors.integrity import sha256_of, verify_digest
 from fxstream.topics import StorageTier
 
 __all__ = ["Adios2Connector", "Adios2Key", "remove_bp5_reader_profile"]
@@ -65,10 +66,13 @@ class Adios2Key(NamedTuple):
     Attributes:
         object_id: the object's unique id (its file is ``<object_id>.bp``).
         size_bytes: the object's size in bytes.
+        sha256: the SHA-256 of its bytes, checked by :meth:`Adios2Connector.get`
+            before they are returned (docs/security.md, "Data integrity").
     """
 
     object_id: str
     size_bytes: int
+    sha256: str = ""
 
 
 class Adios2Connector:
@@ -138,8 +142,11 @@ class Adios2Connector:
         )
 
     def describe(self, key: Adios2Key) -> ObjectDescription:
-        """(path, size in bytes, tier, node) of the object at ``key``, for data-locations."""
-        return ObjectDescription(self.object_key(key), key.size_bytes, self.tier, self.node)
+        """(path, size in bytes, tier, node, sha256) of the object at ``key``, for
+        data-locations."""
+        return ObjectDescription(
+            self.object_key(key), key.size_bytes, self.tier, self.node, sha256=key.sha256
+        )
 
     def object_key(self, key: Adios2Key) -> str:
         """The key as data-locations names it: the object's BP5 file (a directory)."""
@@ -177,7 +184,7 @@ class Adios2Connector:
         if not view.contiguous:
             raise ValueError("Adios2Connector.put needs a contiguous buffer (bytes, bytearray)")
         data = np.frombuffer(view.cast("B") if view.format != "B" else view, dtype=np.uint8)
-        key = Adios2Key(uuid.uuid4().hex, int(data.size))
+        key = Adios2Key(uuid.uuid4().hex, int(data.size), sha256_of(view))
         final = self._path(key)
         temporary = self.store_dir / f".{key.object_id}.bp.tmp"
         try:
@@ -217,17 +224,24 @@ class Adios2Connector:
                 adios.RemoveIO(io_name)
 
     def get(self, key: Adios2Key) -> bytearray | None:
-        """The object's bytes, or None if there is no object at ``key``."""
+        """The object's bytes, or None if there is no object at ``key``.
+
+        Raises :class:`~fxstream.connectors.integrity.StoreIntegrityError` when
+        they are not the bytes written (or the key has no digest).
+        """
         path = self._path(key)
         if not path.is_dir():
             return None
         try:
-            return self._read(path)[1]
+            data = self._read(path)[1]
         except Exception:
             # Evicted between the check and the read: a missing object, not an error.
             if not path.is_dir():
                 return None
             raise
+        assert data is not None
+        verify_digest(sha256_of(data), key.sha256, key=str(path), store=repr(self))
+        return data
 
     def _read(self, path: Path, *, with_data: bool = True) -> tuple[int, bytearray | None]:
         """(size, bytes) of the object file at ``path``; bytes is None unless ``with_data``."""
@@ -283,7 +297,11 @@ class Adios2Connector:
         return [self.get(key) for key in keys]
 
     def keys(self) -> list[Adios2Key]:
-        """Every object stored in the directory now (for leak checks and cleanup)."""
+        """Every object stored in the directory now (for leak checks and cleanup).
+
+        These keys carry no digest (only the writer's key has it, and the directory
+        is not trusted), so :meth:`get` refuses them: list to count or evict, not to read.
+        """
         found = []
         for entry in sorted(self.store_dir.glob("*.bp")):
             if entry.name.startswith("."):

@@ -64,6 +64,7 @@ import numpy.typing as npt
 
 from fxstream.connectors.adios import remove_bp5_reader_profile
 from fxstream.connectors.descriptions import ObjectDescription, check_tier
+from fxstream.connectors.integrity import Digest, verify_digest
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
@@ -155,9 +156,10 @@ class Adios2Stream:
         """Open the producer side (for SST: blocks until the reader(s) connect)."""
         return Adios2StreamWriter(self)
 
-    def reader(self) -> Adios2StreamReader:
-        """Open the consumer side (waits up to ``open_timeout`` for the writer)."""
-        return Adios2StreamReader(self)
+    def reader(self, *, expected_sha256: str | None = None) -> Adios2StreamReader:
+        """Open the consumer side (waits up to ``open_timeout`` for the writer);
+        ``expected_sha256`` is checked at the end of the stream."""
+        return Adios2StreamReader(self, expected_sha256=expected_sha256)
 
     def remove(self) -> None:
         """Delete what the stream left on disk (BP5 data, SST contact file, lease)."""
@@ -213,6 +215,7 @@ class Adios2StreamWriter(StreamWriterExit):
         self.stream = stream
         self._sent = 0
         self._bytes = 0
+        self._digest = Digest()
         self._engine: Any = None
         self._lease = WriterLease(lease_path_for(stream.path), stream.lease_interval)
         # The lease before the engine: a reader that can open the stream finds the lease.
@@ -273,21 +276,30 @@ class Adios2StreamWriter(StreamWriterExit):
         return self._sent
 
     def describe(self) -> ObjectDescription:
-        """The stream for data-locations: path, array bytes sent so far, tier, node, and
-        ``complete`` once the writer has closed (ended or aborted)."""
+        """The stream for data-locations: path, array bytes sent so far, tier, node,
+        ``complete`` once the writer has closed (ended or aborted), and then the SHA-256
+        of its data steps (what a reader's ``expected_sha256`` checks)."""
+        complete = self._engine is None
         return ObjectDescription(
             self.stream.path,
             self._bytes,
             self.stream.storage_tier,
             self._lease.identity.host,
-            complete=self._engine is None,
+            complete=complete,
+            sha256=self._digest.hexdigest() if complete else "",
         )
 
     def _step(self, meta: dict[str, Any], raw: npt.NDArray[np.uint8] | None) -> None:
         if self._engine is None:
             raise ValueError(f"stream {self.stream.path} is closed: nothing more can be sent")
+        encoded = json.dumps(meta)
+        if meta["kind"] == "data":
+            # Each data step's metadata (seq, dtype, shape, attributes) and array bytes.
+            self._digest.update(encoded.encode())
+            if raw is not None:
+                self._digest.update(raw.data)
         self._engine.BeginStep()
-        self._engine.Put(self._meta, json.dumps(meta))
+        self._engine.Put(self._meta, encoded)
         if raw is not None and raw.size:
             self._array.SetSelection([[], [int(raw.size)]])
             # Deferred, by address: ADIOS2 reads our buffer at EndStep, with no extra copy
@@ -353,10 +365,18 @@ class Adios2StreamWriter(StreamWriterExit):
 
 
 class Adios2StreamReader:
-    """The consumer side of an :class:`Adios2Stream`: iterate to receive each step."""
+    """The consumer side of an :class:`Adios2Stream`: iterate to receive each step.
 
-    def __init__(self, stream: Adios2Stream) -> None:
+    ``expected_sha256`` (the writer's description, from data-locations) is checked at
+    the end of the stream: a mismatch raises
+    :class:`~fxstream.connectors.integrity.StoreIntegrityError` there. Steps are numeric
+    arrays and JSON attributes; nothing here unpickles them.
+    """
+
+    def __init__(self, stream: Adios2Stream, *, expected_sha256: str | None = None) -> None:
         self.stream = stream
+        self.expected_sha256 = expected_sha256
+        self._digest = Digest()
         self._received = 0
         self._ended = False
         self._watcher = LeaseWatcher(lease_path_for(stream.path), stream.stale_after)
@@ -429,12 +449,18 @@ class Adios2StreamReader:
             return None
         self._begin_step()
         try:
-            meta = json.loads(
-                self._engine.Get(self._io.InquireVariable(_META), adios2_bindings.Mode.Sync)
-            )
+            encoded = self._engine.Get(self._io.InquireVariable(_META), adios2_bindings.Mode.Sync)
+            meta = json.loads(encoded)
             kind = meta["kind"]
             if kind == "end":
                 self._ended = True
+                if self.expected_sha256 is not None:
+                    verify_digest(
+                        self._digest.hexdigest(),
+                        self.expected_sha256,
+                        key=self.stream.path,
+                        store=f"an ADIOS2 {self.stream.engine.upper()} stream",
+                    )
                 return None
             if kind == "abort":
                 raise self._aborted(f"the writer aborted: {meta.get('reason', '')}")
@@ -445,6 +471,8 @@ class Adios2StreamReader:
                 self._engine.Get(self._io.InquireVariable(_ARRAY), raw, adios2_bindings.Mode.Sync)
         finally:
             self._engine.EndStep()
+        self._digest.update(encoded.encode())
+        self._digest.update(raw.data)
         self._received += 1
         array = cast(npt.NDArray[Any], raw.view(dtype).reshape(shape))
         return StreamStep(int(meta["seq"]), array, dict(meta.get("attributes", {})))

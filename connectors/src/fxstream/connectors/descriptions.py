@@ -26,6 +26,8 @@ class ObjectDescription(NamedTuple):
         tier: durable (shared, survives the writer) or ephemeral (node-local / in memory).
         node: the host that wrote it.
         complete: False while a stream is still being written.
+        sha256: the SHA-256 of its bytes ('' for a stream until it is complete), what a
+            reader given it verifies (docs/security.md, "Data integrity").
     """
 
     key: str
@@ -33,6 +35,7 @@ class ObjectDescription(NamedTuple):
     tier: StorageTier
     node: str = ""
     complete: bool = True
+    sha256: str = ""
 
     def reference(self, store: str, site: str = "") -> ObjectReference:
         """The :class:`~fxstream.topics.ObjectReference` that data-locations publishes."""
@@ -43,6 +46,7 @@ class ObjectDescription(NamedTuple):
             tier=self.tier,
             site=site,
             node=self.node,
+            sha256=self.sha256,
         )
 
 

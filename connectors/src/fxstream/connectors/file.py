@@ -9,7 +9,11 @@ Two tiers (docs/data-plane.md, "Tiers"):
   another node gets an error that says so instead of a missing file.
 
 Objects are written once, read many: ``put`` writes a temporary file and
-renames it into place, so a reader never sees half an object. Leases are file
+renames it into place, so a reader never sees half an object. The key carries
+the SHA-256 of the bytes written; :meth:`FileConnector.get` checks it before
+returning anything, so a file replaced in the directory is refused with
+:class:`~fxstream.connectors.integrity.StoreIntegrityError` (docs/security.md,
+"Data integrity"). Objects are created ``0600``. Leases are file
 modification times: :meth:`FileConnector.sweep_expired` deletes objects older
 than ``lease_s`` (the agent calls it periodically).
 """
@@ -26,6 +30,7 @@ from typing import Any, NamedTuple
 
 from proxystore.serialize import BytesLike
 
+from fxstream.connectors.integrity import sha256_of, verify_digest
 from fxstream.topics import StorageTier
 
 __all__ = ["FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
@@ -38,11 +43,13 @@ class ObjectOnOtherNode(FileNotFoundError):
 
 
 class FileObjectKey(NamedTuple):
-    """An object's file name, the node that wrote it (ephemeral tier) and its size."""
+    """An object's file name, the node that wrote it (ephemeral tier), its size and the
+    SHA-256 of its bytes (checked by :meth:`FileConnector.get` before they are used)."""
 
     filename: str
     node: str = ""
     size_bytes: int = 0
+    sha256: str = ""
 
 
 class FileConnector:
@@ -102,11 +109,12 @@ class FileConnector:
         """The object's bytes, or None when it is gone.
 
         Raises :class:`ObjectOnOtherNode` for an ephemeral object written on
-        another node.
+        another node, and :class:`~fxstream.connectors.integrity.StoreIntegrityError`
+        when the file's bytes are not those written (or the key has no digest).
         """
         path = self._path(key)
         try:
-            return path.read_bytes()
+            data = path.read_bytes()
         except FileNotFoundError:
             if self.tier is StorageTier.EPHEMERAL and key.node and key.node != self.node:
                 raise ObjectOnOtherNode(
@@ -116,6 +124,8 @@ class FileConnector:
                     "(shared files or Redis)."
                 ) from None
             return None
+        verify_digest(sha256_of(data), key.sha256, key=str(path), store=repr(self))
+        return data
 
     def get_batch(self, keys: Sequence[FileObjectKey]) -> list[BytesLike | None]:
         """:meth:`get` for each key, in order."""
@@ -124,10 +134,11 @@ class FileConnector:
     def put(self, obj: bytes | bytearray | memoryview) -> FileObjectKey:
         """Write ``obj`` to a new file, atomically (temporary file, then rename)."""
         size = memoryview(obj).nbytes
-        key = FileObjectKey(f"{uuid.uuid4().hex}{_SUFFIX}", self.node, size)
+        key = FileObjectKey(f"{uuid.uuid4().hex}{_SUFFIX}", self.node, size, sha256_of(obj))
         final = self._path(key)
         partial = final.with_name(f".{final.name}.partial")
-        with partial.open("wb") as out:
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
             out.write(obj)
         partial.replace(final)
         return key

@@ -22,6 +22,16 @@ dead PID is noticed within one poll; across hosts only the lease's staleness
 ``with`` block on an exception writes an abort frame, so readers fail at once with its
 reason.
 
+Integrity: the writer hashes the data chunks as it writes them; once it has closed,
+:meth:`FileStreamWriter.describe` carries their SHA-256 (published on data-locations,
+which only authenticated principals write). A reader given that digest
+(``expected_sha256``) hashes what it reads and raises
+:class:`~fxstream.connectors.integrity.StoreIntegrityError` at the end of the stream
+if they differ. Chunks are raw bytes, handed out as they complete and never
+deserialized here: a consumer that loads a chunk with a deserializer (pickle) must
+wait for the end of the stream's verification first, or use a by-reference store,
+whose objects are verified before they are returned.
+
 Across hosts on NFS, appended bytes and the lease's mtime become visible to a reader
 only after the client's attribute cache expires (``actimeo``, typically 3-60 s): the
 stream still works, with that latency, and ``stale_after`` must exceed it.
@@ -39,6 +49,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
 from fxstream.connectors.descriptions import ObjectDescription, check_tier
+from fxstream.connectors.integrity import Digest, verify_digest
 from fxstream.connectors.liveness import (
     LeaseWatcher,
     StreamAborted,
@@ -95,6 +106,7 @@ class FileStreamWriter(StreamWriterExit):
         self._lease = WriterLease(lease_path_for(self.path), lease_interval)
         self._bytes_written = 0
         self._chunks = 0
+        self._digest = Digest()
         self._fd: int | None = None
         # The lease first: a reader that sees the stream file can rely on the lease.
         self._lease.acquire()
@@ -117,13 +129,16 @@ class FileStreamWriter(StreamWriterExit):
 
     def describe(self) -> ObjectDescription:
         """The stream for data-locations: path, payload bytes written so far, tier, node,
-        and ``complete`` once the writer has closed (ended or aborted)."""
+        ``complete`` once the writer has closed (ended or aborted), and then the SHA-256
+        of the data chunks (what a reader's ``expected_sha256`` checks)."""
+        complete = self._fd is None
         return ObjectDescription(
             str(self.path),
             self._bytes_written,
             self.tier,
             self._lease.identity.host,
-            complete=self._fd is None,
+            complete=complete,
+            sha256=self._digest.hexdigest() if complete else "",
         )
 
     def _frame(self, kind: int, payload: BytesLike) -> None:
@@ -137,6 +152,7 @@ class FileStreamWriter(StreamWriterExit):
     def write(self, chunk: BytesLike) -> None:
         """Append one chunk; readers see it as soon as it is fully written."""
         self._frame(_DATA, chunk)
+        self._digest.update(chunk)
         self._bytes_written += memoryview(chunk).nbytes
         self._chunks += 1
 
@@ -170,6 +186,9 @@ class FileStreamReader:
         stale_after: seconds without a lease refresh after which the writer counts as
             dead (the only check across hosts; see :mod:`fxstream.connectors.liveness`).
         poll_interval: the longest sleep between looks at a file that has not grown.
+        expected_sha256: the digest of the data chunks from the writer's description
+            (data-locations); checked at the end of the stream, which then raises
+            :class:`~fxstream.connectors.integrity.StoreIntegrityError` on a mismatch.
     """
 
     def __init__(
@@ -179,9 +198,12 @@ class FileStreamReader:
         open_timeout: float = 30.0,
         stale_after: float = 10.0,
         poll_interval: float = 0.05,
+        expected_sha256: str | None = None,
     ) -> None:
         self.path = Path(path).absolute()
         self.poll_interval = poll_interval
+        self.expected_sha256 = expected_sha256
+        self._digest = Digest()
         self._watcher = LeaseWatcher(lease_path_for(self.path), stale_after)
         self._offset = len(FILE_STREAM_MAGIC)
         self._chunks = 0
@@ -207,6 +229,11 @@ class FileStreamReader:
     def chunks(self) -> int:
         """Data chunks read so far."""
         return self._chunks
+
+    @property
+    def sha256(self) -> str:
+        """The SHA-256 of the data chunks read so far."""
+        return self._digest.hexdigest()
 
     def _read_into(self, view: memoryview, offset: int) -> int:
         """Bytes read into ``view`` from ``offset`` (as many as the file holds now)."""
@@ -265,11 +292,19 @@ class FileStreamReader:
         self._offset += _FRAME.size + length
         if kind == _END:
             self._ended = True
+            if self.expected_sha256 is not None:
+                verify_digest(
+                    self._digest.hexdigest(),
+                    self.expected_sha256,
+                    key=str(self.path),
+                    store="a file stream",
+                )
             return None
         if kind == _ABORT:
             self._ended = True
             raise StreamAborted(str(self.path), f"the writer aborted: {payload.decode()}")
         self._chunks += 1
+        self._digest.update(payload)
         return payload
 
     def __iter__(self) -> Iterator[bytearray]:

@@ -40,6 +40,7 @@ from globus_sdk.scopes import TransferScopes
 from globus_sdk.transport import RetryConfig
 from proxystore.serialize import BytesLike
 
+from fxstream.connectors.integrity import sha256_of, verify_digest
 from fxstream.topics import StorageTier
 
 __all__ = [
@@ -649,10 +650,13 @@ class GlobusSite:
 
 
 class GlobusKey(NamedTuple):
-    """Key of an object in a `GlobusConnector`: its id and the site that wrote it."""
+    """Key of an object in a `GlobusConnector`: its id, the site that wrote it, and the
+    SHA-256 of its bytes (checked by :meth:`GlobusConnector.get` before they are used, so a
+    copy altered on any collection on the way is refused)."""
 
     object_id: str
     site: str
+    sha256: str = ""
 
 
 @dataclass(frozen=True)
@@ -803,7 +807,7 @@ class GlobusConnector:
 
     def put(self, obj: BytesLike) -> GlobusKey:
         """Write ``obj`` into the local site's directory."""
-        key = GlobusKey(object_id=uuid.uuid4().hex, site=self.local.name)
+        key = GlobusKey(object_id=uuid.uuid4().hex, site=self.local.name, sha256=sha256_of(obj))
         self._write_local(key.object_id, obj)
         return key
 
@@ -816,7 +820,11 @@ class GlobusConnector:
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[GlobusKey]) -> list[BytesLike | None]:
-        """The objects' bytes; missing local copies are fetched with one transfer per site."""
+        """The objects' bytes; missing local copies are fetched with one transfer per site.
+
+        Raises :class:`~fxstream.connectors.integrity.StoreIntegrityError` for an
+        object whose bytes are not those written (or whose key has no digest).
+        """
         by_site: dict[str, list[GlobusKey]] = {}
         for key in keys:
             self._check_key(key)
@@ -826,10 +834,14 @@ class GlobusConnector:
             self._fetch(self.sites[site_name], missing)
         results: list[BytesLike | None] = []
         for key in keys:
+            path = self._local_file(key)
             try:
-                results.append(self._local_file(key).read_bytes())
+                data = path.read_bytes()
             except FileNotFoundError:
                 results.append(None)
+                continue
+            verify_digest(sha256_of(data), key.sha256, key=str(path), store=repr(self))
+            results.append(data)
         return results
 
     def exists(self, key: GlobusKey) -> bool:

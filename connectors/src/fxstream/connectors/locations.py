@@ -30,6 +30,7 @@ def location_of(reference: ObjectReference, *, complete: bool = True) -> DataLoc
         tier=reference.tier,
         node=reference.node,
         complete=complete,
+        sha256=reference.sha256,
     )
 
 

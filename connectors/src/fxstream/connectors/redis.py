@@ -9,35 +9,100 @@ round trip. Every key carries a TTL (the *lease*, see docs/data-plane.md,
 "Lifetimes"): an object nobody evicts, because the client that owned it died,
 still goes away once the records that refer to it can no longer be replayed.
 
+Integrity: the key also carries the SHA-256 of the object's bytes, computed
+while it is written; :meth:`RedisConnector.get` hashes what Redis returns and
+raises :class:`~fxstream.connectors.integrity.StoreIntegrityError` on a
+mismatch, before anything is deserialized (docs/security.md, "Data integrity").
+
+Authentication: the platform's Redis requires a user and password (ACL users,
+the default user disabled). They are given to the constructor (or in the store
+URL, ``redis://USER:PASSWORD@HOST:PORT/DB``) and never appear in
+:meth:`RedisConnector.config`, in a repr or in an error: a connector rebuilt
+from its config in the same process (a ProxyStore factory resolving a proxy)
+finds them in a process-wide table filled when the first connector to that
+server was opened with them, or else in ``FXSTREAM_STORE_URL`` (the SDK's store
+URL variable) when that names the same host and port. TLS (``rediss://``)
+verifies the server against ``ca_file``.
+
 Keys are ``<prefix><uuid4 hex>``; :meth:`RedisConnector.count_objects` scans
 for the prefix, which is how the tests count leaked objects.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
+import urllib.parse
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Final, NamedTuple
 
 import redis
 from proxystore.serialize import BytesLike
 
+from fxstream.connectors.integrity import Digest, sha256_of, verify_digest
 from fxstream.topics import StorageTier
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "DEFAULT_KEY_PREFIX", "RedisConnector", "RedisObjectKey"]
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_KEY_PREFIX",
+    "STORE_URL_ENV",
+    "RedisConnector",
+    "RedisObjectKey",
+    "redact_url",
+]
 
 DEFAULT_CHUNK_BYTES: Final = 64 * 1024 * 1024
 """Objects above this are split; well below Redis's 512 MB limit on one value."""
 
 DEFAULT_KEY_PREFIX: Final = "fxobj:"
 
+_credentials: dict[tuple[str, int], tuple[str | None, str]] = {}
+_credentials_lock = threading.Lock()
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***`` (what logs and errors may show)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    userinfo, at, hostport = authority.rpartition("@")
+    if not at:
+        return url
+    user = userinfo.partition(":")[0]
+    return f"{scheme}://{user}:***@{hostport}{slash}{tail}"
+
+
+STORE_URL_ENV: Final = "FXSTREAM_STORE_URL"
+"""The SDK's store URL variable; a connector without a password looks there too."""
+
+
+def _credentials_from_environment(hostname: str, port: int) -> tuple[str | None, str] | None:
+    """The user and password of ``FXSTREAM_STORE_URL`` when it names this server."""
+    url = os.environ.get(STORE_URL_ENV, "")
+    if not url.startswith(("redis://", "rediss://")):
+        return None
+    try:
+        parsed = urllib.parse.urlsplit(url)
+        same = parsed.hostname == hostname and parsed.port == port
+    except ValueError:
+        return None
+    if not same or parsed.password is None:
+        return None
+    username = urllib.parse.unquote(parsed.username) if parsed.username else None
+    return username, urllib.parse.unquote(parsed.password)
+
 
 class RedisObjectKey(NamedTuple):
-    """Where an object is: its Redis key, and how many chunks it was split into."""
+    """Where an object is: its Redis key, how many chunks it was split into, its size, and
+    the SHA-256 of its bytes (checked by :meth:`RedisConnector.get` before they are used)."""
 
     redis_key: str
     chunks: int = 1
     size_bytes: int = 0
+    sha256: str = ""
 
 
 class RedisConnector:
@@ -52,6 +117,13 @@ class RedisConnector:
         chunk_bytes: Largest value stored under one key.
         tier: What the server's persistence makes this store: durable with
             AOF (the platform's Redis), ephemeral without.
+        username: The Redis ACL user (None: the server's default user).
+        password: Its password; never kept in :meth:`config`. When None, the
+            password a connector to the same host and port was opened with in
+            this process is used, or that of ``FXSTREAM_STORE_URL`` if it names
+            this server.
+        tls: Connect over TLS (``rediss://``).
+        ca_file: The CA that signed the server's certificate (TLS only).
     """
 
     def __init__(
@@ -64,6 +136,10 @@ class RedisConnector:
         key_prefix: str = DEFAULT_KEY_PREFIX,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         tier: StorageTier | str = StorageTier.DURABLE,
+        username: str | None = None,
+        password: str | None = None,
+        tls: bool = False,
+        ca_file: str | None = None,
     ) -> None:
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, not {chunk_bytes}")
@@ -76,10 +152,65 @@ class RedisConnector:
         self.key_prefix = key_prefix
         self.chunk_bytes = chunk_bytes
         self.tier = StorageTier(tier)
-        self._client = redis.Redis(host=hostname, port=port, db=db)
+        self.tls = tls
+        self.ca_file = ca_file
+        with _credentials_lock:
+            if password is None and (hostname, port) not in _credentials:
+                found = _credentials_from_environment(hostname, port)
+                if found is not None:
+                    _credentials[(hostname, port)] = found
+            if password is not None:
+                _credentials[(hostname, port)] = (username, password)
+            elif (hostname, port) in _credentials:
+                known_user, password = _credentials[(hostname, port)]
+                username = username if username is not None else known_user
+        self.username = username
+        tls_options: dict[str, Any] = {}
+        if tls:
+            tls_options = {"ssl": True, "ssl_cert_reqs": "required", "ssl_ca_certs": ca_file}
+        self._client = redis.Redis(
+            host=hostname,
+            port=port,
+            db=db,
+            username=username,
+            password=password,
+            **tls_options,
+        )
 
     def __repr__(self) -> str:
-        return f"RedisConnector({self.hostname}:{self.port}/{self.db}, tier={self.tier.value})"
+        user = f"{self.username}@" if self.username else ""
+        scheme = "rediss" if self.tls else "redis"
+        return (
+            f"RedisConnector({scheme}://{user}{self.hostname}:{self.port}/{self.db}, "
+            f"tier={self.tier.value})"
+        )
+
+    @property
+    def location(self) -> str:
+        """Where this store is, for errors and logs (no password)."""
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{self.hostname}:{self.port}/{self.db}"
+
+    @contextlib.contextmanager
+    def _access(self, action: str) -> Iterator[None]:
+        """Turn Redis's authentication refusals into an error that says what to do."""
+        try:
+            yield
+        except redis.exceptions.NoPermissionError as exc:
+            raise PermissionError(
+                f"Redis {self.location} refused to {action} for user {self.username!r} ({exc}): "
+                f"this connector's keys must start with the prefix the user may use "
+                f"(fxobj: for the platform's fxstream user), not {self.key_prefix!r}"
+            ) from None
+        except (redis.exceptions.AuthenticationError, redis.exceptions.ResponseError) as exc:
+            if isinstance(exc, redis.exceptions.ResponseError) and "NOAUTH" not in str(exc):
+                raise
+            raise PermissionError(
+                f"Redis {self.location} refused to {action}: it requires a user and password "
+                f"({exc}). Use the store URL with them, redis://fxstream:PASSWORD@HOST:PORT/DB "
+                "(the platform writes it to <home>/platform.json and the SDK's credentials "
+                "file), as the SDK's store_url (FXSTREAM_STORE_URL) and the endpoint's store_url"
+            ) from None
 
     # --- Connector protocol ----------------------------------------------------------------
 
@@ -88,7 +219,7 @@ class RedisConnector:
         self._client.close()
 
     def config(self) -> dict[str, Any]:
-        """Everything :meth:`from_config` needs to reconnect (no secrets)."""
+        """Everything :meth:`from_config` needs to reconnect (no password: see the module)."""
         return {
             "hostname": self.hostname,
             "port": self.port,
@@ -97,6 +228,9 @@ class RedisConnector:
             "key_prefix": self.key_prefix,
             "chunk_bytes": self.chunk_bytes,
             "tier": self.tier.value,
+            "username": self.username,
+            "tls": self.tls,
+            "ca_file": self.ca_file,
         }
 
     @classmethod
@@ -106,7 +240,8 @@ class RedisConnector:
 
     def evict(self, key: RedisObjectKey) -> None:
         """Delete the object and all its chunks (a missing object is not an error)."""
-        self._client.delete(*self._keys_of(key))
+        with self._access("evict an object"):
+            self._client.delete(*self._keys_of(key))
 
     def evict_object_key(self, object_key: str, size_bytes: int) -> None:
         """Evict by what data-locations and a payload's envelope name: key and size."""
@@ -116,17 +251,38 @@ class RedisConnector:
     def exists(self, key: RedisObjectKey) -> bool:
         """Whether every part of the object is still stored."""
         names = self._keys_of(key)
-        return int(self._client.exists(*names)) == len(names)
+        with self._access("check an object"):
+            return int(self._client.exists(*names)) == len(names)
 
     def get(self, key: RedisObjectKey) -> bytes | None:
-        """The object's bytes, or None when it (or any chunk of it) is gone."""
+        """The object's bytes, or None when it (or any chunk of it) is gone.
+
+        Raises:
+            StoreIntegrityError: the bytes are not those written (their SHA-256
+                differs from the key's), or the key carries no digest.
+        """
+        digest = Digest()
         if key.chunks <= 1:
-            value: bytes | None = self._client.get(key.redis_key)  # type: ignore[assignment]
-            return value
-        parts: list[bytes | None] = self._client.mget(self._keys_of(key))  # type: ignore[assignment]
-        if any(part is None for part in parts):
-            return None
-        return b"".join(part for part in parts if part is not None)
+            with self._access("read an object"):
+                value: bytes | None = self._client.get(key.redis_key)  # type: ignore[assignment]
+            if value is None:
+                return None
+            digest.update(value)
+        else:
+            with self._access("read an object"):
+                parts: list[bytes | None] = self._client.mget(self._keys_of(key))  # type: ignore[assignment]
+            if any(part is None for part in parts):
+                return None
+            # Hashed part by part before the join: no extra copy for the check.
+            for part in parts:
+                assert part is not None
+                digest.update(part)
+            value = b"".join(part for part in parts if part is not None)
+            del parts
+        verify_digest(
+            digest.hexdigest(), key.sha256, key=key.redis_key, store=f"Redis {self.location}"
+        )
+        return value
 
     def get_batch(self, keys: Sequence[RedisObjectKey]) -> list[BytesLike | None]:
         """:meth:`get` for each key, in order."""
@@ -145,7 +301,7 @@ class RedisConnector:
             size = len(view)
             name = f"{self.key_prefix}{uuid.uuid4().hex}"
             chunks = max(1, -(-size // self.chunk_bytes))
-            key = RedisObjectKey(name, chunks, size)
+            key = RedisObjectKey(name, chunks, size, sha256_of(view))
             for part_name, start in zip(
                 self._keys_of(key), range(0, max(size, 1), self.chunk_bytes), strict=True
             ):
@@ -153,7 +309,8 @@ class RedisConnector:
                 # queued in the pipeline as bytes would be a second 1 GB in memory).
                 pipeline.set(part_name, view[start : start + self.chunk_bytes], ex=self._ttl())
             keys.append(key)
-        pipeline.execute()
+        with self._access("store an object"):
+            pipeline.execute()
         return keys
 
     # --- fxstream extras -------------------------------------------------------------------

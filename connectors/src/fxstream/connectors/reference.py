@@ -24,8 +24,16 @@ proxy's value in its place (:func:`proxies_by_value`): the caller gets what the
 function returned, mutated or not, never a proxy of an argument object the SDK
 evicts once the result is consumed.
 
+Integrity: the connector's key (pickled inside the payload, so inside a Kafka
+record only an authenticated principal could write) carries the SHA-256 of the
+stored bytes, and the connector checks it when it reads them, before
+:func:`load_payload` sees a byte; :class:`ObjectReference` carries the same
+digest. A store whose connector records no digest is refused for
+pass-by-reference.
+
 Explicit proxies (``store.proxy(obj)``) pass through untouched: their owner
-manages their lifetime.
+manages their lifetime (and, with a store of fxstream's, they are verified the
+same way).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ from proxystore.store import get_store
 from proxystore.store.base import Store
 from proxystore.store.factory import StoreFactory
 
+from fxstream.connectors.integrity import SHA256_PATTERN
 from fxstream.topics import ObjectReference, Serializer, StorageTier, wrap_references
 
 __all__ = [
@@ -265,6 +274,15 @@ class ByReference:
         assert self.store is not None
         connector = self.store.connector
         key = connector.put(payload)
+        digest = getattr(key, "sha256", "")
+        if not isinstance(digest, str) or not SHA256_PATTERN.match(digest):
+            connector.evict(key)
+            raise TypeError(
+                f"the store {self.store.name!r} ({type(connector).__name__}) does not record a "
+                "digest of what it stores, so a value passed by reference could not be verified "
+                "before it is loaded: use one of fxstream's stores (redis://, file://, adios2://, "
+                "Globus; see fxstream.connectors.open_store)"
+            )
         tier = getattr(connector, "tier", StorageTier.DURABLE)
         object_key = _object_key(connector, key)
         reference = ObjectReference(
@@ -274,6 +292,7 @@ class ByReference:
             tier=StorageTier(tier),
             site=self.site,
             node=self._node,
+            sha256=digest,
         )
         factory: StoreFactory[Any, Any] = StoreFactory(
             key, store_config=self.store.config(), deserializer=load_payload

@@ -178,7 +178,11 @@ def configure(
     heartbeat_period: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
     store_url: Annotated[
         str | None,
-        typer.Option(help="Proxy store for large results (redis://HOST:PORT or file:///DIR)."),
+        typer.Option(
+            help="Proxy store for large results (redis://USER:PASSWORD@HOST:PORT or "
+            "file:///DIR). A Redis URL holds a password: pass it in the environment.",
+            envvar="FXSTREAM_STORE_URL",
+        ),
     ] = None,
     proxy_threshold: Annotated[
         int, typer.Option(help="Results above this many bytes go to the proxy store.")

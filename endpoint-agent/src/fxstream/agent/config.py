@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -80,8 +80,9 @@ class EndpointConfig:
     retry_backoff_s: float = 0.5
     retry_backoff_max_s: float = 30.0
     # The endpoint's proxy store (a store URL: redis://HOST:PORT, file:///DIR): results
-    # above proxy_threshold bytes go there and only a reference goes to Kafka.
-    store_url: str | None = None
+    # above proxy_threshold bytes go there and only a reference goes to Kafka. A Redis
+    # URL holds the store's password: kept out of the repr.
+    store_url: str | None = field(default=None, repr=False)
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES
     # The endpoint's Kafka principal: the path of its 0600 JSON credentials file
     # (kafka_username, kafka_password, kafka_ca_file), never the secret itself. None: the

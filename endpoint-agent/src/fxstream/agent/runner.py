@@ -38,6 +38,7 @@ from fxstream.connectors import (
 from fxstream.topics import (
     ClientInfo,
     DeserializationError,
+    IntegrityError,
     Serializer,
     TaskSubmission,
     decode,
@@ -114,6 +115,10 @@ def load_function(
     submitter's versions are known for the error message; it is kept after that.
     """
     loaded: list[Callable[..., Any]] = []
+    if store_url is not None:
+        # Opened now, so the store's credentials are known in this worker before an
+        # argument proxy (whose config carries no password) resolves.
+        _store(store_url)
 
     def function_for(client: ClientInfo) -> Callable[..., Any]:
         if not loaded:
@@ -123,13 +128,25 @@ def load_function(
     def call(submission_bytes: bytes) -> bytes:
         submission = decode(submission_bytes, TaskSubmission)
         function = function_for(submission.client)
-        args, kwargs = _serializer.unpack_arguments(
-            submission.payload, submitted_by=submission.client
-        )
+        try:
+            args, kwargs = _serializer.unpack_arguments(
+                submission.payload, submitted_by=submission.client
+            )
+        except IntegrityError as exc:
+            # A substituted by-reference argument (fetched as the payload loads): the
+            # client gets the integrity error itself, as for one found inside the function.
+            _attach_serialized(exc, _serializer)
+            raise
         strategy_id = _result_strategy(submission.payload)
         try:
             value = function(*args, **kwargs)
         except Exception as exc:
+            integrity = _integrity_cause(exc)
+            if integrity is not None:
+                # A substituted argument met inside the function: ProxyStore wraps it in
+                # ProxyResolveError; the client gets the integrity error itself.
+                _attach_serialized(integrity, _serializer)
+                raise integrity from None
             _attach_serialized(exc, _serializer_for(strategy_id))
             raise
         if store_url is None:
@@ -138,6 +155,18 @@ def load_function(
         return by_reference.pack_value(value).payload
 
     return call
+
+
+def _integrity_cause(exc: BaseException) -> IntegrityError | None:
+    """The integrity error behind ``exc`` (itself, or its cause's chain), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, IntegrityError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
 
 
 def _attach_serialized(exc: Exception, serializer: Serializer) -> None:

@@ -135,7 +135,10 @@ def up(
         )
     else:
         err.print("[bold red]Kafka: INSECURE (PLAINTEXT, no authentication)[/bold red]")
-    console.print(f"Redis: [bold]{connection.redis_url}[/bold]")
+    console.print(
+        f"Redis: [bold]{platform.redis().url}[/bold] (user fxstream; its password is in the "
+        "connection file below)"
+    )
     console.print(f"state and logs: {config.home}   connection file: {platform.info_file}")
     console.print("stop everything with [bold]./fx down[/bold]")
 

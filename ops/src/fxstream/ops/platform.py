@@ -86,11 +86,15 @@ class PlatformError(RuntimeError):
 
 @dataclass(frozen=True)
 class ConnectionInfo:
-    """Where a running platform listens (written to ``<home>/platform.json``)."""
+    """Where a running platform listens (written to ``<home>/platform.json``, 0600).
+
+    ``redis_url`` is the store URL clients use: it carries the ``fxstream`` Redis user's
+    password, so it is left out of the repr and only ever shown redacted.
+    """
 
     mode: str
     bootstrap_servers: str
-    redis_url: str
+    redis_url: str = field(repr=False)
     topic_prefix: str
     replication_factor: int
     min_insync_replicas: int
@@ -238,7 +242,7 @@ class Platform:
         return ConnectionInfo(
             mode="cluster" if cluster else "single",
             bootstrap_servers=",".join(node.bootstrap for node in nodes),
-            redis_url=self.redis().url,
+            redis_url=self.redis().client_url,
             topic_prefix=catalogue.prefix,
             replication_factor=catalogue.replication_factor,
             min_insync_replicas=catalogue.min_insync_replicas,
@@ -347,7 +351,8 @@ class Platform:
         info = self.connection(cluster=cluster)
         if not secure:
             info = ConnectionInfo(**{**asdict(info), "security": SECURITY_INSECURE, "ca_file": ""})
-        self.info_file.write_text(json.dumps(asdict(info), indent=2) + "\n")
+        # It holds the store URL with its password: owner-only, written atomically.
+        write_secret_file(self.info_file, (json.dumps(asdict(info), indent=2) + "\n").encode())
         return info
 
     def _write_credentials(self, kafka: KafkaConnection) -> None:

@@ -210,12 +210,15 @@ class PrivatePlatform:
         for serializer in allowed_serializers:
             argv += ["--allow-serializer", serializer]
         store = settings.store_url if store_url == "platform" else store_url
-        if store:
-            argv += ["--store-url", store]
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file. On the
         # secure platform also the path of the local endpoint's Kafka credentials file.
+        # The store URL (it holds the Redis password) goes through the environment too.
         secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
+        if store:
+            secrets_env["FXSTREAM_STORE_URL"] = store
+        else:
+            env.pop("FXSTREAM_STORE_URL", None)
         if self.kafka.secure:
             credentials = self.platform.services().endpoint_credentials_file
             secrets_env[KAFKA_CREDENTIALS_ENV] = str(credentials)

@@ -103,6 +103,8 @@ class ManagedProcess:
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
     die_with_parent: bool = False
+    umask: int | None = None
+    """The process's umask (None: inherit ours); 0o077 makes what it writes 0600."""
 
     def pid(self) -> int | None:
         """The PID if our process is running, else None (a stale PID file is removed)."""
@@ -149,6 +151,7 @@ class ManagedProcess:
                 # Its own session: a Ctrl-C in the terminal that ran `up` must not stop it.
                 start_new_session=True,
                 preexec_fn=terminate_with_parent if self.die_with_parent else None,
+                umask=-1 if self.umask is None else self.umask,
             )
         started = psutil.Process(popen.pid).create_time()
         self.pid_file.write_text(f"{popen.pid} {started!r}\n")

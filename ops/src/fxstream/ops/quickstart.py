@@ -15,6 +15,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
+from fxstream.connectors import redact_url
 from fxstream.sdk import Client, ClientSettings, Executor
 
 __all__ = ["QUICKSTART_TASKS", "run_quickstart", "snippet"]
@@ -70,7 +71,8 @@ def run_quickstart(
                 if hashlib.sha256(back[::-1]).digest() != hashlib.sha256(data).digest():
                     raise RuntimeError("the 100 MB quickstart task returned the wrong bytes")
                 console.print(
-                    f"100 MB argument and result by reference through {settings.store_url}: "
+                    f"100 MB argument and result by reference through "
+                    f"{redact_url(settings.store_url)}: "
                     f"round trip {seconds:.2f} s, verified"
                 )
     finally:

@@ -474,7 +474,12 @@ class ServiceSet:
             and _setting(config_file, "bootstrap_servers") == credentials.kafka.bootstrap
         ):
             return _endpoint_id(config_file)
-        store = [] if credentials.store_url is None else ["--store-url", credentials.store_url]
+        # The store URL holds the Redis password: it goes through the environment.
+        env = self._endpoint_env()
+        env.pop("FXSTREAM_STORE_URL", None)
+        if credentials.store_url is not None:
+            env["FXSTREAM_STORE_URL"] = credentials.store_url
+        store: list[str] = []
         if owned:
             # Same owner, new settings: keep the registered endpoint.
             store += ["--endpoint-id", _endpoint_id(config_file)]
@@ -493,9 +498,10 @@ class ServiceSet:
             ],
             # The owner's token registers the endpoint; it goes through the environment
             # of this one command, never its command line or the endpoint's config (the
-            # agent gets its own credential file). Kafka credentials by file path.
+            # agent gets its own credential file). Kafka credentials by file path; the
+            # store URL (it holds the Redis password) through the environment too.
             env={
-                **self._endpoint_env(),
+                **env,
                 "FXSTREAM_TOKEN": credentials.token,
                 **({KAFKA_CREDENTIALS_ENV: kafka_credentials} if kafka_credentials else {}),
             },

@@ -48,6 +48,7 @@ from fxstream.topics import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
     DeserializationError,
+    IntegrityError,
     KafkaConnection,
     RecordDecodeError,
     Serializer,
@@ -583,9 +584,11 @@ def unreadable_result(task_id: str, exc: Exception, payload: bytes) -> Exception
     """The error for a result payload that cannot be loaded.
 
     A result stored by reference gets an error about the store (an evicted
-    object, an unreachable store); any other keeps its own error.
+    object, an unreachable store); any other keeps its own error, and so does
+    an integrity error (the stored result is not the one the worker wrote).
     """
-    if not _by_reference(payload):
+    if not _by_reference(payload) or isinstance(exc, IntegrityError):
+        # A result substituted in the store raises StoreIntegrityError itself.
         return exc
     return FxstreamError(
         f"task {task_id} succeeded but its result, stored by reference, could not be fetched: "

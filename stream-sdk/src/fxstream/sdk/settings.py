@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -88,7 +88,7 @@ class ClientSettings:
     user_id: str | None = None
     token: str | None = None
     max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES
-    store_url: str | None = None
+    store_url: str | None = field(default=None, repr=False)  # a Redis URL holds a password
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD
 
     @classmethod

@@ -492,6 +492,13 @@ class ObjectReference(msgspec.Struct, kw_only=True, frozen=True):
         ""
     )
     node: Annotated[str, Meta(max_length=256, description="the host that wrote it")] = ""
+    sha256: Annotated[
+        str,
+        Meta(
+            pattern="^([0-9a-f]{64})?$",
+            description="SHA-256 of the stored bytes, checked before they are deserialized",
+        ),
+    ] = ""
 
 
 class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):
@@ -510,6 +517,13 @@ class DataLocation(Record, tag="data-location", kw_only=True, frozen=True):
     tier: StorageTier = StorageTier.DURABLE
     node: Annotated[str, Meta(max_length=256, description="the host that wrote it")] = ""
     complete: bool = True
+    sha256: Annotated[
+        str,
+        Meta(
+            pattern="^([0-9a-f]{64})?$",
+            description="SHA-256 of the object's bytes ('' for a stream until complete)",
+        ),
+    ] = ""
 
 
 # --- events and failures -------------------------------------------------------------------

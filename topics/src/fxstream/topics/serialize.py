@@ -77,6 +77,7 @@ __all__ = [
     "DeserializationError",
     "DillCode",
     "DillData",
+    "IntegrityError",
     "JsonData",
     "PayloadError",
     "PickleData",
@@ -149,6 +150,14 @@ class SerializationError(PayloadError):
     """A value (or function) that the chosen strategy cannot serialize.
 
     The message names the strategy and, where there is one, the strategy to use instead.
+    """
+
+
+class IntegrityError(Exception):
+    """Bytes that are not those their writer produced (a digest mismatch), found while a
+    payload was loading: e.g. a by-reference object substituted in its store
+    (``fxstream.connectors.StoreIntegrityError``). Loading raises it as it is, never
+    wrapped in :class:`DeserializationError`, so a task fails with the integrity error.
     """
 
 
@@ -274,7 +283,7 @@ class Strategy(abc.ABC):
             )
         try:
             return self.decode_body(body)
-        except DeserializationError:
+        except (DeserializationError, IntegrityError):
             raise
         except Exception as exc:
             raise DeserializationError(

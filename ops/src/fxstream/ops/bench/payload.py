@@ -56,7 +56,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from fxstream.connectors import StoreSpec
+from fxstream.connectors import StoreSpec, redact_url
 from fxstream.ops.bench.stack import (
     WORKERS,
     BenchError,
@@ -678,7 +678,9 @@ def _settings_figures(settings: PayloadSettings) -> Figures:
         "dask": "skipped" if settings.skip_dask else "LocalCluster(processes=True)",
         "parsl": "skipped" if settings.skip_parsl else "htex",
         "sweep_sizes": list(settings.sweep_sizes),
-        "store": "platform redis (AOF)" if settings.store_url is None else settings.store_url,
+        "store": (
+            "platform redis (AOF)" if settings.store_url is None else redact_url(settings.store_url)
+        ),
     }
 
 

@@ -27,7 +27,6 @@ import struct
 import time
 import uuid
 from typing import Any, Final
-from urllib.parse import urlparse
 
 import numpy as np
 from confluent_kafka.admin import AdminClient
@@ -35,7 +34,7 @@ from proxystore.proxy import Proxy, extract
 from proxystore.store import Store, unregister_store
 from proxystore.stream.events import EventBatch, NewObjectEvent, event_to_bytes
 
-from fxstream.connectors import RedisConnector
+from fxstream.connectors import RedisConnector, StoreSpec, StoreURLError
 from fxstream.ops.bench.stack import BenchError
 from fxstream.sdk.streams import (
     KafkaStreamConsumer,
@@ -82,9 +81,16 @@ def _consume(
     ready: Any,
     warmed: Any,
     results: Any,
+    redis_url: str | None = None,
 ) -> None:
-    """The consumer process: read the stream to its end, checking every array; report times."""
+    """The consumer process: read the stream to its end, checking every array; report times.
+
+    ``redis_url`` (given through multiprocessing's pipe, not a command line) opens the
+    store once, so the proxies (whose configs carry no password) can authenticate.
+    """
     try:
+        if redis_url is not None:
+            RedisConnector(**StoreSpec.parse(redis_url).options).close()
         consumer: KafkaStreamConsumer[Any] = stream_consumer(
             kafka, STREAM, group=group, topic_prefix=prefix, timeout_s=IDLE_TIMEOUT_S
         )
@@ -116,11 +122,12 @@ def _consume(
 
 
 def _redis_store(redis_url: str, name: str) -> Store[Any]:
-    url = urlparse(redis_url)
-    if url.hostname is None or url.port is None:
-        raise BenchError(f"cannot read host and port from the Redis URL {redis_url!r}")
+    try:
+        options = StoreSpec.parse(redis_url).options  # host, port and the store's credentials
+    except StoreURLError as exc:
+        raise BenchError(f"cannot use the Redis URL: {exc}") from None
     # A lease well above the run: the consumer evicts each array once it committed it.
-    return Store(name, RedisConnector(url.hostname, url.port, lease_s=3600))
+    return Store(name, RedisConnector(**{**options, "lease_s": 3600}))
 
 
 def _produce(
@@ -208,6 +215,7 @@ def measure_kafka_stream(
         args=(
             *(kafka, catalogue.prefix, f"bench-{run_id}", items, array_bytes),
             *(ready, warmed, results),
+            None if inline else redis_url,
         ),
         daemon=True,
     )
