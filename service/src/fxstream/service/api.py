@@ -476,6 +476,8 @@ class Runtime:
     limiter: RateLimiter = field(default_factory=lambda: RateLimiter(DEFAULT_LIMITS))
     # Token changes read, modify and write a user record: one at a time in this process.
     account_lock: threading.Lock = field(default_factory=threading.Lock)
+    # False on the insecure development platform: principals are then topics only.
+    kafka_secure: bool = True
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -507,12 +509,15 @@ def _start_runtime(
         timeout_s,
         accounts=accounts,
         limiter=RateLimiter(accounts.limits),
+        kafka_secure=kafka.secure,
     )
 
 
 def _accounts(runtime: Runtime) -> AccountManager:
     """Kafka principals (credential, ACLs, topics), made with the API's admin client."""
-    return AccountManager(runtime.admin, runtime.catalogue, timeout_s=runtime.timeout_s)
+    return AccountManager(
+        runtime.admin, runtime.catalogue, secure=runtime.kafka_secure, timeout_s=runtime.timeout_s
+    )
 
 
 def _kafka_principal(create: Callable[[str], KafkaPrincipal], principal_id: str) -> KafkaPrincipal:
