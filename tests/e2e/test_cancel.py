@@ -70,6 +70,11 @@ class Stack:
         """The platform's local endpoint."""
         return self.private.endpoint_id
 
+    @property
+    def admin_token(self) -> str:
+        """The platform admin's API token (it creates users)."""
+        return self.private.admin_token
+
     def client(self) -> Client:
         """A client of the platform's user (the caller closes it)."""
         return self.private.client()

@@ -27,8 +27,10 @@ def test_service_processes_are_named_their_credentials_file_not_given_the_secret
         child.key: child.env.get(KAFKA_CREDENTIALS_ENV)
         for child in services.supervisor_spec().children
     }
-    for role in ("api", "router", "task-state", "liveness"):
+    # The processors act as fxstream-service; the API manages accounts, as the admin.
+    for role in ("router", "task-state", "liveness", "ingress"):
         assert named[role] == str(services.service_credentials_file)
+    assert named["api"] == str(services.api_credentials_file)
     text = json.dumps([(c.argv, c.env) for c in services.supervisor_spec().children])
     assert "password" not in text and "token" not in text
 

@@ -410,6 +410,16 @@ def test_code_whose_digest_is_not_the_dispatchs_is_refused_before_it_is_loaded(
     serializer = Serializer()
     code = serializer.serialize_function(Touch(marker))
     function_id = client.register_code(code, name="booby-trapped")
+    # One genuine, routed task of the function first: an endpoint may fetch only the code of
+    # functions routed to it (docs/security.md), so without it the fetch below would be
+    # refused before the digest is even compared. Its run loads the code (the marker
+    # appears); the marker is then removed, so what follows proves the forged one loads none.
+    client.run(endpoint_id=stack.endpoint_id, function_id=function_id)
+    deadline = time.monotonic() + WAIT_S
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the genuine task never loaded its code"
+        time.sleep(0.2)
+    marker.unlink()
     submission = a_submission(
         client,
         stack.endpoint_id,
