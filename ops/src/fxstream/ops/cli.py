@@ -293,18 +293,30 @@ def _task_bench_errors() -> tuple[type[Exception], ...]:
     )
 
 
+# The task-path benches' switch for the same figures with security off.
+_PlainOption = Annotated[
+    bool,
+    typer.Option(
+        "--plain/--no-plain",
+        help="Also measure fxstream with security off (PLAINTEXT Kafka) in the same run and "
+        "report secure_vs_plain; --no-plain skips it.",
+    ),
+]
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     tasks: Annotated[int, typer.Option(min=1, help="No-op tasks timed per system.")] = 20_000,
     skip_parsl: Annotated[
         bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
     ] = False,
+    plain: _PlainOption = True,
 ) -> None:
     """No-op tasks/s: fxstream submit and map vs ProcessPoolExecutor(2) and Parsl HTEX."""
     from fxstream.ops.bench.throughput import run_throughput_bench
 
     try:
-        run_throughput_bench(console=console, tasks=tasks, skip_parsl=skip_parsl)
+        run_throughput_bench(console=console, tasks=tasks, skip_parsl=skip_parsl, plain=plain)
     except _task_bench_errors() as exc:
         err.print(f"[red]bench throughput failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -318,12 +330,13 @@ def bench_latency(
     skip_parsl: Annotated[
         bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
     ] = False,
+    plain: _PlainOption = True,
 ) -> None:
     """Round trip of one warm no-op task (p50/p95/p99, hop by hop) vs Parsl HTEX."""
     from fxstream.ops.bench.latency import run_latency_bench
 
     try:
-        run_latency_bench(console=console, samples=samples, skip_parsl=skip_parsl)
+        run_latency_bench(console=console, samples=samples, skip_parsl=skip_parsl, plain=plain)
     except _task_bench_errors() as exc:
         err.print(f"[red]bench latency failed:[/red] {exc}")
         raise typer.Exit(1) from exc

@@ -25,6 +25,10 @@ clock), plus the two ends only the caller sees:
 Each hop's p50 is taken over the samples on its own, so the hop medians need not add
 up to the round trip's median exactly.
 
+fxstream runs on the secure platform (SASL_SSL Kafka); then, unless ``plain`` is False,
+the same on an insecure (PLAINTEXT) platform, and ``secure_vs_plain`` gives each fxstream
+figure (the hops too) on both and their ratio: what security costs.
+
 Parsl's HTEX (2 workers, one local block on the loopback) runs the same no-op as a
 python_app, sequentially, after the fxstream platform has been stopped.
 """
@@ -54,9 +58,10 @@ from fxstream.ops.bench.stack import (
     noop,
     parsl_htex,
     percentile,
-    private_platform,
+    print_secure_vs_plain,
     progress,
     result_of,
+    secure_and_plain,
 )
 from fxstream.sdk import TIMING_KEYS, Executor, TaskFuture
 
@@ -159,12 +164,6 @@ def _fxstream_on(display: Progress, platform: PrivatePlatform, count: int) -> Fi
     }
 
 
-def _fxstream(console: Console, count: int) -> Figures:
-    """fxstream on a private platform that is stopped before returning."""
-    with private_platform(console, services=True) as platform, progress(console) as display:
-        return _fxstream_on(display, platform, count)
-
-
 def _htex(console: Console, count: int) -> Figures:
     """Parsl's HTEX, its run directory in a temporary directory removed afterwards."""
     with (
@@ -212,6 +211,7 @@ def _settings(samples: int, skip_parsl: bool) -> Figures:
         "workers": WORKERS,
         "cpu_count": os.cpu_count() or 0,
         "acks": "all",
+        "security": "secure (SASL_SSL Kafka)",
         "parsl": "skipped" if skip_parsl else "htex",
         "htex_p50_ms": None,
         "htex_p95_ms": None,
@@ -220,8 +220,13 @@ def _settings(samples: int, skip_parsl: bool) -> Figures:
     }
 
 
-def run_latency_bench(*, console: Console, samples: int, skip_parsl: bool) -> Figures:
+def run_latency_bench(
+    *, console: Console, samples: int, skip_parsl: bool, plain: bool = True
+) -> Figures:
     """Time ``samples`` sequential round trips on fxstream and (unless skipped) Parsl HTEX.
+
+    fxstream runs on the secure platform and, if ``plain``, also on an insecure one
+    (``secure_vs_plain``).
 
     Prints the tables and, as the last line of stdout, the figures as one JSON object,
     which is also returned. Every process started here is stopped before it returns.
@@ -230,10 +235,13 @@ def run_latency_bench(*, console: Console, samples: int, skip_parsl: bool) -> Fi
         raise ValueError("samples must be at least 1")
     started = time.perf_counter()
     figures = _settings(samples, skip_parsl)
-    figures |= _fxstream(console, samples)
+    figures |= secure_and_plain(
+        console, lambda display, platform: _fxstream_on(display, platform, samples), plain=plain
+    )
     if not skip_parsl:
         figures |= _htex(console, samples)
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     _print_tables(console, figures)
+    print_secure_vs_plain(console, figures)
     print(json.dumps(figures), flush=True)
     return figures

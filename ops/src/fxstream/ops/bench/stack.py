@@ -5,6 +5,8 @@
   ``services``, also the REST API, the stream processors and the local endpoint with its
   default 2 workers) and stops every process at the end. Its processes are tied to the
   caller (``tie_to_caller``): if the bench dies, the kernel stops them too.
+- :func:`secure_and_plain` runs one measurement on the secure platform and then on a plain
+  (``insecure``, PLAINTEXT Kafka) one, and adds ``secure_vs_plain``: the cost of security.
 - :func:`parsl_htex` loads a Parsl config with one HighThroughputExecutor (a local
   provider, one block of ``workers`` workers, loopback address, run directory in a given
   temp dir) and cleans it up at the end.
@@ -35,6 +37,7 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from rich.table import Table
 
 from fxstream.ops.platform import Platform
 from fxstream.ops.private import (
@@ -57,10 +60,13 @@ __all__ = [
     "noop",
     "parsl_htex",
     "percentile",
+    "print_secure_vs_plain",
     "private_platform",
     "progress",
     "rate",
     "result_of",
+    "secure_and_plain",
+    "secure_vs_plain",
     "sigterm_as_exit",
     "stall_guard",
     "wait_all",
@@ -165,20 +171,25 @@ def sigterm_as_exit() -> Iterator[None]:
 
 
 @contextmanager
-def private_platform(console: Console, *, services: bool) -> Iterator[PrivatePlatform]:
+def private_platform(
+    console: Console, *, services: bool, insecure: bool = False
+) -> Iterator[PrivatePlatform]:
     """A platform of our own in a temporary home (:mod:`fxstream.ops.private`), started
     under a spinner and stopped (every process) after the block.
 
-    Without ``services`` only the broker and Redis run.
+    Without ``services`` only the broker and Redis run. It is the secure platform unless
+    ``insecure`` (PLAINTEXT Kafka, no credentials: only for the ``secure_vs_plain`` figures).
     """
     what = (
         "a private platform (broker, Redis, service, local endpoint)"
         if services
         else "a private broker"
     )
+    if insecure:
+        what = f"{what}, INSECURE for the comparison"
     with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="fxstream-bench-") as directory:
         home = Path(directory)
-        platform = Platform(private_config(home))
+        platform = Platform(private_config(home, insecure=insecure))
         started = None
         try:
             with console.status(f"[bold]starting {what}") as status:
@@ -194,6 +205,59 @@ def private_platform(console: Console, *, services: bool) -> Iterator[PrivatePla
                 if started is not None:
                     started.stop_extra_endpoints()
                 platform.down()
+
+
+Figures = dict[str, Any]
+Measure = Callable[[Progress, PrivatePlatform], Figures]
+
+
+def secure_vs_plain(secure: Figures, plain: Figures) -> Figures:
+    """Each figure of ``secure`` as ``{"secure", "plain", "ratio"}`` (secure / plain, 2
+    decimals; None when either is missing or zero); a nested dict is compared key by key.
+
+    A ratio below 1 on a rate, or above 1 on a time, is what security costs.
+    """
+    compared: Figures = {}
+    for key, value in secure.items():
+        other = plain.get(key)
+        if isinstance(value, dict) and isinstance(other, dict):
+            compared[key] = secure_vs_plain(value, other)
+        elif isinstance(value, int | float) and isinstance(other, int | float):
+            ratio = round(value / other, 2) if value and other else None
+            compared[key] = {"secure": value, "plain": other, "ratio": ratio}
+    return compared
+
+
+def secure_and_plain(console: Console, measure: Measure, *, plain: bool) -> Figures:
+    """``measure`` on a secure private platform with its services, then (if ``plain``) on
+    an insecure one, each stopped before the next starts.
+
+    Returns the secure figures plus ``secure_vs_plain`` (None without ``plain``).
+    """
+    with private_platform(console, services=True) as platform, progress(console) as display:
+        secure = measure(display, platform)
+    if not plain:
+        return secure | {"secure_vs_plain": None}
+    with (
+        private_platform(console, services=True, insecure=True) as platform,
+        progress(console) as display,
+    ):
+        compared = secure_vs_plain(secure, measure(display, platform))
+    return secure | {"secure_vs_plain": compared}
+
+
+def print_secure_vs_plain(console: Console, figures: Figures) -> None:
+    """The top-level ``secure_vs_plain`` figures as a table (nothing if not measured)."""
+    compared = figures.get("secure_vs_plain")
+    if not compared:
+        return
+    table = Table(title="fxstream secure vs plain (PLAINTEXT Kafka), same run")
+    for column in ("figure", "secure", "plain", "secure / plain"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for key, entry in compared.items():
+        if "ratio" in entry:
+            table.add_row(key, f"{entry['secure']:,}", f"{entry['plain']:,}", str(entry["ratio"]))
+    console.print(table)
 
 
 # --- Parsl ---------------------------------------------------------------------------------

@@ -9,6 +9,9 @@ connections, worker start-up and code loading):
    result), then the same through ``Executor.map``. Every record on the way is written
    with ``acks=all`` (the SDK's producer, the router's and the agent's). The platform
    is stopped before the next systems run, so they do not share the cores with it.
+   The platform is the secure one (SASL_SSL Kafka); then, unless ``plain`` is False, the
+   same is measured on an insecure (PLAINTEXT) platform, and ``secure_vs_plain`` gives
+   each fxstream figure on both and their ratio: what security costs.
 2. ``concurrent.futures.ProcessPoolExecutor(2)``: the same tasks, submitted then awaited.
 3. Parsl's HighThroughputExecutor: 2 workers in one local block on the loopback,
    ``tasks`` no-op python_apps submitted then awaited (skipped with ``skip_parsl``).
@@ -40,9 +43,10 @@ from fxstream.ops.bench.stack import (
     PrivatePlatform,
     noop,
     parsl_htex,
-    private_platform,
+    print_secure_vs_plain,
     progress,
     rate,
+    secure_and_plain,
     stall_guard,
     wait_all,
 )
@@ -135,12 +139,6 @@ def _fxstream_on(display: Progress, platform: PrivatePlatform, tasks: int) -> Fi
         "fxstream_s": round(submit_wall_s, 2),
         "fxstream_map_s": round(map_wall_s, 2),
     }
-
-
-def _fxstream(console: Console, tasks: int) -> Figures:
-    """fxstream on a private platform that is stopped before returning."""
-    with private_platform(console, services=True) as platform, progress(console) as display:
-        return _fxstream_on(display, platform, tasks)
 
 
 def _processpool(console: Console, tasks: int) -> Figures:
@@ -254,14 +252,20 @@ def _settings(tasks: int, skip_parsl: bool) -> Figures:
         "workers": WORKERS,
         "cpu_count": os.cpu_count() or 0,
         "acks": "all",
+        "security": "secure (SASL_SSL Kafka)",
         "htex_tasks_per_s": None,
         "htex_s": None,
         "parsl": "skipped" if skip_parsl else "htex",
     }
 
 
-def run_throughput_bench(*, console: Console, tasks: int, skip_parsl: bool) -> Figures:
+def run_throughput_bench(
+    *, console: Console, tasks: int, skip_parsl: bool, plain: bool = True
+) -> Figures:
     """Measure no-op tasks/s on fxstream, a process pool and (unless skipped) Parsl HTEX.
+
+    fxstream runs on the secure platform and, if ``plain``, also on an insecure one
+    (``secure_vs_plain``).
 
     Prints a table and, as the last line of stdout, the figures as one JSON object, which
     is also returned. Every process started here is stopped before it returns.
@@ -270,12 +274,15 @@ def run_throughput_bench(*, console: Console, tasks: int, skip_parsl: bool) -> F
         raise ValueError("tasks must be at least 1")
     started = time.perf_counter()
     figures = _settings(tasks, skip_parsl)
-    figures |= _fxstream(console, tasks)
+    figures |= secure_and_plain(
+        console, lambda display, platform: _fxstream_on(display, platform, tasks), plain=plain
+    )
     figures |= _processpool(console, tasks)
     if not skip_parsl:
         figures |= _htex(console, tasks)
     figures |= _verdict(figures)
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     _print_table(console, figures)
+    print_secure_vs_plain(console, figures)
     print(json.dumps(figures), flush=True)
     return figures
