@@ -276,7 +276,13 @@ def configure(
                     assert kafka_credentials is not None
                     kafka_ca_file = KafkaConnection.from_file(kafka_credentials).ca_file
             config = EndpointConfig(endpoint_id=endpoint_id, **settings)
-            kafka = config.kafka()
+            # The brokers (and CA) the issued principal is used with; not config.kafka(),
+            # which would read a credentials file left by an endpoint registered before.
+            kafka = (
+                config.kafka()
+                if config.kafka_credentials is not None
+                else KafkaConnection(config.bootstrap_servers)
+            )
             if kafka_ca_file is not None:
                 kafka = dataclasses.replace(kafka, ca_file=kafka_ca_file.absolute())
             endpoint_credentials = _kept_credentials(config, issued) or issued_credentials(
