@@ -38,6 +38,7 @@ class RunningAgent:
     pid: int
     config: EndpointConfig
     credentials: EndpointCredentials
+    credentials_path: Path
 
 
 def _square(x: int) -> int:
@@ -54,14 +55,17 @@ def _agent(endpoints_dir: Path, name: str, endpoint_id: str, pid: int | None) ->
     saved = os.environ.get("FXSTREAM_ENDPOINTS_DIR")
     os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(endpoints_dir)
     try:
+        # The endpoint's directory (and so its credential's path) is found from the variable.
         config = EndpointConfig.load(name)
+        credentials, path = config.credentials(), config.credentials_path
     finally:
         if saved is None:
             del os.environ["FXSTREAM_ENDPOINTS_DIR"]
         else:
             os.environ["FXSTREAM_ENDPOINTS_DIR"] = saved
     assert config.endpoint_id == endpoint_id
-    return RunningAgent(endpoint_id, pid, config, config.credentials())
+    assert path.is_relative_to(endpoints_dir / name)
+    return RunningAgent(endpoint_id, pid, config, credentials, path)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +106,7 @@ def test_each_agent_holds_its_own_endpoints_principal_and_token(
         assert kafka.username == username_for(Role.ENDPOINT, agent.endpoint_id)
         assert kafka.username == f"ep.{agent.endpoint_id}"
         assert kafka.password not in (None, admin.password)
-        assert oct(agent.config.credentials_path.stat().st_mode & 0o777) == "0o600"
+        assert oct(agent.credentials_path.stat().st_mode & 0o777) == "0o600"
         # The token it fetches code with is the endpoint's own: it sees that endpoint only.
         token = agent.credentials.token
         assert token != owner_token
