@@ -26,8 +26,8 @@ import msgspec
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+from fxstream.agent.cli import issued_credentials, register_endpoint
 from fxstream.agent.config import EndpointConfig
-from fxstream.agent.credentials import EndpointCredentials
 from fxstream.sdk import (
     Client,
     Executor,
@@ -41,6 +41,7 @@ from fxstream.topics import (
     Catalogue,
     DeadLetter,
     DeadLetterReason,
+    KafkaConnection,
     TaskDispatch,
     TaskState,
     TaskStateName,
@@ -82,14 +83,15 @@ class InlineEndpoint:
 @pytest.fixture(scope="module")
 def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InlineEndpoint]:
     home = tmp_path_factory.mktemp("inline-endpoint")
-    client = stack.client()
-    try:
-        endpoint_id = client.register_endpoint("inline")
-    finally:
-        client.close()
     settings = stack.settings
-    # The agent's Kafka principal: the local endpoint's credentials file (secure platform).
-    kafka_file = stack.platform.services().endpoint_credentials_file
+    # Registered by its owner; the agent gets what the service issues the endpoint: its own
+    # API token and (secure platform) Kafka principal ep.<id>, never its owner's.
+    issued = register_endpoint(settings.service_url, _token(stack), "inline")
+    endpoint_id = str(issued["endpoint_id"])
+    brokers = KafkaConnection(stack.bootstrap, ca_file=stack.kafka.ca_file)
+    credentials = issued_credentials(
+        endpoint_id, issued, kafka=brokers, owner_token=None, warn=pytest.fail
+    )
     env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(home)}
     os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(home)
     try:
@@ -98,13 +100,12 @@ def inline(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[I
             endpoint_id=endpoint_id,
             service_url=settings.service_url,
             bootstrap_servers=stack.bootstrap,
-            kafka_credentials=str(kafka_file) if stack.connection.secure else None,
             topic_prefix=stack.prefix,
             workers=2,
             heartbeat_period_s=2.0,
             lease_timeout_s=10.0,
         )
-        EndpointCredentials(endpoint_id, _token(stack)).save(config.credentials_path)
+        credentials.save(config.credentials_path)
         config.save()
     finally:
         del os.environ["FXSTREAM_ENDPOINTS_DIR"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -89,8 +90,9 @@ def issued_credentials(
         if kafka.ca_file is None:
             raise ConfigError(
                 f"the service issued endpoint {endpoint_id} the Kafka principal {username!r} "
-                "but the platform's CA certificate is not known: pass --kafka-credentials "
-                "FILE (a credentials file of this platform, for its kafka_ca_file)"
+                "but the platform's CA certificate is not known: pass --kafka-ca-file FILE "
+                "(the platform home's pki/ca.pem, or the kafka_ca_file of a credentials file "
+                "of this platform)"
             )
         principal = kafka.as_user(username, password)
     token = issued.get("token")
@@ -173,6 +175,17 @@ def configure(
             dir_okay=False,
         ),
     ] = None,
+    kafka_ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="The platform's CA certificate (its home's pki/ca.pem): the agent verifies "
+            "the brokers with it when it connects as the Kafka principal the service issues "
+            "the endpoint at registration.",
+            envvar="FXSTREAM_KAFKA_CA_FILE",
+            dir_okay=False,
+            exists=True,
+        ),
+    ] = None,
     workers: Annotated[int, typer.Option(help="Warm worker processes.")] = 2,
     prefetch: Annotated[int, typer.Option(help="Tasks fetched beyond idle workers.")] = 16,
     heartbeat_period: Annotated[float, typer.Option(help="Seconds between heartbeats.")] = 5.0,
@@ -250,11 +263,32 @@ def configure(
                     allowed_users=list(allowed_user or ()),
                 )
                 endpoint_id = str(issued["endpoint_id"])
+            if issued.get("kafka_username") and settings["kafka_credentials"] is not None:
+                # The endpoint's own principal: kafka_credentials, which config.kafka()
+                # prefers, would have its agents connect as another one (its CA is used).
+                _warn(
+                    f"the service issued endpoint {endpoint_id} its own Kafka principal "
+                    f"{issued['kafka_username']!r}: its agents connect as it, not as the "
+                    f"principal of {kafka_credentials} (only that file's CA certificate is used)"
+                )
+                settings["kafka_credentials"] = None
+                if kafka_ca_file is None:
+                    assert kafka_credentials is not None
+                    kafka_ca_file = KafkaConnection.from_file(kafka_credentials).ca_file
             config = EndpointConfig(endpoint_id=endpoint_id, **settings)
+            # The brokers (and CA) the issued principal is used with; not config.kafka(),
+            # which would read a credentials file left by an endpoint registered before.
+            kafka = (
+                config.kafka()
+                if config.kafka_credentials is not None
+                else KafkaConnection(config.bootstrap_servers)
+            )
+            if kafka_ca_file is not None:
+                kafka = dataclasses.replace(kafka, ca_file=kafka_ca_file.absolute())
             endpoint_credentials = _kept_credentials(config, issued) or issued_credentials(
                 endpoint_id,
                 issued,
-                kafka=config.kafka(),
+                kafka=kafka,
                 owner_token=owner_token,
                 warn=_warn,
             )

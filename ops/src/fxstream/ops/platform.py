@@ -6,8 +6,10 @@ runs and whether it answers. Where to connect is written to
 ``<home>/platform.json`` for the other parts (SDK, agent, service) to read; it holds no
 secret. The secrets are in ``<home>/credentials/`` (0700), one 0600 JSON file per principal
 (:meth:`~fxstream.topics.KafkaConnection.to_json` fields): ``admin.json`` (the Kafka admin,
-the only super user), and ``service.json`` and ``endpoint-local.json`` (what the service
-processes and the local endpoint connect as) once the services start.
+the only super user), ``api.json`` (the REST API, which makes accounts, acts as the admin)
+and ``service.json`` (what the service processes connect as) once the services start. The
+local endpoint connects as its own principal, in its own credentials file
+(:mod:`fxstream.ops.services`).
 
 Secure by default: the home is 0700, the local CA and the nodes' certificates are made in
 ``<home>/pki`` (:mod:`fxstream.ops.pki`), and Kafka authenticates every connection (see
@@ -358,7 +360,7 @@ class Platform:
     def _write_credentials(self, kafka: KafkaConnection) -> None:
         """``<home>/credentials/admin.json`` (0600, directory 0700): the admin's connection.
 
-        The service set writes ``service.json`` and ``endpoint-local.json`` when it starts.
+        The service set writes ``api.json`` and ``service.json`` when it starts.
         """
         ensure_private_dir(self.credentials_dir)
         if kafka.secure:

@@ -211,17 +211,18 @@ class PrivatePlatform:
             argv += ["--allow-serializer", serializer]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
-        # command, never a command line; the agent gets its own credential file. On the
-        # secure platform also the path of the local endpoint's Kafka credentials file.
-        # The store URL (it holds the Redis password) goes through the environment too.
+        # command, never a command line; the agent gets its own credential file, with the
+        # API token and Kafka principal (ep.<id>) the service issues the endpoint. On the
+        # secure platform it is given the CA certificate only, never another principal's
+        # file. The store URL (it holds the Redis password) goes through the environment too.
         secrets_env = {"FXSTREAM_TOKEN": settings.token or ""}
         if store:
             secrets_env["FXSTREAM_STORE_URL"] = store
         else:
             env.pop("FXSTREAM_STORE_URL", None)
-        if self.kafka.secure:
-            credentials = self.platform.services().endpoint_credentials_file
-            secrets_env[KAFKA_CREDENTIALS_ENV] = str(credentials)
+        env.pop(KAFKA_CREDENTIALS_ENV, None)
+        if self.kafka.ca_file is not None:
+            secrets_env["FXSTREAM_KAFKA_CA_FILE"] = str(self.kafka.ca_file)
         done = subprocess.run(
             argv,
             env={**env, **secrets_env},

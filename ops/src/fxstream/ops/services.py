@@ -12,8 +12,10 @@ reads through ``FXSTREAM_CREDENTIALS``; they include the user's Kafka principal 
 configured under ``<home>/endpoints``.
 
 Kafka credentials reach the processes as file paths, never secrets on a command line: the
-API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``,
-the local endpoint's config names ``<home>/credentials/endpoint-local.json``.
+API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``.
+The local endpoint's agent connects as its own principal ``ep.<endpoint id>`` and fetches
+code with its own API token, both issued when it is registered and kept in its 0600
+``<home>/endpoints/local/credentials.json``: never the admin's or its owner's.
 The platform admin's API token (the only one that creates users) is made at the first
 start in ``<home>/credentials/api-admin.json`` (0600); the API gets the file's path.
 """
@@ -38,7 +40,14 @@ from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
-from fxstream.topics import Catalogue, KafkaConnection, read_secret_json, write_secret_file
+from fxstream.topics import (
+    Catalogue,
+    CredentialFileError,
+    KafkaConnection,
+    read_secret_json,
+    write_secret_file,
+)
+from fxstream.topics.acls import Role, username_for
 
 __all__ = [
     "KAFKA_CREDENTIALS_ENV",
@@ -221,8 +230,8 @@ class ServiceSet:
 
     @property
     def endpoint_credentials_file(self) -> Path:
-        """The local endpoint's Kafka principal (0600)."""
-        return self.config.home / "credentials" / f"endpoint-{LOCAL_ENDPOINT}.json"
+        """The local endpoint's own credential (0600): its API token and Kafka principal."""
+        return self.endpoints_dir / LOCAL_ENDPOINT / "credentials.json"
 
     @property
     def endpoints_dir(self) -> Path:
@@ -265,8 +274,8 @@ class ServiceSet:
 
         ``kafka`` is the platform's admin connection: the API connects as that principal
         (it makes accounts), the processors as ``fxstream-service`` (made here, with the ACL
-        table's rights); for now the local user and the local endpoint connect as the admin
-        (files 0600 in ``<home>/credentials``) until they write from.user/from.ep topics.
+        table's rights); the local endpoint as its own principal ``ep.<id>``, issued when
+        it is registered (the CA certificate is all it is given here).
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
@@ -285,7 +294,10 @@ class ServiceSet:
             self.service_credentials_file,
             (json.dumps(service.to_json(), indent=2) + "\n").encode(),
         )
-        write_secret_file(self.endpoint_credentials_file, text)
+        # Earlier platforms gave the local endpoint a copy of the admin's credential here.
+        (self.config.home / "credentials" / f"endpoint-{LOCAL_ENDPOINT}.json").unlink(
+            missing_ok=True
+        )
         if not self.supervisor.is_running():
             if not self.api.is_running():
                 ensure_port_free(self.config.service_port, "FXSTREAM_SERVICE_PORT")
@@ -297,7 +309,7 @@ class ServiceSet:
             self.supervisor.start()
         self._wait_for_api()
         credentials = self._ensure_user(kafka, topic_prefix, store_url, admin_token)
-        endpoint_id = self._ensure_endpoint(credentials, secure=kafka.secure)
+        endpoint_id = self._ensure_endpoint(credentials, kafka)
         self.endpoint.start()
         self._wait_for_endpoint(credentials, endpoint_id)
         return credentials, endpoint_id
@@ -462,21 +474,32 @@ class ServiceSet:
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         return _endpoint_id(config_file) if config_file.is_file() else None
 
-    def _ensure_endpoint(self, credentials: Credentials, *, secure: bool) -> str:
+    def _ensure_endpoint(self, credentials: Credentials, kafka: KafkaConnection) -> str:
+        """Configure the local endpoint (registered by the local user) unless it is current.
+
+        On the secure platform its agent connects as the endpoint's own principal
+        ``ep.<id>``, which the service issued when it registered the endpoint (kept in the
+        endpoint's credentials file); an endpoint configured without one (by an earlier
+        platform, which gave it the admin's) is deleted and registered again.
+        """
         config_file = self.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
         owned = config_file.is_file() and self._owns(credentials, _endpoint_id(config_file))
-        kafka_credentials = str(self.endpoint_credentials_file) if secure else None
+        if owned and kafka.secure and not self._has_own_principal(config_file):
+            self._delete_endpoint(credentials, _endpoint_id(config_file))
+            owned = False
         if (
             owned
             and _setting(config_file, "store_url") == credentials.store_url
-            and (config_file.parent / "credentials.json").is_file()
-            and _setting(config_file, "kafka_credentials") == kafka_credentials
+            and self.endpoint_credentials_file.is_file()
+            and _setting(config_file, "kafka_credentials") is None
             and _setting(config_file, "bootstrap_servers") == credentials.kafka.bootstrap
         ):
             return _endpoint_id(config_file)
         # The store URL holds the Redis password: it goes through the environment.
         env = self._endpoint_env()
         env.pop("FXSTREAM_STORE_URL", None)
+        # No other principal's file: the agent connects as the endpoint's own.
+        env.pop(KAFKA_CREDENTIALS_ENV, None)
         if credentials.store_url is not None:
             env["FXSTREAM_STORE_URL"] = credentials.store_url
         store: list[str] = []
@@ -498,12 +521,13 @@ class ServiceSet:
             ],
             # The owner's token registers the endpoint; it goes through the environment
             # of this one command, never its command line or the endpoint's config (the
-            # agent gets its own credential file). Kafka credentials by file path; the
-            # store URL (it holds the Redis password) through the environment too.
+            # agent gets its own credential file, with the Kafka principal the service
+            # issues the endpoint; only the CA certificate is given here). The store URL
+            # (it holds the Redis password) goes through the environment too.
             env={
                 **env,
                 "FXSTREAM_TOKEN": credentials.token,
-                **({KAFKA_CREDENTIALS_ENV: kafka_credentials} if kafka_credentials else {}),
+                **({"FXSTREAM_KAFKA_CA_FILE": str(kafka.ca_file)} if kafka.ca_file else {}),
             },
             capture_output=True,
             text=True,
@@ -511,6 +535,32 @@ class ServiceSet:
         if done.returncode != 0:
             raise ProcessStartError(f"cannot configure the local endpoint: {done.stdout}")
         return _endpoint_id(config_file)
+
+    def _has_own_principal(self, config_file: Path) -> bool:
+        """True when the endpoint's credentials file names its own principal ``ep.<id>``."""
+        try:
+            fields = read_secret_json(self.endpoint_credentials_file)
+        except CredentialFileError:
+            return False
+        expected = username_for(Role.ENDPOINT, _endpoint_id(config_file))
+        return (
+            _setting(config_file, "kafka_credentials") is None
+            and fields.get("kafka_username") == expected
+            and bool(fields.get("kafka_password"))
+        )
+
+    def _delete_endpoint(self, credentials: Credentials, endpoint_id: str) -> None:
+        """Delete the local user's endpoint ``endpoint_id`` (its principal and topics too)."""
+        response = httpx.delete(
+            f"{self.service_url}/v1/endpoints/{endpoint_id}",
+            headers={"Authorization": f"Bearer {credentials.token}"},
+            timeout=30,
+        )
+        if response.status_code not in (204, 404):
+            raise ProcessStartError(
+                f"cannot replace the local endpoint {endpoint_id}, which has no Kafka "
+                f"principal of its own: deleting it failed: {response.text}"
+            )
 
     def _owns(self, credentials: Credentials, endpoint_id: str) -> bool:
         """True when the local user owns ``endpoint_id`` (its config is still current)."""
