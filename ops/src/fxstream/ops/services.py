@@ -39,6 +39,7 @@ from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
 from fxstream.topics import Catalogue, KafkaConnection, read_secret_json, write_secret_file
+from fxstream.topics.acls import Role, username_for
 
 __all__ = [
     "KAFKA_CREDENTIALS_ENV",
@@ -265,8 +266,8 @@ class ServiceSet:
 
         ``kafka`` is the platform's admin connection: the API connects as that principal
         (it makes accounts), the processors as ``fxstream-service`` (made here, with the ACL
-        table's rights); for now the local user and the local endpoint connect as the admin
-        (files 0600 in ``<home>/credentials``) until they write from.user/from.ep topics.
+        table's rights); the local user's SDK as its own ``u.<user id>`` (from registration,
+        in ``<home>/credentials.json``, 0600).
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
@@ -412,7 +413,8 @@ class ServiceSet:
         if saved is not None:
             # Rewritten every time: the store or the principal may have changed, and the file
             # may be of an older layout.
-            updated = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
+            own = _user_connection(kafka, topic_prefix, saved)
+            updated = dataclasses.replace(saved, kafka=own, store_url=store_url)
             updated.save(self.credentials_file)
             return updated
         response = httpx.post(
@@ -426,9 +428,13 @@ class ServiceSet:
                 f"the service refused to create the local user: {response.text}"
             )
         body = response.json()
+        # The user's own principal (u.<user id>), shown only in this answer.
+        own = kafka
+        if kafka.secure and body.get("kafka_password"):
+            own = kafka.as_user(body["kafka_username"], body["kafka_password"])
         credentials = Credentials(
             service_url=self.service_url,
-            kafka=kafka,
+            kafka=own,
             topic_prefix=topic_prefix,
             user_id=body["user_id"],
             token=body["token"],
@@ -533,3 +539,21 @@ def _endpoint_id(config_file: Path) -> str:
     if not isinstance(endpoint_id, str):
         raise ProcessStartError(f"{config_file} has no endpoint_id")
     return endpoint_id
+
+
+def _user_connection(
+    kafka: KafkaConnection, topic_prefix: str, saved: Credentials
+) -> KafkaConnection:
+    """The saved user's own Kafka principal on ``kafka``'s brokers (never the admin's).
+
+    A file that already names ``u.<user id>`` keeps its password; one of an older layout (the
+    admin's principal, or an insecure platform's) gets the user's principal made again,
+    with a new password, by the admin.
+    """
+    if not kafka.secure:
+        return kafka
+    username = username_for(Role.USER, saved.user_id)
+    if saved.kafka.username == username and saved.kafka.password:
+        return kafka.as_user(username, saved.kafka.password)
+    manager = AccountManager.connect(kafka, Catalogue(prefix=topic_prefix))
+    return manager.create_user_principal(saved.user_id).connection(kafka)
