@@ -13,8 +13,8 @@ results topic, so ``future.running()`` asks the service (:mod:`fxstream.sdk.futu
 No consumer group is joined and no offsets are committed (librdkafka still needs a
 group id: one under the user's prefix ``fxstream-user.<user id>.``, which its ACLs
 allow): each Client reads its own results from the moment it starts. Results of
-tasks this Client does not track (other sessions of the same user) are counted and ignored; for those
-use ``Client.get_result``, which asks the service.
+tasks this Client does not track (other sessions of the same user) are counted and
+ignored; for those use ``Client.get_result``, which asks the service.
 
 Replay (``Client.reload_task_group``) adopts tasks sent by an earlier process:
 while it asks the service for a group's tasks, the listener *captures* the
