@@ -5,7 +5,7 @@ A :class:`TaskFuture` is a :class:`concurrent.futures.Future`, so ``wait``,
 Client's results listener when the task's result record arrives; it is never
 polled for its result. Whether its task is running is asked of the service
 (``GET /v1/tasks/{id}``, the caller's own tasks only) when :meth:`~TaskFuture.running`
-or :meth:`~TaskFuture.cancel` needs to know, at most every 0.2 s per future: a
+is called, at most every 0.2 s per future: a
 user's principal may read only its own results topic, not every user's task events.
 """
 
@@ -82,8 +82,8 @@ class TaskFuture(Future[Any]):
     :meth:`cancel` follows ``concurrent.futures``: it returns False once the
     future is done or its task is running (:meth:`running` turns true when the
     service's task state says the task runs: its agent reported it started; the
-    service is asked when :meth:`running` or :meth:`cancel` is called on a sent,
-    pending future), and True otherwise, cancelling the future at once. If the task was
+    service is asked when :meth:`running` is called on a sent, pending future), and
+    True otherwise, cancelling the future at once. If the task was
     already sent, a remote cancel follows it (without waiting for Kafka): the
     agent holding the task skips it if it is still queued, and its
     ``TaskCancelled`` answer is discarded. Stopping a running task is an explicit
@@ -94,8 +94,9 @@ class TaskFuture(Future[Any]):
     :attr:`cancelled_remotely` tells the two apart. A task that finished before
     its cancel reached it keeps its result.
 
-    Known gap: the running report reaches the service's task state after the task
-    started, so a task cancelled in that first period is not yet known to run;
+    Known gap: :meth:`cancel` knows the task runs only once :meth:`running` saw it
+    (a user's principal may not read the task events, so nothing pushes it), and the
+    running report reaches the service's task state after the task started, so a task cancelled in that first period is not yet known to run;
     its remote cancel then stops its worker, as ``kill`` would.
     """
 
@@ -125,7 +126,9 @@ class TaskFuture(Future[Any]):
         """Cancel the future unless it is done or running; True if it is now cancelled.
 
         Unlike a plain ``Future``, it is at once reported to ``wait`` and
-        ``as_completed`` (no executor worker is going to pick it up to notice).
+        ``as_completed`` (no executor worker is going to pick it up to notice). It does
+        not ask the service (``shutdown(cancel_futures=True)`` cancels thousands at once):
+        it refuses once :meth:`running` has seen the task run.
         """
         if not self._cancel_here():
             return False
