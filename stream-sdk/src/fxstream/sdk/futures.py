@@ -96,8 +96,9 @@ class TaskFuture(Future[Any]):
 
     Known gap: :meth:`cancel` knows the task runs only once :meth:`running` saw it
     (a user's principal may not read the task events, so nothing pushes it), and the
-    running report reaches the service's task state after the task started, so a task cancelled in that first period is not yet known to run;
-    its remote cancel then stops its worker, as ``kill`` would.
+    running report reaches the service's task state after the task started, so a
+    task cancelled in that first period is not yet known to run; its remote cancel
+    then stops its worker, as ``kill`` would.
     """
 
     def __init__(
