@@ -72,11 +72,13 @@ def test_the_users_principal_cannot_read_another_users_results(stack: PrivatePla
                 # Its own group prefix: only the topic can be what the broker refuses.
                 "group.id": user_group_prefix(credentials.user_id) + "test",
                 "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
                 "log_level": 0,
             }
         )
         try:
-            consumer.assign([TopicPartition(topic, 0, 0)])
+            # Subscribed (as the ACL matrix test does): the client reports the refusal.
+            consumer.subscribe([topic])
             error = None
             for _ in range(100):
                 message = consumer.poll(0.2)
