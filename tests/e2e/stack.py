@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 from fxstream.ops.private import PrivatePlatform, private_platform
 from fxstream.sdk import Client, NotFound
 
@@ -39,3 +41,30 @@ def wait_for_state(client: Client, task_id: str, state: str, *, timeout_s: float
                 return
         assert time.monotonic() < deadline, f"task {task_id} never showed {state}; last: {seen}"
         time.sleep(0.2)
+
+
+def other_user_client(stack: PrivatePlatform, name: str) -> Client:
+    """A client of a new user registered by the admin, as that user's own Kafka principal.
+
+    ``POST /v1/users`` answers the new user's ``u.<user id>`` credential once; the
+    client uses it (the local user's principal could not write the new user's topic).
+    """
+    settings = stack.settings
+    response = httpx.post(
+        f"{settings.service_url}/v1/users",
+        json={"name": name},
+        headers={"Authorization": f"Bearer {stack.admin_token}"},
+        timeout=30,
+    )
+    assert response.status_code == 201, response.text
+    body = response.json()
+    kafka = settings.kafka
+    if body.get("kafka_password"):
+        kafka = kafka.as_user(body["kafka_username"], body["kafka_password"])
+    return Client(
+        settings.service_url,
+        kafka=kafka,
+        topic_prefix=settings.topic_prefix,
+        user_id=body["user_id"],
+        token=body["token"],
+    )

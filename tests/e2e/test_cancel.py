@@ -35,7 +35,7 @@ from fxstream.topics import (
     record_kind,
 )
 from fxstream.topics.acls import endpoint_group
-from tests.e2e.stack import wait_for_state
+from tests.e2e.stack import other_user_client, wait_for_state
 
 pytestmark = pytest.mark.platform
 
@@ -322,16 +322,7 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
     stack: Stack, tmp_path: Path
 ) -> None:
     owner = stack.client()
-    mallory_id, mallory_token = Client.register_user(
-        stack.settings.service_url, "mallory", admin_token=stack.admin_token
-    )
-    mallory = Client(
-        stack.settings.service_url,
-        kafka=stack.settings.kafka,
-        topic_prefix=stack.catalogue.prefix,
-        user_id=mallory_id,
-        token=mallory_token,
-    )
+    mallory = other_user_client(stack.private, "mallory")
     try:
         function_id = owner.register_function(mark_then_sleep)
         task_id = owner.run(
@@ -368,8 +359,11 @@ def test_a_cancel_by_another_user_is_refused_and_dead_lettered(
             endpoint_id=stack.single_endpoint,
             requested_at=time.time(),
         )
-        producer = Producer({**stack.kafka.confluent(), "log_level": 2})
-        producer.produce(stack.catalogue.from_user(mallory_id), key=task_id, value=encode(impostor))
+        # As her own principal (u.<mallory>): the broker lets her write only this topic.
+        producer = Producer({**mallory.kafka.confluent(), "log_level": 2})
+        producer.produce(
+            stack.catalogue.from_user(mallory.user_id), key=task_id, value=encode(impostor)
+        )
         assert producer.flush(10) == 0
 
         def mismatch(message: Message) -> bool:

@@ -195,7 +195,10 @@ def test_data_locations_record_creation_and_eviction(stack: Stack) -> None:
         created: dict[str, DataLocation] = {}
         removed: set[str] = set()
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (len(created) < 2 or removed != set(created)):
+        settled_at = deadline
+        while time.monotonic() < deadline:
+            if created:  # then a few seconds more: a tombstone would follow the eviction
+                deadline = min(deadline, settled_at + 3.0)
             message = consumer.poll(0.5)
             if message is None or message.error():
                 continue
@@ -204,12 +207,16 @@ def test_data_locations_record_creation_and_eviction(stack: Stack) -> None:
                 removed.add(key)
             else:
                 created[key] = decode(message.value(), DataLocation)
+                settled_at = time.monotonic()
     finally:
         consumer.close()
+    # Only the agent publishes (through from.ep.<E>, forwarded by ingress after checking):
+    # the SDK's principal may not write data-locations, and a user's claim about an object
+    # key could not be checked, so the SDK publishes neither its arguments nor evictions.
     sites = sorted(location.site for location in created.values())
-    assert sites == ["", stack.endpoint_id], "the SDK (argument) and the agent (result) publish"
+    assert sites == [stack.endpoint_id], "the agent publishes its result's location"
     assert all(location.size_bytes > 300_000 for location in created.values())
-    assert removed == set(created), "each object's eviction is published as a tombstone"
+    assert not removed, "the SDK writes no tombstones to data-locations"
 
 
 def small_or_large(index: int, data: bytes) -> bytes:

@@ -33,7 +33,7 @@ from fxstream.sdk import (
     TaskFuture,
 )
 from fxstream.topics import Catalogue, TaskState, TaskStateName, TaskTimings, encode
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, other_user_client, running_stack
 
 pytestmark = pytest.mark.platform
 
@@ -261,16 +261,7 @@ def test_another_users_group_and_an_unknown_group_are_empty(
 ) -> None:
     group = str(uuid.uuid4())
     owner = stack.client()
-    user_id, token = Client.register_user(
-        stack.settings.service_url, "mallory", admin_token=stack.admin_token
-    )
-    intruder = Client(
-        stack.settings.service_url,
-        kafka=stack.settings.kafka,
-        topic_prefix=stack.prefix,
-        user_id=user_id,
-        token=token,
-    )
+    intruder = other_user_client(stack, "mallory")
     try:
         with Executor(endpoint_id=stack.endpoint_id, client=owner, task_group_id=group) as ex:
             assert ex.submit(double, 1).result(timeout=120) == 2

@@ -24,7 +24,6 @@ from confluent_kafka import Consumer, Producer
 
 from fxstream.sdk import (
     Client,
-    ClientSettings,
     Executor,
     NotFound,
     PayloadTooLarge,
@@ -35,7 +34,7 @@ from fxstream.sdk import (
     WorkerLost,
 )
 from fxstream.topics import DeadLetter, decode
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, other_user_client, running_stack
 
 pytestmark = pytest.mark.platform
 
@@ -198,17 +197,7 @@ def test_unknown_function_is_rejected_with_a_clear_reason(stack: Stack) -> None:
 
 def test_another_users_private_function_is_refused(stack: Stack) -> None:
     owner = stack.client()
-    settings = ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(stack.credentials)})
-    user_id, token = Client.register_user(
-        settings.service_url, "mallory", admin_token=stack.admin_token
-    )
-    intruder = Client(
-        settings.service_url,
-        kafka=settings.kafka,
-        topic_prefix=settings.topic_prefix,
-        user_id=user_id,
-        token=token,
-    )
+    intruder = other_user_client(stack, "mallory")
     try:
         private = owner.register_function(double)
         # The service does not even tell the intruder the code's digest (403, or 404) ...

@@ -275,7 +275,9 @@ class ServiceSet:
         ``kafka`` is the platform's admin connection: the API connects as that principal
         (it makes accounts), the processors as ``fxstream-service`` (made here, with the ACL
         table's rights); the local endpoint as its own principal ``ep.<id>``, issued when
-        it is registered (the CA certificate is all it is given here).
+        it is registered (the CA certificate is all it is given here); the local user's
+        SDK as its own ``u.<user id>`` (from registration, in ``<home>/credentials.json``,
+        0600).
         ``store_url`` (the platform's Redis) becomes the proxy store of the local
         user's credentials and of the local endpoint. Returns the local user's
         credentials and the local endpoint's id.
@@ -424,7 +426,8 @@ class ServiceSet:
         if saved is not None:
             # Rewritten every time: the store or the principal may have changed, and the file
             # may be of an older layout.
-            updated = dataclasses.replace(saved, kafka=kafka, store_url=store_url)
+            own = _user_connection(kafka, topic_prefix, saved)
+            updated = dataclasses.replace(saved, kafka=own, store_url=store_url)
             updated.save(self.credentials_file)
             return updated
         response = httpx.post(
@@ -438,9 +441,13 @@ class ServiceSet:
                 f"the service refused to create the local user: {response.text}"
             )
         body = response.json()
+        # The user's own principal (u.<user id>), shown only in this answer.
+        own = kafka
+        if kafka.secure and body.get("kafka_password"):
+            own = kafka.as_user(body["kafka_username"], body["kafka_password"])
         credentials = Credentials(
             service_url=self.service_url,
-            kafka=kafka,
+            kafka=own,
             topic_prefix=topic_prefix,
             user_id=body["user_id"],
             token=body["token"],
@@ -583,3 +590,21 @@ def _endpoint_id(config_file: Path) -> str:
     if not isinstance(endpoint_id, str):
         raise ProcessStartError(f"{config_file} has no endpoint_id")
     return endpoint_id
+
+
+def _user_connection(
+    kafka: KafkaConnection, topic_prefix: str, saved: Credentials
+) -> KafkaConnection:
+    """The saved user's own Kafka principal on ``kafka``'s brokers (never the admin's).
+
+    A file that already names ``u.<user id>`` keeps its password; one of an older layout (the
+    admin's principal, or an insecure platform's) gets the user's principal made again,
+    with a new password, by the admin.
+    """
+    if not kafka.secure:
+        return kafka
+    username = username_for(Role.USER, saved.user_id)
+    if saved.kafka.username == username and saved.kafka.password:
+        return kafka.as_user(username, saved.kafka.password)
+    manager = AccountManager.connect(kafka, Catalogue(prefix=topic_prefix))
+    return manager.create_user_principal(saved.user_id).connection(kafka)

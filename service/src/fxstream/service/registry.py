@@ -20,7 +20,10 @@ dead-lettered (``RecordDecodeError`` / ``KeyMismatch``) by the view that read it
 each view (the API's, the router's) writes its own dead letter, once per
 process start, since a compacted topic keeps the bad record until a later
 record under its key replaces it; the dead letters of one bad record share its
-original topic, partition and offset.
+original topic, partition and offset. A bad record on ``heartbeats`` or
+``task-state`` is skipped and logged but not dead-lettered here: the processor
+that consumes that topic (liveness; task-state, which alone writes its topic)
+dead-letters it, once.
 """
 
 from __future__ import annotations
@@ -407,7 +410,9 @@ class RegistryView:
         )
         if self._on_bad_record is not None:
             self._on_bad_record(message, reason)
-        if self._component is None:
+        followed, _ = self._kinds[message.topic() or ""]
+        if self._component is None or followed not in _ID_FIELDS:
+            # Heartbeats and task states have an owning processor that dead-letters them.
             return
         if self._dead_letters is None:
             self._dead_letters = Producer(

@@ -20,6 +20,7 @@ import logging
 import re
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import CancelledError
@@ -27,7 +28,7 @@ from typing import Any, Final, NamedTuple
 
 from proxystore.store.base import Store
 
-from fxstream.connectors import ByReference, LocationPublisher, Packed, evict_objects, open_store
+from fxstream.connectors import ByReference, Packed, evict_objects, open_store
 from fxstream.sdk.batch import Batch
 from fxstream.sdk.errors import (
     ConfigurationError,
@@ -65,6 +66,7 @@ from fxstream.topics import (
     TaskTimings,
     producer_message_max_bytes,
 )
+from fxstream.topics.acls import user_group_prefix
 
 __all__ = ["Client", "IssuedToken", "RegisteredUser"]
 
@@ -562,7 +564,7 @@ class Client:
                     self.serializer,
                     kafka_config=self._kafka_config,
                     release=self._release,
-                    events_topic=self.catalogue.task_events,
+                    group_id=user_group_prefix(self.user_id) + f"sdk-{uuid.uuid4()}",
                 )
                 listener.start()
                 self._listener = listener
@@ -588,6 +590,7 @@ class Client:
             submitted_at=task.submitted_at,
         )
         future._remote_cancel = self._send_remote_cancel
+        future._state_probe = self._task_state_name
         future._stored = list(task.stored)
         listener.track(future)
         if retain:
@@ -626,7 +629,6 @@ class Client:
                 future._resolve_exception(failure)
 
         producer.send([task for task, _ in live], on_delivery)
-        self._publish_locations(producer, [task for task, _ in live])
 
     def _run_tasks(self, tasks: list[PreparedTask]) -> list[str]:
         producer = self._streams()[0]
@@ -634,7 +636,6 @@ class Client:
         for future in futures:
             future._mark_sent()  # nobody else has these futures yet: never refused
         try:
-            self._publish_locations(producer, tasks)
             producer.send_and_wait(tasks)
         except SubmissionFailed as exc:
             for future in futures:
@@ -646,23 +647,19 @@ class Client:
 
     # --- objects passed by reference ---------------------------------------------------
 
-    def _publish_locations(self, producer: TaskProducer, tasks: Iterable[PreparedTask]) -> None:
-        references = [item.reference for task in tasks for item in task.stored]
-        if references:
-            LocationPublisher(producer.producer, self.catalogue.data_locations).created(references)
-
     def release(self, task: PreparedTask) -> None:
         """Evict what a task put in the proxy store, for a task that will never be sent."""
         self._release(list(task.stored))
 
     def _release(self, objects: list[Any]) -> None:
-        """Evict objects a consumed task no longer needs, and say so on data-locations."""
-        if not objects:
-            return
-        evicted = evict_objects(objects)
-        producer = self._producer
-        if evicted and producer is not None:
-            LocationPublisher(producer.producer, self.catalogue.data_locations).removed(evicted)
+        """Evict objects a consumed task no longer needs.
+
+        Nothing is written to ``data-locations``: a user's principal writes only
+        ``from.user.<user id>``, and a location a user claims could not be checked (who
+        owns an object key?), while these records are routing hints only.
+        """
+        if objects:
+            evict_objects(objects)
 
     def run(self, *args: Any, endpoint_id: str, function_id: str, **kwargs: Any) -> str:
         """Run ``function_id(*args, **kwargs)`` on ``endpoint_id``; returns the task id.
@@ -752,6 +749,12 @@ class Client:
             # The cancel is on its way (a running task's worker is killed): the future
             # ends cancelled now, running or not, and sends no second cancel.
             future._force_cancel()
+
+    def _task_state_name(self, future: TaskFuture) -> str | None:
+        """The service's state name of ``future``'s task (what ``future.running()`` asks)."""
+        state: dict[str, Any] = self._rest.get(f"/tasks/{future.task_id}")
+        name = state.get("state")
+        return str(name) if name is not None else None
 
     def _send_remote_cancel(self, future: TaskFuture) -> None:
         """Send a cancelled future's skip-only remote cancel without waiting
@@ -858,6 +861,7 @@ class Client:
                     boundary,
                     timeout=read_back_timeout,
                     kafka_config=self._kafka_config,
+                    group_id=user_group_prefix(self.user_id) + f"sdk-history-{uuid.uuid4()}",
                 )
                 received = time.time()
                 for result in found.values():

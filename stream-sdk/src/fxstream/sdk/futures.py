@@ -3,7 +3,10 @@
 A :class:`TaskFuture` is a :class:`concurrent.futures.Future`, so ``wait``,
 ``as_completed`` and ``add_done_callback`` work as usual. It is resolved by the
 Client's results listener when the task's result record arrives; it is never
-polled.
+polled for its result. Whether its task is running is asked of the service
+(``GET /v1/tasks/{id}``, the caller's own tasks only) when :meth:`~TaskFuture.running`
+is called, at most every 0.2 s per future: a
+user's principal may read only its own results topic, not every user's task events.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Final
@@ -20,6 +24,10 @@ from fxstream.topics import TaskTimings
 __all__ = ["TIMING_KEYS", "TaskFuture", "Timings", "timings_of"]
 
 log = logging.getLogger(__name__)
+
+# How often one future asks the service whether its task runs (running() in a loop).
+_PROBE_INTERVAL_S: Final = 0.2
+_RUNNING: Final = "running"
 
 # concurrent.futures.Future's states (its _state values, stable since Python 3.2).
 PENDING: Final = "PENDING"
@@ -73,8 +81,9 @@ class TaskFuture(Future[Any]):
 
     :meth:`cancel` follows ``concurrent.futures``: it returns False once the
     future is done or its task is running (:meth:`running` turns true when the
-    platform reports the task running: its agent's heartbeats hold it as
-    started), and True otherwise, cancelling the future at once. If the task was
+    service's task state says the task runs: its agent reported it started; the
+    service is asked when :meth:`running` is called on a sent, pending future), and
+    True otherwise, cancelling the future at once. If the task was
     already sent, a remote cancel follows it (without waiting for Kafka): the
     agent holding the task skips it if it is still queued, and its
     ``TaskCancelled`` answer is discarded. Stopping a running task is an explicit
@@ -85,9 +94,11 @@ class TaskFuture(Future[Any]):
     :attr:`cancelled_remotely` tells the two apart. A task that finished before
     its cancel reached it keeps its result.
 
-    Known gap: the running report comes one agent heartbeat after the task
-    started, so a task cancelled in that first period is not yet known to run;
-    its remote cancel then stops its worker, as ``kill`` would.
+    Known gap: :meth:`cancel` knows the task runs only once :meth:`running` saw it
+    (a user's principal may not read the task events, so nothing pushes it), and the
+    running report reaches the service's task state after the task started, so a
+    task cancelled in that first period is not yet known to run; its remote cancel
+    then stops its worker, as ``kill`` would.
     """
 
     def __init__(
@@ -104,6 +115,9 @@ class TaskFuture(Future[Any]):
         self.cancelled_remotely = False
         # Set by the Client: sends this task's remote cancel (never blocks).
         self._remote_cancel: Callable[[TaskFuture], None] | None = None
+        # Set by the Client: the service's state name of this task (or None if unknown).
+        self._state_probe: Callable[[TaskFuture], str | None] | None = None
+        self._probed_at = float("-inf")
         self._sent = False
         self._sent_lock = threading.Lock()
         # Objects its arguments put in the proxy store: released once its result is consumed.
@@ -113,7 +127,9 @@ class TaskFuture(Future[Any]):
         """Cancel the future unless it is done or running; True if it is now cancelled.
 
         Unlike a plain ``Future``, it is at once reported to ``wait`` and
-        ``as_completed`` (no executor worker is going to pick it up to notice).
+        ``as_completed`` (no executor worker is going to pick it up to notice). It does
+        not ask the service (``shutdown(cancel_futures=True)`` cancels thousands at once):
+        it refuses once :meth:`running` has seen the task run.
         """
         if not self._cancel_here():
             return False
@@ -127,6 +143,34 @@ class TaskFuture(Future[Any]):
             except Exception:  # cancel() must not raise; the task then runs on, discarded
                 log.warning("cannot send the remote cancel of task %s", self.task_id, exc_info=True)
         return True
+
+    def running(self) -> bool:
+        """True while the task runs (asked of the service for a sent, pending future)."""
+        self._refresh_running()
+        return super().running()
+
+    def _refresh_running(self) -> None:
+        """Move PENDING -> RUNNING if the service says the sent task runs (rate-limited)."""
+        probe = self._state_probe
+        if probe is None or self.done():
+            return
+        with self._sent_lock:
+            if not self._sent:
+                return
+        with self._condition:
+            if self._state != PENDING:
+                return
+            now = time.monotonic()
+            if now - self._probed_at < _PROBE_INTERVAL_S:
+                return
+            self._probed_at = now
+        try:
+            state = probe(self)
+        except Exception:  # running() must not raise: the future simply stays pending
+            log.debug("cannot ask the service for task %s's state", self.task_id, exc_info=True)
+            return
+        if state == _RUNNING:
+            self._mark_running()
 
     def _cancel_here(self) -> bool:
         """Cancel this future only (no remote cancel); True if it is cancelled now."""

@@ -41,6 +41,7 @@ def read_back_results(
     *,
     timeout: float = 120.0,
     kafka_config: Mapping[str, Any] | None = None,
+    group_id: str | None = None,
 ) -> dict[str, TaskResult]:
     """The first committed result of each wanted task found in ``topic`` before ``until``.
 
@@ -50,7 +51,8 @@ def read_back_results(
     offset in ``until``. Stops early once every wanted task is found. Results
     deleted by the topic's retention are not found. Raises
     :class:`FxstreamError` when the broker does not answer, or the reading
-    takes longer than ``timeout`` seconds.
+    takes longer than ``timeout`` seconds. ``group_id`` is the (never joined) group
+    librdkafka requires: one under the user's prefix ``fxstream-user.<user id>.``.
     """
     if not wanted or not until:
         return {}
@@ -59,7 +61,7 @@ def read_back_results(
         {
             **kafka.confluent(),
             # Required by librdkafka although no group is joined (assign, no commits).
-            "group.id": f"fxstream-sdk-history-{uuid.uuid4()}",
+            "group.id": group_id or f"fxstream-sdk-history-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             "isolation.level": "read_committed",

@@ -7,16 +7,14 @@ every result of a task sent afterwards is at or after those offsets and cannot
 be missed (subscribing, or assigning the logical ``OFFSET_END``, resolves the
 start offset later, and a fast result could slip in before it).
 
-The same consumer reads ``task-events`` from its end, for one thing only: a
-``running`` step of a task tracked here moves its future to RUNNING, so
-``future.running()`` follows the task and ``future.cancel()`` refuses it (as
-``concurrent.futures`` refuses an executing call). A deployment without that
-topic leaves futures PENDING until their results.
+Whether a task runs is not read here: the user's principal may read only its
+results topic, so ``future.running()`` asks the service (:mod:`fxstream.sdk.futures`).
 
-No consumer group is joined and no offsets are committed: each Client reads
-its own results from the moment it starts. Results of tasks this Client does
-not track (other sessions of the same user) are counted and ignored; for those
-use ``Client.get_result``, which asks the service.
+No consumer group is joined and no offsets are committed (librdkafka still needs a
+group id: one under the user's prefix ``fxstream-user.<user id>.``, which its ACLs
+allow): each Client reads its own results from the moment it starts. Results of
+tasks this Client does not track (other sessions of the same user) are counted and
+ignored; for those use ``Client.get_result``, which asks the service.
 
 Replay (``Client.reload_task_group``) adopts tasks sent by an earlier process:
 while it asks the service for a group's tasks, the listener *captures* the
@@ -53,9 +51,7 @@ from fxstream.topics import (
     RecordDecodeError,
     Serializer,
     TaskErrorType,
-    TaskEvent,
     TaskResult,
-    TaskStateName,
     decode,
     payload_references,
 )
@@ -86,7 +82,7 @@ _FETCH_THREADS: Final = 4
 
 Release = Callable[[list[Any]], None]
 """Called with the proxy-store objects a consumed task no longer needs (its arguments and
-its fetched result); the Client evicts them and publishes their tombstones."""
+its fetched result); the Client evicts them."""
 
 
 class ResultListener:
@@ -97,7 +93,9 @@ class ResultListener:
     ``delivered`` (futures resolved), ``duplicates`` (further results for a task
     already resolved, ignored), ``unknown`` (results for tasks not tracked
     here), ``discarded`` (results for futures cancelled locally) and
-    ``malformed`` (records that are not valid results).
+    ``malformed`` (records that are not valid results). ``group_id`` is the
+    (never joined) consumer group librdkafka requires: the Client passes one under the
+    user's prefix (:func:`fxstream.topics.acls.user_group_prefix`).
 
     A record that does not decode, or a further result for a task already
     resolved, is counted and ignored: no future is failed or resolved again by
@@ -113,10 +111,9 @@ class ResultListener:
         *,
         kafka_config: Mapping[str, Any] | None = None,
         release: Release | None = None,
-        events_topic: str | None = None,
+        group_id: str | None = None,
     ) -> None:
         self.topic = topic
-        self.events_topic = events_topic
         self._serializer = serializer
         self._release = release
         # Results that went by reference are fetched here, off the consumer thread, so
@@ -127,7 +124,7 @@ class ResultListener:
         self._config: dict[str, Any] = {
             **kafka.confluent(),
             # Required by librdkafka even though no group is joined (assign, no commits).
-            "group.id": f"fxstream-sdk-{uuid.uuid4()}",
+            "group.id": group_id or f"fxstream-sdk-{uuid.uuid4()}",
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
             # Agents publish results in transactions.
@@ -149,7 +146,6 @@ class ResultListener:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.start_offsets: dict[int, int] = {}
-        self.running_events = 0
         self.delivered = 0
         self.duplicates = 0
         self.unknown = 0
@@ -176,7 +172,7 @@ class ResultListener:
             consumer = Consumer(self._config)
             try:
                 assignment = self._end_offsets(consumer, timeout)
-                consumer.assign(assignment + self._events_assignment(consumer, timeout))
+                consumer.assign(assignment)
             except BaseException:
                 consumer.close()
                 raise
@@ -223,29 +219,6 @@ class ResultListener:
                         ) from exc
                     time.sleep(0.1)
             assignment.append(TopicPartition(self.topic, partition, high))
-        return assignment
-
-    def _events_assignment(self, consumer: Consumer, timeout: float) -> list[TopicPartition]:
-        """``task-events`` from its end (nothing if the deployment has no such topic)."""
-        if self.events_topic is None:
-            return []
-        try:
-            metadata = consumer.list_topics(self.events_topic, timeout=timeout)
-            topic = metadata.topics.get(self.events_topic)
-            if topic is None or topic.error is not None or not topic.partitions:
-                raise LookupError(self.events_topic)
-            assignment = []
-            for partition in sorted(topic.partitions):
-                tp = TopicPartition(self.events_topic, partition)
-                _low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
-                assignment.append(TopicPartition(self.events_topic, partition, high))
-        except (KafkaException, LookupError) as exc:
-            log.info(
-                "not reading %s (%s): futures show running() only from their results",
-                self.events_topic,
-                exc,
-            )
-            return []
         return assignment
 
     def track(self, future: TaskFuture) -> None:
@@ -398,9 +371,6 @@ class ResultListener:
             if error.code() != KafkaError._PARTITION_EOF:
                 log.warning("results consumer on %s: %s", self.topic, error)
             return
-        if self.events_topic is not None and message.topic() == self.events_topic:
-            self._handle_event(message)
-            return
         partition, offset = message.partition(), message.offset()
         try:
             result: TaskResult | None = decode(message.value(), TaskResult)
@@ -430,24 +400,6 @@ class ResultListener:
             # A second result of a task resolved here: ignored, never loaded. The
             # objects it put in the store are nobody's but ours; its envelope names them.
             self._release_objects([], _references_of(result.value))
-
-    def _handle_event(self, message: Message) -> None:
-        """A ``running`` step of a task tracked here moves its future to RUNNING."""
-        key = message.key()
-        with self._lock:
-            try:
-                future = self._futures.get(key.decode()) if isinstance(key, bytes) else None
-            except UnicodeDecodeError:
-                future = None
-        if future is None:
-            return  # another task's (or another user's) step: not even decoded
-        try:
-            event = decode(message.value(), TaskEvent)
-        except RecordDecodeError:
-            return
-        running = event.state == TaskStateName.RUNNING and event.task_id == future.task_id
-        if running and future._mark_running():
-            self.running_events += 1
 
     def _resolve(
         self, future: TaskFuture, result: TaskResult, received: float, *, fetching: bool = False
