@@ -761,30 +761,49 @@ def _routed_here(runtime: Runtime, endpoint_id: str, function_id: str) -> bool:
     """True when a task of ``function_id`` was routed to ``endpoint_id``.
 
     The router writes a task's "routed" state in the transaction of its dispatch, so
-    when an agent asks for the code of a task it holds, that state is committed: on a
-    miss, wait (bounded) until the view has read task-state to its committed end as of
-    now, then look again. A caller with no such task waits that long for its 404.
+    when an agent asks for the code of a task it holds, that state is committed. But a
+    read_committed reader sees it only once every transaction begun before it on its
+    partition has ended too (the last stable offset), and another writer's open
+    transaction may be holding it back. So on a miss: read task-state to its last
+    stable offset as of now, look again, and repeat while some transaction is still
+    open (last stable offset short of the high watermark), until ``timeout_s``. A
+    caller with no such task gets its 404 once task-state has no open transaction
+    left to wait for.
     """
     view = runtime.view
     if view.routed(endpoint_id, function_id):
         return True
+    deadline = time.monotonic() + runtime.timeout_s
+    while True:
+        stable, high = _task_state_ends(runtime)
+        view.wait_until_read(stable, max(0.0, deadline - time.monotonic()))
+        if view.routed(endpoint_id, function_id):
+            return True
+        if stable == high or time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _task_state_ends(
+    runtime: Runtime,
+) -> tuple[dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+    """task-state's last stable offsets and high watermarks, per partition."""
     topic = runtime.catalogue.task_state
     try:
         described = runtime.admin.list_topics(topic, timeout=runtime.timeout_s).topics[topic]
-        asked = {
-            KafkaTopicPartition(topic, partition): OffsetSpec.latest()  # type: ignore[no-untyped-call]
-            for partition in described.partitions
-        }
-        answers = runtime.admin.list_offsets(
-            asked,
-            isolation_level=IsolationLevel.READ_COMMITTED,
-            request_timeout=runtime.timeout_s,
-        )
-        ends = {(tp.topic, tp.partition): f.result().offset for tp, f in answers.items()}
+        ends: list[dict[tuple[str, int], int]] = []
+        for isolation in (IsolationLevel.READ_COMMITTED, IsolationLevel.READ_UNCOMMITTED):
+            asked = {
+                KafkaTopicPartition(topic, partition): OffsetSpec.latest()  # type: ignore[no-untyped-call]
+                for partition in described.partitions
+            }
+            answers = runtime.admin.list_offsets(
+                asked, isolation_level=isolation, request_timeout=runtime.timeout_s
+            )
+            ends.append({(tp.topic, tp.partition): f.result().offset for tp, f in answers.items()})
     except (KafkaException, KeyError) as exc:
         raise _kafka_unavailable(f"cannot read the end offsets of {topic}: {exc}") from exc
-    view.wait_until_read(ends, runtime.timeout_s)
-    return view.routed(endpoint_id, function_id)
+    return ends[0], ends[1]
 
 
 # --- records as JSON -----------------------------------------------------------------------
