@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -37,12 +39,13 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from fxstream.ops import Platform
+from fxstream.ops import ConnectionInfo, Platform
 from fxstream.ops.kafka import ADMIN_PRINCIPAL, StorageMismatchError, kafka_nodes
 from fxstream.ops.pki import LocalCA
 from fxstream.ops.private import private_config, private_platform
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform, free_port_block
+from tests.security.acl_matrix import check_every_cell, deployment
 
 QUIET = {"log_level": 0, "socket.timeout.ms": 3000}
 
@@ -439,32 +442,56 @@ def test_the_local_ca_is_made_once_and_reused(tmp_path: Path) -> None:
 # --- the cluster -------------------------------------------------------------------------
 
 
-@pytest.mark.cluster
-def test_the_cluster_enforces_the_same_on_every_node(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
+@dataclass(frozen=True)
+class SecureCluster:
+    """The module's secure 3-node cluster: its launcher, connection and admin principal."""
+
+    platform: Platform
+    connection: ConnectionInfo
+    kafka: KafkaConnection
+
+
+@pytest.fixture(scope="module")
+def secure_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureCluster]:
+    """A secure 3-node cluster for this module's cluster tests, stopped by PID after them."""
     home = tmp_path_factory.mktemp("secure-cluster")
     platform = Platform(private_config(home, cluster_base_port=free_port_block(6)))
     try:
         connection = platform.up(cluster=True)
-        assert connection.secure
-        kafka = platform.kafka(cluster=True)
-        _assert_enforced(platform, kafka, tmp_path_factory.mktemp("certs"), cluster=True)
-        # Replication between the brokers runs over the authenticated listener.
-        topic = connection.catalogue().task_events
-        producer = Producer({**kafka.confluent(), **QUIET, "acks": "all"})
-        delivered: list[str] = []
-        for i in range(20):
-            producer.produce(
-                topic,
-                key=str(i).encode(),
-                value=b"x",
-                on_delivery=lambda err, _msg: delivered.append("ok" if err is None else str(err)),
-            )
-        assert producer.flush(30) == 0
-        assert delivered == ["ok"] * 20
-        metadata = AdminClient({**kafka.confluent(), **QUIET}).list_topics(topic, timeout=10)
-        for partition in metadata.topics[topic].partitions.values():
-            assert sorted(partition.isrs) == [1, 2, 3]
+        yield SecureCluster(platform, connection, platform.kafka(cluster=True))
     finally:
         platform.down()
+
+
+@pytest.mark.cluster
+def test_the_cluster_enforces_the_same_on_every_node(
+    secure_cluster: SecureCluster, tmp_path: Path
+) -> None:
+    connection, kafka = secure_cluster.connection, secure_cluster.kafka
+    assert connection.secure
+    _assert_enforced(secure_cluster.platform, kafka, tmp_path, cluster=True)
+    # Replication between the brokers runs over the authenticated listener.
+    topic = connection.catalogue().task_events
+    producer = Producer({**kafka.confluent(), **QUIET, "acks": "all"})
+    delivered: list[str] = []
+    for i in range(20):
+        producer.produce(
+            topic,
+            key=str(i).encode(),
+            value=b"x",
+            on_delivery=lambda err, _msg: delivered.append("ok" if err is None else str(err)),
+        )
+    assert producer.flush(30) == 0
+    assert delivered == ["ok"] * 20
+    metadata = AdminClient({**kafka.confluent(), **QUIET}).list_topics(topic, timeout=10)
+    for partition in metadata.topics[topic].partitions.values():
+        assert sorted(partition.isrs) == [1, 2, 3]
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(240)
+def test_the_acl_matrix_holds_on_the_cluster(secure_cluster: SecureCluster) -> None:
+    """Every cell of the ACL matrix (tests/security/acl_matrix.py), on three nodes: each
+    broker enforces the same table (ACLs live in the controllers' metadata log)."""
+    with deployment(secure_cluster.kafka) as matrix:
+        check_every_cell(matrix)
