@@ -37,7 +37,6 @@ from confluent_kafka import (
 )
 from confluent_kafka.admin import (
     AclBinding,
-    AclBindingFilter,
     AclOperation,
     AclPermissionType,
     AdminClient,
@@ -64,6 +63,7 @@ from fxstream.topics.acls import (
     Role,
     endpoint_group,
     endpoint_transactional_prefix,
+    every_acl,
     grants_for,
     is_allowed,
     user_group_prefix,
@@ -616,15 +616,7 @@ def cluster_cells(m: Matrix, actor: Actor) -> list[Cell]:
             futures = {"only": futures}
         return next(iter(_per_future(futures, allowed_errors).values()))
 
-    everyone = AclBindingFilter(
-        ResourceType.ANY,
-        None,  # type: ignore[arg-type]
-        ResourcePatternType.ANY,
-        None,  # type: ignore[arg-type]
-        None,  # type: ignore[arg-type]
-        AclOperation.ANY,
-        AclPermissionType.ANY,
-    )
+    everyone = every_acl()
     # The matrix's principals have ACLs, so an allowed DescribeAcls lists some; a refused
     # one comes back as an error or (as confluent-kafka reports it) as an empty list.
     try:

@@ -24,12 +24,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import (
-    AclBindingFilter,
-    AclOperation,
-    AclPermissionType,
     AdminClient,
-    ResourcePatternType,
-    ResourceType,
     ScramCredentialInfo,
     ScramMechanism,
     UserScramCredentialDeletion,
@@ -42,6 +37,7 @@ from fxstream.topics.acls import (
     Role,
     binding_filters_for,
     bindings_for,
+    every_acl,
     username_for,
 )
 
@@ -109,15 +105,7 @@ class AccountManager:
         authorizer answers SECURITY_DISABLED.
         """
         if self._secure is None:
-            everything = AclBindingFilter(
-                ResourceType.ANY,
-                None,  # type: ignore[arg-type]
-                ResourcePatternType.ANY,
-                None,  # type: ignore[arg-type]
-                None,  # type: ignore[arg-type]
-                AclOperation.ANY,
-                AclPermissionType.ANY,
-            )
+            everything = every_acl()
             try:
                 self._admin.describe_acls(everything, request_timeout=self._timeout_s).result(
                     timeout=self._timeout_s

@@ -56,6 +56,7 @@ __all__ = [
     "bindings_for",
     "endpoint_group",
     "endpoint_transactional_prefix",
+    "every_acl",
     "grants_for",
     "is_allowed",
     "principal_for",
@@ -343,6 +344,19 @@ def bindings_for(
         )
         for g in grants_for(role, catalogue, principal_id)
     ]
+
+
+def every_acl() -> AclBindingFilter:
+    """A filter that matches every ACL of the cluster (DescribeAcls asks for all of them)."""
+    return AclBindingFilter(
+        ResourceType.ANY,
+        None,  # type: ignore[arg-type]
+        ResourcePatternType.ANY,
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        AclOperation.ANY,
+        AclPermissionType.ANY,
+    )
 
 
 def binding_filters_for(
