@@ -42,9 +42,7 @@ planner): a crash forwards a batch entirely or not at all.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +51,7 @@ from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import RoutePlan
 from fxstream.service.topic_directory import TopicDirectory
+from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
     Catalogue,
     DataLocation,
@@ -107,23 +106,23 @@ class Ingress:
         self._catalogue = catalogue
         self._states = states
         self._directory = directory
-        self._catch_up_s = catch_up_s
-        self._caught_up_to: dict[tuple[str, int], int] = {}
-        self._started = False
+        self._follower = ViewFollower(
+            states,
+            directory,
+            (catalogue.task_state,),
+            name="ingress",
+            catch_up_s=catch_up_s,
+            start_timeout_s=120.0,
+        )
         self.stats = IngressStats()
 
     async def start(self) -> None:
         """Start following task-state and wait until the view holds what it held at start."""
-        if self._started:
-            return
-        await asyncio.to_thread(self._states.start)
-        if not await asyncio.to_thread(self._states.wait_until_current, 120.0):
-            raise RuntimeError("the ingress's task-state view did not catch up in 120 s")
-        self._started = True
+        await self._follower.start()
 
     def close(self) -> None:
         """Stop following task-state."""
-        self._states.close()
+        self._follower.close()
 
     async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
         """What to forward (and dead-letter) for a batch of ``from.ep.<endpoint>`` records."""
@@ -313,20 +312,4 @@ class Ingress:
     async def _catch_up(self) -> None:
         """Wait (bounded) until the task-state view has read what the topic holds now."""
         self.stats.catch_ups += 1
-        deadline = time.monotonic() + self._catch_up_s
-        topic = self._catalogue.task_state
-        try:
-            ends = await asyncio.wait_for(self._directory.end_offsets([topic]), self._catch_up_s)
-        except Exception as exc:  # cannot ask: fall back to waiting out the budget
-            log.warning("ingress: cannot read task-state end offsets (%r); waiting instead", exc)
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            return
-        grown = {tp: end for tp, end in ends.items() if end > self._caught_up_to.get(tp, 0)}
-        self._caught_up_to.update(grown)
-        for (name, partition), end in grown.items():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            await asyncio.to_thread(
-                self._states.wait_for_offset, name, partition, end - 1, remaining
-            )
+        await self._follower.catch_up()

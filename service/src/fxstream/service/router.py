@@ -36,7 +36,6 @@ what it returns.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,6 +46,7 @@ from fxstream.service.outgoing import Outgoing
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
+from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
@@ -140,27 +140,25 @@ class Router:
         self._catalogue = catalogue
         self._view = view
         self._directory = directory
-        self._catch_up_s = catch_up_s
+        self._follower = ViewFollower(
+            view,
+            directory,
+            (catalogue.users, catalogue.functions, catalogue.endpoints),
+            name="router",
+            catch_up_s=catch_up_s,
+            start_timeout_s=60.0,
+        )
         self._clock = clock
         self._queue_limit = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes
-        self._caught_up_to: dict[tuple[str, int], int] = {}
-        self._started = False
-        self._start_lock = asyncio.Lock()
         self.stats = RouterStats()
 
     async def start(self) -> None:
         """Start the registry view and wait until it holds everything registered so far."""
-        async with self._start_lock:
-            if self._started:
-                return
-            await asyncio.to_thread(self._view.start)
-            if not await asyncio.to_thread(self._view.wait_until_current, 60.0):
-                raise RuntimeError("the registry view did not catch up with the registry in 60 s")
-            self._started = True
+        await self._follower.start()
 
     def close(self) -> None:
         """Stop following the registry."""
-        self._view.close()
+        self._follower.close()
 
     # --- planning ------------------------------------------------------------------------
 
@@ -339,33 +337,10 @@ class Router:
         )
 
     async def _catch_up(self) -> None:
-        """Wait (bounded) until the view has read what the registry topics hold right now.
-
-        A function registered a moment before its first submission may not be in
-        the view yet. Waiting for the topics' current ends, rather than a fixed
-        time, makes a truly unknown id cost one round trip; and only partitions
-        that grew since the last catch-up are waited for, so a flood of unknown
-        ids (or an end the view cannot reach, like a transaction marker) costs
-        the budget at most once per registry change.
-        """
+        """Wait (bounded) until the view has read what the registry topics hold right now:
+        a function registered a moment before its first submission may not be in it yet."""
         self.stats.catch_ups += 1
-        deadline = time.monotonic() + self._catch_up_s
-        registry = (self._catalogue.users, self._catalogue.functions, self._catalogue.endpoints)
-        try:
-            ends = await asyncio.wait_for(self._directory.end_offsets(registry), self._catch_up_s)
-        except Exception as exc:  # cannot ask: fall back to waiting out the budget
-            log.warning("router: cannot read registry end offsets (%r); waiting instead", exc)
-            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
-            return
-        grown = {tp: end for tp, end in ends.items() if end > self._caught_up_to.get(tp, 0)}
-        self._caught_up_to.update(grown)
-        for (topic, partition), end in grown.items():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            await asyncio.to_thread(
-                self._view.wait_for_offset, topic, partition, end - 1, remaining
-            )
+        await self._follower.catch_up()
 
     async def _refuse_unroutable(self, decisions: list[_Decision]) -> list[_Decision]:
         """Refuse allowed tasks that cannot be delivered: no queue topic, or too large."""
