@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import faust
 from faust.types import StreamT
@@ -205,6 +205,33 @@ def build_app(
     return app
 
 
+class _Loop(Protocol):
+    """A processor's consuming loop: runs until stopped, then has committed what it did."""
+
+    async def run(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def _run_in_app(
+    app: faust.App,
+    stoppers: list[Callable[[], Awaitable[None]]],
+    loop: _Loop,
+    closed: Callable[[], None],
+) -> None:
+    """Run ``loop`` as a task of ``app``; at shutdown stop it, then call ``closed``."""
+
+    async def run() -> None:
+        await loop.run()
+
+    async def stop() -> None:
+        await loop.stop()
+        closed()
+
+    app.task(run)
+    stoppers.append(stop)
+
+
 def _add_router(
     app: faust.App,
     kafka: KafkaConnection,
@@ -221,16 +248,11 @@ def _add_router(
         kafka, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
     )
 
-    async def route() -> None:
-        await router_loop.run()
-
-    async def stop() -> None:
-        await router_loop.stop()
+    def closed() -> None:
         router.close()
         log.info("router: %s", router.stats)
 
-    app.task(route)
-    stoppers.append(stop)
+    _run_in_app(app, stoppers, router_loop, closed)
 
 
 def _add_ingress(
@@ -266,16 +288,11 @@ def _add_ingress(
         fetch_max_wait_ms=5,
     )
 
-    async def forward() -> None:
-        await loop.run()
-
-    async def stop() -> None:
-        await loop.stop()
+    def closed() -> None:
         ingress.close()
         log.info("ingress: %s", ingress.stats)
 
-    app.task(forward)
-    stoppers.append(stop)
+    _run_in_app(app, stoppers, loop, closed)
 
 
 def _add_task_state(
@@ -305,15 +322,7 @@ def _add_task_state(
         states=states,
     )
 
-    async def follow_results() -> None:
-        await follower.run()
-
-    async def stop() -> None:
-        await follower.stop()
-        log.info("task-state: %s", planner.stats)
-
-    app.task(follow_results)
-    stoppers.append(stop)
+    _run_in_app(app, stoppers, follower, lambda: log.info("task-state: %s", planner.stats))
 
 
 def _add_liveness(app: faust.App, catalogue: Catalogue, batch_size: int) -> None:
