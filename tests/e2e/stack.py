@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, TopicPartition
 
 from fxstream.ops.private import PrivatePlatform, private_platform
 from fxstream.sdk import Client, NotFound
+from fxstream.topics import KafkaConnection
 
 # The e2e modules' platform is the shared private platform (fxstream.ops.private).
 Stack = PrivatePlatform
@@ -68,3 +71,36 @@ def other_user_client(stack: PrivatePlatform, name: str) -> Client:
         user_id=body["user_id"],
         token=body["token"],
     )
+
+
+def committed_records(
+    kafka: KafkaConnection, topic: str, key: str | None = None, *, timeout_s: float = 30.0
+) -> list[Message]:
+    """Every committed record of ``topic`` (with ``key``, if given), from the beginning to
+    the end each partition had when it was reached (read_committed)."""
+    consumer = Consumer(
+        {
+            **kafka.confluent(),
+            "group.id": f"e2e-{uuid.uuid4()}",
+            "isolation.level": "read_committed",
+            "enable.partition.eof": True,
+            "log_level": 2,
+        }
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        found: list[Message] = []
+        at_end: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(at_end) < len(partitions) and time.monotonic() < deadline:
+            message = consumer.poll(0.2)
+            if message is None:
+                continue
+            if message.error() is not None:
+                at_end.add(message.partition() or 0)  # _PARTITION_EOF
+            elif key is None or message.key() == key.encode():
+                found.append(message)
+        return found
+    finally:
+        consumer.close()

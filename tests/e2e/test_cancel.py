@@ -11,7 +11,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
 from fxstream.ops.private import PrivatePlatform, private_platform
 from fxstream.sdk import Client, ClientSettings, Executor
@@ -35,7 +34,7 @@ from fxstream.topics import (
     record_kind,
 )
 from fxstream.topics.acls import endpoint_group
-from tests.e2e.stack import other_user_client, wait_for_state
+from tests.e2e.stack import committed_records, other_user_client, wait_for_state
 
 pytestmark = pytest.mark.platform
 
@@ -81,32 +80,7 @@ class Stack:
 
     def records(self, topic: str, key: str) -> list[Message]:
         """Every committed record of ``topic`` with this key, read from the beginning."""
-        consumer = Consumer(
-            {
-                **self.kafka.confluent(),
-                "group.id": f"e2e-{uuid.uuid4()}",
-                "isolation.level": "read_committed",
-                "enable.partition.eof": True,
-                "log_level": 2,
-            }
-        )
-        try:
-            partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-            found: list[Message] = []
-            at_end: set[int] = set()
-            deadline = time.monotonic() + 30
-            while len(at_end) < len(partitions) and time.monotonic() < deadline:
-                message = consumer.poll(0.2)
-                if message is None:
-                    continue
-                if message.error() is not None:
-                    at_end.add(message.partition() or 0)  # _PARTITION_EOF
-                elif message.key() == key.encode():
-                    found.append(message)
-            return found
-        finally:
-            consumer.close()
+        return committed_records(self.kafka, topic, key)
 
     def wait_for_record(
         self, topic: str, key: str, predicate: Callable[[Message], bool]

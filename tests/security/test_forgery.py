@@ -21,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Message, Producer
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops.private import PrivatePlatform
@@ -44,7 +44,7 @@ from fxstream.topics import (
     encode,
     ensure_topics,
 )
-from tests.e2e.stack import running_stack
+from tests.e2e.stack import committed_records, running_stack
 
 pytestmark = pytest.mark.platform
 
@@ -106,32 +106,7 @@ def produce(stack: PrivatePlatform, topic: str, key: str, value: bytes) -> None:
 
 def records(stack: PrivatePlatform, topic: str) -> list[Message]:
     """Every committed record of ``topic``, from the beginning to its current end."""
-    consumer = Consumer(
-        {
-            **stack.kafka.confluent(),
-            "group.id": f"forgery-{uuid.uuid4()}",
-            "isolation.level": "read_committed",
-            "enable.partition.eof": True,
-            "log_level": 2,
-        }
-    )
-    try:
-        partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-        found: list[Message] = []
-        at_end: set[int] = set()
-        deadline = time.monotonic() + 30
-        while len(at_end) < len(partitions) and time.monotonic() < deadline:
-            message = consumer.poll(0.2)
-            if message is None:
-                continue
-            if message.error() is not None:
-                at_end.add(message.partition() or 0)  # _PARTITION_EOF
-            else:
-                found.append(message)
-        return found
-    finally:
-        consumer.close()
+    return committed_records(stack.kafka, topic)
 
 
 def dead_letter_of(
