@@ -100,6 +100,19 @@ class Actor:
     def allowed(self, resource: Resource, name: str, operation: Operation) -> bool:
         return self.superuser or is_allowed(self.grants, resource, name, operation)
 
+    def cell(
+        self,
+        resource: Resource,
+        name: str,
+        action: str,
+        operation: Operation,
+        observed: bool | str,
+    ) -> Cell:
+        """The cell of ``action`` on ``name``: expected is whether the table grants
+        ``operation`` on it."""
+        expected = self.allowed(resource, name, operation)
+        return Cell(self.label, resource, name, action, expected, observed)
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -285,16 +298,7 @@ def topic_admin_cells(m: Matrix, actor: Actor) -> list[Cell]:
     cells: list[Cell] = []
 
     def add(name: str, action: str, op: Operation, observed: bool | str) -> None:
-        cells.append(
-            Cell(
-                actor.label,
-                Resource.TOPIC,
-                name,
-                action,
-                actor.allowed(Resource.TOPIC, name, op),
-                observed,
-            )
-        )
+        cells.append(actor.cell(Resource.TOPIC, name, action, op, observed))
 
     for topic in m.topics:
         described = admin.list_topics(topic=topic, timeout=TIMEOUT_S).topics[topic]
@@ -354,13 +358,8 @@ def produce_cells(m: Matrix, actor: Actor) -> list[Cell]:
         producer.produce(topic, key=b"matrix", value=actor.label.encode(), on_delivery=report)
     producer.flush(TIMEOUT_S + 5)
     return [
-        Cell(
-            actor.label,
-            Resource.TOPIC,
-            t,
-            "produce",
-            actor.allowed(Resource.TOPIC, t, Operation.WRITE),
-            answers.get(t, "no delivery report"),
+        actor.cell(
+            Resource.TOPIC, t, "produce", Operation.WRITE, answers.get(t, "no delivery report")
         )
         for t in m.topics
     ]
@@ -395,13 +394,8 @@ def fetch_cells(m: Matrix, actor: Actor) -> list[Cell]:
     finally:
         consumer.close()
     return [
-        Cell(
-            actor.label,
-            Resource.TOPIC,
-            t,
-            "fetch",
-            actor.allowed(Resource.TOPIC, t, Operation.READ),
-            answers.get(t, "no record and no error"),
+        actor.cell(
+            Resource.TOPIC, t, "fetch", Operation.READ, answers.get(t, "no record and no error")
         )
         for t in m.topics
     ]
@@ -430,14 +424,7 @@ def join_cell(actor: Actor, group: str) -> Cell:
             observed = True
     finally:
         consumer.close()
-    return Cell(
-        actor.label,
-        Resource.GROUP,
-        group,
-        "join",
-        actor.allowed(Resource.GROUP, group, Operation.READ),
-        observed,
-    )
+    return actor.cell(Resource.GROUP, group, "join", Operation.READ, observed)
 
 
 def commit_cell(actor: Actor, group: str) -> Cell:
@@ -453,14 +440,7 @@ def commit_cell(actor: Actor, group: str) -> Cell:
         observed = _answer(errors[0] if errors else None)
     except KafkaException as exc:
         observed = _answer(exc)
-    return Cell(
-        actor.label,
-        Resource.GROUP,
-        group,
-        "commit offsets",
-        actor.allowed(Resource.GROUP, group, Operation.READ),
-        observed,
-    )
+    return actor.cell(Resource.GROUP, group, "commit offsets", Operation.READ, observed)
 
 
 def group_admin_cells(m: Matrix, actor: Actor) -> list[Cell]:
@@ -478,13 +458,11 @@ def group_admin_cells(m: Matrix, actor: Actor) -> list[Cell]:
             break
         time.sleep(0.5)
     for g, answer in answers.items():
-        expected = actor.allowed(Resource.GROUP, g, Operation.DESCRIBE)
-        cells.append(Cell(actor.label, Resource.GROUP, g, "describe", expected, answer))
+        cells.append(actor.cell(Resource.GROUP, g, "describe", Operation.DESCRIBE, answer))
     if not actor.superuser:
         deleted = admin.delete_consumer_groups(m.groups, request_timeout=TIMEOUT_S)
         for g, answer in _per_future(deleted).items():
-            expected = actor.allowed(Resource.GROUP, g, Operation.DELETE)
-            cells.append(Cell(actor.label, Resource.GROUP, g, "delete", expected, answer))
+            cells.append(actor.cell(Resource.GROUP, g, "delete", Operation.DELETE, answer))
     return cells
 
 
@@ -501,9 +479,8 @@ def init_txn_cell(actor: Actor, txn_id: str) -> Cell:
         observed: bool | str = True
     except KafkaException as exc:
         observed = _answer(exc)
-    expected = actor.allowed(Resource.TRANSACTIONAL_ID, txn_id, Operation.WRITE)
-    return Cell(
-        actor.label, Resource.TRANSACTIONAL_ID, txn_id, "init transactions", expected, observed
+    return actor.cell(
+        Resource.TRANSACTIONAL_ID, txn_id, "init transactions", Operation.WRITE, observed
     )
 
 
@@ -525,13 +502,8 @@ def txn_offsets_cell(actor: Actor, group: str) -> Cell:
         observed = _answer(exc)
     finally:
         consumer.close()
-    return Cell(
-        actor.label,
-        Resource.GROUP,
-        group,
-        "commit offsets in a transaction",
-        actor.allowed(Resource.GROUP, group, Operation.READ),
-        observed,
+    return actor.cell(
+        Resource.GROUP, group, "commit offsets in a transaction", Operation.READ, observed
     )
 
 
@@ -553,14 +525,7 @@ def registry_txn_cell(m: Matrix, actor: Actor) -> Cell:
         # A refused partition fails the record; the commit then reports only "failed delivery".
         refused = [e for e in delivery if e is not None]
         observed = _answer(refused[0] if refused else exc)
-    return Cell(
-        actor.label,
-        Resource.TOPIC,
-        topic,
-        "transaction writing to",
-        actor.allowed(Resource.TOPIC, topic, Operation.WRITE),
-        observed,
-    )
+    return actor.cell(Resource.TOPIC, topic, "transaction writing to", Operation.WRITE, observed)
 
 
 def idempotent_cell(actor: Actor) -> Cell:
