@@ -1,7 +1,7 @@
 """The endpoint agent: pull this endpoint's queue, run tasks in warm workers, publish results.
 
-One thread polls Kafka; tasks run in a :class:`~fxstream.agent.WorkerPool`,
-never in the poll loop. The pool is given only as many tasks as it can start
+One thread polls Kafka; tasks run on an :class:`~fxstream.agent.Engine`,
+never in the poll loop. The engine is given only as many tasks as it can start
 soon (workers + prefetch, funcX's batching); the rest wait, decoded, in the
 agent's local queue. The local queue is bounded (``max_local_queue`` tasks and
 ``max_local_queue_bytes``): when it is full the agent pauses its Kafka queue,
@@ -14,7 +14,7 @@ partitions are dropped (uncommitted, so the new owner gets them).
 
 Latency: the poll thread blocks on Kafka, never on a fixed-size batch (``consume(n,
 timeout)`` would hold a lone task until ``n`` records or the timeout). A finished
-task's result is produced by the pool's collector thread the moment the worker
+task's result is produced by the engine's thread the moment the worker
 answers, which then hands the freed slot the next task of the local queue; the
 poll thread is not in that path. Shared state is guarded by one lock.
 
@@ -44,7 +44,7 @@ deserialized).
 Cancel: a :class:`~fxstream.topics.TaskCancel` rides the queue behind its
 task (same key, same partition), so this agent reads a task before its cancel.
 A task still in the local queue (or waiting out a retry backoff) is taken out
-and answered ``TaskCancelled``; one in the pool is cancelled there (dropped if
+and answered ``TaskCancelled``; one in the engine is cancelled there (dropped if
 queued, its worker killed if running); either way the answer settles the
 task's offset and the cancel's. A cancel for a task no longer held (already
 answered) only settles its own offset, and one from another user than the
@@ -91,11 +91,13 @@ from confluent_kafka import (
 
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
+from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
+from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.publisher import Answer, Refusal, TransactionalPublisher
 from fxstream.agent.runner import runner_for
-from fxstream.agent.workers import RunnerSpec, WorkerPool, WorkItem, WorkOutcome
+from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, LocationPublisher, StoreSpec
 from fxstream.topics import (
     Attempt,
@@ -276,13 +278,13 @@ class Agent:
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
         # Every task taken off Kafka and not yet answered durably, by task id; the ones
-        # not yet given to the pool are also in _local_queue, in arrival order.
+        # not yet given to the engine are also in _local_queue, in arrival order.
         self._held: dict[str, _Held] = {}
         self._local_queue: deque[_Held] = deque()
         self._local_queue_bytes = 0
-        self._in_pool = 0
-        # When each task in the pool was given to it (a lease's started_at), by task id.
-        self._given_to_pool: dict[str, float] = {}
+        self._in_engine = 0
+        # When each task in the engine was given to it (a lease's started_at), by task id.
+        self._given_to_engine: dict[str, float] = {}
         # Tasks whose function's code the service could not give yet (it is down).
         self._awaiting_code: list[_Held] = []
         # Tasks waiting out a retry backoff: (due on the monotonic clock, tie-break, task).
@@ -291,10 +293,10 @@ class Agent:
         self.retries_scheduled = 0
         # Held tasks a cancel asked to stop (task id -> reason), until they are answered.
         self._cancelled: dict[str, str] = {}
-        # Guards the fields above: the poll thread takes tasks, the pool's collector
-        # thread publishes results and feeds the pool.
+        # Guards the fields above: the poll thread takes tasks, the engine's
+        # thread publishes results and feeds the engine.
         self._lock = threading.Lock()
-        self._pool: WorkerPool | None = None
+        self._engine: Engine | None = None
         self._publisher: TransactionalPublisher | None = None
         self._events: Producer | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
@@ -318,7 +320,7 @@ class Agent:
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         kafka = self.config.kafka(self._credentials).confluent()
-        pool = WorkerPool(self.config.workers, self._runner)
+        engine: Engine = ProcessEngine(self.config.workers, self._runner)
         codes = _CodeCache(self.config.service_url, self._credentials.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
@@ -362,9 +364,9 @@ class Agent:
             epoch=lambda: self._epoch,
             on_refused=self._quarantine,
         )
-        self._pool, self._publisher, self._events = pool, publisher, producer
+        self._engine, self._publisher, self._events = engine, publisher, producer
         try:
-            pool.wait_ready(timeout=60)
+            engine.wait_ready(timeout=60)
             publisher.start()
             consumer.subscribe(
                 [self.queue_topic],
@@ -372,12 +374,12 @@ class Agent:
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
-            self._heartbeat(producer, pool)
+            self._heartbeat(producer, engine)
             if ready is not None:
                 ready()
-            self._serve(consumer, producer, pool, codes)
+            self._serve(consumer, producer, engine, codes)
         finally:
-            self._shutdown(consumer, producer, pool, codes)
+            self._shutdown(consumer, producer, engine, codes)
 
     @property
     def transactional_id(self) -> str:
@@ -412,7 +414,7 @@ class Agent:
     # --- the loop ----------------------------------------------------------------------
 
     def _serve(
-        self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
+        self, consumer: Consumer, producer: Producer, engine: Engine, codes: _CodeCache
     ) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         next_code_fetch = time.monotonic()
@@ -425,14 +427,14 @@ class Agent:
             self._flow_control(consumer)
             for message in self._poll(consumer):
                 self._take(message, codes)
-            self._feed_pool()
+            self._feed_engine()
             producer.poll(0)
             now = time.monotonic()
             if self._awaiting_code and now >= next_code_fetch:
                 self._fetch_awaited_code(codes)
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
-                self._heartbeat(producer, pool)
+                self._heartbeat(producer, engine)
                 next_beat = now + self.config.heartbeat_period_s
 
     def _poll(self, consumer: Consumer) -> list[Message]:
@@ -667,19 +669,19 @@ class Agent:
         if queued is not None:
             self._publish(queued, _cancelled(queued.submission, reason, started_at=None))
             return
-        pool = self._pool
-        assert pool is not None
+        engine = self._engine
+        assert engine is not None
         if not cancel.kill:
-            # Skip-only (future.cancel()): dropped if the pool has not started it, else
+            # Skip-only (future.cancel()): dropped if the engine has not started it, else
             # it runs on and is answered as usual.
-            if not pool.cancel(task_id, reason, kill=False):
+            if not engine.cancel(task_id, reason, kill=False):
                 with self._lock:
                     self._cancelled.pop(task_id, None)
                 log.info("cancel of task %s: already started; skip-only, so it runs on", task_id)
             return
         # False while the collector thread is between taking it off the local queue and
-        # submitting it: _feed_pool then sees it in _cancelled and cancels it itself.
-        pool.cancel(task_id, reason)
+        # submitting it: _feed_engine then sees it in _cancelled and cancels it itself.
+        engine.cancel(task_id, reason)
 
     def _settle_with(self, held: _Held, partition: int, offset: int) -> None:
         """Settle the record at ``offset`` with the answer of the task ``held``."""
@@ -724,20 +726,20 @@ class Agent:
             return outcome
         return _cancelled(held.submission, reason, started_at=outcome.started_at)
 
-    def _feed_pool(self) -> None:
-        """Give the pool tasks from the local queue, up to workers + prefetch in it."""
-        pool = self._pool
-        assert pool is not None
+    def _feed_engine(self) -> None:
+        """Give the engine tasks from the local queue, up to workers + prefetch in it."""
+        engine = self._engine
+        assert engine is not None
         capacity = self.config.workers + self.config.prefetch
         self._requeue_due_retries()
         while True:
             with self._lock:
-                if not self._local_queue or self._in_pool >= capacity:
+                if not self._local_queue or self._in_engine >= capacity:
                     return
                 held = self._local_queue.popleft()
                 self._local_queue_bytes -= held.size
-                self._in_pool += 1
-                self._given_to_pool[held.submission.task_id] = time.time()
+                self._in_engine += 1
+                self._given_to_engine[held.submission.task_id] = time.time()
             submission = held.submission
             item = WorkItem(
                 task_id=submission.task_id,
@@ -747,21 +749,21 @@ class Agent:
                 payload=held.dispatch.submission,
                 walltime_s=submission.walltime_s,
             )
-            future = pool.submit(item)
+            future = engine.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
             reason = self._cancel_requested(submission.task_id) if self._cancelled else None
-            if reason is not None:  # cancelled between the local queue and the pool
-                pool.cancel(submission.task_id, reason)
+            if reason is not None:  # cancelled between the local queue and the engine
+                engine.cancel(submission.task_id, reason)
 
     def _finished(self, held: _Held, future: Future[WorkOutcome]) -> None:
-        # On the pool's collector thread: answer at once, then give the slot new work.
+        # On the engine's thread: answer at once, then give the slot new work.
         outcome = self._cancel_wins(held, future.result())
         with self._lock:
-            self._in_pool -= 1
-            self._given_to_pool.pop(held.submission.task_id, None)
+            self._in_engine -= 1
+            self._given_to_engine.pop(held.submission.task_id, None)
         if not self._retry(held, outcome):
             self._publish(held, outcome)
-        self._feed_pool()
+        self._feed_engine()
 
     # --- retries -----------------------------------------------------------------------
 
@@ -1165,7 +1167,7 @@ class Agent:
                 )
 
     def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # Commit what is answered while the partitions are still ours; the pool's tasks of
+        # Commit what is answered while the partitions are still ours; the engine's tasks of
         # revoked partitions finish and are answered, but their offsets are the new owner's.
         publisher = self._publisher
         if publisher is not None and publisher.alive:
@@ -1196,7 +1198,7 @@ class Agent:
         with self._lock:
             held = list(itertools.islice(self._held.values(), limit))
             truncated = len(self._held) > limit
-            started = dict(self._given_to_pool)
+            started = dict(self._given_to_engine)
         leases = [
             TaskLease(
                 task_id=h.submission.task_id,
@@ -1211,7 +1213,7 @@ class Agent:
         return leases, truncated
 
     def _answering(self) -> bool:
-        """True while a task is in the pool or a result is not yet acknowledged."""
+        """True while a task is in the engine or a result is not yet acknowledged."""
         with self._lock:
             held = bool(self._held)
         publisher = self._publisher
@@ -1234,9 +1236,10 @@ class Agent:
         heapq.heapify(self._retries)
         self._awaiting_code = [h for h in self._awaiting_code if h.submission.task_id not in gone]
 
-    def _heartbeat(self, producer: Producer, pool: WorkerPool) -> None:
+    def _heartbeat(self, producer: Producer, engine: Engine) -> None:
         self._sequence += 1
         leases, truncated = self._leases(MAX_LEASES_PER_HEARTBEAT)
+        counts = engine.counts()
         beat = Heartbeat(
             endpoint_id=self.config.endpoint_id,
             agent_id=self.agent_id,
@@ -1245,10 +1248,10 @@ class Agent:
             period_s=self.config.heartbeat_period_s,
             hostname=self._hostname,
             pid=os.getpid(),
-            workers_total=pool.size,
-            workers_idle=pool.idle_count,
-            workers_busy=pool.busy_count,
-            queue_depth=pool.queued_count + len(self._local_queue),
+            workers_total=counts.workers_total,
+            workers_idle=counts.workers_idle,
+            workers_busy=counts.workers_busy,
+            queue_depth=counts.queued + len(self._local_queue),
             leases=leases,
             leases_truncated=truncated,
             agent_version=AGENT_VERSION,
@@ -1263,8 +1266,10 @@ class Agent:
             value = encode(beat)
         producer.produce(self.out_topic, key=key, value=value)
         warm = [
-            WarmWorker(worker_id=worker, function_ids=functions)
-            for worker, functions in sorted(pool.warm_functions().items())
+            WarmWorker(
+                worker_id=w.worker_id, container=w.container, function_ids=list(w.function_ids)
+            )
+            for w in sorted(engine.warm(), key=lambda w: w.worker_id)
         ]
         if warm != self._last_warm:
             advert = WarmAdvert(
@@ -1293,9 +1298,9 @@ class Agent:
             self._last_warm = warm
 
     def _shutdown(
-        self, consumer: Consumer, producer: Producer, pool: WorkerPool, codes: _CodeCache
+        self, consumer: Consumer, producer: Producer, engine: Engine, codes: _CodeCache
     ) -> None:
-        # Tasks not yet started stay uncommitted and go to the next agent; the pool's are
+        # Tasks not yet started stay uncommitted and go to the next agent; the engine's are
         # finished and answered first.
         with self._lock:
             self._unqueue(
@@ -1310,7 +1315,7 @@ class Agent:
             self._publisher.close(STOP_CLOSE_S)
         consumer.close()
         # Tasks still running are killed; uncommitted, they run again on the next agent.
-        pool.close(timeout=STOP_CLOSE_S)
+        engine.close(timeout=STOP_CLOSE_S)
         codes.close()
 
 
