@@ -65,18 +65,14 @@ from __future__ import annotations
 import base64
 import dataclasses
 import functools
-import heapq
-import itertools
 import logging
 import os
 import socket
 import threading
 import time
 import uuid
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import httpx
 import msgspec
@@ -92,6 +88,7 @@ from confluent_kafka import (
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -112,7 +109,6 @@ from fxstream.topics import (
     TaskError,
     TaskErrorType,
     TaskEvent,
-    TaskLease,
     TaskResult,
     TaskStateName,
     TaskSubmission,
@@ -164,26 +160,6 @@ SWEEP_PERIOD_S = 300.0
 """How often an endpoint with a file store deletes objects whose lease ended."""
 # Keeps a heartbeat well under the heartbeats topic's 256 kB records.
 MAX_LEASES_PER_HEARTBEAT = 1_000
-
-
-@dataclass(frozen=True)
-class _Held:
-    """A task taken off the queue and not yet answered durably."""
-
-    partition: int
-    offset: int
-    dispatch: TaskDispatch
-    submission: TaskSubmission
-    dequeued_at: float
-    size: int
-    code_sha256: str = ""
-    code: bytes = b""
-    # This agent's attempt number (the dispatch's, then one more per local retry) and
-    # the failed attempts before it, oldest first.
-    attempt: int = 1
-    earlier: tuple[Attempt, ...] = ()
-    # The assignment epoch it was taken in (see TransactionalPublisher).
-    epoch: int = 0
 
 
 class FunctionUnavailable(Exception):
@@ -277,33 +253,16 @@ class Agent:
         self._hostname = socket.gethostname()
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
-        # Every task taken off Kafka and not yet answered durably, by task id; the ones
-        # not yet given to the engine are also in _local_queue, in arrival order.
-        self._held: dict[str, _Held] = {}
-        self._local_queue: deque[_Held] = deque()
-        self._local_queue_bytes = 0
-        self._in_engine = 0
-        # When each task in the engine was given to it (a lease's started_at), by task id.
-        self._given_to_engine: dict[str, float] = {}
-        # Tasks whose function's code the service could not give yet (it is down).
-        self._awaiting_code: list[_Held] = []
-        # Tasks waiting out a retry backoff: (due on the monotonic clock, tie-break, task).
-        self._retries: list[tuple[float, int, _Held]] = []
-        self._retry_order = itertools.count()
+        # Every task taken off Kafka and not yet answered durably, where it waits, and the
+        # assignment epoch (bumped whenever partitions are revoked or lost: answers to
+        # tasks taken in an earlier epoch are dropped by the publisher).
+        self._held = HeldTasks()
         self.retries_scheduled = 0
-        # Held tasks a cancel asked to stop (task id -> reason), until they are answered.
-        self._cancelled: dict[str, str] = {}
-        # Guards the fields above: the poll thread takes tasks, the engine's
-        # thread publishes results and feeds the engine.
-        self._lock = threading.Lock()
         self._engine: Engine | None = None
         self._publisher: TransactionalPublisher | None = None
         self._events: Producer | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
-        # Bumped whenever partitions are revoked or lost: answers to tasks taken in an
-        # earlier epoch are dropped by the publisher (their partition has a new owner).
-        self._epoch = 0
         self._paused = False
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
@@ -361,7 +320,7 @@ class Agent:
             tracker=self._tracker,
             group_metadata=lambda: self._group_metadata,
             on_committed=self._count_committed,
-            epoch=lambda: self._epoch,
+            epoch=lambda: self._held.epoch,
             on_refused=self._quarantine,
         )
         self._engine, self._publisher, self._events = engine, publisher, producer
@@ -430,7 +389,7 @@ class Agent:
             self._feed_engine()
             producer.poll(0)
             now = time.monotonic()
-            if self._awaiting_code and now >= next_code_fetch:
+            if self._held.awaiting_code and now >= next_code_fetch:
                 self._fetch_awaited_code(codes)
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
@@ -442,13 +401,12 @@ class Agent:
         first = consumer.poll(POLL_S)
         if first is None:
             return []
-        room = self.config.max_local_queue - len(self._local_queue)
+        room = self.config.max_local_queue - self._held.queued
         return [first, *consumer.consume(num_messages=min(max(room, 1), 500), timeout=0)]
 
     def _flow_control(self, consumer: Consumer) -> None:
         # Paused partitions keep the group membership alive while we do not fetch.
-        with self._lock:
-            count, size = len(self._local_queue), self._local_queue_bytes
+        count, size = self._held.queue_size()
         if self._paused:
             want_more = (
                 count <= self.config.max_local_queue // 2
@@ -484,7 +442,7 @@ class Agent:
             self.answered_before += 1
             publisher = self._publisher
             assert publisher is not None
-            publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+            publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
             return
         dequeued_at = time.time()
         value = message.value() or b""
@@ -515,7 +473,7 @@ class Agent:
                 return
             self._take_cancel(message, cancel)
             return
-        held = _Held(
+        held = Held(
             partition,
             offset,
             dispatch,
@@ -523,16 +481,13 @@ class Agent:
             dequeued_at,
             len(value),
             attempt=dispatch.attempt,
-            epoch=self._epoch,
+            epoch=self._held.epoch,
         )
-        with self._lock:
-            earlier = self._held.get(submission.task_id)
-            if earlier is not None and earlier.epoch == held.epoch:
-                # The same task twice in one assignment (a redelivery): one run answers both.
-                self._settle_with(earlier, partition, offset)
-                return
-            # A run from before a lost assignment is answered nowhere: this one replaces it.
-            self._held[submission.task_id] = held
+        earlier = self._held.hold(held)
+        if earlier is not None:
+            # The same task twice in one assignment (a redelivery): one run answers both.
+            self._settle_with(earlier, partition, offset)
+            return
         refusal = self.policy.refusal(submission)
         if refusal is not None:
             # Before its code is fetched or anything of it deserialized.
@@ -548,14 +503,13 @@ class Agent:
                 return
             # The service is down or overloaded: the task waits, held (its lease renewed,
             # its offset uncommitted), and the fetch is tried again.
-            with self._lock:
-                self._awaiting_code.append(held)
+            self._held.await_code(held)
             return
         except CodeIntegrityError as exc:
             log.error("%s", exc)
             self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
             return
-        self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
 
     def _foreign(self, dispatch: TaskDispatch) -> str:
         """Why this agent must not run ``dispatch`` (another endpoint's), or ''."""
@@ -566,24 +520,14 @@ class Agent:
             f"not this endpoint {self.config.endpoint_id!r}: refused, nothing deserialized"
         )
 
-    def _enqueue(self, held: _Held) -> None:
-        with self._lock:
-            current = self._held.get(held.submission.task_id)
-            if current is None or (current.offset, current.epoch) != (held.offset, held.epoch):
-                return  # handed back, or replaced by a later delivery, meanwhile
-            self._held[held.submission.task_id] = held
-            self._local_queue.append(held)
-            self._local_queue_bytes += held.size
-
     def _fetch_awaited_code(self, codes: _CodeCache) -> None:
         """Try again to fetch the code of tasks that wait for the service."""
-        with self._lock:
-            waiting, self._awaiting_code = self._awaiting_code, []
+        waiting = self._held.take_awaiting_code()
         unavailable: dict[str, FunctionUnavailable] = {}
-        still: list[_Held] = []
+        still: list[Held] = []
         for held in waiting:
             submission = held.submission
-            if self._held.get(submission.task_id) is not held:
+            if not self._held.is_current(held):
                 continue  # handed back (a rebalance or a stop) meanwhile
             failure = unavailable.get(submission.function_id)
             if failure is None:
@@ -596,7 +540,7 @@ class Agent:
                     self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
                     continue
                 else:
-                    self._enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+                    self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
                     continue
             if failure.transient:
                 still.append(held)
@@ -608,8 +552,7 @@ class Agent:
                 len(still),
                 next(iter(unavailable.values())),
             )
-        with self._lock:
-            self._awaiting_code = still + self._awaiting_code
+        self._held.still_awaiting_code(still)
 
     # --- cancel --------------------------------------------------------------------------
 
@@ -619,42 +562,26 @@ class Agent:
         assert partition is not None and offset is not None
         task_id = cancel.task_id
         reason = cancel.reason or f"cancelled by user {cancel.user_id}"
-        queued: _Held | None = None
-        refused = ""
-        with self._lock:
-            held = self._held.get(task_id)
-            # The dispatch's user is the router's (the broker-authenticated submitter),
-            # and so is the cancel's (the router forwards only its user's own cancels).
-            if held is not None and held.dispatch.user_id != cancel.user_id:
-                refused = (
-                    f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
-                    "was submitted by another user; only its submitter may cancel it"
-                )
-            elif held is not None:
-                self._cancelled[task_id] = reason
-                queued = next(
-                    (h for h in self._local_queue if h.submission.task_id == task_id), None
-                )
-                if queued is not None:
-                    self._local_queue.remove(queued)
-                    self._local_queue_bytes -= queued.size
-                    self._cancelled.pop(task_id, None)
-                else:
-                    queued = self._take_waiting_retry(task_id)
+        claim = self._held.claim_cancel(task_id, reason, cancel.user_id)
+        held, queued = claim.held, claim.waiting
         publisher = self._publisher
         assert publisher is not None
         if held is None:
             # Answered already (or its partition came here after the answer): the cancel
             # changes nothing. Its offset commits now, with no record of its own.
             log.info("cancel of task %s: not held here (already answered)", task_id)
-            publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+            publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
             return
-        if refused:
+        if claim.refused:
+            refused = (
+                f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
+                "was submitted by another user; only its submitter may cancel it"
+            )
             log.warning("%s", refused)
             self._settle_with_dead_letter(
                 partition,
                 offset,
-                self._epoch,
+                self._held.epoch,
                 key=message.key(),
                 value=message.value(),
                 headers=_headers(message),
@@ -675,15 +602,14 @@ class Agent:
             # Skip-only (future.cancel()): dropped if the engine has not started it, else
             # it runs on and is answered as usual.
             if not engine.cancel(task_id, reason, kill=False):
-                with self._lock:
-                    self._cancelled.pop(task_id, None)
+                self._held.drop_cancel(task_id)
                 log.info("cancel of task %s: already started; skip-only, so it runs on", task_id)
             return
         # False while the collector thread is between taking it off the local queue and
-        # submitting it: _feed_engine then sees it in _cancelled and cancels it itself.
+        # submitting it: _feed_engine then sees the cancel (HeldTasks) and cancels it itself.
         engine.cancel(task_id, reason)
 
-    def _settle_with(self, held: _Held, partition: int, offset: int) -> None:
+    def _settle_with(self, held: Held, partition: int, offset: int) -> None:
         """Settle the record at ``offset`` with the answer of the task ``held``."""
         if held.partition == partition:
             self._tracker.done_with(partition, offset, held.offset)
@@ -692,36 +618,12 @@ class Agent:
         # settled on its own.
         publisher = self._publisher
         assert publisher is not None
-        publisher.publish(Answer(None, None, b"", partition, offset, self._epoch))
+        publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
 
-    def _take_waiting_retry(self, task_id: str) -> _Held | None:
-        """Take a task out of its retry backoff, or out of the wait for its function's
-        code (for a cancel); the caller holds the lock."""
-        for entry in self._retries:
-            if entry[2].submission.task_id == task_id:
-                self._retries.remove(entry)
-                heapq.heapify(self._retries)
-                self._cancelled.pop(task_id, None)
-                return entry[2]
-        for held in self._awaiting_code:
-            if held.submission.task_id == task_id:
-                self._awaiting_code.remove(held)
-                self._cancelled.pop(task_id, None)
-                return held
-        return None
-
-    def _cancel_requested(self, task_id: str) -> str | None:
-        """The reason a cancel gave for a held task, or None: a cancelled task is never retried."""
-        with self._lock:
-            return self._cancelled.get(task_id)
-
-    def _cancel_wins(self, held: _Held, outcome: WorkOutcome) -> WorkOutcome:
+    def _cancel_wins(self, held: Held, outcome: WorkOutcome) -> WorkOutcome:
         """The outcome to answer: a cancelled task's failure (say its worker died under the
         kill) is reported as the cancel, so it is never retried; a success stays one."""
-        if not self._cancelled:  # the common case, without the lock: nothing cancelled
-            return outcome
-        with self._lock:
-            reason = self._cancelled.pop(held.submission.task_id, None)
+        reason = self._held.pop_cancel(held.submission.task_id)
         if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
             return outcome
         return _cancelled(held.submission, reason, started_at=outcome.started_at)
@@ -731,15 +633,11 @@ class Agent:
         engine = self._engine
         assert engine is not None
         capacity = self.config.workers + self.config.prefetch
-        self._requeue_due_retries()
+        self._held.requeue_due_retries()
         while True:
-            with self._lock:
-                if not self._local_queue or self._in_engine >= capacity:
-                    return
-                held = self._local_queue.popleft()
-                self._local_queue_bytes -= held.size
-                self._in_engine += 1
-                self._given_to_engine[held.submission.task_id] = time.time()
+            held = self._held.next_for_engine(capacity)
+            if held is None:
+                return
             submission = held.submission
             item = WorkItem(
                 task_id=submission.task_id,
@@ -751,23 +649,21 @@ class Agent:
             )
             future = engine.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
-            reason = self._cancel_requested(submission.task_id) if self._cancelled else None
+            reason = self._held.cancel_reason(submission.task_id)
             if reason is not None:  # cancelled between the local queue and the engine
                 engine.cancel(submission.task_id, reason)
 
-    def _finished(self, held: _Held, future: Future[WorkOutcome]) -> None:
+    def _finished(self, held: Held, future: Future[WorkOutcome]) -> None:
         # On the engine's thread: answer at once, then give the slot new work.
         outcome = self._cancel_wins(held, future.result())
-        with self._lock:
-            self._in_engine -= 1
-            self._given_to_engine.pop(held.submission.task_id, None)
+        self._held.left_engine(held)
         if not self._retry(held, outcome):
             self._publish(held, outcome)
         self._feed_engine()
 
     # --- retries -----------------------------------------------------------------------
 
-    def _should_retry(self, held: _Held, outcome: WorkOutcome) -> bool:
+    def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
         submission = held.submission
         if outcome.ok or len(held.earlier) >= submission.max_retries:
             return False
@@ -776,7 +672,7 @@ class Agent:
         # A function's own exception (or its walltime) is retried only when asked for.
         return submission.retry_user_errors and outcome.error_type not in _NEVER_RETRIED
 
-    def _retry(self, held: _Held, outcome: WorkOutcome) -> bool:
+    def _retry(self, held: Held, outcome: WorkOutcome) -> bool:
         """Schedule another attempt after a backoff; False when the outcome is final.
 
         The task stays held (its offset uncommitted, its lease renewed), so a crash
@@ -786,8 +682,7 @@ class Agent:
             return False
         if self._stop.is_set():
             # Stopping: hand the task back uncommitted; the next agent runs it again.
-            with self._lock:
-                self._held.pop(held.submission.task_id, None)
+            self._held.forget(held.submission.task_id)
             return True
         failed = Attempt(
             attempt=held.attempt,
@@ -800,14 +695,9 @@ class Agent:
         delay = min(
             self.config.retry_backoff_s * 2 ** len(held.earlier), self.config.retry_backoff_max_s
         )
-        with self._lock:
-            if held.submission.task_id not in self._held:
-                return True  # handed back (a rebalance or a stop) while it ran
-            self._held[held.submission.task_id] = retry
-            heapq.heappush(
-                self._retries, (time.monotonic() + delay, next(self._retry_order), retry)
-            )
-            self.retries_scheduled += 1
+        if not self._held.schedule_retry(retry, time.monotonic() + delay):
+            return True  # handed back (a rebalance or a stop) while it ran
+        self.retries_scheduled += 1
         log.info(
             "task %s: attempt %d failed with %s; retry %d of %d in %.1f s",
             held.submission.task_id,
@@ -820,19 +710,8 @@ class Agent:
         self._announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
         return True
 
-    def _requeue_due_retries(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            while self._retries and self._retries[0][0] <= now:
-                held = heapq.heappop(self._retries)[2]
-                if self._held.get(held.submission.task_id) is not held:
-                    continue  # dropped by a rebalance or a stop meanwhile
-                # Ahead of tasks not yet tried: it has waited its turn already.
-                self._local_queue.appendleft(held)
-                self._local_queue_bytes += held.size
-
     def _announce(
-        self, held: _Held, state: TaskStateName, attempt: Attempt | None, reason: str
+        self, held: Held, state: TaskStateName, attempt: Attempt | None, reason: str
     ) -> None:
         """Tell the task-state processor of a lifecycle step (best effort: status only)."""
         events = self._events
@@ -856,7 +735,7 @@ class Agent:
         except (BufferError, KafkaException) as exc:
             log.warning("task %s: cannot announce %s: %s", submission.task_id, state, exc)
 
-    def _publish(self, held: _Held, outcome: WorkOutcome) -> None:
+    def _publish(self, held: Held, outcome: WorkOutcome) -> None:
         publisher = self._publisher
         assert publisher is not None
         submission = held.submission
@@ -866,11 +745,9 @@ class Agent:
         topic = self.out_topic
         result, oversized = self._fitted_result(held, outcome, key)
         value = encode(result)
-        with self._lock:
-            # The worker is free now; only the offset waits for the transaction, so a
-            # commit round trip does not idle the workers.
-            if self._held.get(submission.task_id) is held:
-                del self._held[submission.task_id]
+        # The worker is free now; only the offset waits for the transaction, so a
+        # commit round trip does not idle the workers.
+        self._held.release(held)
         if oversized is not None:
             original, reason = oversized
             publisher.publish(
@@ -883,7 +760,7 @@ class Agent:
             self._publish_locations(result.value)
 
     def _fitted_result(
-        self, held: _Held, outcome: WorkOutcome, key: bytes
+        self, held: Held, outcome: WorkOutcome, key: bytes
     ) -> tuple[TaskResult, tuple[bytes, str] | None]:
         """The result to publish, fitted to the results topic (errors cut in bytes), and,
         when the outcome's value was too large, the original's bytes and why."""
@@ -1013,7 +890,7 @@ class Agent:
         except (BufferError, KafkaException) as exc:
             log.warning("cannot publish data locations: %s", exc)
 
-    def _result(self, held: _Held, outcome: WorkOutcome) -> TaskResult:
+    def _result(self, held: Held, outcome: WorkOutcome) -> TaskResult:
         submission = held.submission
         return TaskResult(
             task_id=submission.task_id,
@@ -1038,12 +915,10 @@ class Agent:
             ),
         )
 
-    def _drop(self, held: _Held, reason: str) -> None:
+    def _drop(self, held: Held, reason: str) -> None:
         """Settle a task that cannot be answered with a dead letter (so it is not re-run)."""
         log.error("task %s dropped: %s", held.submission.task_id, reason)
-        with self._lock:
-            if self._held.get(held.submission.task_id) is held:
-                del self._held[held.submission.task_id]
+        self._held.release(held)
         self._settle_with_dead_letter(
             held.partition,
             held.offset,
@@ -1066,7 +941,7 @@ class Agent:
         self._settle_with_dead_letter(
             partition,
             offset,
-            self._epoch,
+            self._held.epoch,
             key=message.key(),
             value=message.value(),
             headers=_headers(message),
@@ -1187,58 +1062,18 @@ class Agent:
 
     def _give_up(self, partitions: list[TopicPartition]) -> None:
         gone = {p.partition for p in partitions}
-        with self._lock:
-            self._epoch += 1
-            waiting = [*self._local_queue, *(r[2] for r in self._retries), *self._awaiting_code]
-            self._unqueue([held for held in waiting if held.partition in gone])
+        self._held.give_up(gone)
         self._tracker.forget_partitions(gone)
-
-    def _leases(self, limit: int) -> tuple[list[TaskLease], bool]:
-        """The tasks held now (at most ``limit``), and whether more were left out."""
-        with self._lock:
-            held = list(itertools.islice(self._held.values(), limit))
-            truncated = len(self._held) > limit
-            started = dict(self._given_to_engine)
-        leases = [
-            TaskLease(
-                task_id=h.submission.task_id,
-                user_id=h.submission.user_id,
-                function_id=h.submission.function_id,
-                task_group_id=h.submission.task_group_id,
-                attempt=h.dispatch.attempt,
-                started_at=started.get(h.submission.task_id),
-            )
-            for h in held
-        ]
-        return leases, truncated
 
     def _answering(self) -> bool:
         """True while a task is in the engine or a result is not yet acknowledged."""
-        with self._lock:
-            held = bool(self._held)
+        held = bool(self._held)
         publisher = self._publisher
         return held or (publisher is not None and publisher.alive and publisher.pending > 0)
 
-    def _unqueue(self, dropped: Iterable[_Held]) -> None:
-        """Forget tasks of the local queue; uncommitted, they are redelivered.
-
-        The caller holds the lock.
-        """
-        gone = {held.submission.task_id for held in dropped}
-        if not gone:
-            return
-        for task_id in gone:
-            self._held.pop(task_id, None)
-            self._cancelled.pop(task_id, None)
-        self._local_queue = deque(h for h in self._local_queue if h.submission.task_id not in gone)
-        self._local_queue_bytes = sum(h.size for h in self._local_queue)
-        self._retries = [r for r in self._retries if r[2].submission.task_id not in gone]
-        heapq.heapify(self._retries)
-        self._awaiting_code = [h for h in self._awaiting_code if h.submission.task_id not in gone]
-
     def _heartbeat(self, producer: Producer, engine: Engine) -> None:
         self._sequence += 1
-        leases, truncated = self._leases(MAX_LEASES_PER_HEARTBEAT)
+        leases, truncated = self._held.leases(MAX_LEASES_PER_HEARTBEAT)
         counts = engine.counts()
         beat = Heartbeat(
             endpoint_id=self.config.endpoint_id,
@@ -1251,7 +1086,7 @@ class Agent:
             workers_total=counts.workers_total,
             workers_idle=counts.workers_idle,
             workers_busy=counts.workers_busy,
-            queue_depth=counts.queued + len(self._local_queue),
+            queue_depth=counts.queued + self._held.queued,
             leases=leases,
             leases_truncated=truncated,
             agent_version=AGENT_VERSION,
@@ -1302,10 +1137,7 @@ class Agent:
     ) -> None:
         # Tasks not yet started stay uncommitted and go to the next agent; the engine's are
         # finished and answered first.
-        with self._lock:
-            self._unqueue(
-                [*self._local_queue, *(r[2] for r in self._retries), *self._awaiting_code]
-            )
+        self._held.hand_back_waiting()
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
