@@ -85,6 +85,13 @@ from confluent_kafka import (
     TopicPartition,
 )
 
+from fxstream.agent.answer import (
+    Answerer,
+    cancelled_outcome,
+    failed_outcome,
+    headers_of,
+    task_error,
+)
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
@@ -92,36 +99,27 @@ from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
-from fxstream.agent.publisher import Answer, Refusal, TransactionalPublisher
+from fxstream.agent.publisher import TransactionalPublisher
 from fxstream.agent.runner import runner_for
 from fxstream.agent.worker_process import RunnerSpec
-from fxstream.connectors import FileConnector, LocationPublisher, StoreSpec
+from fxstream.connectors import FileConnector, StoreSpec
 from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetterReason,
-    DeserializationError,
     Heartbeat,
     RecordDecodeError,
-    RecordTooLarge,
     TaskCancel,
     TaskDispatch,
-    TaskError,
     TaskErrorType,
-    TaskEvent,
-    TaskResult,
     TaskStateName,
     TaskSubmission,
-    TaskTimings,
     WarmAdvert,
     WarmWorker,
     code_sha256,
-    dead_letter,
     decode,
     encode,
-    fit_result,
     fits,
-    payload_references,
     producer_message_max_bytes,
     record_kind,
 )
@@ -250,7 +248,6 @@ class Agent:
                 config.store_url, proxy_threshold=config.proxy_threshold, site=config.endpoint_id
             )
         )
-        self._hostname = socket.gethostname()
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
         # Every task taken off Kafka and not yet answered durably, where it waits, and the
@@ -258,9 +255,13 @@ class Agent:
         # tasks taken in an earlier epoch are dropped by the publisher).
         self._held = HeldTasks()
         self.retries_scheduled = 0
+        self._hostname = socket.gethostname()
+        # Results, dead letters, task events and data locations (given its clients in run).
+        self._answers = Answerer(
+            config, self.catalogue, tracker=self._tracker, held=self._held, hostname=self._hostname
+        )
         self._engine: Engine | None = None
         self._publisher: TransactionalPublisher | None = None
-        self._events: Producer | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
         self._paused = False
@@ -321,9 +322,10 @@ class Agent:
             group_metadata=lambda: self._group_metadata,
             on_committed=self._count_committed,
             epoch=lambda: self._held.epoch,
-            on_refused=self._quarantine,
+            on_refused=self._answers.quarantine,
         )
-        self._engine, self._publisher, self._events = engine, publisher, producer
+        self._engine, self._publisher = engine, publisher
+        self._answers.open(publisher, producer)
         try:
             engine.wait_ready(timeout=60)
             publisher.start()
@@ -440,9 +442,7 @@ class Agent:
             # Answered (and committed) by this partition's previous owner, past its commit
             # position: settled, never run again.
             self.answered_before += 1
-            publisher = self._publisher
-            assert publisher is not None
-            publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
+            self._answers.settle(partition, offset)
             return
         dequeued_at = time.time()
         value = message.value() or b""
@@ -453,23 +453,27 @@ class Agent:
                 # Not for this endpoint (or not as the router stamped it): nothing of it
                 # is decoded further, let alone deserialized.
                 log.warning("%s", refused)
-                self._dead_letter(message, refused, DeadLetterReason.IDENTITY_MISMATCH)
+                self._answers.dead_letter_message(
+                    message, refused, DeadLetterReason.IDENTITY_MISMATCH
+                )
                 return
             submission = decode(dispatch.submission, TaskSubmission)
             refused = _disagrees(dispatch, submission)
             if refused:
                 log.warning("%s", refused)
-                self._dead_letter(message, refused, DeadLetterReason.IDENTITY_MISMATCH)
+                self._answers.dead_letter_message(
+                    message, refused, DeadLetterReason.IDENTITY_MISMATCH
+                )
                 return
         except RecordDecodeError as exc:
             # Cancels are rare: only what is not a dispatch is tried as one.
             if record_kind(value) != "cancel":
-                self._dead_letter(message, exc.reason)
+                self._answers.dead_letter_message(message, exc.reason)
                 return
             try:
                 cancel = decode(value, TaskCancel)
             except RecordDecodeError as cancel_exc:
-                self._dead_letter(message, cancel_exc.reason)
+                self._answers.dead_letter_message(message, cancel_exc.reason)
                 return
             self._take_cancel(message, cancel)
             return
@@ -486,20 +490,22 @@ class Agent:
         earlier = self._held.hold(held)
         if earlier is not None:
             # The same task twice in one assignment (a redelivery): one run answers both.
-            self._settle_with(earlier, partition, offset)
+            self._answers.settle_with(earlier, partition, offset)
             return
         refusal = self.policy.refusal(submission)
         if refusal is not None:
             # Before its code is fetched or anything of it deserialized.
             log.warning("task %s refused: %s", submission.task_id, refusal)
-            self._publish(held, _failed(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal)))
+            self._answers.publish(
+                held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
+            )
             return
         try:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
             sha, code = _verified_code(codes, dispatch, submission.function_id)
         except FunctionUnavailable as exc:
             if not exc.transient:
-                self._publish(held, _failed(submission, "FunctionUnavailable", exc))
+                self._answers.publish(held, failed_outcome(submission, "FunctionUnavailable", exc))
                 return
             # The service is down or overloaded: the task waits, held (its lease renewed,
             # its offset uncommitted), and the fetch is tried again.
@@ -507,7 +513,9 @@ class Agent:
             return
         except CodeIntegrityError as exc:
             log.error("%s", exc)
-            self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
+            self._answers.publish(
+                held, failed_outcome(submission, TaskErrorType.CODE_INTEGRITY, exc)
+            )
             return
         self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
 
@@ -537,7 +545,9 @@ class Agent:
                     failure = unavailable[submission.function_id] = exc
                 except CodeIntegrityError as exc:
                     log.error("%s", exc)
-                    self._publish(held, _failed(submission, TaskErrorType.CODE_INTEGRITY, exc))
+                    self._answers.publish(
+                        held, failed_outcome(submission, TaskErrorType.CODE_INTEGRITY, exc)
+                    )
                     continue
                 else:
                     self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
@@ -545,7 +555,9 @@ class Agent:
             if failure.transient:
                 still.append(held)
             else:
-                self._publish(held, _failed(submission, "FunctionUnavailable", failure))
+                self._answers.publish(
+                    held, failed_outcome(submission, "FunctionUnavailable", failure)
+                )
         if still:
             log.warning(
                 "%d tasks wait for the service to give their function's code: %s",
@@ -564,13 +576,11 @@ class Agent:
         reason = cancel.reason or f"cancelled by user {cancel.user_id}"
         claim = self._held.claim_cancel(task_id, reason, cancel.user_id)
         held, queued = claim.held, claim.waiting
-        publisher = self._publisher
-        assert publisher is not None
         if held is None:
             # Answered already (or its partition came here after the answer): the cancel
             # changes nothing. Its offset commits now, with no record of its own.
             log.info("cancel of task %s: not held here (already answered)", task_id)
-            publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
+            self._answers.settle(partition, offset)
             return
         if claim.refused:
             refused = (
@@ -578,23 +588,25 @@ class Agent:
                 "was submitted by another user; only its submitter may cancel it"
             )
             log.warning("%s", refused)
-            self._settle_with_dead_letter(
+            self._answers.settle_with_dead_letter(
                 partition,
                 offset,
                 self._held.epoch,
                 key=message.key(),
                 value=message.value(),
-                headers=_headers(message),
+                headers=headers_of(message),
                 reason=refused,
                 error_type=DeadLetterReason.CANCEL_REFUSED,
             )
             return
         # The cancel is settled by the task's answer (never before it: a successor must
         # see the cancel again if the task's answer is not committed).
-        self._settle_with(held, partition, offset)
+        self._answers.settle_with(held, partition, offset)
         log.info("cancel of task %s: %s", task_id, "skipped (queued)" if queued else "stopping")
         if queued is not None:
-            self._publish(queued, _cancelled(queued.submission, reason, started_at=None))
+            self._answers.publish(
+                queued, cancelled_outcome(queued.submission, reason, started_at=None)
+            )
             return
         engine = self._engine
         assert engine is not None
@@ -609,24 +621,13 @@ class Agent:
         # submitting it: _feed_engine then sees the cancel (HeldTasks) and cancels it itself.
         engine.cancel(task_id, reason)
 
-    def _settle_with(self, held: Held, partition: int, offset: int) -> None:
-        """Settle the record at ``offset`` with the answer of the task ``held``."""
-        if held.partition == partition:
-            self._tracker.done_with(partition, offset, held.offset)
-            return
-        # Not the task's partition (the router keys both by task id, so never expected):
-        # settled on its own.
-        publisher = self._publisher
-        assert publisher is not None
-        publisher.publish(Answer(None, None, b"", partition, offset, self._held.epoch))
-
     def _cancel_wins(self, held: Held, outcome: WorkOutcome) -> WorkOutcome:
         """The outcome to answer: a cancelled task's failure (say its worker died under the
         kill) is reported as the cancel, so it is never retried; a success stays one."""
         reason = self._held.pop_cancel(held.submission.task_id)
         if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
             return outcome
-        return _cancelled(held.submission, reason, started_at=outcome.started_at)
+        return cancelled_outcome(held.submission, reason, started_at=outcome.started_at)
 
     def _feed_engine(self) -> None:
         """Give the engine tasks from the local queue, up to workers + prefetch in it."""
@@ -658,7 +659,7 @@ class Agent:
         outcome = self._cancel_wins(held, future.result())
         self._held.left_engine(held)
         if not self._retry(held, outcome):
-            self._publish(held, outcome)
+            self._answers.publish(held, outcome)
         self._feed_engine()
 
     # --- retries -----------------------------------------------------------------------
@@ -689,7 +690,7 @@ class Agent:
             worker=outcome.worker or self._hostname,
             started_at=outcome.started_at,
             finished_at=outcome.finished_at,
-            error=_task_error(outcome),
+            error=task_error(outcome),
         )
         retry = dataclasses.replace(held, attempt=held.attempt + 1, earlier=(*held.earlier, failed))
         delay = min(
@@ -707,284 +708,8 @@ class Agent:
             held.submission.max_retries,
             delay,
         )
-        self._announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
+        self._answers.announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
         return True
-
-    def _announce(
-        self, held: Held, state: TaskStateName, attempt: Attempt | None, reason: str
-    ) -> None:
-        """Tell the task-state processor of a lifecycle step (best effort: status only)."""
-        events = self._events
-        if events is None:
-            return
-        submission = held.submission
-        event = TaskEvent(
-            task_id=submission.task_id,
-            user_id=submission.user_id,
-            function_id=submission.function_id,
-            endpoint_id=self.config.endpoint_id,
-            task_group_id=submission.task_group_id,
-            state=state,
-            at=time.time(),
-            source=f"agent {self.config.name}@{self._hostname}",
-            attempt=attempt,
-            reason=reason,
-        )
-        try:
-            events.produce(self.out_topic, key=submission.task_id.encode(), value=encode(event))
-        except (BufferError, KafkaException) as exc:
-            log.warning("task %s: cannot announce %s: %s", submission.task_id, state, exc)
-
-    def _publish(self, held: Held, outcome: WorkOutcome) -> None:
-        publisher = self._publisher
-        assert publisher is not None
-        submission = held.submission
-        key = submission.task_id.encode()
-        # Forwarded to results.<user> by the ingress, once it has checked the task was
-        # routed here.
-        topic = self.out_topic
-        result, oversized = self._fitted_result(held, outcome, key)
-        value = encode(result)
-        # The worker is free now; only the offset waits for the transaction, so a
-        # commit round trip does not idle the workers.
-        self._held.release(held)
-        if oversized is not None:
-            original, reason = oversized
-            publisher.publish(
-                self._letter_for_answer(
-                    topic, key, original, reason, DeadLetterReason.RESULT_TOO_LARGE
-                )
-            )
-        publisher.publish(Answer(topic, key, value, held.partition, held.offset, held.epoch))
-        if result.value is not None:
-            self._publish_locations(result.value)
-
-    def _fitted_result(
-        self, held: Held, outcome: WorkOutcome, key: bytes
-    ) -> tuple[TaskResult, tuple[bytes, str] | None]:
-        """The result to publish, fitted to the results topic (errors cut in bytes), and,
-        when the outcome's value was too large, the original's bytes and why."""
-        result = self._result(held, outcome)
-        spec = self.catalogue.spec("results.{user_id}")
-        try:
-            fitted = fit_result(result, spec, key=key)
-        except RecordTooLarge as exc:
-            limit, setting = exc.limit, f"the results topic's max.message.bytes ({exc.limit:,})"
-            size = exc.size
-        else:
-            # max_result_bytes bounds the serialized return value (the record around it
-            # adds a few hundred bytes, and fit_result has checked the topic's limit).
-            size = len(fitted.value or b"")
-            if not outcome.ok or size <= self.config.max_result_bytes:
-                return fitted, None
-            limit = self.config.max_result_bytes
-            setting = f"this endpoint's max_result_bytes ({limit:,})"
-        too_large = _failed(
-            held.submission,
-            TaskErrorType.RESULT_TOO_LARGE,
-            ValueError(
-                f"the result is {size:,} bytes, above {setting}. Set store_url in the "
-                "endpoint config (e.g. redis://HOST:6379) so results above proxy_threshold "
-                "travel by reference, or return a smaller value"
-                + (
-                    "; or raise max_result_bytes (up to the results topic's max.message.bytes)"
-                    if limit == self.config.max_result_bytes
-                    else ""
-                )
-            ),
-        )
-        original = encode(result)
-        return fit_result(self._result(held, too_large), spec, key=key), (
-            original,
-            f"result of task {held.submission.task_id} too large: {size:,} bytes > {limit:,}",
-        )
-
-    def _quarantine(self, answer: Answer, refusal: Refusal) -> list[Answer]:
-        """What replaces an answer Kafka refused (on the publisher's thread).
-
-        A result gets a small error result naming the limit (and its original is
-        dead-lettered as a digest); a result whose user has no results topic is
-        dead-lettered, settling the task; anything else settles with a dead letter.
-        """
-        topic = answer.topic or ""
-        key = answer.key
-        letter = self._letter_for_answer(
-            topic,
-            key,
-            answer.value,
-            f"Kafka refused the answer: {refusal.reason}",
-            DeadLetterReason.TASK_UNDELIVERABLE
-            if refusal.topic_missing
-            else DeadLetterReason.PRODUCE_FAILED,
-            settles=(answer.partition, answer.offset),
-        )
-        if record_kind(answer.value) == "dead-letter":
-            return [Answer(None, None, b"", answer.partition, answer.offset, answer.epoch)]
-        try:
-            result = decode(answer.value, TaskResult)
-        except RecordDecodeError:
-            return [letter]
-        if refusal.topic_missing:
-            log.error(
-                "task %s: this endpoint's topic %r does not exist; the result is "
-                "dead-lettered. Re-register the endpoint (POST /v1/endpoints creates it)",
-                result.task_id,
-                topic,
-            )
-            return [letter]
-        error = TaskError(
-            type=TaskErrorType.RESULT_REFUSED,
-            message=(
-                f"Kafka refused this task's result ({len(answer.value):,} bytes) on {topic!r}: "
-                f"{refusal.reason}. The results topic accepts records up to its "
-                "max.message.bytes; set store_url in the endpoint config so large results "
-                "travel by reference, or return a smaller value. The original is on the "
-                f"dead-letter topic {self.catalogue.dead_letter!r} (key: the task id)"
-            ),
-        )
-        small = msgspec.structs.replace(
-            result, outcome="error", value=None, error=error, earlier_attempts=[]
-        )
-        extra = dataclasses.replace(letter, partition=-1, offset=-1)
-        return [extra, Answer(topic, key, encode(small), answer.partition, answer.offset)]
-
-    def _letter_for_answer(
-        self,
-        topic: str,
-        key: bytes | None,
-        value: bytes,
-        reason: str,
-        error_type: DeadLetterReason,
-        *,
-        settles: tuple[int, int] = (-1, -1),
-    ) -> Answer:
-        """A dead letter (bounded: a large original as a digest) of an answer this agent
-        could not write; it settles the queue record ``settles`` (none by default)."""
-        letter = dead_letter(
-            topic=topic,
-            partition=-1,
-            offset=-1,
-            key=key,
-            value=value,
-            reason=reason,
-            error_type=error_type,
-            component=f"agent {self.config.endpoint_id}",
-        )
-        partition, offset = settles
-        return Answer(self.out_topic, key, encode(letter), partition, offset)
-
-    def _publish_locations(self, payload: bytes) -> None:
-        """Say where a result stored by reference lives (best effort: routing hints only)."""
-        events = self._events
-        try:
-            references = payload_references(payload)[0]
-        except DeserializationError:
-            return
-        # Only objects stored here: the ingress forwards a location only at this site (a
-        # proxy the function passed through was stored, and announced, by its writer).
-        references = [r for r in references if r.site == self.config.endpoint_id]
-        if events is None or not references:
-            return
-        try:
-            LocationPublisher(events, self.out_topic).created(references)
-        except (BufferError, KafkaException) as exc:
-            log.warning("cannot publish data locations: %s", exc)
-
-    def _result(self, held: Held, outcome: WorkOutcome) -> TaskResult:
-        submission = held.submission
-        return TaskResult(
-            task_id=submission.task_id,
-            user_id=submission.user_id,
-            function_id=submission.function_id,
-            endpoint_id=self.config.endpoint_id,
-            task_group_id=submission.task_group_id,
-            outcome="success" if outcome.ok else "error",
-            # On an error: the exception serialized by the runner, if it was (bounded).
-            value=outcome.value,
-            error=None if outcome.ok else _task_error(outcome),
-            attempt=held.attempt,
-            earlier_attempts=list(held.earlier),
-            worker=outcome.worker,
-            timings=TaskTimings(
-                submitted_at=submission.submitted_at,
-                routed_at=held.dispatch.routed_at,
-                dequeued_at=held.dequeued_at,
-                started_at=outcome.started_at,
-                finished_at=outcome.finished_at,
-                result_published_at=time.time(),
-            ),
-        )
-
-    def _drop(self, held: Held, reason: str) -> None:
-        """Settle a task that cannot be answered with a dead letter (so it is not re-run)."""
-        log.error("task %s dropped: %s", held.submission.task_id, reason)
-        self._held.release(held)
-        self._settle_with_dead_letter(
-            held.partition,
-            held.offset,
-            held.epoch,
-            key=held.submission.task_id.encode(),
-            value=encode(held.dispatch),
-            headers=[],
-            reason=reason,
-            error_type=DeadLetterReason.TASK_UNDELIVERABLE,
-        )
-
-    def _dead_letter(
-        self,
-        message: Message,
-        reason: str,
-        error_type: DeadLetterReason = DeadLetterReason.DECODE_ERROR,
-    ) -> None:
-        partition, offset = message.partition(), message.offset()
-        assert partition is not None and offset is not None
-        self._settle_with_dead_letter(
-            partition,
-            offset,
-            self._held.epoch,
-            key=message.key(),
-            value=message.value(),
-            headers=_headers(message),
-            reason=reason,
-            error_type=error_type,
-        )
-
-    def _settle_with_dead_letter(
-        self,
-        partition: int,
-        offset: int,
-        epoch: int,
-        *,
-        key: bytes | None,
-        value: bytes | None,
-        headers: list[tuple[str, bytes | None]],
-        reason: str,
-        error_type: DeadLetterReason,
-    ) -> None:
-        publisher = self._publisher
-        assert publisher is not None
-        record = dead_letter(
-            topic=self.queue_topic,
-            partition=partition,
-            offset=offset,
-            key=key,
-            value=value,
-            headers=headers,
-            reason=reason,
-            error_type=error_type,
-            component=f"agent {self.config.endpoint_id}",
-        )
-        letter = encode(record)
-        publisher.publish(
-            Answer(
-                self.out_topic,
-                record.original_key,
-                letter,
-                partition,
-                offset,
-                epoch,
-            )
-        )
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # On the poll thread: the only thread that may call the consumer.
@@ -1194,47 +919,4 @@ def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
         f"dispatch of task {dispatch.task_id}: its submission (task, endpoint, user, code "
         f"digest {claimed}) disagrees with what the router stamped ({stamped}): refused, "
         "nothing deserialized"
-    )
-
-
-def _headers(message: Message) -> list[tuple[str, bytes | None]]:
-    raw = message.headers() or []
-    pairs = raw.items() if isinstance(raw, dict) else raw
-    return [(k, v.encode() if isinstance(v, str) else v) for k, v in pairs]
-
-
-def _task_error(outcome: WorkOutcome) -> TaskError:
-    return TaskError(
-        type=outcome.error_type or "Error",
-        message=outcome.error_message,
-        traceback=outcome.traceback,
-        retryable=outcome.retryable,
-    )
-
-
-def _failed(submission: TaskSubmission, error_type: str, exc: BaseException) -> WorkOutcome:
-    return WorkOutcome(
-        task_id=submission.task_id,
-        ok=False,
-        value=None,
-        error_type=error_type,
-        error_message=str(exc),
-        traceback="",
-        worker="",
-        started_at=None,
-        finished_at=time.time(),
-    )
-
-
-def _cancelled(submission: TaskSubmission, reason: str, *, started_at: float | None) -> WorkOutcome:
-    return WorkOutcome(
-        task_id=submission.task_id,
-        ok=False,
-        value=None,
-        error_type=TaskErrorType.CANCELLED,
-        error_message=f"task {submission.task_id} was cancelled: {reason}",
-        traceback="",
-        worker="",
-        started_at=started_at,
-        finished_at=time.time(),
     )
