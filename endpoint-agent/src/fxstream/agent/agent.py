@@ -66,7 +66,6 @@ import base64
 import dataclasses
 import functools
 import logging
-import os
 import socket
 import threading
 import time
@@ -75,7 +74,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 import httpx
-import msgspec
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -95,6 +93,7 @@ from fxstream.agent.answer import (
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
@@ -107,19 +106,14 @@ from fxstream.topics import (
     Attempt,
     Catalogue,
     DeadLetterReason,
-    Heartbeat,
     RecordDecodeError,
     TaskCancel,
     TaskDispatch,
     TaskErrorType,
     TaskStateName,
     TaskSubmission,
-    WarmAdvert,
-    WarmWorker,
     code_sha256,
     decode,
-    encode,
-    fits,
     producer_message_max_bytes,
     record_kind,
 )
@@ -129,7 +123,6 @@ __all__ = ["AGENT_VERSION", "Agent"]
 
 log = logging.getLogger(__name__)
 
-AGENT_VERSION = "0.1.0"
 # The longest a rebalance waits for the answers in hand to commit.
 CALL_FLUSH_S = 10.0
 # The longest an assignment waits for the committed offsets (and what they say was answered).
@@ -156,8 +149,6 @@ CODE_RETRY_S = 2.0
 
 SWEEP_PERIOD_S = 300.0
 """How often an endpoint with a file store deletes objects whose lease ended."""
-# Keeps a heartbeat well under the heartbeats topic's 256 kB records.
-MAX_LEASES_PER_HEARTBEAT = 1_000
 
 
 class FunctionUnavailable(Exception):
@@ -260,13 +251,14 @@ class Agent:
         self._answers = Answerer(
             config, self.catalogue, tracker=self._tracker, held=self._held, hostname=self._hostname
         )
+        self._beats = Heartbeats(
+            config, self.catalogue, agent_id=self.agent_id, hostname=self._hostname, held=self._held
+        )
         self._engine: Engine | None = None
         self._publisher: TransactionalPublisher | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
         self._paused = False
-        self._sequence = 0
-        self._last_warm: list[WarmWorker] | None = None
         self.results_published = 0
         # Records settled without running: a previous owner of their partition answered them.
         self.answered_before = 0
@@ -335,7 +327,7 @@ class Agent:
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
-            self._heartbeat(producer, engine)
+            self._beats.send(producer, engine)
             if ready is not None:
                 ready()
             self._serve(consumer, producer, engine, codes)
@@ -395,7 +387,7 @@ class Agent:
                 self._fetch_awaited_code(codes)
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
-                self._heartbeat(producer, engine)
+                self._beats.send(producer, engine)
                 next_beat = now + self.config.heartbeat_period_s
 
     def _poll(self, consumer: Consumer) -> list[Message]:
@@ -795,67 +787,6 @@ class Agent:
         held = bool(self._held)
         publisher = self._publisher
         return held or (publisher is not None and publisher.alive and publisher.pending > 0)
-
-    def _heartbeat(self, producer: Producer, engine: Engine) -> None:
-        self._sequence += 1
-        leases, truncated = self._held.leases(MAX_LEASES_PER_HEARTBEAT)
-        counts = engine.counts()
-        beat = Heartbeat(
-            endpoint_id=self.config.endpoint_id,
-            agent_id=self.agent_id,
-            sent_at=time.time(),
-            sequence=self._sequence,
-            period_s=self.config.heartbeat_period_s,
-            hostname=self._hostname,
-            pid=os.getpid(),
-            workers_total=counts.workers_total,
-            workers_idle=counts.workers_idle,
-            workers_busy=counts.workers_busy,
-            queue_depth=counts.queued + self._held.queued,
-            leases=leases,
-            leases_truncated=truncated,
-            agent_version=AGENT_VERSION,
-        )
-        key = self.config.endpoint_id.encode()
-        value = encode(beat)
-        spec = self.catalogue.spec("heartbeats")
-        while not fits(spec, key, value) and beat.leases:
-            # Long ids: list fewer leases (the rest are renewed by the group session).
-            leases = beat.leases[: len(beat.leases) // 2]
-            beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
-            value = encode(beat)
-        producer.produce(self.out_topic, key=key, value=value)
-        warm = [
-            WarmWorker(
-                worker_id=w.worker_id, container=w.container, function_ids=list(w.function_ids)
-            )
-            for w in sorted(engine.warm(), key=lambda w: w.worker_id)
-        ]
-        if warm != self._last_warm:
-            advert = WarmAdvert(
-                endpoint_id=self.config.endpoint_id,
-                manager_id=self._hostname,
-                advertised_at=time.time(),
-                workers=warm,
-            )
-            warm_key = f"{self.config.endpoint_id}/{self._hostname}".encode()
-            value = encode(advert)
-            while not fits(self.catalogue.spec("warm"), warm_key, value) and any(
-                w.function_ids for w in advert.workers
-            ):
-                # Many workers with many functions: advertise a subset of each (a hint).
-                advert = msgspec.structs.replace(
-                    advert,
-                    workers=[
-                        msgspec.structs.replace(
-                            w, function_ids=w.function_ids[: len(w.function_ids) // 2]
-                        )
-                        for w in advert.workers
-                    ],
-                )
-                value = encode(advert)
-            producer.produce(self.out_topic, key=warm_key, value=value)
-            self._last_warm = warm
 
     def _shutdown(
         self, consumer: Consumer, producer: Producer, engine: Engine, codes: _CodeCache
