@@ -62,7 +62,6 @@ principal and API token, :mod:`fxstream.agent.credentials`), never its owner's.
 
 from __future__ import annotations
 
-import base64
 import dataclasses
 import functools
 import logging
@@ -73,7 +72,6 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import httpx
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -93,6 +91,12 @@ from fxstream.agent.answer import (
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.function_code import (
+    CodeCache,
+    CodeIntegrityError,
+    FunctionUnavailable,
+    verified_code,
+)
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
@@ -112,7 +116,6 @@ from fxstream.topics import (
     TaskErrorType,
     TaskStateName,
     TaskSubmission,
-    code_sha256,
     decode,
     producer_message_max_bytes,
     record_kind,
@@ -149,67 +152,6 @@ CODE_RETRY_S = 2.0
 
 SWEEP_PERIOD_S = 300.0
 """How often an endpoint with a file store deletes objects whose lease ended."""
-
-
-class FunctionUnavailable(Exception):
-    """The service would not give the function's code (unknown, deleted, forbidden, down).
-
-    ``transient`` is true when the service could not answer (unreachable, 5xx, 429):
-    the task waits for it instead of failing.
-    """
-
-    def __init__(self, message: str, *, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
-
-
-class _CodeCache:
-    """Function code by id, fetched from the service's API on a miss; the ``capacity``
-    most recently used functions are kept (a client that registers a fresh function per
-    task must not grow the agent)."""
-
-    def __init__(self, service_url: str, token: str, capacity: int = 1_024) -> None:
-        self._http = httpx.Client(
-            base_url=service_url, headers={"Authorization": f"Bearer {token}"}, timeout=10.0
-        )
-        self._capacity = capacity
-        self._code: dict[str, tuple[str, bytes]] = {}
-
-    def get(self, function_id: str) -> tuple[str, bytes]:
-        cached = self._code.pop(function_id, None)
-        if cached is not None:
-            self._code[function_id] = cached  # re-inserted last: the dict is in LRU order
-            return cached
-        try:
-            response = self._http.get(f"/v1/functions/{function_id}")
-        except httpx.HTTPError as exc:
-            raise FunctionUnavailable(
-                f"cannot reach the service to fetch function {function_id}: {exc}",
-                transient=True,
-            ) from exc
-        status = response.status_code
-        if status != 200:
-            try:
-                detail = response.json().get("detail", response.text) if response.content else ""
-            except ValueError:
-                detail = response.text
-            raise FunctionUnavailable(
-                f"the service refused function {function_id} ({status}): {detail}",
-                transient=status >= 500 or status == 429,
-            )
-        code = base64.b64decode(response.json()["code"])
-        entry = (code_sha256(code), code)
-        self._code[function_id] = entry
-        if len(self._code) > self._capacity:
-            del self._code[next(iter(self._code))]
-        return entry
-
-    def forget(self, function_id: str) -> None:
-        """Drop a cached function (its code did not have the digest a task expects)."""
-        self._code.pop(function_id, None)
-
-    def close(self) -> None:
-        self._http.close()
 
 
 class Agent:
@@ -273,7 +215,7 @@ class Agent:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         kafka = self.config.kafka(self._credentials).confluent()
         engine: Engine = ProcessEngine(self.config.workers, self._runner)
-        codes = _CodeCache(self.config.service_url, self._credentials.token)
+        codes = CodeCache(self.config.service_url, self._credentials.token)
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
@@ -367,7 +309,7 @@ class Agent:
     # --- the loop ----------------------------------------------------------------------
 
     def _serve(
-        self, consumer: Consumer, producer: Producer, engine: Engine, codes: _CodeCache
+        self, consumer: Consumer, producer: Producer, engine: Engine, codes: CodeCache
     ) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         next_code_fetch = time.monotonic()
@@ -421,7 +363,7 @@ class Agent:
             consumer.pause(assignment)
         self._paused = not want_more
 
-    def _take(self, message: Message, codes: _CodeCache) -> None:
+    def _take(self, message: Message, codes: CodeCache) -> None:
         """Decode a queue record into the local queue (or the dead-letter topic)."""
         error = message.error()
         if error is not None:
@@ -494,7 +436,7 @@ class Agent:
             return
         try:
             # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
-            sha, code = _verified_code(codes, dispatch, submission.function_id)
+            sha, code = verified_code(codes, dispatch, submission.function_id)
         except FunctionUnavailable as exc:
             if not exc.transient:
                 self._answers.publish(held, failed_outcome(submission, "FunctionUnavailable", exc))
@@ -520,7 +462,7 @@ class Agent:
             f"not this endpoint {self.config.endpoint_id!r}: refused, nothing deserialized"
         )
 
-    def _fetch_awaited_code(self, codes: _CodeCache) -> None:
+    def _fetch_awaited_code(self, codes: CodeCache) -> None:
         """Try again to fetch the code of tasks that wait for the service."""
         waiting = self._held.take_awaiting_code()
         unavailable: dict[str, FunctionUnavailable] = {}
@@ -532,7 +474,7 @@ class Agent:
             failure = unavailable.get(submission.function_id)
             if failure is None:
                 try:
-                    sha, code = _verified_code(codes, held.dispatch, submission.function_id)
+                    sha, code = verified_code(codes, held.dispatch, submission.function_id)
                 except FunctionUnavailable as exc:
                     failure = unavailable[submission.function_id] = exc
                 except CodeIntegrityError as exc:
@@ -789,7 +731,7 @@ class Agent:
         return held or (publisher is not None and publisher.alive and publisher.pending > 0)
 
     def _shutdown(
-        self, consumer: Consumer, producer: Producer, engine: Engine, codes: _CodeCache
+        self, consumer: Consumer, producer: Producer, engine: Engine, codes: CodeCache
     ) -> None:
         # Tasks not yet started stay uncommitted and go to the next agent; the engine's are
         # finished and answered first.
@@ -805,34 +747,6 @@ class Agent:
         # Tasks still running are killed; uncommitted, they run again on the next agent.
         engine.close(timeout=STOP_CLOSE_S)
         codes.close()
-
-
-class CodeIntegrityError(Exception):
-    """Function code whose SHA-256 is not the digest its task was routed with."""
-
-
-def _verified_code(
-    codes: _CodeCache, dispatch: TaskDispatch, submission_function: str
-) -> tuple[str, bytes]:
-    """The code of the dispatch's function, whose SHA-256 must be the dispatch's digest.
-
-    A cached copy with another digest is dropped and fetched once more (the function
-    may have been fetched before a change); still another digest raises
-    :class:`CodeIntegrityError`, before anything is deserialized.
-    """
-    sha, code = codes.get(submission_function)
-    if sha == dispatch.function_sha256:
-        return sha, code
-    codes.forget(submission_function)
-    sha, code = codes.get(submission_function)
-    if sha == dispatch.function_sha256:
-        return sha, code
-    raise CodeIntegrityError(
-        f"task {dispatch.task_id}: the code fetched for function {submission_function} has "
-        f"SHA-256 {sha}, not {dispatch.function_sha256} as the task was routed with; it was "
-        "not loaded. The function changed after the task was submitted, or the code was "
-        "tampered with on its way: submit the task again to run the current code"
-    )
 
 
 def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
