@@ -63,14 +63,12 @@ principal and API token, :mod:`fxstream.agent.credentials`), never its owner's.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
 
 from confluent_kafka import (
     Consumer,
@@ -86,11 +84,11 @@ from fxstream.agent.answer import (
     cancelled_outcome,
     failed_outcome,
     headers_of,
-    task_error,
 )
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
-from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.engine import Engine
+from fxstream.agent.feed import EngineFeed
 from fxstream.agent.function_code import (
     CodeCache,
     CodeIntegrityError,
@@ -107,14 +105,12 @@ from fxstream.agent.runner import runner_for
 from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, StoreSpec
 from fxstream.topics import (
-    Attempt,
     Catalogue,
     DeadLetterReason,
     RecordDecodeError,
     TaskCancel,
     TaskDispatch,
     TaskErrorType,
-    TaskStateName,
     TaskSubmission,
     decode,
     producer_message_max_bytes,
@@ -139,14 +135,6 @@ POLL_S = 0.1
 # With the closes below, the agent is gone within 10 s of the signal.
 STOP_GRACE_S = 5.0
 STOP_CLOSE_S = 1.5
-# Failures a retry cannot cure, even with retry_user_errors.
-_NEVER_RETRIED = frozenset(
-    {
-        str(TaskErrorType.CANCELLED),
-        str(TaskErrorType.RESULT_TOO_LARGE),
-        str(TaskErrorType.NOT_ALLOWED),
-    }
-)
 # How often tasks waiting for an unreachable service try to fetch their code again.
 CODE_RETRY_S = 2.0
 
@@ -187,7 +175,6 @@ class Agent:
         # assignment epoch (bumped whenever partitions are revoked or lost: answers to
         # tasks taken in an earlier epoch are dropped by the publisher).
         self._held = HeldTasks()
-        self.retries_scheduled = 0
         self._hostname = socket.gethostname()
         # Results, dead letters, task events and data locations (given its clients in run).
         self._answers = Answerer(
@@ -197,6 +184,7 @@ class Agent:
             config, self.catalogue, agent_id=self.agent_id, hostname=self._hostname, held=self._held
         )
         self._engine: Engine | None = None
+        self._feed: EngineFeed | None = None
         self._publisher: TransactionalPublisher | None = None
         # The consumer's group metadata as of the last assignment (for the publisher).
         self._group_metadata: object = None
@@ -206,6 +194,11 @@ class Agent:
         self.answered_before = 0
 
     # --- public ------------------------------------------------------------------------
+
+    @property
+    def retries_scheduled(self) -> int:
+        """Retries this agent has scheduled."""
+        return 0 if self._feed is None else self._feed.retries_scheduled
 
     def stop(self) -> None:
         """Ask :meth:`run` to finish the tasks it holds and return."""
@@ -259,6 +252,14 @@ class Agent:
             on_refused=self._answers.quarantine,
         )
         self._engine, self._publisher = engine, publisher
+        self._feed = EngineFeed(
+            self.config,
+            engine,
+            held=self._held,
+            answers=self._answers,
+            stopping=self._stop,
+            hostname=self._hostname,
+        )
         self._answers.open(publisher, producer)
         try:
             engine.wait_ready(timeout=60)
@@ -313,8 +314,8 @@ class Agent:
     ) -> None:
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         next_code_fetch = time.monotonic()
-        publisher = self._publisher
-        assert publisher is not None
+        publisher, feed = self._publisher, self._feed
+        assert publisher is not None and feed is not None
         while not self._stop.is_set():
             if not publisher.alive:
                 # Fenced by a newer agent of this endpoint, or Kafka refused for good.
@@ -322,7 +323,7 @@ class Agent:
             self._flow_control(consumer)
             for message in self._poll(consumer):
                 self._take(message, codes)
-            self._feed_engine()
+            feed.feed()
             producer.poll(0)
             now = time.monotonic()
             if self._held.awaiting_code and now >= next_code_fetch:
@@ -551,99 +552,9 @@ class Agent:
                 self._held.drop_cancel(task_id)
                 log.info("cancel of task %s: already started; skip-only, so it runs on", task_id)
             return
-        # False while the collector thread is between taking it off the local queue and
-        # submitting it: _feed_engine then sees the cancel (HeldTasks) and cancels it itself.
+        # False while the engine's thread is between taking it off the local queue and
+        # submitting it: EngineFeed.feed then sees the cancel (HeldTasks) and cancels it.
         engine.cancel(task_id, reason)
-
-    def _cancel_wins(self, held: Held, outcome: WorkOutcome) -> WorkOutcome:
-        """The outcome to answer: a cancelled task's failure (say its worker died under the
-        kill) is reported as the cancel, so it is never retried; a success stays one."""
-        reason = self._held.pop_cancel(held.submission.task_id)
-        if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
-            return outcome
-        return cancelled_outcome(held.submission, reason, started_at=outcome.started_at)
-
-    def _feed_engine(self) -> None:
-        """Give the engine tasks from the local queue, up to workers + prefetch in it."""
-        engine = self._engine
-        assert engine is not None
-        capacity = self.config.workers + self.config.prefetch
-        self._held.requeue_due_retries()
-        while True:
-            held = self._held.next_for_engine(capacity)
-            if held is None:
-                return
-            submission = held.submission
-            item = WorkItem(
-                task_id=submission.task_id,
-                function_id=submission.function_id,
-                code_sha256=held.code_sha256,
-                code=held.code,
-                payload=held.dispatch.submission,
-                walltime_s=submission.walltime_s,
-            )
-            future = engine.submit(item)
-            future.add_done_callback(functools.partial(self._finished, held))
-            reason = self._held.cancel_reason(submission.task_id)
-            if reason is not None:  # cancelled between the local queue and the engine
-                engine.cancel(submission.task_id, reason)
-
-    def _finished(self, held: Held, future: Future[WorkOutcome]) -> None:
-        # On the engine's thread: answer at once, then give the slot new work.
-        outcome = self._cancel_wins(held, future.result())
-        self._held.left_engine(held)
-        if not self._retry(held, outcome):
-            self._answers.publish(held, outcome)
-        self._feed_engine()
-
-    # --- retries -----------------------------------------------------------------------
-
-    def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
-        submission = held.submission
-        if outcome.ok or len(held.earlier) >= submission.max_retries:
-            return False
-        if outcome.retryable:
-            return True
-        # A function's own exception (or its walltime) is retried only when asked for.
-        return submission.retry_user_errors and outcome.error_type not in _NEVER_RETRIED
-
-    def _retry(self, held: Held, outcome: WorkOutcome) -> bool:
-        """Schedule another attempt after a backoff; False when the outcome is final.
-
-        The task stays held (its offset uncommitted, its lease renewed), so a crash
-        during the backoff hands it to the next agent rather than losing it.
-        """
-        if not self._should_retry(held, outcome):
-            return False
-        if self._stop.is_set():
-            # Stopping: hand the task back uncommitted; the next agent runs it again.
-            self._held.forget(held.submission.task_id)
-            return True
-        failed = Attempt(
-            attempt=held.attempt,
-            worker=outcome.worker or self._hostname,
-            started_at=outcome.started_at,
-            finished_at=outcome.finished_at,
-            error=task_error(outcome),
-        )
-        retry = dataclasses.replace(held, attempt=held.attempt + 1, earlier=(*held.earlier, failed))
-        delay = min(
-            self.config.retry_backoff_s * 2 ** len(held.earlier), self.config.retry_backoff_max_s
-        )
-        if not self._held.schedule_retry(retry, time.monotonic() + delay):
-            return True  # handed back (a rebalance or a stop) while it ran
-        self.retries_scheduled += 1
-        log.info(
-            "task %s: attempt %d failed with %s; retry %d of %d in %.1f s",
-            held.submission.task_id,
-            held.attempt,
-            outcome.error_type,
-            len(retry.earlier),
-            held.submission.max_retries,
-            delay,
-        )
-        self._answers.announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
-        return True
 
     def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         # On the poll thread: the only thread that may call the consumer.
