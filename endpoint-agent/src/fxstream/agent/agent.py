@@ -1,68 +1,57 @@
-"""The endpoint agent: pull this endpoint's queue, run tasks in warm workers, publish results.
+"""The endpoint agent: the loop that pulls this endpoint's queue, runs tasks, answers them.
 
-One thread polls Kafka; tasks run on an :class:`~fxstream.agent.Engine`,
-never in the poll loop. The engine is given only as many tasks as it can start
-soon (workers + prefetch, funcX's batching); the rest wait, decoded, in the
-agent's local queue. The local queue is bounded (``max_local_queue`` tasks and
-``max_local_queue_bytes``): when it is full the agent pauses its Kafka queue,
-and resumes once it has drained to half. The hysteresis matters: pausing a
-partition discards what the client had prefetched, so pausing and resuming
-each time a worker frees would pay a fetch round trip per handful of tasks.
-The local queue costs no fairness: a partition's tasks can only go to the
-agent it is assigned to, and on a rebalance the queued tasks of revoked
-partitions are dropped (uncommitted, so the new owner gets them).
+One thread polls Kafka; tasks run on an :class:`~fxstream.agent.engine.Engine`,
+never in the poll loop. Each hop is in the module named for it, and this one
+keeps only the loop (:meth:`Agent.run`) and its lifecycle (start, rebalances,
+stop):
 
-Latency: the poll thread blocks on Kafka, never on a fixed-size batch (``consume(n,
-timeout)`` would hold a lone task until ``n`` records or the timeout). A finished
-task's result is produced by the engine's thread the moment the worker
-answers, which then hands the freed slot the next task of the local queue; the
-poll thread is not in that path. Shared state is guarded by one lock.
+* **pull** (:mod:`fxstream.agent.pull`): the queue into the bounded local
+  queue, with flow control, every identity and policy check before anything is
+  deserialized, the function's verified code (:mod:`fxstream.agent.function_code`),
+  cancels, and the commit metadata read on assignment;
+* **held** (:mod:`fxstream.agent.held`): the tasks taken and not yet answered,
+  where each waits (local queue, engine, retry backoff, code wait), and the
+  assignment epoch;
+* **run** (:mod:`fxstream.agent.engine`, the protocol; the first engine is
+  :mod:`fxstream.agent.process_engine`, whose workers run
+  :mod:`fxstream.agent.worker_process`): the engine is fed from the local queue
+  and its outcomes retried or answered by :mod:`fxstream.agent.feed`;
+* **answer** (:mod:`fxstream.agent.answer`): results, dead letters, task events
+  and data locations, through the transactional publisher
+  (:mod:`fxstream.agent.publisher`);
+* **heartbeat** (:mod:`fxstream.agent.heartbeat`): liveness, load, leases and
+  warm adverts.
 
 Acknowledgement: a task's result and its queue offset are written in one Kafka
 transaction (:class:`~fxstream.agent.publisher.TransactionalPublisher`): the
 commit position is the contiguous prefix of finished tasks per partition
-(:class:`OffsetTracker`), and the commit's metadata names the tasks answered
-past it. Nothing is acknowledged on dispatch, so an agent killed mid-batch loses
-nothing: its uncommitted tasks are delivered again when it (or a replacement)
-returns, and a result whose transaction did not commit was never visible. On
-assignment the agent reads the committed offsets with their metadata
-(:meth:`Agent._resume`), and a redelivered record that was answered already is
-settled without running. A task may therefore run twice (killed before its
-result committed), but exactly one of its results is committed.
+(:class:`~fxstream.agent.offsets.OffsetTracker`), and the commit's metadata names
+the tasks answered past it. Nothing is acknowledged on dispatch, so an agent
+killed mid-batch loses nothing: its uncommitted tasks are delivered again when
+it (or a replacement) returns, and a result whose transaction did not commit was
+never visible. On assignment the agent reads the committed offsets with their
+metadata (:meth:`~fxstream.agent.pull.Intake.assigned`), and a redelivered
+record that was answered already is settled without running. A task may
+therefore run twice (killed before its result committed), but exactly one of
+its results is committed. On a revoke the answers in hand are committed first
+(the partitions are still ours); on a lost session nothing in hand is.
 
 Identity: everything this agent writes (results, task events, heartbeats, warm
 adverts, data locations, dead letters) goes to one topic, ``from.ep.<endpoint>``,
-which only this endpoint's principal may write; the service's ingress checks each
-record against the endpoint (a result only for a task routed here) and forwards it.
-Only the service may write the queue, and the agent re-checks what it reads there:
-a dispatch naming another endpoint, or whose submission disagrees with the
-router's stamped submitter or code digest, is dead-lettered without decoding its
-payload; the function's code is run only if its SHA-256 is the dispatch's
-``function_sha256`` (else the task fails with ``CodeIntegrityError``, nothing
-deserialized).
+which only this endpoint's principal may write; the service's ingress checks
+each record against the endpoint and forwards it. The agent authenticates with
+its endpoint's own credential (Kafka principal and API token,
+:mod:`fxstream.agent.credentials`), never its owner's; its secrets are kept from
+the tasks it runs by :mod:`fxstream.agent.environment` (applied by the CLI).
 
-Cancel: a :class:`~fxstream.topics.TaskCancel` rides the queue behind its
-task (same key, same partition), so this agent reads a task before its cancel.
-A task still in the local queue (or waiting out a retry backoff) is taken out
-and answered ``TaskCancelled``; one in the engine is cancelled there (dropped if
-queued, its worker killed if running); either way the answer settles the
-task's offset and the cancel's. A cancel for a task no longer held (already
-answered) only settles its own offset, and one from another user than the
-submitter (the dispatch's router-stamped ``user_id``) is dead-lettered. A
-cancelled task is never retried: a cancel asked while it ran wins over whatever
-its worker's death looked like.
-
-Policy: a task the endpoint does not allow (``allowed_functions``,
-``allowed_serializers``; :mod:`fxstream.agent.policy`) is answered with a
-``NotAllowedOnEndpoint`` error as it is taken off the queue, from its record's
-fields and its arguments' header alone: its code is not fetched, nothing of it is
-deserialized. The agent authenticates with its endpoint's own credential (Kafka
-principal and API token, :mod:`fxstream.agent.credentials`), never its owner's.
+Stop: tasks not yet started are handed back uncommitted; running tasks get
+``STOP_GRACE_S`` to finish and their answers to commit, then are killed and
+handed back (the next agent runs them again): the agent is gone within 10 s of
+the signal.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import socket
 import threading
@@ -70,52 +59,25 @@ import time
 import uuid
 from collections.abc import Callable
 
-from confluent_kafka import (
-    Consumer,
-    KafkaError,
-    KafkaException,
-    Message,
-    Producer,
-    TopicPartition,
-)
+from confluent_kafka import Consumer, Producer, TopicPartition
 
-from fxstream.agent.answer import (
-    Answerer,
-    cancelled_outcome,
-    failed_outcome,
-    headers_of,
-)
+from fxstream.agent.answer import Answerer
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine
 from fxstream.agent.feed import EngineFeed
-from fxstream.agent.function_code import (
-    CodeCache,
-    CodeIntegrityError,
-    FunctionUnavailable,
-    verified_code,
-)
+from fxstream.agent.function_code import CodeCache
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
-from fxstream.agent.held import Held, HeldTasks
+from fxstream.agent.held import HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.publisher import TransactionalPublisher
+from fxstream.agent.pull import Intake
 from fxstream.agent.runner import runner_for
 from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, StoreSpec
-from fxstream.topics import (
-    Catalogue,
-    DeadLetterReason,
-    RecordDecodeError,
-    TaskCancel,
-    TaskDispatch,
-    TaskErrorType,
-    TaskSubmission,
-    decode,
-    producer_message_max_bytes,
-    record_kind,
-)
+from fxstream.topics import Catalogue, producer_message_max_bytes
 from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
 __all__ = ["AGENT_VERSION", "Agent"]
@@ -124,12 +86,6 @@ log = logging.getLogger(__name__)
 
 # The longest a rebalance waits for the answers in hand to commit.
 CALL_FLUSH_S = 10.0
-# The longest an assignment waits for the committed offsets (and what they say was answered).
-# They are not readable while the previous owner's transaction is open; a stopped owner's is
-# aborted after librdkafka's transaction.timeout.ms (60 s), so this waits longer.
-COMMITTED_TIMEOUT_S = 90.0
-# The longest the poll thread blocks on Kafka before its housekeeping (commits, beats).
-POLL_S = 0.1
 # A stop (SIGTERM) lets running tasks finish and their answers commit for this long; what
 # is still running then is killed and handed back uncommitted (the next agent runs it).
 # With the closes below, the agent is gone within 10 s of the signal.
@@ -185,15 +141,17 @@ class Agent:
         )
         self._engine: Engine | None = None
         self._feed: EngineFeed | None = None
+        self._intake: Intake | None = None
         self._publisher: TransactionalPublisher | None = None
-        # The consumer's group metadata as of the last assignment (for the publisher).
-        self._group_metadata: object = None
-        self._paused = False
         self.results_published = 0
-        # Records settled without running: a previous owner of their partition answered them.
-        self.answered_before = 0
 
     # --- public ------------------------------------------------------------------------
+
+    @property
+    def answered_before(self) -> int:
+        """Records settled without running: a previous owner of their partition answered
+        them."""
+        return 0 if self._intake is None else self._intake.answered_before
 
     @property
     def retries_scheduled(self) -> int:
@@ -209,6 +167,16 @@ class Agent:
         kafka = self.config.kafka(self._credentials).confluent()
         engine: Engine = ProcessEngine(self.config.workers, self._runner)
         codes = CodeCache(self.config.service_url, self._credentials.token)
+        intake = Intake(
+            self.config,
+            self.catalogue,
+            engine,
+            policy=self.policy,
+            codes=codes,
+            tracker=self._tracker,
+            held=self._held,
+            answers=self._answers,
+        )
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
         producer = Producer(
@@ -246,12 +214,12 @@ class Agent:
             transactional_id=self.transactional_id,
             queue_topic=self.queue_topic,
             tracker=self._tracker,
-            group_metadata=lambda: self._group_metadata,
+            group_metadata=lambda: intake.group_metadata,
             on_committed=self._count_committed,
             epoch=lambda: self._held.epoch,
             on_refused=self._answers.quarantine,
         )
-        self._engine, self._publisher = engine, publisher
+        self._engine, self._publisher, self._intake = engine, publisher, intake
         self._feed = EngineFeed(
             self.config,
             engine,
@@ -266,14 +234,14 @@ class Agent:
             publisher.start()
             consumer.subscribe(
                 [self.queue_topic],
-                on_assign=lambda c, parts: self._on_assign(c, parts),
-                on_revoke=lambda c, parts: self._on_revoke(c, parts),
-                on_lost=lambda c, parts: self._on_lost(parts),
+                on_assign=lambda c, parts: intake.assigned(c, parts),
+                on_revoke=lambda c, parts: self._on_revoke(intake, parts),
+                on_lost=lambda c, parts: intake.lost(parts),
             )
             self._beats.send(producer, engine)
             if ready is not None:
                 ready()
-            self._serve(consumer, producer, engine, codes)
+            self._serve(consumer, producer, engine, intake)
         finally:
             self._shutdown(consumer, producer, engine, codes)
 
@@ -310,8 +278,9 @@ class Agent:
     # --- the loop ----------------------------------------------------------------------
 
     def _serve(
-        self, consumer: Consumer, producer: Producer, engine: Engine, codes: CodeCache
+        self, consumer: Consumer, producer: Producer, engine: Engine, intake: Intake
     ) -> None:
+        """The loop: pull, feed the engine, retry code fetches, beat; until stopped."""
         next_beat = time.monotonic() + self.config.heartbeat_period_s
         next_code_fetch = time.monotonic()
         publisher, feed = self._publisher, self._feed
@@ -320,320 +289,25 @@ class Agent:
             if not publisher.alive:
                 # Fenced by a newer agent of this endpoint, or Kafka refused for good.
                 raise RuntimeError(f"the result publisher stopped: {publisher.failure}")
-            self._flow_control(consumer)
-            for message in self._poll(consumer):
-                self._take(message, codes)
+            intake.pull(consumer)
             feed.feed()
             producer.poll(0)
             now = time.monotonic()
             if self._held.awaiting_code and now >= next_code_fetch:
-                self._fetch_awaited_code(codes)
+                intake.fetch_awaited_code()
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
                 self._beats.send(producer, engine)
                 next_beat = now + self.config.heartbeat_period_s
 
-    def _poll(self, consumer: Consumer) -> list[Message]:
-        """What Kafka has now, waiting at most ``POLL_S`` for the first record."""
-        first = consumer.poll(POLL_S)
-        if first is None:
-            return []
-        room = self.config.max_local_queue - self._held.queued
-        return [first, *consumer.consume(num_messages=min(max(room, 1), 500), timeout=0)]
-
-    def _flow_control(self, consumer: Consumer) -> None:
-        # Paused partitions keep the group membership alive while we do not fetch.
-        count, size = self._held.queue_size()
-        if self._paused:
-            want_more = (
-                count <= self.config.max_local_queue // 2
-                and size <= self.config.max_local_queue_bytes // 2
-            )
-        else:
-            want_more = (
-                count < self.config.max_local_queue and size < self.config.max_local_queue_bytes
-            )
-        if want_more == (not self._paused):
-            return
-        assignment = consumer.assignment()
-        if not assignment:
-            return
-        if want_more:
-            consumer.resume(assignment)
-        else:
-            consumer.pause(assignment)
-        self._paused = not want_more
-
-    def _take(self, message: Message, codes: CodeCache) -> None:
-        """Decode a queue record into the local queue (or the dead-letter topic)."""
-        error = message.error()
-        if error is not None:
-            if error.code() != KafkaError._PARTITION_EOF:
-                log.warning("queue %s: %s", self.queue_topic, error)
-            return
-        partition, offset = message.partition(), message.offset()
-        assert partition is not None and offset is not None
-        if not self._tracker.track(partition, offset):
-            # Answered (and committed) by this partition's previous owner, past its commit
-            # position: settled, never run again.
-            self.answered_before += 1
-            self._answers.settle(partition, offset)
-            return
-        dequeued_at = time.time()
-        value = message.value() or b""
-        try:
-            dispatch = decode(value, TaskDispatch)
-            refused = self._foreign(dispatch)
-            if refused:
-                # Not for this endpoint (or not as the router stamped it): nothing of it
-                # is decoded further, let alone deserialized.
-                log.warning("%s", refused)
-                self._answers.dead_letter_message(
-                    message, refused, DeadLetterReason.IDENTITY_MISMATCH
-                )
-                return
-            submission = decode(dispatch.submission, TaskSubmission)
-            refused = _disagrees(dispatch, submission)
-            if refused:
-                log.warning("%s", refused)
-                self._answers.dead_letter_message(
-                    message, refused, DeadLetterReason.IDENTITY_MISMATCH
-                )
-                return
-        except RecordDecodeError as exc:
-            # Cancels are rare: only what is not a dispatch is tried as one.
-            if record_kind(value) != "cancel":
-                self._answers.dead_letter_message(message, exc.reason)
-                return
-            try:
-                cancel = decode(value, TaskCancel)
-            except RecordDecodeError as cancel_exc:
-                self._answers.dead_letter_message(message, cancel_exc.reason)
-                return
-            self._take_cancel(message, cancel)
-            return
-        held = Held(
-            partition,
-            offset,
-            dispatch,
-            submission,
-            dequeued_at,
-            len(value),
-            attempt=dispatch.attempt,
-            epoch=self._held.epoch,
-        )
-        earlier = self._held.hold(held)
-        if earlier is not None:
-            # The same task twice in one assignment (a redelivery): one run answers both.
-            self._answers.settle_with(earlier, partition, offset)
-            return
-        refusal = self.policy.refusal(submission)
-        if refusal is not None:
-            # Before its code is fetched or anything of it deserialized.
-            log.warning("task %s refused: %s", submission.task_id, refusal)
-            self._answers.publish(
-                held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
-            )
-            return
-        try:
-            # Fetched here, on the poll thread, so the collector thread never waits on HTTP.
-            sha, code = verified_code(codes, dispatch, submission.function_id)
-        except FunctionUnavailable as exc:
-            if not exc.transient:
-                self._answers.publish(held, failed_outcome(submission, "FunctionUnavailable", exc))
-                return
-            # The service is down or overloaded: the task waits, held (its lease renewed,
-            # its offset uncommitted), and the fetch is tried again.
-            self._held.await_code(held)
-            return
-        except CodeIntegrityError as exc:
-            log.error("%s", exc)
-            self._answers.publish(
-                held, failed_outcome(submission, TaskErrorType.CODE_INTEGRITY, exc)
-            )
-            return
-        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
-
-    def _foreign(self, dispatch: TaskDispatch) -> str:
-        """Why this agent must not run ``dispatch`` (another endpoint's), or ''."""
-        if dispatch.endpoint_id == self.config.endpoint_id:
-            return ""
-        return (
-            f"dispatch of task {dispatch.task_id} names endpoint {dispatch.endpoint_id!r}, "
-            f"not this endpoint {self.config.endpoint_id!r}: refused, nothing deserialized"
-        )
-
-    def _fetch_awaited_code(self, codes: CodeCache) -> None:
-        """Try again to fetch the code of tasks that wait for the service."""
-        waiting = self._held.take_awaiting_code()
-        unavailable: dict[str, FunctionUnavailable] = {}
-        still: list[Held] = []
-        for held in waiting:
-            submission = held.submission
-            if not self._held.is_current(held):
-                continue  # handed back (a rebalance or a stop) meanwhile
-            failure = unavailable.get(submission.function_id)
-            if failure is None:
-                try:
-                    sha, code = verified_code(codes, held.dispatch, submission.function_id)
-                except FunctionUnavailable as exc:
-                    failure = unavailable[submission.function_id] = exc
-                except CodeIntegrityError as exc:
-                    log.error("%s", exc)
-                    self._answers.publish(
-                        held, failed_outcome(submission, TaskErrorType.CODE_INTEGRITY, exc)
-                    )
-                    continue
-                else:
-                    self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
-                    continue
-            if failure.transient:
-                still.append(held)
-            else:
-                self._answers.publish(
-                    held, failed_outcome(submission, "FunctionUnavailable", failure)
-                )
-        if still:
-            log.warning(
-                "%d tasks wait for the service to give their function's code: %s",
-                len(still),
-                next(iter(unavailable.values())),
-            )
-        self._held.still_awaiting_code(still)
-
-    # --- cancel --------------------------------------------------------------------------
-
-    def _take_cancel(self, message: Message, cancel: TaskCancel) -> None:
-        """Stop a held task (see the module notes); on the poll thread, after its dispatch."""
-        partition, offset = message.partition(), message.offset()
-        assert partition is not None and offset is not None
-        task_id = cancel.task_id
-        reason = cancel.reason or f"cancelled by user {cancel.user_id}"
-        claim = self._held.claim_cancel(task_id, reason, cancel.user_id)
-        held, queued = claim.held, claim.waiting
-        if held is None:
-            # Answered already (or its partition came here after the answer): the cancel
-            # changes nothing. Its offset commits now, with no record of its own.
-            log.info("cancel of task %s: not held here (already answered)", task_id)
-            self._answers.settle(partition, offset)
-            return
-        if claim.refused:
-            refused = (
-                f"cancel of task {task_id} by user {cancel.user_id!r} refused: the task "
-                "was submitted by another user; only its submitter may cancel it"
-            )
-            log.warning("%s", refused)
-            self._answers.settle_with_dead_letter(
-                partition,
-                offset,
-                self._held.epoch,
-                key=message.key(),
-                value=message.value(),
-                headers=headers_of(message),
-                reason=refused,
-                error_type=DeadLetterReason.CANCEL_REFUSED,
-            )
-            return
-        # The cancel is settled by the task's answer (never before it: a successor must
-        # see the cancel again if the task's answer is not committed).
-        self._answers.settle_with(held, partition, offset)
-        log.info("cancel of task %s: %s", task_id, "skipped (queued)" if queued else "stopping")
-        if queued is not None:
-            self._answers.publish(
-                queued, cancelled_outcome(queued.submission, reason, started_at=None)
-            )
-            return
-        engine = self._engine
-        assert engine is not None
-        if not cancel.kill:
-            # Skip-only (future.cancel()): dropped if the engine has not started it, else
-            # it runs on and is answered as usual.
-            if not engine.cancel(task_id, reason, kill=False):
-                self._held.drop_cancel(task_id)
-                log.info("cancel of task %s: already started; skip-only, so it runs on", task_id)
-            return
-        # False while the engine's thread is between taking it off the local queue and
-        # submitting it: EngineFeed.feed then sees the cancel (HeldTasks) and cancels it.
-        engine.cancel(task_id, reason)
-
-    def _on_assign(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        # On the poll thread: the only thread that may call the consumer.
-        self._group_metadata = consumer.consumer_group_metadata()
-        self._resume(consumer, partitions)
-
-    def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
-        """Read the assigned partitions' committed offsets and the records past them their
-        previous owner answered (the commit metadata), so those are not run again."""
-        if not partitions:
-            return
-        try:
-            committed = consumer.committed(partitions, timeout=COMMITTED_TIMEOUT_S)
-        except KafkaException as exc:
-            log.error(
-                "cannot read the committed offsets of %s (%s): tasks the previous owner of "
-                "partitions %s answered past their committed offset will run again, and "
-                "their results be committed twice",
-                self.queue_topic,
-                exc,
-                sorted(p.partition for p in partitions),
-            )
-            return
-        for tp in committed:
-            if tp.error is not None:
-                log.error(
-                    "cannot read the committed offset of %s [%d] (%s): tasks answered past "
-                    "it will run again",
-                    self.queue_topic,
-                    tp.partition,
-                    tp.error,
-                )
-                continue
-            try:
-                runs = self._tracker.resume(tp.partition, tp.offset, tp.metadata)
-            except ValueError as exc:
-                log.warning(
-                    "%s [%d]: unreadable commit metadata (%s); tasks answered past offset %d "
-                    "will run again",
-                    self.queue_topic,
-                    tp.partition,
-                    exc,
-                    tp.offset,
-                )
-                continue
-            if runs:
-                log.info(
-                    "%s [%d]: records past the committed offset %d up to %d were answered "
-                    "before (%d runs); they are settled, not run again",
-                    self.queue_topic,
-                    tp.partition,
-                    tp.offset,
-                    runs[-1][1],
-                    len(runs),
-                )
-
-    def _on_revoke(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _on_revoke(self, intake: Intake, partitions: list[TopicPartition]) -> None:
         # Commit what is answered while the partitions are still ours; the engine's tasks of
         # revoked partitions finish and are answered, but their offsets are the new owner's.
         publisher = self._publisher
         if publisher is not None and publisher.alive:
             # Stopping, the answers had their chance already: keep the stop within 10 s.
             publisher.flush(STOP_CLOSE_S if self._stop.is_set() else CALL_FLUSH_S)
-        self._give_up(partitions)
-
-    def _on_lost(self, partitions: list[TopicPartition]) -> None:
-        # The session expired (the process was stopped or hung past its lease): the
-        # partitions already have a new owner, so nothing in hand may be committed.
-        log.warning(
-            "lost partitions %s of %s with the group session; dropping their tasks",
-            sorted(p.partition for p in partitions),
-            self.queue_topic,
-        )
-        self._give_up(partitions)
-
-    def _give_up(self, partitions: list[TopicPartition]) -> None:
-        gone = {p.partition for p in partitions}
-        self._held.give_up(gone)
-        self._tracker.forget_partitions(gone)
+        intake.give_up(partitions)
 
     def _answering(self) -> bool:
         """True while a task is in the engine or a result is not yet acknowledged."""
@@ -658,21 +332,3 @@ class Agent:
         # Tasks still running are killed; uncommitted, they run again on the next agent.
         engine.close(timeout=STOP_CLOSE_S)
         codes.close()
-
-
-def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
-    """Why a dispatch's submission disagrees with the router's stamps, or ''."""
-    stamped = (dispatch.task_id, dispatch.endpoint_id, dispatch.user_id, dispatch.function_sha256)
-    claimed = (
-        submission.task_id,
-        submission.endpoint_id,
-        submission.user_id,
-        submission.function_sha256,
-    )
-    if stamped == claimed:
-        return ""
-    return (
-        f"dispatch of task {dispatch.task_id}: its submission (task, endpoint, user, code "
-        f"digest {claimed}) disagrees with what the router stamped ({stamped}): refused, "
-        "nothing deserialized"
-    )
