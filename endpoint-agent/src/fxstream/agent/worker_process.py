@@ -80,7 +80,8 @@ RunnerSpec = str | Loader
 DEFAULT_RUNNER: Final = "fxstream.agent.worker_process:load_pickled"
 """The runner for trusted callers sharing this code base (:func:`load_pickled`)."""
 
-# Message tags on the worker -> engine pipe (the second element of an item's reply).
+# Tags on the worker -> engine pipe: REPLY_READY leads its first reply, the others are an
+# item reply's status (its second element).
 REPLY_READY: Final = -1
 """The first reply of a worker, ``(REPLY_READY, pid)``: it is up."""
 REPLY_OK: Final = 0
