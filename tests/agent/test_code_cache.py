@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from fxstream.agent.agent import _CodeCache
+from fxstream.agent.function_code import CodeCache
 from fxstream.topics import code_sha256
 
 
@@ -59,7 +59,7 @@ def test_the_least_recently_used_function_is_evicted_first(
     service: tuple[str, list[str]],
 ) -> None:
     url, fetched = service
-    cache = _CodeCache(url, "token", capacity=2)
+    cache = CodeCache(url, "token", capacity=2)
     try:
         assert cache.get("a") == (code_sha256(b"a"), b"a")
         cache.get("b")

@@ -21,6 +21,10 @@ from fxstream.agent import (
     TASK_CANCELLED,
     WALLTIME_EXCEEDED,
     WORKER_LOST,
+    Engine,
+    EngineCounts,
+    ProcessEngine,
+    WarmState,
     WorkerPool,
     WorkItem,
     WorkOutcome,
@@ -323,6 +327,26 @@ def test_idle_and_busy_counts_follow_the_work(pool: WorkerPool) -> None:
     for future in futures:
         assert future.result(TIMEOUT).ok
     assert (pool.idle_count, pool.busy_count, pool.queued_count) == (2, 0, 0)
+
+
+def test_the_process_engine_reports_counts_and_warm_state_as_an_engine(pool: WorkerPool) -> None:
+    assert pool.name == "process"
+    assert isinstance(pool, Engine) and isinstance(pool, ProcessEngine)
+    assert pool.counts() == EngineCounts(workers_total=2, workers_idle=2, workers_busy=0, queued=0)
+    futures = [pool.submit(item(b"sleep", b"0.4")) for _ in range(3)]
+    assert pool.counts() == EngineCounts(workers_total=2, workers_idle=0, workers_busy=2, queued=1)
+    outcomes = [future.result(TIMEOUT) for future in futures]
+    assert all(o.ok for o in outcomes)
+    code = f"whoami-{uuid.uuid4().hex}".encode()
+    first = run(pool, item(code))
+    warm = {state.worker_id: state for state in pool.warm()}
+    host = first.worker.rpartition(":")[0]
+    assert set(warm) == {f"{host}:{pid}" for pid in pool.worker_pids()}
+    # Loaded functions in LRU order, the one just run last; no container for a process.
+    assert warm[first.worker].function_ids[-1] == item(code).function_id
+    assert warm[first.worker].container is None
+    assert isinstance(warm[first.worker], WarmState)
+    assert pool.counts().workers_idle == 2
 
 
 def test_a_queued_item_can_be_cancelled(pool: WorkerPool) -> None:

@@ -1,12 +1,13 @@
-"""Warm workers: a fixed number of long-lived processes that load a function once and reuse it.
+"""The process engine: a fixed number of warm worker processes that load a function once.
 
-A :class:`WorkerPool` starts ``size`` worker processes once and keeps them. Each
-worker caches the functions it has loaded, keyed by ``(function_id,
-code_sha256)``, so the second task of a function skips deserialising its code.
-Tasks, code and results cross the process boundary as opaque ``bytes``: a
-*runner* (a loader ``load(code) -> call`` with ``call(payload) -> bytes``) turns
-them into a Python call inside the worker, so the agent can plug in the real
-serialization strategy without this module knowing it.
+The first :class:`~fxstream.agent.engine.Engine`. A :class:`ProcessEngine`
+starts ``size`` worker processes once and keeps them. Each worker
+(:mod:`fxstream.agent.worker_process`, what runs inside it) caches the functions
+it has loaded, keyed by ``(function_id, code_sha256)``, so the second task of a
+function skips deserialising its code. Tasks, code and results cross
+the process boundary as opaque ``bytes``: a *runner* turns them into a Python
+call inside the worker, so the agent can plug in the real serialization
+strategy without this module knowing it.
 
 Design choices the agent relies on:
 
@@ -33,7 +34,7 @@ Design choices the agent relies on:
   faulthandler's dump as its traceback after a segfault) and the items queued
   behind it on that worker, which never started, run elsewhere. A task over
   its walltime gets its worker killed and a ``WalltimeExceeded`` outcome.
-* **Cancel.** :meth:`WorkerPool.cancel` drops a queued item and kills the
+* **Cancel.** :meth:`ProcessEngine.cancel` drops a queued item and kills the
   worker running a started one (the pool replaces it, and kills the task's own
   child processes with it); either way the outcome is ``TaskCancelled``, not
   retryable. An item batched behind another on the same worker cannot be taken
@@ -46,7 +47,7 @@ Design choices the agent relies on:
   pool's single collector thread: keep callbacks short.
 * **Processes.** Every worker is started by the collector thread and asks the
   kernel (Linux) to SIGKILL it when that thread ends, so a crashed agent leaves
-  no worker behind; :meth:`WorkerPool.close` stops and reaps every worker.
+  no worker behind; :meth:`ProcessEngine.close` stops and reaps every worker.
   Workers ignore SIGINT: the agent decides when they stop.
 """
 
@@ -54,10 +55,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
-import faulthandler
 import hashlib
-import importlib
 import itertools
 import logging
 import math
@@ -69,91 +67,52 @@ import selectors
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
-from typing import IO, Any, Final, Literal
+from typing import Any, Final, Literal
 
-from fxstream.topics.budget import (
-    ERROR_MESSAGE_MAX_BYTES,
-    TRACEBACK_MAX_BYTES,
-    truncate_utf8,
-    truncate_utf8_tail,
+from fxstream.agent.engine import (
+    CODE_HASH_MISMATCH,
+    CODE_REQUIRED,
+    POOL_CLOSED,
+    TASK_CANCELLED,
+    WALLTIME_EXCEEDED,
+    WORKER_LOST,
+    WORKER_START_FAILED,
+    EngineCounts,
+    WarmState,
+    WorkItem,
+    WorkOutcome,
+)
+from fxstream.agent.worker_process import (
+    DEFAULT_RUNNER,
+    REPLY_NEEDS_CODE,
+    REPLY_OK,
+    REPLY_READY,
+    STATE_EPOCH,
+    STATE_MONOTONIC,
+    STATE_SEQ,
+    Entry,
+    FunctionKey,
+    RunnerSpec,
+    resolve_runner,
+    worker_main,
 )
 
-__all__ = [
-    "CODE_HASH_MISMATCH",
-    "CODE_REQUIRED",
-    "DEFAULT_RUNNER",
-    "POOL_CLOSED",
-    "RETRYABLE_ERRORS",
-    "RUNNER_UNAVAILABLE",
-    "TASK_CANCELLED",
-    "WALLTIME_EXCEEDED",
-    "WORKER_LOST",
-    "WORKER_START_FAILED",
-    "Call",
-    "Loader",
-    "RunnerSpec",
-    "WorkItem",
-    "WorkOutcome",
-    "WorkerPool",
-    "load_pickled",
-    "resolve_runner",
-]
+__all__ = ["ProcessEngine", "WorkerPool"]
 
 log = logging.getLogger(__name__)
 
-Call = Callable[[bytes], bytes]
-"""A loaded function: serialized arguments in, serialized result out."""
-
-Loader = Callable[[bytes], Call]
-"""A runner: turns a function's code bytes into a :data:`Call` (once per worker)."""
-
-RunnerSpec = str | Loader
-"""A runner as ``"package.module:function"`` or as a picklable :data:`Loader`."""
-
-DEFAULT_RUNNER: Final = "fxstream.agent.workers:load_pickled"
-
-# Error types the pool itself produces (user exceptions keep their own type name).
-WORKER_LOST: Final = "WorkerLost"
-WALLTIME_EXCEEDED: Final = "WalltimeExceeded"
-POOL_CLOSED: Final = "PoolClosed"
-CODE_REQUIRED: Final = "CodeRequired"
-CODE_HASH_MISMATCH: Final = "CodeHashMismatch"
-RUNNER_UNAVAILABLE: Final = "RunnerUnavailable"
-WORKER_START_FAILED: Final = "WorkerStartFailed"
-# The same name as fxstream.topics.TaskErrorType.CANCELLED (the pool stays free of topics).
-TASK_CANCELLED: Final = "TaskCancelled"
-
-RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
-"""Error types caused by the platform rather than the task: a retry may succeed."""
-
-# Error texts are cut to the contract's byte limits here, in the worker, so a huge
-# exception text never crosses the pipe (the agent fits the whole result to its topic).
+# A crashed worker's faulthandler dump is read back up to this size (its end).
 _MAX_CRASH_DUMP_BYTES: Final = 65_536
 
-# Message tags on the worker -> pool pipe (the first element of every tuple).
-_READY: Final = -1
-_OK: Final = 0
-_ERROR: Final = 1
-_NEEDS_CODE: Final = 2
-
-# Shared-memory slots per worker: which item runs now (-1: none) and since when.
-_STATE_SEQ: Final = 0
-_STATE_MONOTONIC: Final = 1
-_STATE_EPOCH: Final = 2
-
-_PR_SET_PDEATHSIG: Final = 1
 _START_POLL_S: Final = 0.01
 _EXIT_GRACE_S: Final = 0.5
 _MAX_RESPAWN_DELAY_S: Final = 10.0
@@ -161,253 +120,8 @@ _START_FAILURES_BEFORE_FAILING: Final = 3
 _DURATION_WEIGHT: Final = 0.2
 _MAX_TRACKED_FUNCTIONS: Final = 4096
 
-_Key = tuple[str, str]
-# (seq, function_id, code_sha256, code or None, payload): what a worker receives per item.
-_Entry = tuple[int, str, str, bytes | None, bytes]
+
 _Resolution = tuple["Future[WorkOutcome]", "WorkOutcome"]
-
-
-# --- public records ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WorkItem:
-    """One task for a worker: which function (and its code, if at hand) and its payload.
-
-    ``code`` may be ``None`` when the pool has seen this function's code before
-    (see the module notes); ``walltime_s`` bounds load plus run time.
-    """
-
-    task_id: str
-    function_id: str
-    code_sha256: str
-    code: bytes | None
-    payload: bytes
-    walltime_s: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class WorkOutcome:
-    """How one work item ended: a value, or an error with its type, message and traceback.
-
-    On success ``error_type`` is ``None`` and the message and traceback are
-    empty; on failure ``value`` is ``None`` or the raised exception as the runner
-    serialized it (the agent forwards it for the client to raise). ``worker`` is ``"host:pid"`` of
-    the worker that ran it (empty when none did); ``started_at`` and
-    ``finished_at`` are epoch seconds, ``started_at`` is ``None`` when the item
-    never started. Message and traceback fit a ``TaskError`` record as they are.
-    """
-
-    task_id: str
-    ok: bool
-    value: bytes | None
-    error_type: str | None
-    error_message: str
-    traceback: str
-    worker: str
-    started_at: float | None
-    finished_at: float
-
-    @property
-    def retryable(self) -> bool:
-        """Whether the failure came from the platform (a lost worker, say), not the task."""
-        return self.error_type in RETRYABLE_ERRORS
-
-
-# --- runners -------------------------------------------------------------------------------
-
-
-def load_pickled(code: bytes) -> Call:
-    """The default runner, for trusted callers that share this code base (tests, local use).
-
-    ``code`` is a stdlib-pickled reference to an importable callable, a payload
-    is a pickled ``(args, kwargs)`` pair and the result is pickled. Never use it
-    on bytes from an untrusted source: unpickling runs code.
-    """
-    function = pickle.loads(code)
-    if not callable(function):
-        raise TypeError(f"the code unpickles to {type(function).__name__}, not a callable")
-
-    def call(payload: bytes) -> bytes:
-        args, kwargs = pickle.loads(payload)
-        return pickle.dumps(function(*args, **kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-
-    return call
-
-
-def resolve_runner(runner: RunnerSpec) -> Loader:
-    """The loader a runner spec names; raises ``ValueError`` saying why it cannot be had."""
-    if callable(runner):
-        return runner
-    module_name, sep, attribute_path = runner.partition(":")
-    if not sep or not module_name or not attribute_path:
-        raise ValueError(f"runner {runner!r} is not of the form 'package.module:function'")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for attribute in attribute_path.split("."):
-            target = getattr(target, attribute)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"cannot load runner {runner!r}: {exc}") from exc
-    if not callable(target):
-        raise ValueError(f"runner {runner!r} is a {type(target).__name__}, not a callable")
-    loader: Loader = target
-    return loader
-
-
-# --- the worker process --------------------------------------------------------------------
-
-
-class _RunnerUnavailableError(Exception):
-    """The worker could not load its runner, so it cannot load any function."""
-
-
-def _describe_exception(exc: BaseException) -> tuple[str, str, str]:
-    """Type name, message and traceback text; user exceptions may fail even at ``str()``."""
-    name = type(exc).__name__
-    if isinstance(exc, _RunnerUnavailableError):
-        name = RUNNER_UNAVAILABLE
-    try:
-        message = str(exc)
-    except BaseException:
-        message = f"<{name} whose str() failed>"
-    try:
-        text = "".join(traceback.format_exception(exc))
-    except BaseException:
-        text = ""
-    return (
-        name,
-        truncate_utf8(message, ERROR_MESSAGE_MAX_BYTES),
-        # The end of a traceback names the failing line: keep it.
-        truncate_utf8_tail(text, TRACEBACK_MAX_BYTES),
-    )
-
-
-def _serialized_exception(exc: BaseException) -> bytes | None:
-    try:
-        serialized = getattr(exc, "__fxstream_exception__", None)
-    except Exception:  # a user exception whose __getattr__ fails
-        return None
-    return serialized if isinstance(serialized, bytes) else None
-
-
-def _as_bytes(value: object) -> bytes:
-    if isinstance(value, bytes):
-        return value
-    if isinstance(value, bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"the runner returned {type(value).__name__}, expected bytes")
-
-
-class _Worker:
-    """The worker's side: a runner, an LRU cache of loaded functions and the shared state."""
-
-    def __init__(self, runner: RunnerSpec, state: Any, cache_size: int) -> None:
-        self._state = state
-        self._cache_size = cache_size
-        self._cache: OrderedDict[_Key, Call] = OrderedDict()
-        self._loader: Loader | None = None
-        self._runner_problem = ""
-        try:
-            self._loader = resolve_runner(runner)
-        except ValueError as exc:
-            # Failing every item beats dying: the pool would only start another
-            # worker that fails the same way.
-            self._runner_problem = str(exc)
-
-    def run(self, entry: _Entry) -> tuple[Any, ...]:
-        """Run one item and return its reply; user failures become error replies."""
-        seq, function_id, code_sha256, code, payload = entry
-        key = (function_id, code_sha256)
-        state = self._state
-        state[_STATE_MONOTONIC] = time.monotonic()
-        started = state[_STATE_EPOCH] = time.time()
-        state[_STATE_SEQ] = seq
-        reply: tuple[Any, ...]
-        try:
-            call = self._function(key, code)
-            if call is None:
-                reply = (seq, _NEEDS_CODE, None, None, "", "", started, time.time(), False)
-            else:
-                value = _as_bytes(call(payload))
-                reply = (seq, _OK, value, None, "", "", started, time.time(), True)
-        except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the worker lives
-            name, message, text = _describe_exception(exc)
-            cached = key in self._cache
-            # The runner may have left the exception serialized (for the client to raise).
-            serialized = _serialized_exception(exc)
-            reply = (seq, _ERROR, serialized, name, message, text, started, time.time(), cached)
-        state[_STATE_SEQ] = -1
-        return reply
-
-    def _function(self, key: _Key, code: bytes | None) -> Call | None:
-        call = self._cache.get(key)
-        if call is not None:
-            self._cache.move_to_end(key)
-            return call
-        if code is None:
-            return None
-        if self._loader is None:
-            raise _RunnerUnavailableError(self._runner_problem)
-        call = self._loader(code)
-        self._cache[key] = call
-        if len(self._cache) > self._cache_size:
-            self._cache.popitem(last=False)
-        return call
-
-
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Have Linux SIGKILL this worker when the thread that started it ends."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    # The parent may have died before prctl took effect.
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(1)
-
-
-def _enable_crash_dump(path: str) -> IO[str] | None:
-    """Send faulthandler's dump (segfaults, aborts) to ``path`` for the pool to report."""
-    try:
-        dump = open(path, "w")  # noqa: SIM115 - open for the process's lifetime
-    except OSError:
-        return None
-    faulthandler.enable(file=dump, all_threads=True)
-    return dump
-
-
-def _worker_main(
-    tasks: Connection,
-    results: Connection,
-    state: Any,
-    runner: RunnerSpec,
-    parent_pid: int | None,
-    crash_path: str,
-    cache_size: int,
-) -> None:
-    """A worker process's loop: receive a batch, run each item, send each reply."""
-    _die_with_parent(parent_pid)
-    # Its own process group, so the pool can kill whatever a task started along with it.
-    with contextlib.suppress(OSError):
-        os.setsid()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    crash_dump = _enable_crash_dump(crash_path)  # kept open: faulthandler writes to its fd
-    worker = _Worker(runner, state, cache_size)
-    dumps = pickle.dumps
-    protocol = pickle.HIGHEST_PROTOCOL
-    try:
-        results.send_bytes(dumps((_READY, os.getpid()), protocol))
-        while True:
-            batch: list[_Entry] | None = pickle.loads(tasks.recv_bytes())
-            if batch is None:  # asked to stop
-                break
-            for entry in batch:
-                results.send_bytes(dumps(worker.run(entry), protocol))
-    except (EOFError, BrokenPipeError):
-        pass  # the pool is gone: nobody is left to serve
-    if crash_dump is not None:
-        faulthandler.disable()
-        crash_dump.close()
 
 
 # --- the pool ------------------------------------------------------------------------------
@@ -423,7 +137,7 @@ class _Task:
         self.item = item
         self.code = code
         self.future = future
-        self.key: _Key = (item.function_id, item.code_sha256)
+        self.key: FunctionKey = (item.function_id, item.code_sha256)
         self.claimed = False  # the future was moved to "running"
         self.force_code = False  # the worker said it lacks the function
         self.cancelled = False  # cancel() was asked while a worker held it
@@ -473,20 +187,20 @@ class _Slot:
         # Items sent and not yet answered, in the order the worker runs them.
         self.outstanding: OrderedDict[int, _Task] = OrderedDict()
         # The pool's mirror of the worker's function cache (LRU order).
-        self.warm: OrderedDict[_Key, None] = OrderedDict()
+        self.warm: OrderedDict[FunctionKey, None] = OrderedDict()
         # Why the pool killed it: ("walltime", seq), ("cancelled", seq), ("closed", -1) or
         # ("protocol", -1).
         self.kill_reason: tuple[str, int] | None = None
 
     def running_seq(self) -> int:
         """The item the worker is running now, or -1."""
-        return int(self.state[_STATE_SEQ])
+        return int(self.state[STATE_SEQ])
 
     def started_monotonic(self, seq: int) -> float | None:
         """When item ``seq`` started (monotonic clock), or None if it is not running."""
         if self.running_seq() != seq:
             return None
-        started = float(self.state[_STATE_MONOTONIC])
+        started = float(self.state[STATE_MONOTONIC])
         # The worker may have moved on between the two reads.
         return started if self.running_seq() == seq else None
 
@@ -565,8 +279,10 @@ def _resolve(resolutions: Iterable[_Resolution]) -> None:
             future.set_result(outcome)
 
 
-class WorkerPool:
+class ProcessEngine:
     """A fixed-size pool of warm worker processes (see the module notes for the design).
+
+    The ``"process"`` :class:`~fxstream.agent.engine.Engine`.
 
     ``runner`` is a :data:`RunnerSpec`; it is resolved here first so a bad
     spec fails at once. ``max_batch`` caps the items sent to a worker in one
@@ -606,7 +322,7 @@ class WorkerPool:
         self._pending: deque[_Task] = deque()
         self._slots: list[_Slot | None] = [None] * size
         self._respawn_at: dict[int, float] = {}
-        self._code_cache: OrderedDict[_Key, bytes] = OrderedDict()
+        self._code_cache: OrderedDict[FunctionKey, bytes] = OrderedDict()
         self._durations: dict[str, float] = {}
         self._seq = itertools.count()
         self._spawn_count = itertools.count()
@@ -632,6 +348,11 @@ class WorkerPool:
         atexit.register(self._close_at_exit)
 
     # --- public API ------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        """``"process"``: the name an endpoint config gives this engine."""
+        return "process"
 
     @property
     def size(self) -> int:
@@ -668,6 +389,25 @@ class WorkerPool:
                 s.worker_id: list(dict.fromkeys(function_id for function_id, _ in s.warm))
                 for s in self._live_slots()
             }
+
+    def counts(self) -> EngineCounts:
+        """Workers (total, idle, busy) and queued items, in one snapshot."""
+        with self._lock:
+            live = self._live_slots()
+            busy = sum(1 for s in live if s.outstanding)
+            return EngineCounts(
+                workers_total=self._size,
+                workers_idle=len(live) - busy,
+                workers_busy=busy,
+                queued=len(self._pending),
+            )
+
+    def warm(self) -> list[WarmState]:
+        """The functions each live worker holds loaded, oldest first (for warm adverts)."""
+        return [
+            WarmState(worker_id=worker, function_ids=tuple(functions))
+            for worker, functions in self.warm_functions().items()
+        ]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every worker has started up; False if ``timeout`` passed first."""
@@ -781,7 +521,7 @@ class WorkerPool:
         _resolve(deferred)  # cancels the collector did not get to
         self._release()
 
-    def __enter__(self) -> WorkerPool:
+    def __enter__(self) -> ProcessEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -827,7 +567,7 @@ class WorkerPool:
             if batch:
                 self._send(self._choose_worker(idle, batch[0].key), batch)
 
-    def _choose_worker(self, idle: list[_Slot], key: _Key) -> _Slot:
+    def _choose_worker(self, idle: list[_Slot], key: FunctionKey) -> _Slot:
         for slot in idle:
             if key in slot.warm:
                 return slot
@@ -851,7 +591,7 @@ class WorkerPool:
         return self._durations.get(task.item.function_id, math.inf) < self._short_task_s
 
     def _send(self, slot: _Slot, batch: list[_Task]) -> None:
-        entries: list[_Entry] = []
+        entries: list[Entry] = []
         wake = False
         for task in batch:
             item = task.item
@@ -871,7 +611,7 @@ class WorkerPool:
             # The collector may be sleeping with no deadline: it must start timing these.
             self._wake()
 
-    def _mark_warm(self, slot: _Slot, key: _Key) -> None:
+    def _mark_warm(self, slot: _Slot, key: FunctionKey) -> None:
         # Mirrors the worker's LRU, which sees the same keys in the same order.
         slot.warm[key] = None
         slot.warm.move_to_end(key)
@@ -974,7 +714,7 @@ class WorkerPool:
             raise ValueError(f"not a worker reply: {type(reply).__name__}")
         resolutions: list[_Resolution] = []
         with self._lock:
-            if reply[0] == _READY:
+            if reply[0] == REPLY_READY:
                 slot.ready = True
                 self._start_failures = 0
             else:
@@ -992,13 +732,13 @@ class WorkerPool:
             self._walltime_items -= 1
         if not cached:
             slot.warm.pop(task.key, None)
-        if status == _NEEDS_CODE:
+        if status == REPLY_NEEDS_CODE:
             task.force_code = True
             return self._requeue([task], "the pool was closed before the task started")
         self._record_duration(task.item.function_id, finished - started)
         outcome = WorkOutcome(
             task_id=task.item.task_id,
-            ok=status == _OK,
+            ok=status == REPLY_OK,
             value=value,
             error_type=error_type,
             error_message=message,
@@ -1133,7 +873,7 @@ class WorkerPool:
     def _lost(self, slot: _Slot, task: _Task, crash_dump: str) -> _Resolution:
         how = _describe_exit(slot.process.exitcode)
         function_id = task.item.function_id
-        started = float(slot.state[_STATE_EPOCH])
+        started = float(slot.state[STATE_EPOCH])
         fields = {"worker": slot.worker_id, "started_at": started, "traceback": crash_dump}
         if slot.kill_reason == ("walltime", task.seq):
             message = (
@@ -1219,12 +959,12 @@ class WorkerPool:
         tasks_r, tasks_w = self._context.Pipe(duplex=False)
         results_r, results_w = self._context.Pipe(duplex=False)
         state = self._context.RawArray("d", 3)
-        state[_STATE_SEQ] = -1
+        state[STATE_SEQ] = -1
         crash_path = os.path.join(self._crash_dir, f"worker-{next(self._spawn_count)}.txt")
         # Only a spawned worker's parent is this process (a forkserver's is the server).
         parent_pid = os.getpid() if self._start_method == "spawn" else None
         process = self._context.Process(
-            target=_worker_main,
+            target=worker_main,
             args=(
                 tasks_r,
                 results_w,
@@ -1292,3 +1032,7 @@ class WorkerPool:
 
     def _close_at_exit(self) -> None:
         self.close(timeout=1.0)
+
+
+WorkerPool = ProcessEngine
+"""The process engine's name from before there were engines (kept for existing callers)."""

@@ -1,0 +1,185 @@
+"""The run hop: the :class:`Engine` protocol every way of running tasks implements.
+
+The agent hands each task to an engine as a :class:`WorkItem` and gets a
+:class:`WorkOutcome` back through a future; it never learns how the engine runs
+it. An engine may run tasks in warm local processes
+(:class:`~fxstream.agent.process_engine.ProcessEngine`, the first engine), in
+containers (bubblewrap, podman, Apptainer), or through a batch scheduler; an
+endpoint (and later a function) names the engine it uses. The shape follows
+Globus Compute's engines (``GlobusComputeEngineBase``: ``submit``, a status
+report, ``shutdown``), written as a typed protocol in ProxyStore's style, so an
+engine is any class with these methods (no base class to inherit).
+
+What an engine promises the agent:
+
+* :meth:`Engine.submit` never raises for a task's own failure: the future
+  resolves with an error :class:`WorkOutcome` (a user exception, a lost worker,
+  a walltime). Futures resolve, and their done-callbacks run, on the engine's
+  own thread, never on the caller's: callbacks must be short.
+* A failure the platform caused (``retryable``; :data:`RETRYABLE_ERRORS`) is
+  told apart from the task's own, so the agent retries only what a retry may
+  cure.
+* :meth:`Engine.cancel` resolves the task's future with a :data:`TASK_CANCELLED`
+  outcome (or leaves a started task alone when ``kill`` is false).
+* :meth:`Engine.counts` and :meth:`Engine.warm` are cheap snapshots, taken for
+  every heartbeat and warm advert.
+
+The error type names below are the engine's own; user exceptions keep their
+type name. :data:`TASK_CANCELLED` is the same name as
+``fxstream.topics.TaskErrorType.CANCELLED`` (engines stay free of the topics).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
+
+__all__ = [
+    "CODE_HASH_MISMATCH",
+    "CODE_REQUIRED",
+    "POOL_CLOSED",
+    "RETRYABLE_ERRORS",
+    "RUNNER_UNAVAILABLE",
+    "TASK_CANCELLED",
+    "WALLTIME_EXCEEDED",
+    "WORKER_LOST",
+    "WORKER_START_FAILED",
+    "Engine",
+    "EngineCounts",
+    "WarmState",
+    "WorkItem",
+    "WorkOutcome",
+]
+
+# Error types an engine itself produces (user exceptions keep their own type name).
+WORKER_LOST: Final = "WorkerLost"
+WALLTIME_EXCEEDED: Final = "WalltimeExceeded"
+POOL_CLOSED: Final = "PoolClosed"
+CODE_REQUIRED: Final = "CodeRequired"
+CODE_HASH_MISMATCH: Final = "CodeHashMismatch"
+RUNNER_UNAVAILABLE: Final = "RunnerUnavailable"
+WORKER_START_FAILED: Final = "WorkerStartFailed"
+# The same name as fxstream.topics.TaskErrorType.CANCELLED (engines stay free of topics).
+TASK_CANCELLED: Final = "TaskCancelled"
+
+RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
+"""Error types caused by the platform rather than the task: a retry may succeed."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkItem:
+    """One task for a worker: which function (and its code, if at hand) and its payload.
+
+    ``code`` may be ``None`` when the engine has seen this function's code before
+    (the process engine keeps a bounded cache of it); ``walltime_s`` bounds load
+    plus run time.
+    """
+
+    task_id: str
+    function_id: str
+    code_sha256: str
+    code: bytes | None
+    payload: bytes
+    walltime_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class WorkOutcome:
+    """How one work item ended: a value, or an error with its type, message and traceback.
+
+    On success ``error_type`` is ``None`` and the message and traceback are
+    empty; on failure ``value`` is ``None`` or the raised exception as the runner
+    serialized it (the agent forwards it for the client to raise). ``worker`` is ``"host:pid"`` of
+    the worker that ran it (empty when none did); ``started_at`` and
+    ``finished_at`` are epoch seconds, ``started_at`` is ``None`` when the item
+    never started. Message and traceback fit a ``TaskError`` record as they are.
+    """
+
+    task_id: str
+    ok: bool
+    value: bytes | None
+    error_type: str | None
+    error_message: str
+    traceback: str
+    worker: str
+    started_at: float | None
+    finished_at: float
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the failure came from the platform (a lost worker, say), not the task."""
+        return self.error_type in RETRYABLE_ERRORS
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCounts:
+    """An engine's load at one moment, as the heartbeat reports it.
+
+    ``workers_total`` is the number of workers the engine keeps (started or
+    not), ``workers_idle`` and ``workers_busy`` the live ones without and with
+    work, ``queued`` the items submitted and not yet handed to a worker.
+    """
+
+    workers_total: int
+    workers_idle: int
+    workers_busy: int
+    queued: int
+
+
+@dataclass(frozen=True, slots=True)
+class WarmState:
+    """What one live worker holds warm: the functions it has loaded, in its container.
+
+    ``worker_id`` is ``"host:pid"`` (or the engine's own name for a worker);
+    ``container`` is ``None`` for a worker outside any container. The agent
+    advertises these (``WarmAdvert``) whenever they change.
+    """
+
+    worker_id: str
+    function_ids: tuple[str, ...]
+    container: str | None = None
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """Runs work items and reports on its workers; see the module notes for its promises."""
+
+    @property
+    def name(self) -> str:
+        """The engine's kind as an endpoint config names it (``"process"``)."""
+        ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the engine's workers have started; False if ``timeout`` passed first."""
+        ...
+
+    def submit(self, item: WorkItem) -> Future[WorkOutcome]:
+        """Queue ``item``; the future resolves with its :class:`WorkOutcome`, never raises.
+
+        Raises ``RuntimeError`` if the engine is closed and ``ValueError`` for an
+        item it can never run (a non-positive walltime).
+        """
+        ...
+
+    def cancel(self, task_id: str, reason: str = "", *, kill: bool = True) -> bool:
+        """Cancel the item of ``task_id``; False when the engine does not hold it (or, with
+        ``kill`` False, has started it already). A cancelled item's future resolves with a
+        :data:`TASK_CANCELLED` outcome naming ``reason``."""
+        ...
+
+    def counts(self) -> EngineCounts:
+        """The engine's workers and queue now."""
+        ...
+
+    def warm(self) -> list[WarmState]:
+        """What each live worker holds warm now."""
+        ...
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop every worker, killing what still runs after ``timeout`` s; idempotent.
+
+        Items that have not finished resolve with a :data:`POOL_CLOSED` outcome.
+        Must not be called from a future's done-callback.
+        """
+        ...

@@ -1,0 +1,155 @@
+"""Feeding the engine: local queue -> engine, and each outcome to a retry or an answer.
+
+The engine is given only as many tasks as it can start soon (``workers +
+prefetch``, funcX's batching); the rest wait, decoded, in the local queue
+(:class:`~fxstream.agent.held.HeldTasks`). When the engine answers (on its own
+thread), the outcome is answered at once and the freed slot gets the next task
+of the local queue: the poll thread is not in that path.
+
+An outcome is final unless a retry may cure it: a platform failure (a lost
+worker, ``retryable``) is retried up to the task's ``max_retries``, its own
+exception or walltime only with ``retry_user_errors``, and a cancel, a result
+too large or a refusal never. A retry waits out an exponential backoff
+(``retry_backoff_s`` doubling up to ``retry_backoff_max_s``) while held, its
+offset uncommitted and its lease renewed, so a crash meanwhile hands it to the
+next agent; stopping hands it back at once. A cancel asked while a task ran
+wins over whatever its worker's death looked like.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from fxstream.agent.answer import Answerer, cancelled_outcome, task_error
+from fxstream.agent.config import EndpointConfig
+from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.held import Held, HeldTasks
+from fxstream.topics import Attempt, TaskErrorType, TaskStateName
+
+__all__ = ["EngineFeed"]
+
+log = logging.getLogger(__name__)
+
+# Failures a retry cannot cure, even with retry_user_errors.
+_NEVER_RETRIED = frozenset(
+    {
+        str(TaskErrorType.CANCELLED),
+        str(TaskErrorType.RESULT_TOO_LARGE),
+        str(TaskErrorType.NOT_ALLOWED),
+    }
+)
+
+
+class EngineFeed:
+    """Feeds one agent's engine from its local queue and settles each outcome."""
+
+    def __init__(
+        self,
+        config: EndpointConfig,
+        engine: Engine,
+        *,
+        held: HeldTasks,
+        answers: Answerer,
+        stopping: threading.Event,
+        hostname: str,
+    ) -> None:
+        self._config = config
+        self._engine = engine
+        self._held = held
+        self._answers = answers
+        self._stop = stopping
+        self._hostname = hostname
+        self.retries_scheduled = 0
+        """Retries scheduled so far."""
+
+    def _cancel_wins(self, held: Held, outcome: WorkOutcome) -> WorkOutcome:
+        """The outcome to answer: a cancelled task's failure (say its worker died under the
+        kill) is reported as the cancel, so it is never retried; a success stays one."""
+        reason = self._held.pop_cancel(held.submission.task_id)
+        if reason is None or outcome.ok or outcome.error_type == TaskErrorType.CANCELLED:
+            return outcome
+        return cancelled_outcome(held.submission, reason, started_at=outcome.started_at)
+
+    def feed(self) -> None:
+        """Give the engine tasks from the local queue, up to workers + prefetch in it."""
+        engine = self._engine
+        capacity = self._config.workers + self._config.prefetch
+        self._held.requeue_due_retries()
+        while True:
+            held = self._held.next_for_engine(capacity)
+            if held is None:
+                return
+            submission = held.submission
+            item = WorkItem(
+                task_id=submission.task_id,
+                function_id=submission.function_id,
+                code_sha256=held.code_sha256,
+                code=held.code,
+                payload=held.dispatch.submission,
+                walltime_s=submission.walltime_s,
+            )
+            future = engine.submit(item)
+            future.add_done_callback(functools.partial(self._finished, held))
+            reason = self._held.cancel_reason(submission.task_id)
+            if reason is not None:  # cancelled between the local queue and the engine
+                engine.cancel(submission.task_id, reason)
+
+    def _finished(self, held: Held, future: Future[WorkOutcome]) -> None:
+        # On the engine's thread: answer at once, then give the slot new work.
+        outcome = self._cancel_wins(held, future.result())
+        self._held.left_engine(held)
+        if not self._retry(held, outcome):
+            self._answers.publish(held, outcome)
+        self.feed()
+
+    def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
+        submission = held.submission
+        if outcome.ok or len(held.earlier) >= submission.max_retries:
+            return False
+        if outcome.retryable:
+            return True
+        # A function's own exception (or its walltime) is retried only when asked for.
+        return submission.retry_user_errors and outcome.error_type not in _NEVER_RETRIED
+
+    def _retry(self, held: Held, outcome: WorkOutcome) -> bool:
+        """Schedule another attempt after a backoff; False when the outcome is final.
+
+        The task stays held (its offset uncommitted, its lease renewed), so a crash
+        during the backoff hands it to the next agent rather than losing it.
+        """
+        if not self._should_retry(held, outcome):
+            return False
+        if self._stop.is_set():
+            # Stopping: hand the task back uncommitted; the next agent runs it again.
+            self._held.forget(held.submission.task_id)
+            return True
+        failed = Attempt(
+            attempt=held.attempt,
+            worker=outcome.worker or self._hostname,
+            started_at=outcome.started_at,
+            finished_at=outcome.finished_at,
+            error=task_error(outcome),
+        )
+        retry = dataclasses.replace(held, attempt=held.attempt + 1, earlier=(*held.earlier, failed))
+        delay = min(
+            self._config.retry_backoff_s * 2 ** len(held.earlier), self._config.retry_backoff_max_s
+        )
+        if not self._held.schedule_retry(retry, time.monotonic() + delay):
+            return True  # handed back (a rebalance or a stop) while it ran
+        self.retries_scheduled += 1
+        log.info(
+            "task %s: attempt %d failed with %s; retry %d of %d in %.1f s",
+            held.submission.task_id,
+            held.attempt,
+            outcome.error_type,
+            len(retry.earlier),
+            held.submission.max_retries,
+            delay,
+        )
+        self._answers.announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")
+        return True

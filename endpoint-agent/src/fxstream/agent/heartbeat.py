@@ -1,0 +1,119 @@
+"""The heartbeat hop: the agent's liveness, load and leases, and what it holds warm.
+
+Every ``heartbeat_period_s`` the agent produces a ``Heartbeat`` (key: the
+endpoint id) on its ``from.ep.<endpoint>`` topic: its workers (total, idle,
+busy, from the engine's :meth:`~fxstream.agent.engine.Engine.counts`), its
+queue depth (the engine's queue plus the local queue) and the lease of every
+held task (at most ``MAX_LEASES_PER_HEARTBEAT``, fewer when long ids would
+overflow the heartbeats topic's records; the group session renews the rest).
+Whenever what the engine holds warm changes
+(:meth:`~fxstream.agent.engine.Engine.warm`), a ``WarmAdvert`` follows (key:
+``<endpoint>/<host>``), cut to the warm topic's record size if it must be (an
+advert is a routing hint). Both go on the agent's plain producer, outside the
+result transactions, so a slow commit never delays them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import msgspec
+from confluent_kafka import Producer
+
+from fxstream.agent.config import EndpointConfig
+from fxstream.agent.engine import Engine
+from fxstream.agent.held import HeldTasks
+from fxstream.topics import Catalogue, Heartbeat, WarmAdvert, WarmWorker, encode, fits
+
+__all__ = ["AGENT_VERSION", "MAX_LEASES_PER_HEARTBEAT", "Heartbeats"]
+
+AGENT_VERSION = "0.1.0"
+"""The agent's version, in every heartbeat."""
+
+MAX_LEASES_PER_HEARTBEAT = 1_000
+"""Keeps a heartbeat well under the heartbeats topic's 256 kB records."""
+
+
+class Heartbeats:
+    """The heartbeats and warm adverts of one agent (``agent_id``), numbered in sequence."""
+
+    def __init__(
+        self,
+        config: EndpointConfig,
+        catalogue: Catalogue,
+        *,
+        agent_id: str,
+        hostname: str,
+        held: HeldTasks,
+    ) -> None:
+        self._config = config
+        self._catalogue = catalogue
+        self._out_topic = catalogue.from_endpoint(config.endpoint_id)
+        self._agent_id = agent_id
+        self._hostname = hostname
+        self._held = held
+        self._sequence = 0
+        self._last_warm: list[WarmWorker] | None = None
+
+    def send(self, producer: Producer, engine: Engine) -> None:
+        """Produce a heartbeat, and a warm advert if what ``engine`` holds warm changed."""
+        self._sequence += 1
+        leases, truncated = self._held.leases(MAX_LEASES_PER_HEARTBEAT)
+        counts = engine.counts()
+        beat = Heartbeat(
+            endpoint_id=self._config.endpoint_id,
+            agent_id=self._agent_id,
+            sent_at=time.time(),
+            sequence=self._sequence,
+            period_s=self._config.heartbeat_period_s,
+            hostname=self._hostname,
+            pid=os.getpid(),
+            workers_total=counts.workers_total,
+            workers_idle=counts.workers_idle,
+            workers_busy=counts.workers_busy,
+            queue_depth=counts.queued + self._held.queued,
+            leases=leases,
+            leases_truncated=truncated,
+            agent_version=AGENT_VERSION,
+        )
+        key = self._config.endpoint_id.encode()
+        value = encode(beat)
+        spec = self._catalogue.spec("heartbeats")
+        while not fits(spec, key, value) and beat.leases:
+            # Long ids: list fewer leases (the rest are renewed by the group session).
+            leases = beat.leases[: len(beat.leases) // 2]
+            beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
+            value = encode(beat)
+        producer.produce(self._out_topic, key=key, value=value)
+        warm = [
+            WarmWorker(
+                worker_id=w.worker_id, container=w.container, function_ids=list(w.function_ids)
+            )
+            for w in sorted(engine.warm(), key=lambda w: w.worker_id)
+        ]
+        if warm != self._last_warm:
+            advert = WarmAdvert(
+                endpoint_id=self._config.endpoint_id,
+                manager_id=self._hostname,
+                advertised_at=time.time(),
+                workers=warm,
+            )
+            warm_key = f"{self._config.endpoint_id}/{self._hostname}".encode()
+            value = encode(advert)
+            while not fits(self._catalogue.spec("warm"), warm_key, value) and any(
+                w.function_ids for w in advert.workers
+            ):
+                # Many workers with many functions: advertise a subset of each (a hint).
+                advert = msgspec.structs.replace(
+                    advert,
+                    workers=[
+                        msgspec.structs.replace(
+                            w, function_ids=w.function_ids[: len(w.function_ids) // 2]
+                        )
+                        for w in advert.workers
+                    ],
+                )
+                value = encode(advert)
+            producer.produce(self._out_topic, key=warm_key, value=value)
+            self._last_warm = warm
