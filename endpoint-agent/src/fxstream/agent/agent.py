@@ -364,8 +364,10 @@ class Agent:
         )
         self._pool, self._publisher, self._events = pool, publisher, producer
         try:
-            pool.wait_ready(timeout=60)
+            # The transactional id is registered while the workers start up (both take
+            # a while, one on the broker, the other in the worker processes).
             publisher.start()
+            pool.wait_ready(timeout=60)
             consumer.subscribe(
                 [self.queue_topic],
                 on_assign=lambda c, parts: self._on_assign(c, parts),
