@@ -309,15 +309,10 @@ class ServiceSet:
             self.supervisor_spec().save(self.spec_file)
             for process in self.processes():
                 process.hold_file.unlink(missing_ok=True)
-            # The API starts first, alone: every later step waits for it, and the
-            # processors (four Python processes) would otherwise share the CPU with it.
-            # They start once it answers, while the local user and endpoint are set up;
-            # the endpoint once its user and config exist (below).
-            for process in (*self.processors(), self.endpoint):
-                process.hold_file.touch()
+            # The endpoint starts once its user and config exist (below).
+            self.endpoint.hold_file.touch()
             self.supervisor.start()
         self._wait_for_api()
-        self._start_processors()
         credentials = self._ensure_user(kafka, topic_prefix, store_url, admin_token)
         endpoint_id = self._ensure_endpoint(credentials, kafka)
         self.endpoint.start()
@@ -408,24 +403,14 @@ class ServiceSet:
             time.sleep(READY_POLL_S)
         raise TimeoutError(f"the service API at {self.service_url} did not answer in time")
 
-    def _start_processors(self) -> None:
-        """Release the processors' holds; the supervisor starts them at its next look."""
-        for process in self.processors():
-            process.hold_file.unlink(missing_ok=True)
-        for process in self.processors():
-            process.start()
-
     def _wait_for_endpoint(
         self, credentials: Credentials, endpoint_id: str, timeout_s: float = 60.0
     ) -> None:
-        """Wait until the API sees the endpoint online: its agent's heartbeat, forwarded
-        by the ingress (so a processor that cannot run fails this wait at once)."""
         deadline = time.monotonic() + timeout_s
         url = f"{self.service_url}/v1/endpoints/{endpoint_id}"
         headers = {"Authorization": f"Bearer {credentials.token}"}
         while time.monotonic() < deadline:
-            for process in (self.endpoint, *self.processors()):
-                process.check_alive()
+            self.endpoint.check_alive()
             response = httpx.get(url, headers=headers, timeout=5)
             if response.status_code == 200 and response.json()["status"]["state"] == "online":
                 return
