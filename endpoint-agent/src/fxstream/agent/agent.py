@@ -364,23 +364,19 @@ class Agent:
         )
         self._pool, self._publisher, self._events = pool, publisher, producer
         try:
-            # The transactional id is registered while the workers start (both take a
-            # while: one on the broker, the other in the worker processes). The first
-            # heartbeat goes out then: the endpoint is online with its workers still
-            # starting (none idle); the next says when they are ready, and only then
-            # does the agent join its queue's group (a stop meanwhile has no group to
-            # leave).
+            # Kafka is set up while the workers start (both take a while: one on the
+            # broker, the other in the worker processes). The first heartbeat goes out as
+            # soon as Kafka is: the endpoint is online (its tasks queue here) with its
+            # workers still starting (none idle); the next says when they are ready.
             publisher.start()
-            self._heartbeat(producer, pool)
-            self._wait_for_workers(pool, timeout_s=60.0)
-            if self._stop.is_set():
-                return
             consumer.subscribe(
                 [self.queue_topic],
                 on_assign=lambda c, parts: self._on_assign(c, parts),
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
+            self._heartbeat(producer, pool)
+            self._wait_for_workers(pool, timeout_s=60.0)
             self._heartbeat(producer, pool)
             if ready is not None:
                 ready()
