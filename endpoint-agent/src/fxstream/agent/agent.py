@@ -376,21 +376,13 @@ class Agent:
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
             self._heartbeat(producer, pool)
-            self._wait_for_workers(pool, timeout_s=60.0)
+            pool.wait_ready(timeout=60)
             self._heartbeat(producer, pool)
             if ready is not None:
                 ready()
             self._serve(consumer, producer, pool, codes)
         finally:
             self._shutdown(consumer, producer, pool, codes)
-
-    def _wait_for_workers(self, pool: WorkerPool, timeout_s: float) -> None:
-        """Wait until every worker has started, at most ``timeout_s``; a stop asked
-        meanwhile ends the wait (the stop does not wait for workers to warm up)."""
-        deadline = time.monotonic() + timeout_s
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            if pool.wait_ready(timeout=0.1):
-                return
 
     @property
     def transactional_id(self) -> str:
