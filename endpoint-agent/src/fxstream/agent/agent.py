@@ -364,19 +364,16 @@ class Agent:
         )
         self._pool, self._publisher, self._events = pool, publisher, producer
         try:
-            # Kafka is set up while the workers start (both take a while: one on the
-            # broker, the other in the worker processes). The first heartbeat goes out as
-            # soon as Kafka is: the endpoint is online (its tasks queue here) with its
-            # workers still starting (none idle); the next says when they are ready.
+            # The transactional id is registered while the workers start up (both take
+            # a while, one on the broker, the other in the worker processes).
             publisher.start()
+            pool.wait_ready(timeout=60)
             consumer.subscribe(
                 [self.queue_topic],
                 on_assign=lambda c, parts: self._on_assign(c, parts),
                 on_revoke=lambda c, parts: self._on_revoke(c, parts),
                 on_lost=lambda c, parts: self._on_lost(parts),
             )
-            self._heartbeat(producer, pool)
-            pool.wait_ready(timeout=60)
             self._heartbeat(producer, pool)
             if ready is not None:
                 ready()
