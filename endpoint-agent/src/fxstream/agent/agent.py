@@ -230,8 +230,10 @@ class Agent:
         )
         self._answers.open(publisher, producer)
         try:
-            engine.wait_ready(timeout=60)
+            # The transactional id is registered while the workers start up (both take
+            # a while, one on the broker, the other in the worker processes).
             publisher.start()
+            engine.wait_ready(timeout=60)
             consumer.subscribe(
                 [self.queue_topic],
                 on_assign=lambda c, parts: intake.assigned(c, parts),

@@ -1,4 +1,9 @@
-"""``fxstream-endpoint``: configure, start, stop and list endpoints on this machine."""
+"""``fxstream-endpoint``: configure, start, stop and list endpoints on this machine.
+
+The agent itself (:class:`~fxstream.agent.agent.Agent`, its Kafka clients) is imported
+only by ``start``: ``configure``, ``stop`` and ``list`` start faster without it, and so
+do the agent's worker processes, which import this module as their ``__main__``.
+"""
 
 from __future__ import annotations
 
@@ -20,7 +25,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.agent.agent import Agent
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
@@ -340,6 +344,8 @@ def start(
 
 
 def _serve(config: EndpointConfig) -> None:
+    from fxstream.agent.agent import Agent
+
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -375,22 +375,21 @@ class Platform:
         """Stop every process of this platform by PID and wait for each; returns what stopped."""
         # The endpoint first (it finishes what it holds), then the service, then the brokers.
         stopped: list[str] = self.services().stop(timeout_s)
-        # Then brokers, and Redis last.
-        # All nodes of a mode together: a cluster's last node stopped alone has lost the
-        # controller quorum and would wait for it until killed.
-        for cluster in (True, False):
-            nodes = self.nodes(cluster=cluster)
-            pids = {node.node_id: node.process.pid() for node in nodes}
-            stop_together([node.process for node in nodes], timeout_s)
-            stopped.extend(
-                f"{node.process.name} (pid {pids[node.node_id]})"
-                for node in nodes
-                if pids[node.node_id] is not None
-            )
-        redis = self.redis()
-        pid = redis.process.pid()
-        if pid is not None and redis.process.stop(timeout_s):
-            stopped.append(f"redis (pid {pid})")
+        # Then the brokers and Redis, all at once: nothing left running uses them. All
+        # nodes of a mode must stop together anyway: a cluster's last node stopped alone
+        # has lost the controller quorum and would wait for it until killed.
+        processes = [
+            *(node.process for node in self.nodes(cluster=True)),
+            *(node.process for node in self.nodes(cluster=False)),
+            self.redis().process,
+        ]
+        pids = [process.pid() for process in processes]
+        stop_together(processes, timeout_s)
+        stopped.extend(
+            f"{process.name} (pid {pid})"
+            for process, pid in zip(processes, pids, strict=True)
+            if pid is not None
+        )
         self.info_file.unlink(missing_ok=True)
         return stopped
 

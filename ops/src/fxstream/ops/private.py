@@ -254,7 +254,7 @@ class PrivatePlatform:
                         f"endpoint {name} not online after {ENDPOINT_ONLINE_S:.0f} s; "
                         f"see {process.log_file}"
                     )
-                time.sleep(0.3)
+                time.sleep(0.1)
         return extra
 
     def stop_extra_endpoints(self, timeout_s: float = 60.0) -> None:

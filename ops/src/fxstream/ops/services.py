@@ -60,6 +60,9 @@ __all__ = [
 LOCAL_ENDPOINT = "local"
 # Names the Kafka credentials file a service process or `fxstream-endpoint configure` reads.
 KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
+# How often the start looks whether the API answers and the endpoint is online (each look
+# is one local HTTP request: cheap, and every second of a start is spent waiting on them).
+READY_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -397,7 +400,7 @@ class ServiceSet:
                 process.check_alive()
             if self._api_answers():
                 return
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
         raise TimeoutError(f"the service API at {self.service_url} did not answer in time")
 
     def _wait_for_endpoint(
@@ -411,7 +414,7 @@ class ServiceSet:
             response = httpx.get(url, headers=headers, timeout=5)
             if response.status_code == 200 and response.json()["status"]["state"] == "online":
                 return
-            time.sleep(0.2)
+            time.sleep(READY_POLL_S)
         raise TimeoutError("the local endpoint did not come online in time")
 
     # --- the local user and endpoint ---------------------------------------------------

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 import typer
-import uvicorn
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
@@ -275,6 +274,8 @@ def serve(
 ) -> bool:
     """Run the API with uvicorn (one worker) on ``sock``; False if it did not start."""
     # Imported here so `worker` (and every start failure) does not pay for FastAPI.
+    import uvicorn
+
     from fxstream.service.api import create_app
 
     host, port = sock.getsockname()[:2]
