@@ -29,6 +29,7 @@ import numpy as np
 import psutil
 import pytest
 import redis
+from cryptography import x509
 
 from fxstream.connectors import (
     ByReference,
@@ -40,11 +41,12 @@ from fxstream.connectors import (
     StoreSpec,
     open_store,
 )
+from fxstream.ops.pki import LocalCA
 from fxstream.ops.private import private_config
-from fxstream.ops.redis_server import ADMIN_USER, STORE_USER, RedisServer, RedisTLSMissing
+from fxstream.ops.redis_server import ADMIN_USER, STORE_USER, RedisServer
 from fxstream.sdk import Client, Executor, TaskExecutionFailed
 from fxstream.sdk.results import unreadable_result
-from fxstream.topics import Serializer, write_secret_file
+from fxstream.topics import Serializer
 from tests.conftest import RunningPlatform
 from tests.e2e.stack import Stack, running_stack, wait_for_state
 
@@ -411,65 +413,19 @@ def test_the_store_url_is_redacted_everywhere_it_is_shown(kafka_platform: Runnin
 # --- Redis over TLS, when the operator asks --------------------------------------------------
 
 
-def _write_tls_files(pki: Path) -> None:
-    """A CA and a server certificate for 127.0.0.1 signed by it (the platform CA's role)."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test platform CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    certificate = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "redis")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    pki.mkdir(mode=0o700, parents=True, exist_ok=True)
-    (pki / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    (pki / "redis.crt").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    key_bytes = key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption(),
-    )
-    write_secret_file(pki / "redis.key", key_bytes)
-
-
 def test_redis_serves_tls_only_when_asked(tmp_path: Path) -> None:
     config = private_config(tmp_path / "home")
     server = RedisServer(config, "redis-server", tls=True)
-    with pytest.raises(RedisTLSMissing, match=r"ca\.crt"):
-        server.start()
-    _write_tls_files(server.pki_dir)
     server.start()
     try:
         server.wait_ready()
+        # The platform CA issued the server's certificate; its key is private.
+        ca = LocalCA(server.pki_dir)
+        cert_file, key_file = ca.server_files("redis")
+        served = x509.load_pem_x509_certificate(cert_file.read_bytes())
+        served.verify_directly_issued_by(x509.load_pem_x509_certificate(ca.cert_file.read_bytes()))
+        assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+        assert server.ca_file == ca.cert_file
         url = server.client_url
         assert url.startswith("rediss://fxstream:") and "ca_file=" in url
         connector = open_store(url).connector

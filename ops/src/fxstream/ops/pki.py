@@ -12,6 +12,9 @@
   them) and serves both sides of TLS: the node's listeners, and the node as a client of
   the other nodes' controller listeners (mutual TLS, where its subject
   ``CN=fxstream-node-<id>,O=fxstream`` is mapped to the admin principal).
+- ``<server>.crt`` and ``<server>.key`` (0600): a TLS server certificate of another
+  platform server for the same names, e.g. Redis's (``redis.crt``, ``redis.key``) when
+  the operator asks for Redis over TLS; clients verify it against ``ca.pem``.
 
 Everything is made once and reused while it is valid: a certificate that expires within
 :data:`RENEW_BEFORE`, that another CA signed, or that lacks the names is made again. Keys are
@@ -197,6 +200,54 @@ class LocalCA:
         path = self.node_file(node_id)
         if self._node_valid(path, ca, node_id):
             return path
+        key, cert = self._issue(
+            f"{NODE_CN_PREFIX}{node_id}",
+            [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH],
+        )
+        write_secret_file(path, _key_pem(key) + _cert_pem(cert) + _cert_pem(ca))
+        return path
+
+    # --- other servers' certificates ---------------------------------------------------
+
+    def server_files(self, server: str) -> tuple[Path, Path]:
+        """Where ``server``'s certificate and key are (``<server>.crt``, ``<server>.key``)."""
+        return self.directory / f"{server}.crt", self.directory / f"{server}.key"
+
+    def ensure_server(self, server: str) -> tuple[Path, Path]:
+        """``server``'s TLS certificate and key (``CN=fxstream-<server>``, the node names
+        127.0.0.1 and localhost, server use only), made unless valid ones are there."""
+        ca = self.ensure()
+        cert_file, key_file = self.server_files(server)
+        subject = f"CN={ORGANIZATION}-{server},O={ORGANIZATION}"
+        if self._valid(key_file.read_bytes() if key_file.is_file() else b"", cert_file, ca):
+            cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+            if cert.subject.rfc4514_string() == subject:
+                return cert_file, key_file
+        key, cert = self._issue(f"{ORGANIZATION}-{server}", [ExtendedKeyUsageOID.SERVER_AUTH])
+        # The key first (0600), then the certificate that names it.
+        write_secret_file(key_file, _key_pem(key))
+        write_secret_file(cert_file, _cert_pem(cert))
+        return cert_file, key_file
+
+    def _valid(self, key_pem: bytes, cert_file: Path, ca: x509.Certificate) -> bool:
+        try:
+            key = serialization.load_pem_private_key(key_pem, password=None)
+            cert = x509.load_pem_x509_certificate(cert_file.read_bytes())
+            cert.verify_directly_issued_by(ca)
+            sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except (OSError, ValueError, TypeError, InvalidSignature, x509.ExtensionNotFound):
+            return False
+        return (
+            cert.public_key() == key.public_key()
+            and _fresh(cert)
+            and all(name in sans for name in _SANS)
+        )
+
+    def _issue(
+        self, common_name: str, usages: list[x509.ObjectIdentifier]
+    ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        """A new key and a certificate for it, signed by the CA, for the platform's names."""
+        ca = self.ensure()
         loaded = self._load_ca()
         assert loaded is not None
         _, ca_key = loaded
@@ -208,7 +259,7 @@ class LocalCA:
                 x509.Name(
                     [
                         x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
-                        x509.NameAttribute(NameOID.COMMON_NAME, f"{NODE_CN_PREFIX}{node_id}"),
+                        x509.NameAttribute(NameOID.COMMON_NAME, common_name),
                     ]
                 )
             )
@@ -219,16 +270,10 @@ class LocalCA:
             .not_valid_after(now + NODE_VALIDITY)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.SubjectAlternativeName(list(_SANS)), critical=False)
-            .add_extension(
-                x509.ExtendedKeyUsage(
-                    [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-                ),
-                critical=False,
-            )
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
             .add_extension(
                 x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), False
             )
             .sign(ca_key, hashes.SHA256())
         )
-        write_secret_file(path, _key_pem(key) + _cert_pem(cert) + _cert_pem(ca))
-        return path
+        return key, cert

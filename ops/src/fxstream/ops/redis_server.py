@@ -13,7 +13,9 @@ Secure by default (docs/security.md, "Redis"):
 * The directory and the data directory are 0700; the server runs with umask 077, so
   the AOF and RDB files it writes are 0600.
 * TLS when the operator asks (``FXSTREAM_REDIS_TLS=1``): the server listens with TLS
-  only, with the certificate and key in ``<home>/pki`` signed by the platform CA.
+  only, with a certificate and key the platform CA issues (``<home>/pki/redis.crt``,
+  ``redis.key``, 0600; :meth:`fxstream.ops.pki.LocalCA.ensure_server`); clients verify
+  it against the CA certificate every Kafka client trusts (``pki/ca.pem``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any, Final
 import redis
 
 from fxstream.ops.config import PlatformConfig
+from fxstream.ops.pki import LocalCA
 from fxstream.ops.process import ManagedProcess, ensure_port_free
 from fxstream.topics import read_secret_json, write_secret_file
 
@@ -42,7 +45,6 @@ __all__ = [
     "STORE_KEY_PATTERN",
     "STORE_USER",
     "RedisServer",
-    "RedisTLSMissing",
 ]
 
 STORE_USER: Final = "fxstream"
@@ -75,10 +77,6 @@ STORE_COMMANDS: Final = (
 
 REDIS_TLS_ENV: Final = "FXSTREAM_REDIS_TLS"
 """Set to ``1`` to serve Redis over TLS only (certificates from ``<home>/pki``)."""
-
-
-class RedisTLSMissing(RuntimeError):
-    """TLS was asked for, but the certificate files it needs are not there."""
 
 
 def _tls_requested() -> bool:
@@ -120,13 +118,13 @@ class RedisServer:
 
     @property
     def pki_dir(self) -> Path:
-        """Where the TLS certificate, key and CA are (``ca.crt``, ``redis.crt``, ``redis.key``)."""
+        """The platform CA's directory: ``ca.pem``, and ``redis.crt``/``redis.key`` (TLS)."""
         return self.config.home / "pki"
 
     @property
     def ca_file(self) -> Path:
         """The platform CA clients verify the server against (TLS only)."""
-        return self.pki_dir / "ca.crt"
+        return LocalCA(self.pki_dir).cert_file
 
     @property
     def url(self) -> str:
@@ -223,19 +221,12 @@ class RedisServer:
         port = str(self.config.redis_port)
         if not self.tls:
             return f"port {port}"
+        cert_file, key_file = LocalCA(self.pki_dir).ensure_server("redis")
         files = {
-            "tls-cert-file": self.pki_dir / "redis.crt",
-            "tls-key-file": self.pki_dir / "redis.key",
+            "tls-cert-file": cert_file,
+            "tls-key-file": key_file,
             "tls-ca-cert-file": self.ca_file,
         }
-        missing = [str(path) for path in files.values() if not path.is_file()]
-        if missing:
-            raise RedisTLSMissing(
-                f"{REDIS_TLS_ENV} asks for Redis over TLS, but {', '.join(missing)} "
-                "is missing: put the platform CA (ca.crt) and a server certificate for "
-                f"127.0.0.1 signed by it (redis.crt, redis.key, 0600) in {self.pki_dir}, "
-                f"or unset {REDIS_TLS_ENV}"
-            )
         lines = ["port 0", f"tls-port {port}", "tls-auth-clients no"]
         lines += [f"{name} {path}" for name, path in files.items()]
         return "\n".join(lines)
