@@ -42,7 +42,7 @@ import time
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
 
-from fxstream.agent.answer import Answerer, cancelled_outcome, failed_outcome, headers_of
+from fxstream.agent.answer import Answerer, cancelled_outcome, failed_outcome
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.engine import Engine
 from fxstream.agent.function_code import (
@@ -305,16 +305,7 @@ class Intake:
                 "was submitted by another user; only its submitter may cancel it"
             )
             log.warning("%s", refused)
-            self._answers.settle_with_dead_letter(
-                partition,
-                offset,
-                self._held.epoch,
-                key=message.key(),
-                value=message.value(),
-                headers=headers_of(message),
-                reason=refused,
-                error_type=DeadLetterReason.CANCEL_REFUSED,
-            )
+            self._answers.dead_letter_message(message, refused, DeadLetterReason.CANCEL_REFUSED)
             return
         # The cancel is settled by the task's answer (never before it: a successor must
         # see the cancel again if the task's answer is not committed).
