@@ -21,6 +21,8 @@ from fxstream.ops.private import private_config
 from fxstream.ops.process import free_ports
 from fxstream.topics import KafkaConnection, write_secret_file
 
+pytest_plugins = ["tests.cpu_report"]
+
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")
 _PLATFORM_FIXTURE = "kafka_platform"

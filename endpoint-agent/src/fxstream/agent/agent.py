@@ -90,6 +90,8 @@ CALL_FLUSH_S = 10.0
 # is still running then is killed and handed back uncommitted (the next agent runs it).
 # With the closes below, the agent is gone within 10 s of the signal.
 STOP_GRACE_S = 5.0
+# How long the agent waits for its workers before it serves with those that are up.
+WORKERS_READY_S = 60.0
 STOP_CLOSE_S = 1.5
 # How often tasks waiting for an unreachable service try to fetch their code again.
 CODE_RETRY_S = 2.0
@@ -164,6 +166,7 @@ class Agent:
 
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
+        began = time.monotonic()  # the start-up's phases are logged from here
         kafka = self.config.kafka(self._credentials).confluent()
         engine: Engine = ProcessEngine(self.config.workers, self._runner)
         codes = CodeCache(self.config.service_url, self._credentials.token)
@@ -233,10 +236,26 @@ class Agent:
             # The transactional id is registered while the workers start up (both take
             # a while, one on the broker, the other in the worker processes).
             publisher.start()
-            engine.wait_ready(timeout=60)
+            log.info(
+                "registered transactional id %s %.1f s after start",
+                self.transactional_id,
+                time.monotonic() - began,
+            )
+            if engine.wait_ready(timeout=WORKERS_READY_S):
+                log.info(
+                    "%d workers ready %.1f s after start",
+                    self.config.workers,
+                    time.monotonic() - began,
+                )
+            else:
+                log.warning(
+                    "the workers are not all up %.0f s after start (a loaded machine?): "
+                    "serving with those that are",
+                    time.monotonic() - began,
+                )
             consumer.subscribe(
                 [self.queue_topic],
-                on_assign=lambda c, parts: intake.assigned(c, parts),
+                on_assign=lambda c, parts: self._on_assign(intake, c, parts, began),
                 on_revoke=lambda c, parts: self._on_revoke(intake, parts),
                 on_lost=lambda c, parts: intake.lost(parts),
             )
@@ -301,6 +320,17 @@ class Agent:
             if now >= next_beat:
                 self._beats.send(producer, engine)
                 next_beat = now + self.config.heartbeat_period_s
+
+    def _on_assign(
+        self, intake: Intake, consumer: Consumer, partitions: list[TopicPartition], began: float
+    ) -> None:
+        log.info(
+            "assigned partitions %s of %s %.1f s after start",
+            sorted(p.partition for p in partitions),
+            self.queue_topic,
+            time.monotonic() - began,
+        )
+        intake.assigned(consumer, partitions)
 
     def _on_revoke(self, intake: Intake, partitions: list[TopicPartition]) -> None:
         # Commit what is answered while the partitions are still ours; the engine's tasks of

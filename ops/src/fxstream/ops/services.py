@@ -36,7 +36,7 @@ import httpx
 import yaml
 
 from fxstream.ops.config import PlatformConfig
-from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free
+from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free, tail
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
@@ -63,6 +63,9 @@ KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # How often the start looks whether the API answers and the endpoint is online (each look
 # is one local HTTP request: cheap, and every second of a start is spent waiting on them).
 READY_POLL_S = 0.05
+# The local agent's start-up: seconds on an idle machine, but a 2-core machine that
+# starts a 3-node cluster beside other platforms was seen to need 108 s.
+ENDPOINT_READY_S = 180.0
 
 
 @dataclass(frozen=True)
@@ -404,7 +407,7 @@ class ServiceSet:
         raise TimeoutError(f"the service API at {self.service_url} did not answer in time")
 
     def _wait_for_endpoint(
-        self, credentials: Credentials, endpoint_id: str, timeout_s: float = 60.0
+        self, credentials: Credentials, endpoint_id: str, timeout_s: float = ENDPOINT_READY_S
     ) -> None:
         deadline = time.monotonic() + timeout_s
         url = f"{self.service_url}/v1/endpoints/{endpoint_id}"
@@ -415,7 +418,10 @@ class ServiceSet:
             if response.status_code == 200 and response.json()["status"]["state"] == "online":
                 return
             time.sleep(READY_POLL_S)
-        raise TimeoutError("the local endpoint did not come online in time")
+        raise TimeoutError(
+            f"the local endpoint did not come online in {timeout_s:.0f} s; last lines of "
+            f"{self.endpoint.log_file}:\n{tail(self.endpoint.log_file)}"
+        )
 
     # --- the local user and endpoint ---------------------------------------------------
 
