@@ -30,10 +30,11 @@ follows ``task-state`` with the same :class:`~fxstream.service.registry.Registry
 the API uses (states on disk in RocksDB, memory bounded by its settings, not by the
 number of tasks) and looks each task up there: no second copy of the routing
 table, no join against the dispatch topics (which hold the payloads). A task the
-view does not know yet makes it wait (bounded) until it has read what
-``task-state`` held at that moment; only partitions that grew since the last wait
-are waited for, so a flood of forged task ids costs that wait at most once per
-change of the topic.
+view does not know yet makes it wait until the view has read what ``task-state``
+held at that moment, however long a loaded machine makes that (a lagging view once
+turned valid results into ``NotRoutedHere`` dead letters under a steady 350 tasks/s);
+only partitions that grew since the last completed wait are waited for, so a flood of
+forged task ids costs one end-offset request each while the view is current.
 
 The writes of a batch and its input offsets are one Kafka transaction (the
 router's loop, :class:`~fxstream.service.router_loop.RouterLoop`, with this
@@ -310,6 +311,6 @@ class Ingress:
         )
 
     async def _catch_up(self) -> None:
-        """Wait (bounded) until the task-state view has read what the topic holds now."""
+        """Wait until the task-state view has read what the topic holds now."""
         self.stats.catch_ups += 1
         await self._follower.catch_up()

@@ -210,6 +210,11 @@ class RegistryView:
                     raise
                 time.sleep(0.1)
 
+    @property
+    def following(self) -> bool:
+        """True while the view's thread reads its topics (False once closed or dead)."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
     def close(self) -> None:
         """Stop following and close the consumer."""
         self._stop.set()

@@ -337,7 +337,7 @@ class Router:
         )
 
     async def _catch_up(self) -> None:
-        """Wait (bounded) until the view has read what the registry topics hold right now:
+        """Wait until the view has read what the registry topics hold right now:
         a function registered a moment before its first submission may not be in it yet."""
         self.stats.catch_ups += 1
         await self._follower.catch_up()
