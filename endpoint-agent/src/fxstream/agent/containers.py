@@ -141,9 +141,7 @@ class WorkerLaunch:
     readonly: tuple[str, ...] = ()
     writable: tuple[str, ...] = ()
     fds: int = 2
-    nofile: tuple[int, int] = field(
-        default_factory=lambda: resource.getrlimit(resource.RLIMIT_NOFILE)
-    )
+    nofile: tuple[int, int] = field(default_factory=lambda: _limits(resource.RLIMIT_NOFILE))
 
 
 @runtime_checkable
@@ -177,6 +175,15 @@ class Runtime(Protocol):
         """A command that kills the worker's container when killing the launcher does not
         (podman, docker), else None."""
         ...
+
+
+def _limits(which: int) -> tuple[int, int]:
+    """This process's (soft, hard) limit, unlimited as a large number."""
+    soft, hard = resource.getrlimit(which)
+    big = 2**31 - 1
+    return (big if soft == resource.RLIM_INFINITY else soft), (
+        big if hard == resource.RLIM_INFINITY else hard
+    )
 
 
 def _under(path: str, prefixes: Sequence[str]) -> bool:
@@ -309,6 +316,9 @@ class PodmanRuntime:
 
     binary: str = "podman"
     oci_runtime: str | None = "runc"
+    # Rootful podman's default process limit (1048576) is refused on these machines: the
+    # container's is explicit, at most this (and never above the agent's own).
+    max_processes: int = 32_768
 
     @property
     def name(self) -> str:
@@ -330,7 +340,13 @@ class PodmanRuntime:
 
     def _run_options(self, launch: WorkerLaunch) -> list[str]:
         soft, hard = launch.nofile
-        return ["--ulimit", f"nofile={soft}:{hard}"]
+        processes = min(self.max_processes, *_limits(resource.RLIMIT_NPROC))
+        return [
+            "--ulimit",
+            f"nofile={soft}:{hard}",
+            "--ulimit",
+            f"nproc={processes}:{processes}",
+        ]
 
     def command(self, launch: WorkerLaunch, image: Image | None) -> list[str]:
         """``podman run`` of the image with the worker's binds and descriptors."""
