@@ -63,6 +63,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fxstream.agent.answer import Answerer
 from fxstream.agent.config import EndpointConfig
+from fxstream.agent.containers import runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine
 from fxstream.agent.feed import EngineFeed
@@ -165,7 +166,15 @@ class Agent:
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         kafka = self.config.kafka(self._credentials).confluent()
-        engine: Engine = ProcessEngine(self.config.workers, self._runner)
+        readonly, writable = self.config.worker_paths()
+        engine: Engine = ProcessEngine(
+            self.config.workers,
+            self._runner,
+            runtime=runtime_for(self.config.runtime) if self.config.runtime != "process" else None,
+            image=self.config.worker_image(),
+            readonly=readonly,
+            writable=writable,
+        )
         codes = CodeCache(self.config.service_url, self._credentials.token)
         intake = Intake(
             self.config,

@@ -405,7 +405,8 @@ class ProcessEngine:
 
     With a ``runtime`` every worker is started by the command line it builds,
     inside ``image`` (which must be of that runtime; none for ``process``), with
-    write access to its own sandbox directory and to ``writable``; a runtime
+    write access to its own sandbox directory and to ``writable``, and read access
+    to this Python (interpreter, virtualenv, ``sys.path``) and ``readonly``; a runtime
     that cannot run here (its binary is missing) raises
     :class:`~fxstream.agent.containers.ContainerError` saying what to install.
     ``start_method`` applies only without a runtime.
@@ -424,6 +425,7 @@ class ProcessEngine:
         runtime: Runtime | None = None,
         image: Image | None = None,
         writable: Sequence[str] = (),
+        readonly: Sequence[str] = (),
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
@@ -443,7 +445,9 @@ class ProcessEngine:
         self._runtime = runtime
         self._image = image
         self._writable = tuple(os.path.abspath(p) for p in writable)
-        self._python_paths = _python_paths() if runtime is not None else ()
+        self._readonly = (
+            (*_python_paths(), *(os.path.abspath(p) for p in readonly)) if runtime else ()
+        )
         self._instance = uuid.uuid4().hex[:8]
         self._size = size
         self._runner = runner
@@ -1161,7 +1165,7 @@ class ProcessEngine:
             env=env,
             sandbox=sandbox,
             name=f"fxstream-worker-{self._instance}-{number}",
-            readonly=self._python_paths,
+            readonly=self._readonly,
             writable=(sandbox, *self._writable),
             fds=2 if runtime.passes_fds else 0,
         )
