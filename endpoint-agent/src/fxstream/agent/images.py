@@ -21,6 +21,7 @@ is an image too, needing no build.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -119,6 +120,16 @@ def build_rootfs(destination: str | Path) -> Path:
     if marker.is_file() and marker.read_text().strip() == fingerprint:
         return rootfs
     rootfs.parent.mkdir(parents=True, exist_ok=True)
+    # Two processes (a test session and an operator, say) may build it at once: one does.
+    with open(rootfs.parent / f".{rootfs.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.is_file() and marker.read_text().strip() == fingerprint:
+            return rootfs
+        _build(rootfs, fingerprint)
+    return rootfs
+
+
+def _build(rootfs: Path, fingerprint: str) -> None:
     staging = Path(tempfile.mkdtemp(prefix=f".{rootfs.name}.", dir=rootfs.parent))
     try:
         for name in _TOP_LEVEL_LINKS:  # merged /usr: /lib -> usr/lib and the like
@@ -148,7 +159,6 @@ def build_rootfs(destination: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return rootfs
 
 
 def _image_exists(binary: str, tag: str) -> bool:

@@ -1,0 +1,111 @@
+"""A function registered with a container runs inside it, through the whole platform:
+SDK -> router -> an endpoint agent whose workers run in bubblewrap -> the worker -> result.
+
+Real broker, service and agent processes (the private platform of tests/e2e/stack.py).
+The endpoint allows one image, the minimal worker rootfs (fxstream.agent.images); a
+function registered with another container is refused before it runs, with the setting
+that would run it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fxstream.ops.private import ExtraEndpoint
+from fxstream.sdk import TaskExecutionFailed
+from tests.e2e.stack import Stack, running_stack
+
+pytestmark = pytest.mark.platform
+
+RESULT_S = 90.0
+NAMESPACES = ("mnt", "pid", "ipc", "uts")
+
+
+def inside() -> dict[str, Any]:
+    """Where the task runs: its namespaces, pid, and what it may write."""
+    import errno
+    import os
+
+    def attempt(path: str) -> str:
+        try:
+            with open(path, "w") as out:
+                out.write("x")
+        except OSError as exc:
+            return errno.errorcode.get(exc.errno or 0, "?")
+        return "written"
+
+    seen: dict[str, Any] = {ns: os.readlink(f"/proc/self/ns/{ns}") for ns in NAMESPACES}
+    seen["pid"] = os.getpid()
+    seen["sandbox"] = attempt("written-in-sandbox.txt")
+    seen["code"] = attempt(os.path.join(os.path.dirname(os.__file__), "fxstream-probe.txt"))
+    seen["etc"] = attempt("/etc/fxstream-probe")
+    seen["root"] = os.listdir("/")
+    return seen
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from running_stack(tmp_path_factory.mktemp("containers"))
+
+
+@pytest.fixture(scope="module")
+def contained(stack: Stack, rootfs: Path) -> ExtraEndpoint:
+    return stack.add_endpoint(
+        "contained",
+        store_url=None,
+        runtime="bubblewrap",
+        images={"worker": f"bubblewrap:{rootfs}"},
+        image="worker",
+    )
+
+
+def test_a_function_registered_with_its_container_runs_inside_it(
+    stack: Stack, contained: ExtraEndpoint
+) -> None:
+    with stack.client() as owner:
+        function = owner.register_function(inside, container="worker")
+        task = owner.run(endpoint_id=contained.endpoint_id, function_id=function)
+        seen = owner.future(task).result(timeout=RESULT_S)
+    agent_pid = contained.process.pid()
+    assert agent_pid is not None
+    for ns in NAMESPACES:
+        agent_ns = os.readlink(f"/proc/{agent_pid}/ns/{ns}")
+        assert seen[ns] != agent_ns, f"the task shares the agent's {ns} namespace"
+    assert seen["pid"] in (1, 2)
+    assert seen["sandbox"] == "written"
+    assert seen["code"] == "EROFS" and seen["etc"] == "EROFS"
+    # The minimal rootfs, not the host's: no /opt, /var/lib/... of the host.
+    assert "opt" not in seen["root"] and "boot" not in seen["root"]
+
+
+def test_a_function_without_a_container_runs_in_the_endpoints_image(
+    stack: Stack, contained: ExtraEndpoint
+) -> None:
+    with stack.client() as owner:
+        function = owner.register_function(inside)
+        task = owner.run(endpoint_id=contained.endpoint_id, function_id=function)
+        seen = owner.future(task).result(timeout=RESULT_S)
+    assert seen["mnt"] != os.readlink("/proc/self/ns/mnt")
+
+
+def test_a_container_the_endpoint_does_not_allow_is_refused_before_it_runs(
+    stack: Stack, contained: ExtraEndpoint
+) -> None:
+    with stack.client() as owner:
+        function = owner.register_function(inside, container="gpu-image")
+        task = owner.run(endpoint_id=contained.endpoint_id, function_id=function)
+        with pytest.raises(TaskExecutionFailed) as caught:
+            owner.future(task).result(timeout=RESULT_S)
+    refused = caught.value
+    assert refused.remote_type == "NotAllowedOnEndpoint", refused
+    assert not refused.retryable
+    message = refused.remote_message
+    assert f"function {function} runs only in container 'gpu-image'" in message
+    assert "adds images: {gpu-image: '<runtime>:<reference>'}" in message
+    assert "extra-endpoints/contained/config.yaml" in message
+    assert "its workers run in image 'worker'" in message
