@@ -193,11 +193,11 @@ def _under(path: str, prefixes: Sequence[str]) -> bool:
 
 def _outermost(paths: Sequence[str], *, skip: Sequence[str] = ()) -> list[str]:
     """``paths`` (made absolute, in order) without duplicates, those inside another, and
-    those under ``skip``."""
+    those under ``skip``; never ``/`` (the host's whole tree is never bound)."""
     unique: list[str] = []
     for path in paths:
         absolute = os.path.abspath(path)
-        if absolute not in unique and not _under(absolute, skip):
+        if absolute != "/" and absolute not in unique and not _under(absolute, skip):
             unique.append(absolute)
     return [p for p in unique if not _under(p, [q for q in unique if q != p])]
 
@@ -293,9 +293,16 @@ class BubblewrapRuntime:
                 argv += ["--ro-bind", source, f"/{entry}"]
         argv += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/run"]
         writable = _outermost(launch.writable)
-        for path in _outermost(launch.readonly, skip=_ROOTFS_PREFIXES):
-            if not any(_under(path, [w]) for w in writable):
-                argv += ["--ro-bind", path, path]
+        for path in _outermost(launch.readonly):
+            if any(_under(path, [w]) for w in writable):
+                continue
+            if _under(path, _ROOTFS_PREFIXES) and (
+                # The host's rootfs has it already; another is bound over where the image
+                # has a place for it (a rootfs cannot be written to make one).
+                rootfs == HOST_ROOTFS or not os.path.isdir(os.path.join(rootfs, path[1:]))
+            ):
+                continue
+            argv += ["--ro-bind", path, path]
         for path in writable:
             argv += ["--bind", path, path]
         argv += ["--chdir", launch.sandbox, "--"]

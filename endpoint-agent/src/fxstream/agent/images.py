@@ -61,6 +61,7 @@ _ETC_FILES: Final = (
 _BINARIES: Final = ("sh",)
 _EMPTY_DIRS: Final = ("tmp", "var/tmp", "run", "proc", "dev", "sys", "root", "home")
 _TOP_LEVEL_LINKS: Final = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_ROOTFS_TOP: Final = ("usr", "etc", *_TOP_LEVEL_LINKS)
 _LDD_LINE = re.compile(r"(?:=>\s*)?(/\S+)\s+\(0x[0-9a-f]+\)")
 
 
@@ -141,6 +142,12 @@ def _build(rootfs: Path, fingerprint: str) -> None:
         (staging / "tmp").chmod(0o1777)
         (staging / "var/tmp").chmod(0o1777)
         python_dirs = _python_dirs()
+        # Where this Python lives under the rootfs's own directories (a Debian python3 in
+        # /usr, say), the image keeps an empty place for bubblewrap to bind it over.
+        for path in [*python_dirs, *(os.path.realpath(p) for p in sys.path if p)]:
+            top = path.strip("/").split("/")[0]
+            if top in _ROOTFS_TOP and os.path.isdir(path):
+                (staging / path.lstrip("/")).mkdir(parents=True, exist_ok=True)
         binaries = [b for b in (shutil.which(n) for n in _BINARIES) if b is not None]
         for library in sorted(_closure(_elf_files(python_dirs) + binaries)):
             if not any(os.path.realpath(library).startswith(d + os.sep) for d in python_dirs):
