@@ -3,19 +3,48 @@ images built once (cached across sessions by fingerprint), and what cannot run h
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fxstream.agent.containers import Image, PodmanRuntime, WorkerLaunch
 from fxstream.agent.images import build_podman_image, build_rootfs
 from fxstream.ops.install import ensure_container_runtimes
-from tests.agent.conftest import no_leftover_processes
 
-__all__ = ["no_leftover_processes"]
+_HELPERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver")
+
+
+def _children() -> set[psutil.Process]:
+    found = set()
+    for process in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            command = " ".join(process.cmdline())
+            if not any(f"from {helper} import main" in command for helper in _HELPERS):
+                found.add(process)
+    return found
+
+
+@pytest.fixture
+def leaves_no_process() -> Iterator[None]:
+    """Fail a test that leaves a process of its own running (and kill what it left):
+    a container's processes are the test's descendants (bwrap) or gone (podman)."""
+    before = _children()
+    yield
+    left = []
+    for process in _children() - before:
+        with contextlib.suppress(psutil.Error):
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(process)
+    for process in left:
+        with contextlib.suppress(psutil.Error):
+            process.kill()
+    psutil.wait_procs(left, timeout=5)
+    assert not left, f"processes left behind: {[p.pid for p in left]}"
 
 
 def _cache() -> Path:

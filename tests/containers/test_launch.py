@@ -23,6 +23,8 @@ from fxstream.agent.engine import WALLTIME_EXCEEDED, WORKER_LOST, WorkItem, Work
 from fxstream.agent.process_engine import ProcessEngine
 from tests.agent import runners
 
+pytestmark = pytest.mark.usefixtures("leaves_no_process")
+
 TIMEOUT = 60.0
 
 

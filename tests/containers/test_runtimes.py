@@ -37,6 +37,8 @@ from fxstream.agent.process_engine import ProcessEngine
 from tests.containers import tasks
 from tests.containers.tasks import NAMESPACES
 
+pytestmark = pytest.mark.usefixtures("leaves_no_process")
+
 START_S = 60.0
 
 
@@ -228,7 +230,8 @@ def test_the_docker_command_line(tmp_path: Path) -> None:
         "-m",
         "fxstream.agent.worker_process",
     ]
-    assert runtime.stop_command(_launch(tmp_path, fds=0))[-1] == "fxstream-worker-test-0"
+    stop = runtime.stop_command(_launch(tmp_path, fds=0))
+    assert stop is not None and stop[1:] == ["kill", "--signal", "KILL", "fxstream-worker-test-0"]
 
 
 def _docker_problem() -> str | None:
