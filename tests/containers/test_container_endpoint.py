@@ -113,3 +113,19 @@ def test_a_container_the_endpoint_does_not_allow_is_refused_before_it_runs(
     assert "adds images: {gpu-image: '<runtime>:<reference>'}" in message
     assert "extra-endpoints/contained/config.yaml" in message
     assert "its workers run in image 'worker'" in message
+
+
+def test_an_endpoint_without_containers_refuses_a_function_pinned_to_one(stack: Stack) -> None:
+    with stack.client() as owner:
+        pinned = owner.register_function(inside, container="worker")
+        task = owner.run(endpoint_id=stack.endpoint_id, function_id=pinned)
+        with pytest.raises(TaskExecutionFailed) as caught:
+            owner.future(task).result(timeout=RESULT_S)
+        # Control: the same function, not pinned, runs there (outside any container).
+        free = owner.register_function(inside)
+        seen = owner.future(owner.run(endpoint_id=stack.endpoint_id, function_id=free)).result(
+            timeout=RESULT_S
+        )
+    assert caught.value.remote_type == "NotAllowedOnEndpoint"
+    assert "its workers run in no container (runtime: process)" in caught.value.remote_message
+    assert seen["mnt"] == os.readlink("/proc/self/ns/mnt")
