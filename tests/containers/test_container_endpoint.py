@@ -49,6 +49,13 @@ def inside() -> dict[str, Any]:
     return seen
 
 
+def mount_namespace() -> str:
+    """The task's mount namespace (and nothing written anywhere)."""
+    import os
+
+    return os.readlink("/proc/self/ns/mnt")
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from running_stack(tmp_path_factory.mktemp("containers"))
@@ -117,15 +124,15 @@ def test_a_container_the_endpoint_does_not_allow_is_refused_before_it_runs(
 
 def test_an_endpoint_without_containers_refuses_a_function_pinned_to_one(stack: Stack) -> None:
     with stack.client() as owner:
-        pinned = owner.register_function(inside, container="worker")
+        pinned = owner.register_function(mount_namespace, container="worker")
         task = owner.run(endpoint_id=stack.endpoint_id, function_id=pinned)
         with pytest.raises(TaskExecutionFailed) as caught:
             owner.future(task).result(timeout=RESULT_S)
         # Control: the same function, not pinned, runs there (outside any container).
-        free = owner.register_function(inside)
+        free = owner.register_function(mount_namespace)
         seen = owner.future(owner.run(endpoint_id=stack.endpoint_id, function_id=free)).result(
             timeout=RESULT_S
         )
     assert caught.value.remote_type == "NotAllowedOnEndpoint"
     assert "its workers run in no container (runtime: process)" in caught.value.remote_message
-    assert seen["mnt"] == os.readlink("/proc/self/ns/mnt")
+    assert seen == os.readlink("/proc/self/ns/mnt")
