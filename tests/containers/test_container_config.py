@@ -94,32 +94,27 @@ POLICY = TaskPolicy.of(
 )
 
 
-def test_a_function_runs_in_its_container_when_it_is_the_endpoints_image() -> None:
-    assert POLICY.container_refusal("fn-1", None) is None
-    assert POLICY.container_refusal("fn-1", "worker") is None
-    assert POLICY.container_refusal("fn-1", "bubblewrap:/") is None  # by its spec
+def test_a_function_runs_in_the_allowed_image_its_container_names() -> None:
+    assert POLICY.image_for("fn-1", None) == (None, None)  # the endpoint's default
+    assert POLICY.image_for("fn-1", "worker") == ("worker", None)
+    assert POLICY.image_for("fn-1", "bubblewrap:/") == ("worker", None)  # by its spec
+    assert POLICY.image_for("fn-1", "oci") == ("oci", None)  # allowed, not the default
 
 
 def test_an_image_the_endpoint_does_not_allow_is_refused_saying_what_to_add() -> None:
-    refusal = POLICY.container_refusal("fn-1", "gpu-image")
-    assert refusal is not None
+    image, refusal = POLICY.image_for("fn-1", "gpu-image")
+    assert image is None and refusal is not None
     assert "function fn-1 runs only in container 'gpu-image'" in refusal
     assert "endpoint 'lab' (ep-1) does not allow" in refusal
+    assert "images allowed: oci, worker" in refusal
     assert "adds images: {gpu-image: '<runtime>:<reference>'}" in refusal
     assert str(config().path) in refusal
-    by_spec = POLICY.container_refusal("fn-1", "podman:localhost/other:2")
+    _, by_spec = POLICY.image_for("fn-1", "podman:localhost/other:2")
     assert by_spec is not None and "images: {NAME: 'podman:localhost/other:2'}" in by_spec
-
-
-def test_an_allowed_image_that_is_not_the_workers_is_refused_too() -> None:
-    refusal = POLICY.container_refusal("fn-1", "oci")
-    assert refusal is not None
-    assert "one endpoint runs one image for now" in refusal
-    assert "image: oci" in refusal
 
 
 def test_a_process_endpoint_refuses_every_container() -> None:
     plain = TaskPolicy.of(config())
-    assert plain.container_refusal("fn-1", None) is None
-    refusal = plain.container_refusal("fn-1", "worker")
+    assert plain.image_for("fn-1", None) == (None, None)
+    _, refusal = plain.image_for("fn-1", "worker")
     assert refusal is not None and "no container (runtime: process)" in refusal

@@ -46,6 +46,7 @@ def inside() -> dict[str, Any]:
     seen["code"] = attempt(os.path.join(os.path.dirname(os.__file__), "fxstream-probe.txt"))
     seen["etc"] = attempt("/etc/fxstream-probe")
     seen["root"] = os.listdir("/")
+    seen["os-release"] = os.path.exists("/etc/os-release")  # the host's /etc has it
     return seen
 
 
@@ -54,6 +55,13 @@ def mount_namespace() -> str:
     import os
 
     return os.readlink("/proc/self/ns/mnt")
+
+
+def mount_and_release() -> tuple[str, bool]:
+    """The task's mount namespace and whether its /etc is the host's (writes nothing)."""
+    import os
+
+    return os.readlink("/proc/self/ns/mnt"), os.path.exists("/etc/os-release")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +75,7 @@ def contained(stack: Stack, rootfs: Path) -> ExtraEndpoint:
         "contained",
         store_url=None,
         runtime="bubblewrap",
-        images={"worker": f"bubblewrap:{rootfs}"},
+        images={"worker": f"bubblewrap:{rootfs}", "host": "bubblewrap:/"},
         image="worker",
     )
 
@@ -95,18 +103,35 @@ def test_a_function_registered_with_its_container_runs_inside_it(
     assert seen["pid"] in (1, 2)
     assert seen["sandbox"] == "written"
     assert seen["code"] == "EROFS" and seen["etc"] == "EROFS"
-    # The minimal rootfs, not the host's: no /opt, /var/lib/... of the host.
+    # The minimal rootfs, not the host's: no /opt, /boot, /etc/os-release of the host.
     assert "opt" not in seen["root"] and "boot" not in seen["root"]
+    assert not seen["os-release"]
 
 
 def test_a_function_without_a_container_runs_in_the_endpoints_image(
     stack: Stack, contained: ExtraEndpoint
 ) -> None:
     with stack.client() as owner:
-        function = owner.register_function(inside)
+        function = owner.register_function(mount_and_release)
         task = owner.run(endpoint_id=contained.endpoint_id, function_id=function)
-        seen = owner.future(task).result(timeout=RESULT_S)
-    assert seen["mnt"] != os.readlink("/proc/self/ns/mnt")
+        mount, release = owner.future(task).result(timeout=RESULT_S)
+    assert mount != os.readlink("/proc/self/ns/mnt")
+    assert not release  # the endpoint's image: the built rootfs
+
+
+def test_a_function_pinned_to_another_allowed_image_runs_in_that_one(
+    stack: Stack, contained: ExtraEndpoint
+) -> None:
+    with stack.client() as owner:
+        function = owner.register_function(mount_and_release, container="host")
+        by_spec = owner.register_function(mount_and_release, container="bubblewrap:/")
+        task = owner.run(endpoint_id=contained.endpoint_id, function_id=function)
+        mount, release = owner.future(task).result(timeout=RESULT_S)
+        again = owner.run(endpoint_id=contained.endpoint_id, function_id=by_spec)
+        mount_again, _ = owner.future(again).result(timeout=RESULT_S)
+    assert mount != os.readlink("/proc/self/ns/mnt")
+    assert release  # the host's rootfs image, in its own pool
+    assert mount_again == mount  # the same warm sandbox serves the image's next task
 
 
 def test_a_container_the_endpoint_does_not_allow_is_refused_before_it_runs(

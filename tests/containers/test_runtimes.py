@@ -44,8 +44,10 @@ PROBES = [Path("/usr/fxstream-probe"), Path("/etc/fxstream-probe")]
 START_S = 60.0
 
 
-def item(function: Callable[..., Any], *args: Any, task_id: str = "") -> WorkItem:
-    """A task running ``function(*args)`` with the default (pickle) runner."""
+def item(
+    function: Callable[..., Any], *args: Any, task_id: str = "", image: str | None = None
+) -> WorkItem:
+    """A task running ``function(*args)`` with the default (pickle) runner (in ``image``)."""
     code = pickle.dumps(function)
     return WorkItem(
         task_id=task_id or uuid.uuid4().hex,
@@ -53,6 +55,7 @@ def item(function: Callable[..., Any], *args: Any, task_id: str = "") -> WorkIte
         code_sha256=hashlib.sha256(code).hexdigest(),
         code=code,
         payload=pickle.dumps((args, {})),
+        image=image,
     )
 
 

@@ -63,13 +63,13 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fxstream.agent.answer import Answerer
 from fxstream.agent.config import EndpointConfig
-from fxstream.agent.containers import runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine
 from fxstream.agent.feed import EngineFeed
 from fxstream.agent.function_code import CodeCache
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import HeldTasks
+from fxstream.agent.image_pools import ImagePools
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -167,14 +167,19 @@ class Agent:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         kafka = self.config.kafka(self._credentials).confluent()
         readonly, writable = self.config.worker_paths()
-        engine: Engine = ProcessEngine(
-            self.config.workers,
-            self._runner,
-            runtime=runtime_for(self.config.runtime) if self.config.runtime != "process" else None,
-            image=self.config.worker_image(),
-            readonly=readonly,
-            writable=writable,
-        )
+        engine: Engine
+        if self.config.images:
+            # A pool per allowed image; the default's started now, the others at first use.
+            engine = ImagePools(
+                self.config.workers,
+                self._runner,
+                default=self.config.worker_image(),
+                images=list(self.config.allowed_images().values()),
+                readonly=readonly,
+                writable=writable,
+            )
+        else:
+            engine = ProcessEngine(self.config.workers, self._runner)
         codes = CodeCache(self.config.service_url, self._credentials.token)
         intake = Intake(
             self.config,

@@ -15,8 +15,9 @@ Containers: ``runtime`` names what every worker runs in (``process``: no contain
 ``images`` the images the endpoint allows by name (``"runtime:reference"``: a rootfs
 directory for bubblewrap, ``/`` for the host's own; a local image name for podman or
 docker; a SIF file or directory for apptainer; never pulled) and ``image`` the one its
-workers run in. A function registered with a container runs only where that container is
-the endpoint's ``image``; elsewhere it is refused before it runs, saying what to add here.
+workers run by default. A function registered with a container runs only in that
+container: in its image's own pool of workers where ``images`` allows it; elsewhere it is
+refused before it runs, saying what to add here.
 ``writable_dirs`` are host directories the workers may write besides their own sandbox.
 """
 
@@ -176,6 +177,7 @@ class EndpointConfig:
                 "batch-scheduler engines come later"
             )
         self.worker_image()
+        self._check_runtimes()
         if any(not os.path.isabs(d) for d in self.writable_dirs):
             raise ConfigError("writable_dirs must be absolute paths")
 
@@ -223,10 +225,14 @@ class EndpointConfig:
                 f"is {self.runtime!r}: set runtime: {image.runtime}, or choose a "
                 f"{self.runtime} image"
             )
-        problem = runtime_for(self.runtime).unavailable()
-        if problem is not None:
-            raise ConfigError(f"runtime: {problem}")
         return image
+
+    def _check_runtimes(self) -> None:
+        """Every allowed image's runtime must run here."""
+        for image in self.allowed_images().values():
+            problem = runtime_for(image.runtime).unavailable()
+            if problem is not None:
+                raise ConfigError(f"images: {image.name!r}: {problem}")
 
     def worker_paths(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Host paths the workers read and write besides their Python and sandbox:

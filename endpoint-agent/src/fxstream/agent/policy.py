@@ -10,10 +10,10 @@ nothing of it is deserialized. It is answered with a ``NotAllowedOnEndpoint`` er
 endpoint allows and how its owner changes that.
 
 A function registered with a container (``FunctionRecord.container``: an image's name,
-or its ``"runtime:reference"``) runs only in that container: where it is not the image the
-endpoint's workers run in, the task is refused before it runs
-(:meth:`TaskPolicy.container_refusal`, once the function's record is fetched; nothing of
-it is deserialized), with the ``images`` / ``image`` settings that would run it.
+or its ``"runtime:reference"``) runs only in that container: an image the endpoint allows
+(``images``) runs it; any other is refused before it runs (:meth:`TaskPolicy.image_for`,
+once the function's record is fetched; nothing of it is deserialized), with the ``images``
+entry that would run it.
 
 JSON-only arguments matter because every pickle-based strategy runs code while loading:
 with ``allowed_serializers: [json]`` and a list of allowed functions, a user of the endpoint
@@ -59,39 +59,31 @@ class TaskPolicy:
             config_path=str(config.path),
         )
 
-    def container_refusal(self, function_id: str, container: str | None) -> str | None:
-        """Why this endpoint cannot run function ``function_id`` registered with
-        ``container`` (an image name or ``"runtime:reference"``), or None to run it."""
+    def image_for(self, function_id: str, container: str | None) -> tuple[str | None, str | None]:
+        """Where function ``function_id``, registered with ``container`` (an image name or
+        ``"runtime:reference"``), runs: ``(image name, None)``, with ``None`` for the
+        endpoint's default; or ``(None, why it is refused)`` when the endpoint does not
+        allow that container."""
         if container is None:
-            return None
+            return None, None
         by_spec = {spec: name for name, spec in self.images.items()}
         name = container if container in self.images else by_spec.get(container)
-        if name is not None and name == self.image:
-            return None
+        if name is not None:
+            return name, None
         runs_in = (
             f"its workers run in image {self.image!r} ({self.images.get(self.image, '')})"
             if self.image is not None
             else "its workers run in no container (runtime: process)"
         )
-        if name is None:
-            entry = (
-                f"NAME: '{container}'"
-                if ":" in container
-                else f"{container}: '<runtime>:<reference>'"
-            )
-            return (
-                f"function {function_id} runs only in container {container!r}, which "
-                f"{self.endpoint} does not allow ({runs_in}); refused before it ran. To run "
-                f"it here, the endpoint's owner adds images: {{{entry}}} to "
-                f"{self.config_path}, sets image to that name and runtime to its runtime, "
-                "and restarts the endpoint"
-            )
-        return (
-            f"function {function_id} runs only in container {container!r} (image {name!r}, "
-            f"{self.images[name]}), and {runs_in}; one endpoint runs one image for now, so it "
-            f"was refused before it ran. Send it to an endpoint whose image is {name!r}, or "
-            f"have the owner set image: {name} (and its runtime) in {self.config_path} and "
-            "restart the endpoint"
+        allowed = ", ".join(sorted(self.images)) or "none"
+        entry = (
+            f"NAME: '{container}'" if ":" in container else f"{container}: '<runtime>:<reference>'"
+        )
+        return None, (
+            f"function {function_id} runs only in container {container!r}, which "
+            f"{self.endpoint} does not allow ({runs_in}; images allowed: {allowed}); refused "
+            f"before it ran. To run it here, the endpoint's owner adds images: {{{entry}}} "
+            f"to {self.config_path} and restarts the endpoint"
         )
 
     @property

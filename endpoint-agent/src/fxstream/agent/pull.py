@@ -237,18 +237,19 @@ class Intake:
         self._enqueue(held, sha, code)
 
     def _enqueue(self, held: Held, sha: str, code: bytes) -> None:
-        """Queue a task whose code is in hand, unless its function's container is not the
-        one this endpoint runs (refused before it runs: nothing deserialized)."""
+        """Queue a task whose code is in hand, for the image its function's container names,
+        unless the endpoint does not allow that container (refused before it runs: nothing
+        deserialized)."""
         submission = held.submission
         container = self._codes.container(submission.function_id)
-        refusal = self._policy.container_refusal(submission.function_id, container)
+        image, refusal = self._policy.image_for(submission.function_id, container)
         if refusal is not None:
             log.warning("task %s refused: %s", submission.task_id, refusal)
             self._answers.publish(
                 held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
             )
             return
-        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code, image=image))
 
     def _foreign(self, dispatch: TaskDispatch) -> str:
         """Why this agent must not run ``dispatch`` (another endpoint's), or ''."""
