@@ -133,12 +133,18 @@ class ImagePools:
         return [state for pool in self.pools().values() for state in pool.warm()]
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close every pool; idempotent."""
+        """Close every pool at once (so within ``timeout`` for all); idempotent."""
         with self._lock:
             self._closed = True
             pools = list(self._pools.values())
-        for pool in pools:
-            pool.close(timeout)
+        closing = [
+            threading.Thread(target=pool.close, args=(timeout,), name="fxstream-pool-close")
+            for pool in pools
+        ]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
 
 
 def _start_failed(item: WorkItem, image: str | None, exc: Exception) -> WorkOutcome:
