@@ -48,6 +48,8 @@ DEFAULT_IMAGE_REPOSITORY: Final = "localhost/fxstream-worker"
 """The repository of the images :func:`build_podman_image` tags (the tag is the fingerprint)."""
 
 _MARKER: Final = ".fxstream-rootfs"
+# Bumped whenever what build_rootfs puts in a rootfs changes (part of the fingerprint).
+_LAYOUT_VERSION: Final = "2"
 _ETC_FILES: Final = (
     "passwd",
     "group",
@@ -95,7 +97,8 @@ def _closure(files: list[str]) -> set[str]:
 def rootfs_fingerprint() -> str:
     """What a rootfs built now depends on: this machine, this interpreter, its libraries."""
     digest = hashlib.sha256()
-    for part in (platform.machine(), sys.version, *_python_dirs(), *_ETC_FILES, *_BINARIES):
+    parts = (_LAYOUT_VERSION, platform.machine(), sys.version, *_python_dirs())
+    for part in (*parts, *_ETC_FILES, *_BINARIES):
         digest.update(part.encode() + b"\0")
     for path in ("/etc/ld.so.cache", os.path.realpath(sys.executable)):
         stat = os.stat(path)
