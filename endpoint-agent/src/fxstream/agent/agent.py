@@ -69,6 +69,7 @@ from fxstream.agent.feed import EngineFeed
 from fxstream.agent.function_code import CodeCache
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import HeldTasks
+from fxstream.agent.image_pools import ImagePools
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -168,7 +169,20 @@ class Agent:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         began = time.monotonic()  # the start-up's phases are logged from here
         kafka = self.config.kafka(self._credentials).confluent()
-        engine: Engine = ProcessEngine(self.config.workers, self._runner)
+        readonly, writable = self.config.worker_paths()
+        engine: Engine
+        if self.config.images:
+            # A pool per allowed image; the default's started now, the others at first use.
+            engine = ImagePools(
+                self.config.workers,
+                self._runner,
+                default=self.config.worker_image(),
+                images=list(self.config.allowed_images().values()),
+                readonly=readonly,
+                writable=writable,
+            )
+        else:
+            engine = ProcessEngine(self.config.workers, self._runner)
         codes = CodeCache(self.config.service_url, self._credentials.token)
         intake = Intake(
             self.config,

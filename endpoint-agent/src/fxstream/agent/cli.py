@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -215,6 +215,27 @@ def configure(
             "default: any)."
         ),
     ] = None,
+    runtime: Annotated[
+        str,
+        typer.Option(
+            help="The container runtime the workers run in: process (none), bubblewrap, "
+            "podman, docker or apptainer."
+        ),
+    ] = "process",
+    allow_image: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An image the endpoint allows, NAME=RUNTIME:REFERENCE, e.g. "
+            "worker=bubblewrap:/ (repeat it; `fxstream-endpoint image` builds one)."
+        ),
+    ] = None,
+    image: Annotated[
+        str | None, typer.Option(help="The allowed image (its NAME) the workers run in.")
+    ] = None,
+    writable_dir: Annotated[
+        list[str] | None,
+        typer.Option(help="A host directory the workers may write (repeat it)."),
+    ] = None,
 ) -> None:
     """Write the endpoint's YAML config and its 0600 credentials file (registering the
     endpoint with the service if needed). No secret is taken on the command line: the
@@ -236,6 +257,10 @@ def configure(
             "proxy_threshold": proxy_threshold,
             "allowed_functions": tuple(allow_function or ()),
             "allowed_serializers": tuple(allow_serializer or ()),
+            "runtime": runtime,
+            "image": image,
+            "images": _images(allow_image or ()),
+            "writable_dirs": tuple(writable_dir or ()),
         }
         if credentials is not None:
             path = credentials.expanduser().absolute()
@@ -303,6 +328,45 @@ def configure(
     console.print(f"endpoint {name!r} ({config.endpoint_id}) configured in {path}")
     console.print(f"its credential: {config.credentials_path} (mode 600)")
     console.print(f"start it with: fxstream-endpoint start {name}")
+
+
+def _images(entries: Sequence[str]) -> dict[str, str]:
+    images: dict[str, str] = {}
+    for entry in entries:
+        name, sep, spec = entry.partition("=")
+        if not sep or not name or not spec:
+            raise _fail(f"--allow-image {entry!r}: write it as NAME=RUNTIME:REFERENCE")
+        images[name] = spec
+    return images
+
+
+@app.command("image")
+def build_image(
+    destination: Annotated[
+        Path, typer.Argument(help="The directory to build the worker rootfs in.")
+    ],
+    podman: Annotated[bool, typer.Option(help="Also import it as a local podman image.")] = False,
+    docker: Annotated[
+        bool, typer.Option(help="Also import it as a local Docker image (a daemon must answer).")
+    ] = False,
+) -> None:
+    """Build a worker image on this machine, from its own files (nothing is pulled): a
+    minimal rootfs directory (for bubblewrap and apptainer) and, if asked, a local OCI
+    image made from it; prints the config entries that allow them."""
+    from fxstream.agent.containers import ContainerError
+    from fxstream.agent.images import build_podman_image, build_rootfs
+
+    try:
+        rootfs = build_rootfs(destination)
+        console.print(f"rootfs: {rootfs}")
+        console.print(f"  --allow-image worker=bubblewrap:{rootfs}")
+        for wanted, binary in ((podman, "podman"), (docker, "docker")):
+            if wanted:
+                tag = build_podman_image(rootfs, binary=binary)
+                console.print(f"{binary} image: {tag}")
+                console.print(f"  --allow-image worker-{binary}={binary}:{tag}")
+    except (ContainerError, OSError) as exc:
+        raise _fail(f"cannot build the image: {exc}") from exc
 
 
 def _warn(message: str) -> None:

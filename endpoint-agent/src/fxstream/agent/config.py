@@ -9,6 +9,16 @@ credential (its Kafka principal and API token, never its owner's) is in the 0600
 A shared endpoint narrows what it runs: ``allowed_functions`` (function ids) and
 ``allowed_serializers`` (data strategies of the arguments, e.g. ``[json]``); a task outside
 them is refused before anything of it is deserialized (:mod:`fxstream.agent.policy`).
+
+Containers: ``runtime`` names what every worker runs in (``process``: no container;
+``bubblewrap``, ``podman``, ``docker``, ``apptainer``: :mod:`fxstream.agent.containers`),
+``images`` the images the endpoint allows by name (``"runtime:reference"``: a rootfs
+directory for bubblewrap, ``/`` for the host's own; a local image name for podman or
+docker; a SIF file or directory for apptainer; never pulled) and ``image`` the one its
+workers run by default. A function registered with a container runs only in that
+container: in its image's own pool of workers where ``images`` allows it; elsewhere it is
+refused before it runs, saying what to add here.
+``writable_dirs`` are host directories the workers may write besides their own sandbox.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
 from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
@@ -93,6 +104,14 @@ class EndpointConfig:
     # data strategies (ids or names, e.g. "js" or "json") their arguments may use.
     allowed_functions: tuple[str, ...] = ()
     allowed_serializers: tuple[str, ...] = ()
+    # The container runtime every worker runs in, the images this endpoint allows (name ->
+    # "runtime:reference") and the one its workers use (required unless runtime is process).
+    runtime: str = "process"
+    image: str | None = None
+    images: dict[str, str] = field(default_factory=dict)
+    # Host directories the workers may write besides their own sandbox (a file store's
+    # directory is added by itself).
+    writable_dirs: tuple[str, ...] = ()
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -154,8 +173,80 @@ class EndpointConfig:
         if self.engine != "process":
             raise ConfigError(
                 f"engine {self.engine!r} is not available: only 'process' (warm local worker "
-                "processes) is built; batch-scheduler engines come later"
+                "processes, in the container runtime `runtime` names) is built; "
+                "batch-scheduler engines come later"
             )
+        self.worker_image()
+        self._check_runtimes()
+        if any(not os.path.isabs(d) for d in self.writable_dirs):
+            raise ConfigError("writable_dirs must be absolute paths")
+
+    def allowed_images(self) -> dict[str, Image]:
+        """The images this endpoint allows, by name; :class:`ConfigError` for a bad entry."""
+        allowed: dict[str, Image] = {}
+        for name, spec in self.images.items():
+            try:
+                allowed[name] = Image.parse(name, spec)
+            except ContainerError as exc:
+                raise ConfigError(f"images: {exc}") from None
+        return allowed
+
+    def worker_image(self) -> Image | None:
+        """The image every worker runs in (None: ``runtime`` is ``process``);
+        :class:`ConfigError` saying what to set when the settings disagree or the runtime
+        cannot run here."""
+        if self.runtime not in RUNTIMES:
+            raise ConfigError(
+                f"runtime {self.runtime!r} is unknown; choose one of {', '.join(RUNTIMES)}"
+            )
+        allowed = self.allowed_images()
+        if self.image is not None and self.image not in allowed:
+            raise ConfigError(
+                f"image {self.image!r} is not among images ({', '.join(allowed) or 'none'}); "
+                f"add it, e.g. images: {{{self.image}: '{self.runtime}:<reference>'}}"
+            )
+        if self.runtime == "process":
+            if self.image is not None and allowed[self.image].runtime != "process":
+                raise ConfigError(
+                    f"image {self.image!r} is a {allowed[self.image].runtime} image but runtime "
+                    f"is 'process': set runtime: {allowed[self.image].runtime}"
+                )
+            return None
+        if self.image is None:
+            raise ConfigError(
+                f"runtime {self.runtime!r} needs the image its workers run in: add "
+                f"images: {{worker: '{self.runtime}:<reference>'}} and image: worker "
+                "(`fxstream-endpoint image` builds one)"
+            )
+        image = allowed[self.image]
+        if image.runtime != self.runtime:
+            raise ConfigError(
+                f"image {self.image!r} is a {image.runtime} image ({image.spec}) but runtime "
+                f"is {self.runtime!r}: set runtime: {image.runtime}, or choose a "
+                f"{self.runtime} image"
+            )
+        return image
+
+    def _check_runtimes(self) -> None:
+        """Every allowed image's runtime must run here."""
+        for image in self.allowed_images().values():
+            problem = runtime_for(image.runtime).unavailable()
+            if problem is not None:
+                raise ConfigError(f"images: {image.name!r}: {problem}")
+
+    def worker_paths(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Host paths the workers read and write besides their Python and sandbox:
+        ``(readonly, writable)``: a rediss store's ``ca_file``; ``writable_dirs`` and a
+        directory store's directory."""
+        readonly: list[str] = []
+        writable = list(self.writable_dirs)
+        if self.store_url is not None:
+            options = StoreSpec.parse(self.store_url).options
+            if "store_dir" in options:
+                writable.append(str(options["store_dir"]))
+            if "ca_file" in options:
+                readonly.append(str(options["ca_file"]))
+        return tuple(readonly), tuple(writable)
 
     def serializer_ids(self) -> frozenset[str]:
         """The data strategy ids ``allowed_serializers`` names (empty: any)."""
@@ -214,6 +305,7 @@ class EndpointConfig:
         settings = asdict(self)
         settings["allowed_functions"] = list(self.allowed_functions)
         settings["allowed_serializers"] = list(self.allowed_serializers)
+        settings["writable_dirs"] = list(self.writable_dirs)
         write_secret_file(self.path, yaml.safe_dump(settings, sort_keys=False).encode())
         return self.path
 

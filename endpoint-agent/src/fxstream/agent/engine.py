@@ -73,7 +73,8 @@ class WorkItem:
 
     ``code`` may be ``None`` when the engine has seen this function's code before
     (the process engine keeps a bounded cache of it); ``walltime_s`` bounds load
-    plus run time.
+    plus run time; ``image`` names the container image the item must run in (its
+    function's container; ``None``: the engine's default).
     """
 
     task_id: str
@@ -82,6 +83,7 @@ class WorkItem:
     code: bytes | None
     payload: bytes
     walltime_s: float | None = None
+    image: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

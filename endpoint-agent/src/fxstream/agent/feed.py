@@ -92,6 +92,7 @@ class EngineFeed:
                 code=held.code,
                 payload=held.dispatch.submission,
                 walltime_s=submission.walltime_s,
+                image=held.image,
             )
             future = engine.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))

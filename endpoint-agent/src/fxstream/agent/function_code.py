@@ -44,6 +44,7 @@ class CodeCache:
         )
         self._capacity = capacity
         self._code: dict[str, tuple[str, bytes]] = {}
+        self._containers: dict[str, str | None] = {}
 
     def get(self, function_id: str) -> tuple[str, bytes]:
         """The function's ``(sha256, code)``, from the cache or the service; raises
@@ -69,16 +70,26 @@ class CodeCache:
                 f"the service refused function {function_id} ({status}): {detail}",
                 transient=status >= 500 or status == 429,
             )
-        code = base64.b64decode(response.json()["code"])
+        record = response.json()
+        code = base64.b64decode(record["code"])
         entry = (code_sha256(code), code)
         self._code[function_id] = entry
+        container = record.get("container")
+        self._containers[function_id] = container if isinstance(container, str) else None
         if len(self._code) > self._capacity:
-            del self._code[next(iter(self._code))]
+            evicted = next(iter(self._code))
+            del self._code[evicted]
+            self._containers.pop(evicted, None)
         return entry
+
+    def container(self, function_id: str) -> str | None:
+        """The container the function was registered with (None: none, or not fetched)."""
+        return self._containers.get(function_id)
 
     def forget(self, function_id: str) -> None:
         """Drop a cached function (its code did not have the digest a task expects)."""
         self._code.pop(function_id, None)
+        self._containers.pop(function_id, None)
 
     def close(self) -> None:
         """Close the HTTP client."""

@@ -42,6 +42,8 @@ class Held:
     size: int
     code_sha256: str = ""
     code: bytes = b""
+    # The allowed image its function's container names (None: the endpoint's default).
+    image: str | None = None
     # This agent's attempt number (the dispatch's, then one more per local retry) and
     # the failed attempts before it, oldest first.
     attempt: int = 1

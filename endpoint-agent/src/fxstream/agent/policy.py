@@ -9,6 +9,12 @@ nothing of it is deserialized. It is answered with a ``NotAllowedOnEndpoint`` er
 (:attr:`~fxstream.topics.TaskErrorType.NOT_ALLOWED`, never retried) saying what the
 endpoint allows and how its owner changes that.
 
+A function registered with a container (``FunctionRecord.container``: an image's name,
+or its ``"runtime:reference"``) runs only in that container: an image the endpoint allows
+(``images``) runs it; any other is refused before it runs (:meth:`TaskPolicy.image_for`,
+once the function's record is fetched; nothing of it is deserialized), with the ``images``
+entry that would run it.
+
 JSON-only arguments matter because every pickle-based strategy runs code while loading:
 with ``allowed_serializers: [json]`` and a list of allowed functions, a user of the endpoint
 can run only those functions, on plain data.
@@ -16,7 +22,7 @@ can run only those functions, on plain data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from fxstream.agent.config import EndpointConfig
@@ -35,6 +41,11 @@ class TaskPolicy:
     endpoint: str
     functions: frozenset[str] = frozenset()
     serializers: frozenset[str] = frozenset()
+    # The image the workers run in (None: no container), the images allowed (name ->
+    # "runtime:reference") and the config file that lists them.
+    image: str | None = None
+    images: dict[str, str] = field(default_factory=dict)
+    config_path: str = "config.yaml"
 
     @classmethod
     def of(cls, config: EndpointConfig) -> TaskPolicy:
@@ -43,6 +54,36 @@ class TaskPolicy:
             endpoint=f"endpoint {config.name!r} ({config.endpoint_id})",
             functions=frozenset(config.allowed_functions),
             serializers=config.serializer_ids(),
+            image=config.image if config.runtime != "process" else None,
+            images=dict(config.images),
+            config_path=str(config.path),
+        )
+
+    def image_for(self, function_id: str, container: str | None) -> tuple[str | None, str | None]:
+        """Where function ``function_id``, registered with ``container`` (an image name or
+        ``"runtime:reference"``), runs: ``(image name, None)``, with ``None`` for the
+        endpoint's default; or ``(None, why it is refused)`` when the endpoint does not
+        allow that container."""
+        if container is None:
+            return None, None
+        by_spec = {spec: name for name, spec in self.images.items()}
+        name = container if container in self.images else by_spec.get(container)
+        if name is not None:
+            return name, None
+        runs_in = (
+            f"its workers run in image {self.image!r} ({self.images.get(self.image, '')})"
+            if self.image is not None
+            else "its workers run in no container (runtime: process)"
+        )
+        allowed = ", ".join(sorted(self.images)) or "none"
+        entry = (
+            f"NAME: '{container}'" if ":" in container else f"{container}: '<runtime>:<reference>'"
+        )
+        return None, (
+            f"function {function_id} runs only in container {container!r}, which "
+            f"{self.endpoint} does not allow ({runs_in}; images allowed: {allowed}); refused "
+            f"before it ran. To run it here, the endpoint's owner adds images: {{{entry}}} "
+            f"to {self.config_path} and restarts the endpoint"
         )
 
     @property

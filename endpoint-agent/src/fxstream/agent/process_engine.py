@@ -49,12 +49,26 @@ Design choices the agent relies on:
   kernel (Linux) to SIGKILL it when that thread ends, so a crashed agent leaves
   no worker behind; :meth:`ProcessEngine.close` stops and reaps every worker.
   Workers ignore SIGINT: the agent decides when they stop.
+* **Containers.** Without a ``runtime`` workers are started by
+  :mod:`multiprocessing` (spawn or forkserver). With one
+  (:class:`~fxstream.agent.containers.Runtime`: process, bubblewrap, podman,
+  docker, apptainer) each worker is started by the command line the runtime
+  builds around ``python -m fxstream.agent.worker_process`` (``posix_spawn``,
+  its own session): its pipes are inherited descriptors (3 and 4, or stdin and
+  stdout), its state array is a file in its own sandbox directory mapped by both
+  sides, and the runner is the first message on its task pipe. The sandbox
+  directory (bound writable into the container, with ``writable``) holds the
+  state and crash files and is removed when the worker ends. The interpreter,
+  the virtualenv and every directory on ``sys.path`` are bound read-only. A
+  killed container whose launcher does not take it down (podman, docker) is
+  killed with the runtime's stop command.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import hashlib
 import itertools
 import logging
@@ -63,21 +77,26 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import select
 import selectors
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Final, Literal
 
+from fxstream.agent.containers import ContainerError, Image, Runtime, WorkerLaunch
 from fxstream.agent.engine import (
     CODE_HASH_MISMATCH,
     CODE_REQUIRED,
@@ -96,12 +115,14 @@ from fxstream.agent.worker_process import (
     REPLY_NEEDS_CODE,
     REPLY_OK,
     REPLY_READY,
+    STATE_BYTES,
     STATE_EPOCH,
     STATE_MONOTONIC,
     STATE_SEQ,
     Entry,
     FunctionKey,
     RunnerSpec,
+    map_state,
     resolve_runner,
     worker_main,
 )
@@ -122,6 +143,93 @@ _MAX_TRACKED_FUNCTIONS: Final = 4096
 
 
 _Resolution = tuple["Future[WorkOutcome]", "WorkOutcome"]
+
+# Where a launched worker's pipes are moved before they are put at their place (3 and 4, or
+# 0 and 1): above every descriptor a dup2 writes, so none overwrites another's source.
+_FD_STAGING_MIN: Final = 64
+_STOP_TIMEOUT_S: Final = 30.0
+
+
+# --- workers started by a command line (a container runtime's) -----------------------------
+
+
+class _LaunchedWorker:
+    """A worker started by a runtime's command line: the subset of ``multiprocessing``'s
+    process the pool uses (``pid``, ``sentinel``, ``exitcode``, ``kill``, ``join``)."""
+
+    def __init__(
+        self, argv: list[str], env: dict[str, str], fds: dict[int, int], stop: list[str] | None
+    ) -> None:
+        """Start ``argv`` in its own session with descriptor ``source`` at ``fds[source]``
+        (stdin is /dev/null unless one is put there); ``stop`` kills its container."""
+        staged = [fcntl.fcntl(source, fcntl.F_DUPFD_CLOEXEC, _FD_STAGING_MIN) for source in fds]
+        actions: list[tuple[Any, ...]] = [
+            (os.POSIX_SPAWN_DUP2, fd, target)
+            for fd, target in zip(staged, fds.values(), strict=True)
+        ]
+        if 0 not in fds.values():
+            actions.insert(0, (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0))
+        try:
+            self.pid: int = os.posix_spawnp(
+                argv[0],
+                argv,
+                env,
+                file_actions=actions,
+                setsid=True,
+                setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+            )
+        finally:
+            for fd in staged:
+                os.close(fd)
+        self.sentinel: int = os.pidfd_open(self.pid)
+        self.exitcode: int | None = None
+        self._stop = stop
+
+    def _exited(self) -> bool:
+        return self.exitcode is not None or bool(select.select([self.sentinel], [], [], 0)[0])
+
+    def kill(self) -> None:
+        """SIGKILL the launcher; first, while it lives, have the runtime kill its container."""
+        if self.exitcode is not None:
+            return
+        if self._stop is not None and not self._exited():
+            stop, self._stop = self._stop, None
+            threading.Thread(
+                target=_run_stop, args=(stop,), name="fxstream-stop", daemon=True
+            ).start()
+        with contextlib.suppress(OSError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def join(self) -> None:
+        """Reap the launcher (once) and record its exit code (negative: the signal)."""
+        if self.exitcode is not None:
+            return
+        try:
+            _, status = os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            self.exitcode = -signal.SIGKILL
+        else:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+        with contextlib.suppress(OSError):
+            os.close(self.sentinel)
+
+
+def _run_stop(argv: list[str]) -> None:
+    """Run a runtime's stop command; its failure (the container is gone already) is fine."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(argv, capture_output=True, timeout=_STOP_TIMEOUT_S, check=False)
+
+
+def _python_paths() -> tuple[str, ...]:
+    """What a worker reads of this Python: the interpreter, the virtualenv, ``sys.path``."""
+    interpreter = os.path.dirname(os.path.realpath(sys.executable))
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, interpreter]
+    paths += [os.path.abspath(p) for p in sys.path if os.path.exists(p or ".")]
+    paths += [os.path.realpath(p) for p in paths]
+    return tuple(dict.fromkeys(paths))
+
+
+_Process = BaseProcess | _LaunchedWorker
 
 
 # --- the pool ------------------------------------------------------------------------------
@@ -157,6 +265,7 @@ class _Slot:
         "process",
         "ready",
         "results",
+        "sandbox",
         "state",
         "tasks",
         "warm",
@@ -166,12 +275,13 @@ class _Slot:
     def __init__(
         self,
         index: int,
-        process: BaseProcess,
+        process: _Process,
         tasks: Connection,
         results: Connection,
         state: Any,
         crash_path: str,
         host: str,
+        sandbox: str | None = None,
     ) -> None:
         self.index = index
         self.process = process
@@ -181,6 +291,7 @@ class _Slot:
         self.results = results
         self.state = state
         self.crash_path = crash_path
+        self.sandbox = sandbox  # a launched worker's own directory, removed when it ends
         self.exit_fd = _exit_fd(process)
         self.ready = False
         self.dead = False
@@ -205,12 +316,14 @@ class _Slot:
         return started if self.running_seq() == seq else None
 
 
-def _exit_fd(process: BaseProcess) -> int:
+def _exit_fd(process: _Process) -> int:
     """A descriptor readable once ``process`` has exited.
 
     A pidfd where Linux has them: multiprocessing's sentinel is a pipe the worker
     holds open, so it stays silent while a process the task forked lives on.
     """
+    if isinstance(process, _LaunchedWorker):
+        return process.sentinel  # a pidfd already
     pid = process.pid
     if pid is not None and hasattr(os, "pidfd_open"):
         with contextlib.suppress(OSError):
@@ -221,9 +334,9 @@ def _exit_fd(process: BaseProcess) -> int:
 def _kill_group(slot: _Slot) -> None:
     """SIGKILL a worker and every process in its group (what its tasks started)."""
     with contextlib.suppress(OSError):
-        os.killpg(slot.pid, signal.SIGKILL)
+        slot.process.kill()  # first: a launched worker's runtime is asked while it lives
     with contextlib.suppress(OSError):
-        slot.process.kill()
+        os.killpg(slot.pid, signal.SIGKILL)
 
 
 def _describe_exit(exitcode: int | None) -> str:
@@ -289,6 +402,14 @@ class ProcessEngine:
     message, ``short_task_s`` is the mean run time under which a function's
     items may be batched, ``function_cache_size`` is each worker's LRU of
     loaded functions and ``code_cache_size`` the pool's LRU of code bytes.
+
+    With a ``runtime`` every worker is started by the command line it builds,
+    inside ``image`` (which must be of that runtime; none for ``process``), with
+    write access to its own sandbox directory and to ``writable``, and read access
+    to this Python (interpreter, virtualenv, ``sys.path``) and ``readonly``; a runtime
+    that cannot run here (its binary is missing) raises
+    :class:`~fxstream.agent.containers.ContainerError` saying what to install.
+    ``start_method`` applies only without a runtime.
     """
 
     def __init__(
@@ -301,6 +422,10 @@ class ProcessEngine:
         short_task_s: float = 0.005,
         function_cache_size: int = 64,
         code_cache_size: int = 256,
+        runtime: Runtime | None = None,
+        image: Image | None = None,
+        writable: Sequence[str] = (),
+        readonly: Sequence[str] = (),
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
@@ -308,6 +433,22 @@ class ProcessEngine:
             raise ValueError("max_batch and the cache sizes must be at least 1")
         resolve_runner(runner)
         _check_picklable(runner)
+        if runtime is not None:
+            problem = runtime.unavailable()
+            if problem is not None:
+                raise ContainerError(problem)
+            if runtime.name != "process" and (image is None or image.runtime != runtime.name):
+                raise ContainerError(
+                    f"the {runtime.name} runtime needs an image of its own, not "
+                    f"{'none' if image is None else repr(image.spec)}"
+                )
+        self._runtime = runtime
+        self._image = image
+        self._writable = tuple(os.path.abspath(p) for p in writable)
+        self._readonly = (
+            (*_python_paths(), *(os.path.abspath(p) for p in readonly)) if runtime else ()
+        )
+        self._instance = uuid.uuid4().hex[:8]
         self._size = size
         self._runner = runner
         self._start_method = start_method
@@ -402,10 +543,16 @@ class ProcessEngine:
                 queued=len(self._pending),
             )
 
+    @property
+    def image(self) -> Image | None:
+        """The image every worker runs in (None: no container)."""
+        return self._image
+
     def warm(self) -> list[WarmState]:
         """The functions each live worker holds loaded, oldest first (for warm adverts)."""
+        container = self._image.name if self._image is not None else None
         return [
-            WarmState(worker_id=worker, function_ids=tuple(functions))
+            WarmState(worker_id=worker, function_ids=tuple(functions), container=container)
             for worker, functions in self.warm_functions().items()
         ]
 
@@ -815,6 +962,8 @@ class ProcessEngine:
         for message in self._drain(slot):
             self._on_message_checked(slot, message)
         crash_dump = self._read_crash_dump(slot)
+        if slot.sandbox is not None:
+            shutil.rmtree(slot.sandbox, ignore_errors=True)
         with self._lock:
             slot.tasks.close()
             slot.results.close()
@@ -956,6 +1105,8 @@ class ProcessEngine:
                     slot.tasks.send_bytes(pickle.dumps(None))
 
     def _spawn(self, index: int) -> _Slot:
+        if self._runtime is not None:
+            return self._launch(index, self._runtime)
         tasks_r, tasks_w = self._context.Pipe(duplex=False)
         results_r, results_w = self._context.Pipe(duplex=False)
         state = self._context.RawArray("d", 3)
@@ -987,6 +1138,65 @@ class ProcessEngine:
             tasks_r.close()
             results_w.close()
         return _Slot(index, process, tasks_w, results_r, state, crash_path, self._host)
+
+    def _launch(self, index: int, runtime: Runtime) -> _Slot:
+        """Start a worker by the runtime's command line (see the module notes)."""
+        number = next(self._spawn_count)
+        sandbox = os.path.join(self._crash_dir, f"worker-{number}")
+        os.mkdir(sandbox, 0o700)
+        state_path = os.path.join(sandbox, "state")
+        with open(state_path, "wb") as state_file:
+            state_file.write(bytes(STATE_BYTES))
+        state = map_state(state_path)
+        state[STATE_SEQ] = -1
+        crash_path = os.path.join(sandbox, "crash.txt")
+        channel = (3, 4) if runtime.passes_fds else (0, 1)
+        argv = [sys.executable, "-m", "fxstream.agent.worker_process"]
+        argv += ["--tasks-fd", str(channel[0]), "--results-fd", str(channel[1])]
+        argv += ["--state", state_path, "--crash", crash_path]
+        if runtime.name == "process":  # in a container the parent is the runtime
+            argv += ["--parent-pid", str(os.getpid())]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(p) for p in sys.path if os.path.exists(p or ".")
+        )
+        launch = WorkerLaunch(
+            argv=tuple(argv),
+            env=env,
+            sandbox=sandbox,
+            name=f"fxstream-worker-{self._instance}-{number}",
+            readonly=self._readonly,
+            writable=(sandbox, *self._writable),
+            fds=2 if runtime.passes_fds else 0,
+        )
+        command = runtime.command(launch, self._image)
+        tasks_r, tasks_w = os.pipe()
+        results_r, results_w = os.pipe()
+        try:
+            process = _LaunchedWorker(
+                command,
+                runtime.environment(launch),
+                {tasks_r: channel[0], results_w: channel[1]},
+                runtime.stop_command(launch),
+            )
+        except BaseException:
+            for fd in (tasks_w, results_r):
+                os.close(fd)
+            shutil.rmtree(sandbox, ignore_errors=True)
+            raise
+        finally:
+            # The worker holds its own ends now; closing ours lets EOF mean "it is gone".
+            os.close(tasks_r)
+            os.close(results_w)
+        tasks = Connection(tasks_w, readable=False)
+        results = Connection(results_r, writable=False)
+        # Never on the command line: a runner may hold a store's password. A worker that
+        # died already is seen by the collector (its pidfd), not here.
+        with contextlib.suppress(OSError):
+            tasks.send_bytes(
+                pickle.dumps((self._runner, self._function_cache_size), pickle.HIGHEST_PROTOCOL)
+            )
+        return _Slot(index, process, tasks, results, state, crash_path, self._host, sandbox)
 
     # --- shutdown ----------------------------------------------------------------------------
 

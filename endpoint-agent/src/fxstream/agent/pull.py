@@ -234,7 +234,22 @@ class Intake:
                 held, failed_outcome(submission, TaskErrorType.CODE_INTEGRITY, exc)
             )
             return
-        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+        self._enqueue(held, sha, code)
+
+    def _enqueue(self, held: Held, sha: str, code: bytes) -> None:
+        """Queue a task whose code is in hand, for the image its function's container names,
+        unless the endpoint does not allow that container (refused before it runs: nothing
+        deserialized)."""
+        submission = held.submission
+        container = self._codes.container(submission.function_id)
+        image, refusal = self._policy.image_for(submission.function_id, container)
+        if refusal is not None:
+            log.warning("task %s refused: %s", submission.task_id, refusal)
+            self._answers.publish(
+                held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
+            )
+            return
+        self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code, image=image))
 
     def _foreign(self, dispatch: TaskDispatch) -> str:
         """Why this agent must not run ``dispatch`` (another endpoint's), or ''."""
@@ -267,7 +282,7 @@ class Intake:
                     )
                     continue
                 else:
-                    self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code))
+                    self._enqueue(held, sha, code)
                     continue
             if failure.transient:
                 still.append(held)

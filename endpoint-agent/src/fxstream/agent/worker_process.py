@@ -17,6 +17,22 @@ death. Which item runs now, and since when, is in a small shared-memory array
 (:data:`STATE_SEQ`, :data:`STATE_MONOTONIC`, :data:`STATE_EPOCH`), so the
 engine can time walltimes and word a death without asking the worker.
 
+A worker is started in one of two ways. Through :mod:`multiprocessing` (spawn
+or forkserver: :func:`worker_main` is its target, with its pipes and a
+``RawArray`` state), or by a command line a container runtime can wrap
+(:mod:`fxstream.agent.containers`): ``python -m fxstream.agent.worker_process
+--tasks-fd N --results-fd M --state FILE --crash FILE [--parent-pid PID]``
+(:func:`main`). Then the pipes are inherited descriptors (stdin and stdout where
+a runtime cannot pass others: the worker moves them aside and points its own
+stdout at stderr, so a task's prints cannot corrupt the pipe), the state array
+is the 24-byte file ``--state`` mapped in both processes (:data:`STATE_BYTES`),
+and the runner and cache size come as the first message on the task pipe, a
+pickled ``(runner, cache_size)`` (never on the command line: a runner may hold
+a store's password). Inside a container the worker's parent is the runtime,
+not the engine: no ``--parent-pid`` is passed, and the runtime ends the worker
+with the engine (bubblewrap's ``--die-with-parent``; for podman the worker
+exits when its task pipe closes).
+
 The pipe protocol: the engine sends a pickled list of :data:`Entry` (or
 ``None``: stop); the worker replies ``(REPLY_READY, pid)`` once, then per item
 ``(seq, status, value, error_type, message, traceback, started, finished,
@@ -26,10 +42,12 @@ cached)`` with ``status`` one of :data:`REPLY_OK`, :data:`REPLY_ERROR`,
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import faulthandler
 import importlib
+import mmap
 import os
 import pickle
 import signal
@@ -55,6 +73,7 @@ __all__ = [
     "REPLY_NEEDS_CODE",
     "REPLY_OK",
     "REPLY_READY",
+    "STATE_BYTES",
     "STATE_EPOCH",
     "STATE_MONOTONIC",
     "STATE_SEQ",
@@ -64,6 +83,8 @@ __all__ = [
     "Loader",
     "RunnerSpec",
     "load_pickled",
+    "main",
+    "map_state",
     "resolve_runner",
     "worker_main",
 ]
@@ -98,6 +119,8 @@ STATE_MONOTONIC: Final = 1
 """Index of when the running item started (monotonic clock)."""
 STATE_EPOCH: Final = 2
 """Index of when the running item started (epoch seconds)."""
+STATE_BYTES: Final = 3 * 8
+"""The size of a worker's state file: three native doubles."""
 
 _PR_SET_PDEATHSIG: Final = 1
 
@@ -312,3 +335,59 @@ def worker_main(
     if crash_dump is not None:
         faulthandler.disable()
         crash_dump.close()
+
+
+# --- started by a command line (a container runtime's) --------------------------------------
+
+
+def map_state(path: str) -> memoryview[float]:
+    """The state array in the file ``path`` (:data:`STATE_BYTES` long), shared by mapping.
+
+    Indexed like the ``RawArray`` of a multiprocessing worker; the mapping lives as
+    long as the view.
+    """
+    fd = os.open(path, os.O_RDWR)
+    try:
+        mapped = mmap.mmap(fd, STATE_BYTES)
+    finally:
+        os.close(fd)
+    return memoryview(mapped).cast("d")
+
+
+def _inherited(fd: int, standard: int) -> int:
+    """Descriptor ``fd``; if it is stdin or stdout, moved aside and the standard one reset
+    (stdin to /dev/null, stdout to stderr) so nothing a task prints or reads touches it."""
+    if fd != standard:
+        return fd
+    moved = os.dup(fd)
+    if standard == 0:
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+    else:
+        sys.stdout.flush()
+        os.dup2(2, 1)
+    return moved
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A worker started by a command line (see the module notes): serve until told to stop."""
+    parser = argparse.ArgumentParser(prog="python -m fxstream.agent.worker_process")
+    parser.add_argument("--tasks-fd", type=int, required=True)
+    parser.add_argument("--results-fd", type=int, required=True)
+    parser.add_argument("--state", required=True, help="the 24-byte shared state file")
+    parser.add_argument("--crash", required=True, help="where faulthandler writes")
+    parser.add_argument("--parent-pid", type=int, default=None)
+    args = parser.parse_args(argv)
+    tasks = Connection(_inherited(args.tasks_fd, 0), writable=False)
+    results = Connection(_inherited(args.results_fd, 1), readable=False)
+    state = map_state(args.state)
+    try:
+        runner, cache_size = pickle.loads(tasks.recv_bytes())
+    except (EOFError, OSError):
+        return  # the engine is gone before it said what to run
+    worker_main(tasks, results, state, runner, args.parent_pid, args.crash, cache_size)
+
+
+if __name__ == "__main__":
+    main()

@@ -192,7 +192,7 @@ def test(ctx: typer.Context) -> None:
     _run("mypy", [python, "-m", "mypy", *sources])
     if fast:
         _pytest(ctx.args)
-    console.rule("[bold]requirements (Java, Apache Kafka, Redis)")
+    console.rule("[bold]requirements (Java, Apache Kafka, Redis, container runtimes)")
     try:
         for name, where in ensure_requirements(_config()).items():
             console.print(f"{name}: {where}")

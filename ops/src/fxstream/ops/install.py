@@ -1,8 +1,12 @@
-"""Install what the platform needs and is missing: Apache Kafka's jars, Redis, and checks for Java.
+"""Install what the platform needs and is missing: Apache Kafka's jars, Redis, the container
+runtimes, and checks for Java.
 
 Kafka is fetched by Maven from Maven Central with ``broker-config/pom.xml``
 into a cache outside the repo; Redis comes from Debian's ``redis-server``
-package. Each step is idempotent and cheap when there is nothing to do.
+package; the container runtimes an endpoint may use come from Debian's
+``bubblewrap``, ``podman`` and ``runc`` packages (:data:`CONTAINER_PACKAGES`;
+Apptainer is not packaged for Debian 12 and Docker needs a daemon: neither is
+installed here). Each step is idempotent and cheap when there is nothing to do.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from pathlib import Path
 from fxstream.ops.config import PlatformConfig
 
 __all__ = [
+    "CONTAINER_PACKAGES",
     "MIN_JAVA",
     "InstallError",
+    "ensure_container_runtimes",
     "ensure_java",
     "ensure_kafka",
     "ensure_redis",
@@ -28,6 +34,10 @@ __all__ = [
 ]
 
 MIN_JAVA = 17
+
+CONTAINER_PACKAGES: dict[str, str] = {"bwrap": "bubblewrap", "runc": "runc", "podman": "podman"}
+"""The container runtimes' binaries and the Debian packages that provide them (podman runs
+its containers with runc here: crun refuses these machines' hybrid cgroup layout)."""
 _COMPLETE = ".complete"
 
 
@@ -144,10 +154,23 @@ def ensure_redis() -> str:
     return _apt_install("redis-server", "redis-server")
 
 
+def ensure_container_runtimes() -> dict[str, str]:
+    """Return the container runtimes' binaries (bwrap, runc, podman), installing Debian's
+    packages for those missing (as root)."""
+    found: dict[str, str] = {}
+    for binary, package in CONTAINER_PACKAGES.items():
+        path = shutil.which(binary)
+        if path is None and Path(f"/usr/bin/{binary}").exists():
+            path = f"/usr/bin/{binary}"
+        found[binary] = path or _apt_install(package, binary)
+    return found
+
+
 def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
     """Everything the platform needs, installed; returns what was found where."""
     return {
         "java": ensure_java(),
         "kafka": str(ensure_kafka(config)),
         "redis-server": ensure_redis(),
+        **ensure_container_runtimes(),
     }

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -174,12 +174,17 @@ class PrivatePlatform:
         public: bool = False,
         allowed_functions: Sequence[str] = (),
         allowed_serializers: Sequence[str] = (),
+        runtime: str = "process",
+        images: Mapping[str, str] | None = None,
+        image: str | None = None,
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
         ``store_url`` ``"platform"`` gives it the platform's store, None none (large
         results then travel inline). ``allowed_functions`` and ``allowed_serializers`` set
-        what it runs (see the endpoint config). It is stopped by
+        what it runs (see the endpoint config); ``runtime``, ``images`` (name ->
+        ``"runtime:reference"``) and ``image`` the container its workers run in. It is
+        stopped by
         :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
         settings = self.settings
@@ -209,6 +214,11 @@ class PrivatePlatform:
             argv += ["--allow-function", function_id]
         for serializer in allowed_serializers:
             argv += ["--allow-serializer", serializer]
+        argv += ["--runtime", runtime]
+        for image_name, spec in (images or {}).items():
+            argv += ["--allow-image", f"{image_name}={spec}"]
+        if image is not None:
+            argv += ["--image", image]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file, with the
