@@ -214,7 +214,9 @@ class Agent:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
-                "fetch.wait.max.ms": 20,
+                # A dispatch ends the broker's wait at once (fetch.min.bytes is 1); an idle
+                # queue costs two fetches a second.
+                "fetch.wait.max.ms": 500,
                 # The lease: librdkafka's background thread keeps the session alive while
                 # this process lives; a stopped or hung process loses its partitions.
                 "session.timeout.ms": int(self.config.lease_timeout_s * 1000),

@@ -265,14 +265,13 @@ def _add_ingress(
 ) -> None:
     # The routing facts (task -> endpoint, user) are the router's routed states, read
     # back from task-state into an on-disk table (see fxstream.service.ingress).
-    # A task's routed state is written a few ms before its result can arrive: the view
-    # must not batch its fetches for longer than that, or most results wait for it.
+    # A task's routed state is written a few ms before its result can arrive: the view's
+    # fetches end as soon as it is written (fetch.min.bytes 1), so results rarely wait.
     states = RegistryView(
         kafka,
         catalogue,
         follow=("task-state",),
         component="ingress's task-state view",
-        fetch_wait_max_ms=2,
     )
     ingress = Ingress(catalogue, states, TopicDirectory(kafka))
     loop = RouterLoop(
@@ -283,9 +282,6 @@ def _add_ingress(
         batch_size=batch_size,
         pattern=catalogue.from_endpoint_pattern,
         component=INGRESS,
-        # Its inputs are the agents' transactions: a fetch parked before a commit marker
-        # must not hold a result back for long.
-        fetch_max_wait_ms=5,
     )
 
     def closed() -> None:

@@ -123,12 +123,12 @@ class RegistryView:
         on_bad_record: BadRecord | None = None,
         task_table_dir: Path | None = None,
         component: str | None = "registry view",
-        fetch_wait_max_ms: int = 50,
+        fetch_wait_max_ms: int = 500,
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
         dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
-        bounds how long a write waits to be seen when little else is written (a reader
-        on a task's path, like the ingress, wants it small)."""
+        is how long the broker may hold a fetch that finds nothing new (a write ends the
+        wait at once)."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -163,9 +163,10 @@ class RegistryView:
                 "group.id": "fxstream-registry-view-unused",
                 "enable.auto.commit": False,
                 "enable.partition.eof": False,
-                # Under load (task-state, heartbeats) fewer and fuller fetches: the broker's
-                # cost is per request. A lone write is still seen within fetch.wait.max.ms.
-                "fetch.min.bytes": 64 * 1024,
+                # The broker answers a fetch as soon as anything (committed) is there, and
+                # holds an empty one for fetch.wait.max.ms: a write is seen at once, and an
+                # idle view costs the broker two requests a second, not hundreds.
+                "fetch.min.bytes": 1,
                 "fetch.wait.max.ms": fetch_wait_max_ms,
                 "log_level": 2,
             }
