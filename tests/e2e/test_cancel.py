@@ -1,7 +1,7 @@
 """Remote cancel with every real part: SDK -> router -> agent -> worker, and back.
 
-The session's shared platform (as `./fx up` starts it), plus a second, public
-endpoint of this module's with one worker and no prefetch, so a second task waits in that
+The session's shared platform (as `./fx up` starts it), plus a public endpoint of
+this module's with one worker and no prefetch, so a second task waits in that
 agent's local queue while the first runs. Side-effect files prove what ran; the
 agent's committed queue offsets prove a cancel record was settled.
 """
