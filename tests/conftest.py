@@ -1,11 +1,13 @@
-"""Shared fixtures: one private Kafka broker + Redis per test session, on free ports in a temp dir.
+"""Shared fixtures: one private Kafka broker + Redis per test session, on free ports in a temp dir,
+and one shared private platform with its services for the modules that only use one.
 
-The platform is started with the project's own launcher (fxstream.ops), so the
-tests exercise exactly what `./fx up` runs, and stopped by PID at the end.
+Both are started with the project's own launcher (fxstream.ops), so the tests
+exercise exactly what `./fx up` runs, and stopped by PID.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import uuid
@@ -17,7 +19,7 @@ import pytest
 from confluent_kafka.admin import AdminClient
 
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
-from fxstream.ops.private import private_config
+from fxstream.ops.private import PrivatePlatform, private_config, private_platform
 from fxstream.ops.process import free_ports
 from fxstream.topics import KafkaConnection, write_secret_file
 
@@ -25,7 +27,8 @@ pytest_plugins = ["tests.cpu_report"]
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")
-_PLATFORM_FIXTURE = "kafka_platform"
+_SHARED_PLATFORM_FIXTURE = "shared_platform"
+_PLATFORM_FIXTURES = ("kafka_platform", _SHARED_PLATFORM_FIXTURE)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -38,18 +41,55 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In the fast lane, deselect tests marked slow or needing the session platform."""
-    if not config.getoption("--fast"):
+    """In the fast lane, deselect tests marked slow or needing a session platform; then run
+    the modules that use the shared platform one after another."""
+    if config.getoption("--fast"):
+        keep: list[pytest.Item] = []
+        dropped: list[pytest.Item] = []
+        for item in items:
+            slow = any(item.get_closest_marker(mark) for mark in _SLOW_MARKS)
+            needs_platform = any(name in _fixture_names(item) for name in _PLATFORM_FIXTURES)
+            (dropped if slow or needs_platform else keep).append(item)
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+    _group_shared_platform_modules(items)
+
+
+def _fixture_names(item: pytest.Item) -> tuple[str, ...]:
+    """Every fixture ``item`` uses, also through other fixtures."""
+    return tuple(getattr(item, "fixturenames", ()))
+
+
+def _uses_shared_platform(item: pytest.Item) -> bool:
+    return _SHARED_PLATFORM_FIXTURE in _fixture_names(item)
+
+
+def _group_shared_platform_modules(items: list[pytest.Item]) -> None:
+    """Move every module with a test on the shared platform (whole, in its order) to where
+    the first such module runs, so the platform is up only while they run (it stops after
+    the last of them: :func:`pytest_runtest_teardown`). The other tests keep their order."""
+    modules = {item.path for item in items if _uses_shared_platform(item)}
+    if not modules:
         return
-    keep: list[pytest.Item] = []
-    dropped: list[pytest.Item] = []
-    for item in items:
-        slow = any(item.get_closest_marker(mark) for mark in _SLOW_MARKS)
-        needs_platform = _PLATFORM_FIXTURE in getattr(item, "fixturenames", ())
-        (dropped if slow or needs_platform else keep).append(item)
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = keep
+    first = next(i for i, item in enumerate(items) if item.path in modules)
+    grouped = [item for item in items if item.path in modules]
+    rest = [item for item in items if item.path not in modules]
+    items[:] = rest[:first] + grouped + rest[first:]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Note the last test that uses the shared platform (the order is final now)."""
+    users = [item.nodeid for item in session.items if _uses_shared_platform(item)]
+    _SHARED.last_user = users[-1] if users else None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """After the last test on the shared platform (and its module's fixtures), stop it."""
+    yield
+    if item.nodeid == _SHARED.last_user:
+        _SHARED.stop()
 
 
 def free_port_block(size: int) -> int:
@@ -135,3 +175,63 @@ def topic_cleanup(kafka_platform: RunningPlatform) -> Iterator[list[str]]:
                 future.result(timeout=30)
             except Exception:  # already gone: nothing to clean
                 continue
+
+
+class SharedPlatform:
+    """The lifetime of the session's shared platform: started at first use, stopped by PID
+    after the last test that uses it (or at the session's end, whichever comes first)."""
+
+    def __init__(self) -> None:
+        self.last_user: str | None = None
+        self._running: PrivatePlatform | None = None
+        self._failed: str | None = None
+        self._context = contextlib.ExitStack()
+
+    def get(self, factory: pytest.TempPathFactory) -> PrivatePlatform:
+        """The running platform, started now in a new temp home if it is not running.
+
+        A start that failed is not tried again by every later module: they fail at once
+        with its error.
+        """
+        if self._failed is not None:
+            raise RuntimeError(f"the shared platform failed to start earlier: {self._failed}")
+        if self._running is None:
+            # A directory the platform makes (not pytest's 0700 one): whether it makes its
+            # home private is then the platform's doing (tests/security/test_transport.py).
+            home = factory.mktemp("shared-platform") / "home"
+            try:
+                self._running = self._context.enter_context(private_platform(home))
+            except Exception as exc:
+                self._failed = f"{type(exc).__name__}: {exc} (its home: {home})"
+                raise
+        return self._running
+
+    def stop(self) -> None:
+        """Stop every process of the platform (its added endpoints too), by PID."""
+        self._running = None
+        self._context.close()
+
+
+_SHARED = SharedPlatform()
+
+
+@pytest.fixture(scope="session")
+def _shared_platform_lifetime() -> Iterator[SharedPlatform]:
+    """Stops the shared platform at the session's end if it still runs."""
+    try:
+        yield _SHARED
+    finally:
+        _SHARED.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_platform(
+    _shared_platform_lifetime: SharedPlatform, tmp_path_factory: pytest.TempPathFactory
+) -> PrivatePlatform:
+    """The session's one private platform with its services (broker, Redis, service API,
+    stream processors, local endpoint), as `./fx up` starts it: for modules that only use
+    a platform. Such a module registers users, functions and endpoints under names of its
+    own, reads only its own records, stops what it starts (``added_endpoint`` in
+    tests/e2e/stack.py) and stops, kills or reconfigures no platform process; a module
+    that does starts its own platform (``running_stack``)."""
+    return _SHARED.get(tmp_path_factory)

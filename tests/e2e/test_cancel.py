@@ -1,7 +1,7 @@
 """Remote cancel with every real part: SDK -> router -> agent -> worker, and back.
 
-One platform for the module (as `./fx up` starts it), plus a second, public
-endpoint with one worker and no prefetch, so a second task waits in that
+The session's shared platform (as `./fx up` starts it), plus a public endpoint of
+this module's with one worker and no prefetch, so a second task waits in that
 agent's local queue while the first runs. Side-effect files prove what ran; the
 agent's committed queue offsets prove a cancel record was settled.
 """
@@ -20,7 +20,7 @@ import psutil
 import pytest
 from confluent_kafka import Consumer, Message, Producer, TopicPartition
 
-from fxstream.ops.private import PrivatePlatform, private_platform
+from fxstream.ops.private import PrivatePlatform
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.topics import (
     Catalogue,
@@ -34,7 +34,7 @@ from fxstream.topics import (
     record_kind,
 )
 from fxstream.topics.acls import endpoint_group
-from tests.e2e.stack import committed_records, other_user_client, wait_for_state
+from tests.e2e.stack import added_endpoint, committed_records, other_user_client, wait_for_state
 
 pytestmark = pytest.mark.platform
 
@@ -43,8 +43,8 @@ WAIT_S = 60.0
 
 @dataclass
 class Stack:
-    """The module's platform (:mod:`fxstream.ops.private`), its local endpoint and the
-    one-worker endpoint."""
+    """The shared platform (:mod:`fxstream.ops.private`), its local endpoint and this
+    module's one-worker endpoint."""
 
     private: PrivatePlatform
     single_endpoint: str
@@ -127,10 +127,12 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with private_platform(tmp_path_factory.mktemp("cancel")) as private:
-        single = private.add_endpoint("single", workers=1, prefetch=0, public=True)
-        yield Stack(private, single.endpoint_id)
+def stack(shared_platform: PrivatePlatform) -> Iterator[Stack]:
+    """The session's shared platform (tests/conftest.py) and this module's one-worker
+    endpoint, stopped after the module."""
+    options = {"workers": 1, "prefetch": 0, "public": True}
+    with added_endpoint(shared_platform, "cancel-single", **options) as single:
+        yield Stack(shared_platform, single.endpoint_id)
 
 
 @contextmanager

@@ -12,7 +12,6 @@ import hashlib
 import os
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,14 +23,15 @@ from proxystore.proxy import get_factory
 from fxstream.connectors import RedisConnector, StoreSpec, open_store
 from fxstream.sdk import Client, Executor, FxstreamError, PayloadTooLarge
 from fxstream.topics import DataLocation, decode
-from tests.e2e.stack import Stack, running_stack, wait_for_state
+from tests.e2e.stack import Stack, wait_for_state
 
 MB = 1024 * 1024
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("data-plane"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def _objects(stack: Stack) -> RedisConnector:

@@ -51,7 +51,7 @@ from fxstream.topics import (
     utf8_len,
 )
 from fxstream.topics.budget import ERROR_MESSAGE_MAX_BYTES
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.platform
 
@@ -61,8 +61,9 @@ EMOJI = "\U0001f600"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("poison"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 @pytest.fixture(scope="module")

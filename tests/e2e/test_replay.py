@@ -1,6 +1,6 @@
 """Replay with every real part: a new process rebuilds a task group's futures.
 
-One platform for the module, started as `./fx up` starts it (broker, Redis,
+The session's shared platform, started as `./fx up` starts it (broker, Redis,
 the service API, the stream processors and a local endpoint with 2 workers).
 Tasks that block until a gate file appears let the tests decide which tasks
 end before the first client goes away, which end while no client runs, and
@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from fxstream.sdk import (
     TaskFuture,
 )
 from fxstream.topics import Catalogue, TaskState, TaskStateName, TaskTimings, encode
-from tests.e2e.stack import Stack, other_user_client, running_stack
+from tests.e2e.stack import Stack, other_user_client
 
 pytestmark = pytest.mark.platform
 
@@ -41,8 +41,9 @@ CHILD = Path(__file__).with_name("replay_child.py")
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("replay"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def double(x: int) -> int:

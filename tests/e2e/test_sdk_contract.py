@@ -18,7 +18,6 @@ import sys
 import textwrap
 import time
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from proxystore.proxy import Proxy
 from fxstream.connectors import ByReference
 from fxstream.sdk import Client, Executor, TaskExecutionFailed
 from fxstream.topics import SerializationError, Serializer, TaskResult, encode
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack
 
 pytestmark = pytest.mark.platform
 
@@ -38,8 +37,9 @@ WAIT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("sdk-contract"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def scale(a: Any) -> Any:

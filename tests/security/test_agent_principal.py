@@ -25,7 +25,7 @@ from fxstream.agent.credentials import EndpointCredentials
 from fxstream.ops.private import PrivatePlatform
 from fxstream.topics import KafkaConnection
 from fxstream.topics.acls import Role, username_for
-from tests.e2e.stack import running_stack
+from tests.e2e.stack import added_endpoint
 
 pytestmark = pytest.mark.platform
 
@@ -46,8 +46,9 @@ def _square(x: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePlatform]:
-    yield from running_stack(tmp_path_factory.mktemp("agent-principal"))
+def stack(shared_platform: PrivatePlatform) -> PrivatePlatform:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def _agent(endpoints_dir: Path, name: str, endpoint_id: str, pid: int | None) -> RunningAgent:
@@ -69,14 +70,17 @@ def _agent(endpoints_dir: Path, name: str, endpoint_id: str, pid: int | None) ->
 
 
 @pytest.fixture(scope="module")
-def agents(stack: PrivatePlatform) -> list[RunningAgent]:
-    """The local endpoint's agent and an added endpoint's, both running and online."""
-    extra = stack.add_endpoint("added", store_url=None)
-    services = stack.platform.services()
-    return [
-        _agent(services.endpoints_dir, "local", stack.endpoint_id, services.endpoint.pid()),
-        _agent(stack.home / "extra-endpoints", "added", extra.endpoint_id, extra.process.pid()),
-    ]
+def agents(stack: PrivatePlatform) -> Iterator[list[RunningAgent]]:
+    """The local endpoint's agent and an added endpoint's, both running and online (the
+    added one is stopped after the module)."""
+    with added_endpoint(stack, "added", store_url=None) as extra:
+        services = stack.platform.services()
+        yield [
+            _agent(services.endpoints_dir, "local", stack.endpoint_id, services.endpoint.pid()),
+            _agent(
+                stack.home / "extra-endpoints", extra.name, extra.endpoint_id, extra.process.pid()
+            ),
+        ]
 
 
 def _produce(kafka: KafkaConnection, topic: str) -> KafkaError | None:

@@ -44,7 +44,7 @@ from fxstream.topics import (
     encode,
     ensure_topics,
 )
-from tests.e2e.stack import committed_records, running_stack
+from tests.e2e.stack import committed_records
 
 pytestmark = pytest.mark.platform
 
@@ -77,9 +77,10 @@ def touch(path: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePlatform]:
-    """The module's platform, with its services and local endpoint."""
-    yield from running_stack(tmp_path_factory.mktemp("forgery"))
+def stack(shared_platform: PrivatePlatform) -> PrivatePlatform:
+    """The session's shared platform (tests/conftest.py), with its services and local
+    endpoint: this module only uses it."""
+    return shared_platform
 
 
 @pytest.fixture(scope="module")

@@ -9,12 +9,11 @@ principal is refused by the broker when it reads another user's results topic.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
-from fxstream.ops.private import PrivatePlatform, private_platform
+from fxstream.ops.private import PrivatePlatform
 from fxstream.ops.services import Credentials
 from fxstream.sdk import Client, ClientSettings, Executor
 from fxstream.service.accounts import AccountManager
@@ -29,9 +28,9 @@ def square(x: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivatePlatform]:
-    with private_platform(tmp_path_factory.mktemp("sdkp")) as started:
-        yield started
+def stack(shared_platform: PrivatePlatform) -> PrivatePlatform:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def _own(stack: PrivatePlatform) -> Credentials:

@@ -9,6 +9,7 @@ endpoint, that the same payload does create its marker there (so the check can f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import pickle
@@ -26,7 +27,7 @@ from fxstream.agent.credentials import EndpointCredentials
 from fxstream.ops.private import ExtraEndpoint
 from fxstream.sdk import Client, TaskExecutionFailed
 from fxstream.topics import Serializer
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, added_endpoint
 
 pytestmark = pytest.mark.platform
 
@@ -97,8 +98,9 @@ class Shared:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("shared-endpoint"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 @pytest.fixture(scope="module")
@@ -111,43 +113,39 @@ def shared(stack: Stack, markers: Path) -> Iterator[Shared]:
     with stack.client() as owner:
         ids = {fn.__name__: owner.register_function(fn) for fn in (add, environment, snoop)}
         evil = owner.register_code(code_that_marks(markers / "code-unused"), name="evil")
-    saved = {name: os.environ.get(name) for name in PLANTED}
-    os.environ.update(PLANTED)
-    try:
-        endpoint = stack.add_endpoint(
-            "shared",
-            store_url=None,
-            allowed_functions=list(ids.values()),
-            allowed_serializers=["json"],
+    with contextlib.ExitStack() as stopped_after_the_module:
+        with pytest.MonkeyPatch.context() as planted:
+            for name, value in PLANTED.items():
+                planted.setenv(name, value)
+            endpoint = stopped_after_the_module.enter_context(
+                added_endpoint(
+                    stack,
+                    "shared",
+                    store_url=None,
+                    allowed_functions=list(ids.values()),
+                    allowed_serializers=["json"],
+                )
+            )
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("FXSTREAM_ENDPOINTS_DIR", str(stack.home / "extra-endpoints"))
+            config = EndpointConfig.load(endpoint.name)
+            credentials, credentials_path = config.credentials(), config.credentials_path
+            kafka_password = config.kafka(credentials).password
+            assert config.directory == stack.home / "extra-endpoints" / endpoint.name
+        token = stack.settings.token
+        assert token is not None
+        yield Shared(
+            endpoint,
+            config,
+            credentials,
+            credentials_path,
+            kafka_password,
+            ids["add"],
+            ids["environment"],
+            ids["snoop"],
+            evil,
+            token,
         )
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    os.environ["FXSTREAM_ENDPOINTS_DIR"] = str(stack.home / "extra-endpoints")
-    try:
-        config = EndpointConfig.load("shared")
-        credentials, credentials_path = config.credentials(), config.credentials_path
-        kafka_password = config.kafka(credentials).password
-        assert config.directory == stack.home / "extra-endpoints" / "shared"
-    finally:
-        del os.environ["FXSTREAM_ENDPOINTS_DIR"]
-    token = stack.settings.token
-    assert token is not None
-    yield Shared(
-        endpoint,
-        config,
-        credentials,
-        credentials_path,
-        kafka_password,
-        ids["add"],
-        ids["environment"],
-        ids["snoop"],
-        evil,
-        token,
-    )
 
 
 def json_client(stack: Stack) -> Client:

@@ -21,7 +21,7 @@ import hashlib
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from fxstream.sdk import Client, Executor, TaskExecutionFailed
 from fxstream.sdk.results import unreadable_result
 from fxstream.topics import Serializer
 from tests.conftest import RunningPlatform
-from tests.e2e.stack import Stack, running_stack, wait_for_state
+from tests.e2e.stack import Stack, added_endpoint, wait_for_state
 
 
 class _WritesMarker:
@@ -200,8 +200,9 @@ def test_a_tampered_adios2_stream_fails_its_digest_at_the_end(tmp_path: Path) ->
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("store-integrity"))
+def stack(shared_platform: Stack) -> Stack:
+    """The session's shared platform (tests/conftest.py): this module only uses it."""
+    return shared_platform
 
 
 def gated_length(gate: str, values: Any) -> int:
@@ -250,7 +251,7 @@ def test_a_substituted_argument_fails_the_task_with_an_integrity_error(
             assert substitute_client.set(name, data, keepttl=True)
 
     else:
-        directory = stack.home / "file-store"
+        directory = tmp_path / "file-store"
         directory.mkdir()
         store_url = f"file://{directory}"
         objects = _file_objects(directory)
@@ -260,33 +261,33 @@ def test_a_substituted_argument_fails_the_task_with_an_integrity_error(
 
     # One worker and no prefetch: the second task's arguments load only once the first
     # (held at its gate) is done, so both substitutions happen before anything reads them.
-    endpoint = stack.add_endpoint(f"integrity-{kind}", workers=1, prefetch=0, store_url=store_url)
-    client = Client.from_settings(dataclasses.replace(stack.settings, store_url=store_url))
-    gate, marker = tmp_path / "gate", tmp_path / "marker"
-    try:
-        with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
-            before = objects()
-            lazy = executor.submit(gated_length, str(gate), list(range(60_000)))
-            [lazy_key] = objects() - before
-            before = objects()
-            eager = executor.submit(length, os.urandom(200_000))
-            [eager_key] = objects() - before
-            substitute(lazy_key, _crafted(marker))
-            substitute(eager_key, _crafted(marker))
-            gate.touch()
-            for future, key in ((lazy, lazy_key), (eager, eager_key)):
-                with pytest.raises(TaskExecutionFailed) as caught:
-                    future.result(timeout=120)
-                failure = caught.value
-                assert failure.remote_type == "StoreIntegrityError", failure
-                assert isinstance(failure, StoreIntegrityError), type(failure).__mro__
-                assert key in failure.remote_message
-                assert "nothing was deserialized" in failure.remote_message
-                wait_for_state(client, future.task_id, "failed")
-        assert not marker.exists(), "a substituted object was deserialized in the worker"
-    finally:
-        client.close()
-        stack.stop_extra_endpoints()
+    options = {"workers": 1, "prefetch": 0, "store_url": store_url}
+    with added_endpoint(stack, f"integrity-{kind}", **options) as endpoint:
+        client = Client.from_settings(dataclasses.replace(stack.settings, store_url=store_url))
+        gate, marker = tmp_path / "gate", tmp_path / "marker"
+        try:
+            with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
+                before = objects()
+                lazy = executor.submit(gated_length, str(gate), list(range(60_000)))
+                [lazy_key] = objects() - before
+                before = objects()
+                eager = executor.submit(length, os.urandom(200_000))
+                [eager_key] = objects() - before
+                substitute(lazy_key, _crafted(marker))
+                substitute(eager_key, _crafted(marker))
+                gate.touch()
+                for future, key in ((lazy, lazy_key), (eager, eager_key)):
+                    with pytest.raises(TaskExecutionFailed) as caught:
+                        future.result(timeout=120)
+                    failure = caught.value
+                    assert failure.remote_type == "StoreIntegrityError", failure
+                    assert isinstance(failure, StoreIntegrityError), type(failure).__mro__
+                    assert key in failure.remote_message
+                    assert "nothing was deserialized" in failure.remote_message
+                    wait_for_state(client, future.task_id, "failed")
+            assert not marker.exists(), "a substituted object was deserialized in the worker"
+        finally:
+            client.close()
 
 
 # --- Redis: authentication, renamed commands, modes ----------------------------------------

@@ -42,9 +42,10 @@ from cryptography.x509.oid import NameOID
 from fxstream.ops import ConnectionInfo, Platform
 from fxstream.ops.kafka import ADMIN_PRINCIPAL, StorageMismatchError, kafka_nodes
 from fxstream.ops.pki import LocalCA
-from fxstream.ops.private import private_config, private_platform
+from fxstream.ops.private import PrivatePlatform, private_config
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform, free_port_block
+from tests.e2e.stack import added_endpoint
 from tests.security.acl_matrix import check_every_cell, deployment
 
 QUIET = {"log_level": 0, "socket.timeout.ms": 3000}
@@ -329,12 +330,15 @@ def _square(x: int) -> int:
 
 
 @pytest.mark.platform
-def test_the_services_connect_by_credential_files_that_stay_private(tmp_path: Path) -> None:
+def test_the_services_connect_by_credential_files_that_stay_private(
+    shared_platform: PrivatePlatform,
+) -> None:
     """The full secure platform (service processes, the local endpoint and an added one)
     runs tasks; every credential file is 0600 in a 0700 directory, no process of the platform
-    has a secret on its command line, and no log holds the admin password."""
-    with private_platform(tmp_path / "home") as running:
-        extra = running.add_endpoint("extra")
+    has a secret on its command line, and no log holds the admin password. (The session's
+    shared platform: what every other module using it did is in its logs too.)"""
+    running = shared_platform
+    with added_endpoint(running, "extra") as extra:
         with running.executor() as local, running.executor(extra.endpoint_id) as other:
             assert list(local.map(_square, range(5))) == [0, 1, 4, 9, 16]
             assert other.submit(_square, 7).result(timeout=120) == 49
