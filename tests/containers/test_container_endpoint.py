@@ -1,7 +1,8 @@
 """A function registered with a container runs inside it, through the whole platform:
 SDK -> router -> an endpoint agent whose workers run in bubblewrap -> the worker -> result.
 
-Real broker, service and agent processes (the private platform of tests/e2e/stack.py).
+Real broker, service and agent processes (the session's shared private platform; the
+contained endpoint is this module's own, stopped after it).
 The endpoint allows one image, the minimal worker rootfs (fxstream.agent.images); a
 function registered with another container is refused before it runs, with the setting
 that would run it.
@@ -18,7 +19,7 @@ import pytest
 
 from fxstream.ops.private import ExtraEndpoint
 from fxstream.sdk import TaskExecutionFailed
-from tests.e2e.stack import Stack, running_stack
+from tests.e2e.stack import Stack, added_endpoint
 
 pytestmark = pytest.mark.platform
 
@@ -65,19 +66,21 @@ def mount_and_release() -> tuple[str, bool]:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from running_stack(tmp_path_factory.mktemp("containers"))
+def stack(shared_platform: Stack) -> Stack:
+    return shared_platform
 
 
 @pytest.fixture(scope="module")
-def contained(stack: Stack, rootfs: Path) -> ExtraEndpoint:
-    return stack.add_endpoint(
+def contained(stack: Stack, rootfs: Path) -> Iterator[ExtraEndpoint]:
+    with added_endpoint(
+        stack,
         "contained",
         store_url=None,
         runtime="bubblewrap",
         images={"worker": f"bubblewrap:{rootfs}", "host": "bubblewrap:/"},
         image="worker",
-    )
+    ) as endpoint:
+        yield endpoint
 
 
 def test_a_function_registered_with_its_container_runs_inside_it(
@@ -148,7 +151,7 @@ def test_a_container_the_endpoint_does_not_allow_is_refused_before_it_runs(
     message = refused.remote_message
     assert f"function {function} runs only in container 'gpu-image'" in message
     assert "adds images: {gpu-image: '<runtime>:<reference>'}" in message
-    assert "extra-endpoints/contained/config.yaml" in message
+    assert f"extra-endpoints/{contained.name}/config.yaml" in message
     assert "its workers run in image 'worker'" in message
 
 
