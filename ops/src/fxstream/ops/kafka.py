@@ -282,12 +282,12 @@ class KafkaNode:
             )
         self.format_marker.write_text(marker + "\n")
 
-    def prepare(self, cluster_id: str) -> None:
-        """Check the ports are free, render, format if new: all a start needs but the start.
-
-        The format runs a JVM for seconds; a cluster's nodes are prepared at once (each in
-        its own directory), then started.
-        """
+    def start(self, cluster_id: str) -> int:
+        """Render, format if new, start; returns the PID (the running one if already up)."""
+        if self.process.is_running():
+            pid = self.process.pid()
+            assert pid is not None
+            return pid
         ensure_port_free(self.broker_port, "FXSTREAM_KAFKA_PORT / FXSTREAM_CLUSTER_BASE_PORT")
         ensure_port_free(
             self.controller_port, "FXSTREAM_CONTROLLER_PORT / FXSTREAM_CLUSTER_BASE_PORT"
@@ -295,16 +295,6 @@ class KafkaNode:
         self.render()
         self.format_storage(cluster_id)
         ensure_private_dir(self.data_dir)
-
-    def start(self, cluster_id: str, *, prepared: bool = False) -> int:
-        """Render, format if new (unless ``prepared`` by :meth:`prepare`), start; returns
-        the PID (the running one if already up)."""
-        if self.process.is_running():
-            pid = self.process.pid()
-            assert pid is not None
-            return pid
-        if not prepared:
-            self.prepare(cluster_id)
         return self.process.start()
 
 

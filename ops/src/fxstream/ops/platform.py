@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -311,16 +310,9 @@ class Platform:
         nodes = self.nodes(cluster=cluster, java=java, security=security)
         cluster_id = cluster_id_for(nodes[0].directory.parent if cluster else nodes[0].directory)
         try:
-            # Formatting a new node's storage runs a JVM for seconds: the nodes at once.
-            pending = [node for node in nodes if not node.process.is_running()]
-            if pending:
-                step("preparing the Kafka node" + ("s" if len(pending) > 1 else ""))
-                with ThreadPoolExecutor(max_workers=len(pending)) as pool:
-                    for prepared in [pool.submit(n.prepare, cluster_id) for n in pending]:
-                        prepared.result()
             for node in nodes:
                 step(f"starting Kafka node {node.node_id} on port {node.broker_port}")
-                node.start(cluster_id, prepared=node in pending)
+                node.start(cluster_id)
         except ProcessStartError:
             self.down()
             raise
