@@ -2,8 +2,9 @@
 
 The smoke run starts its own private platform (broker, Redis, service, local endpoint),
 a Dask LocalCluster and Parsl's HTEX, as the full bench does, with two sizes (one
-inline, one by reference), one repeat each and a two-size threshold sweep, so CI
-checks the whole bench in well under a minute.
+inline, one by reference), one repeat each, one warm-up trip of each kind and a
+two-size threshold sweep, so CI checks the whole bench; its time is mostly the starts
+(platform, the endpoint restarted twice by the sweep, Dask's cluster, Parsl's pool).
 """
 
 from __future__ import annotations
@@ -78,6 +79,11 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
             "1",
             "--time-limit",
             "60",
+            # One untimed trip of each kind (inline, by reference): the warm-up's paths.
+            "--warmup-small",
+            "1",
+            "--warmup-large",
+            "1",
         ],
         capture_output=True,
         text=True,
@@ -87,6 +93,7 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     figures = json.loads(done.stdout.strip().splitlines()[-1])
     assert figures["bench"] == "payload"
     assert figures["failures"] == {}
+    assert figures["warmup_trips"] == {"1kB": 1, "1MB": 1}
     for system in ("fxstream_ms", "dask_ms", "htex_ms"):
         assert set(figures[system]) == {"10kB", "1MB"}
         assert all(ms > 0 for ms in figures[system].values()), (system, figures[system])

@@ -53,13 +53,18 @@ def test_bad_configuration_is_reported_without_a_traceback(tmp_path: Path) -> No
 
 
 def test_up_and_down_through_the_cli(tmp_path: Path) -> None:
+    """`fxstream up` starts everything and runs the quickstart (smaller than its default:
+    20 tasks and a 1 MiB round trip, still above the proxy threshold, so by reference)."""
     home = tmp_path / "cli"
     private_config(home)
     try:
-        up = _cli(home, "up")
+        up = _cli(home, "up", "--quickstart-tasks", "20", "--quickstart-mb", "1")
         assert up.returncode == 0, up.stdout + up.stderr
         assert "./fx down" in up.stdout
         assert "healthy" in up.stdout
+        assert "20 tasks in" in up.stdout and "square(7) = 49" in up.stdout
+        assert "1 MB argument and result by reference through redis" in up.stdout, up.stdout
+        assert "verified" in up.stdout
     finally:
         down = _cli(home, "down")
     assert down.returncode == 0

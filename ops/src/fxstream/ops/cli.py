@@ -79,6 +79,15 @@ def up(
     quickstart: Annotated[
         bool, typer.Option(help="Run the 1,000-task quickstart once everything is up.")
     ] = True,
+    quickstart_tasks: Annotated[
+        int, typer.Option(min=1, help="Small tasks the quickstart runs.")
+    ] = 1_000,
+    quickstart_mb: Annotated[
+        int,
+        typer.Option(
+            min=0, help="MiB of the quickstart's by-reference round trip (0 leaves it out)."
+        ),
+    ] = 100,
     insecure: Annotated[
         bool,
         typer.Option(
@@ -120,7 +129,13 @@ def up(
     if quickstart and endpoint_id is not None:
         from fxstream.ops.quickstart import run_quickstart
 
-        run_quickstart(console, services.credentials_file, endpoint_id)
+        run_quickstart(
+            console,
+            services.credentials_file,
+            endpoint_id,
+            tasks=quickstart_tasks,
+            large_mb=quickstart_mb,
+        )
     if endpoint_id is not None:
         from fxstream.ops.quickstart import snippet
 
@@ -396,6 +411,12 @@ def bench_payload(
         str | None,
         typer.Option(help="Proxy store of client and endpoint [default: the platform's Redis]."),
     ] = None,
+    warmup_small: Annotated[
+        int, typer.Option(min=0, help="Untimed 1 kB round trips per system first.")
+    ] = 30,
+    warmup_large: Annotated[
+        int, typer.Option(min=0, help="Untimed 1 MB round trips per system after those.")
+    ] = 3,
 ) -> None:
     """Round trip of bytes 10 kB..1 GB: fxstream (by reference via Redis) vs Dask, Parsl HTEX."""
     from fxstream.ops.bench.payload import PayloadSettings, run_payload_bench
@@ -409,6 +430,8 @@ def bench_payload(
         sweep_sizes=_labels(sweep_sizes),
         sweep_repeats=sweep_repeats,
         store_url=store_url,
+        warmup_small=warmup_small,
+        warmup_large=warmup_large,
     )
     try:
         settings.validate()

@@ -1,7 +1,9 @@
 """The quickstart `./fx up` runs: 1,000 small tasks and their rate, then one 100 MB round trip.
 
 The large round trip shows pass-by-reference: the argument and the result
-travel through the platform's Redis, Kafka carries only references.
+travel through the platform's Redis, Kafka carries only references. Both sizes can be
+made smaller (``./fx up --quickstart-tasks 20 --quickstart-mb 1``: still above the 64 KiB
+proxy threshold, so still by reference).
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 from fxstream.connectors import redact_url
 from fxstream.sdk import Client, ClientSettings, Executor
 
-__all__ = ["QUICKSTART_TASKS", "run_quickstart", "snippet"]
+__all__ = ["QUICKSTART_MB", "QUICKSTART_TASKS", "run_quickstart", "snippet"]
 
 QUICKSTART_TASKS = 1_000
+# The large round trip's argument (and result), in MiB.
+QUICKSTART_MB = 100
 
 
 def square(x: int) -> int:
@@ -29,17 +33,19 @@ def square(x: int) -> int:
 
 
 def reverse(data: bytes) -> bytes:
-    """The quickstart's large task: 100 MB in, 100 MB out."""
+    """The quickstart's large task: its bytes reversed (as many out as in)."""
     return data[::-1]
 
 
-LARGE_BYTES = 100 * 1024 * 1024
-
-
 def run_quickstart(
-    console: Console, credentials_file: Path, endpoint_id: str, tasks: int = QUICKSTART_TASKS
+    console: Console,
+    credentials_file: Path,
+    endpoint_id: str,
+    tasks: int = QUICKSTART_TASKS,
+    large_mb: int = QUICKSTART_MB,
 ) -> float:
-    """Run ``tasks`` tasks on the local endpoint with a progress bar; returns tasks/s."""
+    """Run ``tasks`` tasks on the local endpoint with a progress bar, then (with a proxy
+    store and ``large_mb`` > 0) one round trip of ``large_mb`` MiB; returns tasks/s."""
     settings = ClientSettings.from_environment({"FXSTREAM_CREDENTIALS": str(credentials_file)})
     client = Client.from_settings(settings)
     try:
@@ -63,15 +69,17 @@ def run_quickstart(
                 f"{tasks:,} tasks in {elapsed:.2f} s: [bold]{tasks / elapsed:,.0f} tasks/s"
             )
             console.print(f"sample: square(7) = {sample.result()}; timings: {sample.timings}")
-            if settings.store_url is not None:
-                data = os.urandom(LARGE_BYTES)
+            if settings.store_url is not None and large_mb > 0:
+                data = os.urandom(large_mb * 1024 * 1024)
                 large_started = time.perf_counter()
                 back = executor.submit(reverse, data).result(timeout=300)
                 seconds = time.perf_counter() - large_started
                 if hashlib.sha256(back[::-1]).digest() != hashlib.sha256(data).digest():
-                    raise RuntimeError("the 100 MB quickstart task returned the wrong bytes")
+                    raise RuntimeError(
+                        f"the {large_mb} MB quickstart task returned the wrong bytes"
+                    )
                 console.print(
-                    f"100 MB argument and result by reference through "
+                    f"{large_mb} MB argument and result by reference through "
                     f"{redact_url(settings.store_url)}: "
                     f"round trip {seconds:.2f} s, verified"
                 )

@@ -74,6 +74,8 @@ __all__ = [
     "DEFAULT_SIZES",
     "DEFAULT_SWEEP_SIZES",
     "DEFAULT_TIME_LIMIT_S",
+    "DEFAULT_WARMUP_LARGE",
+    "DEFAULT_WARMUP_SMALL",
     "TARGET_RATIO_10MB_VS_DASK",
     "PayloadSettings",
     "default_repeats",
@@ -87,10 +89,14 @@ DEFAULT_SWEEP_SIZES: Final = ("16kB", "32kB", "64kB", "128kB", "256kB", "512kB")
 DEFAULT_TIME_LIMIT_S: Final = 300.0
 DEFAULT_SWEEP_REPEATS: Final = 15
 TARGET_RATIO_10MB_VS_DASK: Final = 0.5
-# Untimed round trips on each system before the timed ones: inline ones, then some large
-# enough to go by reference (connections to Redis opened, the function loaded). A fresh
-# platform's first few dozen tasks are slower (consumer groups settling, JIT of the broker).
-_WARMUP_BYTES: Final = (1_000,) * 30 + (1_000_000,) * 3
+# Untimed round trips on each system before the timed ones: small ones (inline), then some
+# large enough to go by reference (connections to Redis opened, the function loaded). A
+# fresh platform's first few dozen tasks are slower (consumer groups settling, JIT of the
+# broker).
+DEFAULT_WARMUP_SMALL: Final = 30
+DEFAULT_WARMUP_LARGE: Final = 3
+_WARMUP_SMALL_BYTES: Final = 1_000
+_WARMUP_LARGE_BYTES: Final = 1_000_000
 # Above the largest sweep size: the threshold that keeps every value inline.
 _ALL_INLINE: Final = 1 << 30
 _SAMPLE_S: Final = 0.02
@@ -145,6 +151,8 @@ class PayloadSettings:
         sweep_repeats: Round trips per size and mode in the sweep.
         store_url: The proxy store of the client and the endpoint; None: the private
             platform's Redis (what ``./fx up`` configures).
+        warmup_small: Untimed 1 kB round trips per system before the timed ones.
+        warmup_large: Untimed 1 MB round trips (by reference on fxstream) after those.
     """
 
     sizes: tuple[str, ...] = DEFAULT_SIZES
@@ -155,6 +163,8 @@ class PayloadSettings:
     sweep_sizes: tuple[str, ...] = DEFAULT_SWEEP_SIZES
     sweep_repeats: int = DEFAULT_SWEEP_REPEATS
     store_url: str | None = None
+    warmup_small: int = DEFAULT_WARMUP_SMALL
+    warmup_large: int = DEFAULT_WARMUP_LARGE
 
     def validate(self) -> None:
         """Raise ValueError naming the setting that cannot work."""
@@ -170,12 +180,20 @@ class PayloadSettings:
             raise ValueError("the time limit must be positive")
         if self.sweep_repeats < 1:
             raise ValueError("sweep repeats must be at least 1")
+        if self.warmup_small < 0 or self.warmup_large < 0:
+            raise ValueError("warm-up round trips cannot be negative")
         if self.store_url is not None:
             StoreSpec.parse(self.store_url)
 
     def repeats_of(self, size: int) -> int:
         """Round trips timed at ``size`` bytes."""
         return self.repeats if self.repeats is not None else default_repeats(size)
+
+    def warmup_bytes(self) -> tuple[int, ...]:
+        """The sizes of the untimed round trips before the timed ones, in order."""
+        return (_WARMUP_SMALL_BYTES,) * self.warmup_small + (
+            _WARMUP_LARGE_BYTES,
+        ) * self.warmup_large
 
 
 def _payload(size: int) -> bytes:
@@ -331,11 +349,12 @@ def _run_sizes(
     trip: Trip,
     settings: PayloadSettings,
     sampler: RssSampler | None = None,
-    warmup: Sequence[int] = _WARMUP_BYTES,
+    warmup: Sequence[int] | None = None,
 ) -> _SystemRun:
-    """Warm-up round trips of ``warmup`` bytes, then each size; a failure ends the run."""
+    """Warm-up round trips of ``warmup`` bytes (None: the settings'), then each size; a
+    failure ends the run."""
     run = _SystemRun()
-    for size in warmup:
+    for size in settings.warmup_bytes() if warmup is None else warmup:
         data = _payload(size)
         _check(trip(data, settings.time_limit_s), data)
     failed_at: str | None = None
@@ -668,6 +687,7 @@ def _settings_figures(settings: PayloadSettings) -> Figures:
         "sizes": list(settings.sizes),
         "repeats": {label: settings.repeats_of(parse_size(label)) for label in settings.sizes},
         "time_limit_s": settings.time_limit_s,
+        "warmup_trips": {"1kB": settings.warmup_small, "1MB": settings.warmup_large},
         "workers": WORKERS,
         "cpu_count": os.cpu_count() or 0,
         "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
