@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 from confluent_kafka import Producer
@@ -12,6 +14,9 @@ from fxstream.ops.private import private_config
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.cluster
+
+# How long a broker may take to learn of a topic the controller created.
+METADATA_S = 30.0
 
 
 def test_three_node_cluster_replicates_and_stops_cleanly(
@@ -32,8 +37,14 @@ def test_three_node_cluster_replicates_and_stops_cleanly(
         assert cluster.controller is not None
 
         topic = connection.catalogue().task_events
+        # The controller has created the topic when `up` returns; the broker this client
+        # asks may apply that metadata a moment later (seen on a loaded CI machine).
+        deadline = time.monotonic() + METADATA_S
         partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
-        assert partitions, "the catalogue's topics were provisioned on the cluster"
+        while not partitions and time.monotonic() < deadline:
+            time.sleep(0.2)
+            partitions = admin.list_topics(topic, timeout=10).topics[topic].partitions
+        assert partitions, f"{topic} has no partitions on the cluster after {METADATA_S:g} s"
         for partition in partitions.values():
             assert partition.leader in {1, 2, 3}
             assert sorted(partition.replicas) == [1, 2, 3]
