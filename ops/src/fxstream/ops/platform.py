@@ -65,6 +65,9 @@ __all__ = [
 
 # ConnectionInfo.security: SASL/SCRAM-SHA-512 over TLS, or the insecure development platform.
 SECURITY_SCRAM = "sasl_ssl-scram-sha-512"
+# How long a cluster node may still run once its peers have exited at `down` (it can only
+# be waiting for the controller quorum they took with them) before it is killed.
+CLUSTER_STRAGGLER_S = 10.0
 SECURITY_INSECURE = "insecure"
 
 INSECURE_WARNING = """\
@@ -375,16 +378,17 @@ class Platform:
         """Stop every process of this platform by PID and wait for each; returns what stopped."""
         # The endpoint first (it finishes what it holds), then the service, then the brokers.
         stopped: list[str] = self.services().stop(timeout_s)
-        # Then the brokers and Redis, all at once: nothing left running uses them. All
-        # nodes of a mode must stop together anyway: a cluster's last node stopped alone
-        # has lost the controller quorum and would wait for it until killed.
-        processes = [
-            *(node.process for node in self.nodes(cluster=True)),
-            *(node.process for node in self.nodes(cluster=False)),
-            self.redis().process,
-        ]
+        # Then the brokers and Redis: nothing left running uses them. A cluster's nodes
+        # stop together (its last node stopped alone has lost the controller quorum and
+        # would wait for it until killed); one still waiting 10 s after its peers exited
+        # waits for that quorum, and is killed (what it acknowledged is in the kernel's
+        # page cache, which outlives the process; its next start recovers its logs).
+        cluster = [node.process for node in self.nodes(cluster=True)]
+        others = [*(node.process for node in self.nodes(cluster=False)), self.redis().process]
+        processes = [*cluster, *others]
         pids = [process.pid() for process in processes]
-        stop_together(processes, timeout_s)
+        stop_together(cluster, timeout_s, straggler_s=CLUSTER_STRAGGLER_S)
+        stop_together(others, timeout_s)
         stopped.extend(
             f"{process.name} (pid {pid})"
             for process, pid in zip(processes, pids, strict=True)

@@ -203,12 +203,20 @@ class ManagedProcess:
             os.waitpid(pid, os.WNOHANG)
 
 
-def stop_together(processes: Sequence[ManagedProcess], timeout_s: float = 30.0) -> list[int]:
+def stop_together(
+    processes: Sequence[ManagedProcess],
+    timeout_s: float = 30.0,
+    *,
+    straggler_s: float | None = None,
+) -> list[int]:
     """Stop several processes at once: SIGTERM to all, wait up to ``timeout_s``, then SIGKILL.
 
     For the cluster's brokers: stopped one after another, the last one has lost the
     controller quorum and waits for it until it is killed (60 s); stopped together,
-    all three exit in seconds. Returns the PIDs that were running.
+    they mostly exit in seconds, but one may still be left waiting for a quorum its
+    peers took with them. ``straggler_s``: once some have exited and none has for this
+    long, the rest are killed then (their peers are gone: nothing they wait for will
+    come). Returns the PIDs that were running.
     """
     running: dict[int, tuple[ManagedProcess, psutil.Process]] = {}
     for process in processes:
@@ -219,7 +227,16 @@ def stop_together(processes: Sequence[ManagedProcess], timeout_s: float = 30.0) 
             proc = psutil.Process(pid)
             proc.send_signal(signal.SIGTERM)
             running[pid] = (process, proc)
-    _, alive = psutil.wait_procs([proc for _, proc in running.values()], timeout=timeout_s)
+    alive = [proc for _, proc in running.values()]
+    deadline = time.monotonic() + timeout_s
+    last_exit: float | None = None
+    while alive and time.monotonic() < deadline:
+        gone, alive = psutil.wait_procs(alive, timeout=0.2)
+        now = time.monotonic()
+        if gone:
+            last_exit = now
+        elif straggler_s is not None and last_exit is not None and now - last_exit > straggler_s:
+            break
     for proc in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
