@@ -445,6 +445,29 @@ def bench_payload(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("idle")
+def bench_idle(
+    settle: Annotated[
+        float, typer.Option(min=0.0, help="Seconds the platform settles after start.")
+    ] = 15.0,
+    window: Annotated[float, typer.Option(min=0.1, help="Seconds CPU is measured.")] = 30.0,
+) -> None:
+    """CPU seconds per process of a private platform doing nothing."""
+    from fxstream.ops.bench.idle import IdleSettings, run_idle_bench
+
+    settings = IdleSettings(settle_s=settle, window_s=window)
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]bench idle:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        run_idle_bench(console=console, settings=settings)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench idle failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 @bench_app.command("soak")
 def bench_soak(
     rate: Annotated[int, typer.Option(min=1, help="No-op tasks submitted per second.")] = 500,
