@@ -86,6 +86,9 @@ def podman_image(rootfs: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
         timeout=120,
         check=False,
     )
-    if done.returncode != 0:
-        pytest.skip(f"podman cannot run a container here: {done.stderr.strip()[-500:]}")
+    # `./fx test` installs podman and runc: a podman that cannot run a container is a
+    # failure to see, not a skip that hides it.
+    assert done.returncode == 0, (
+        f"podman cannot run a container here (exit {done.returncode}): {done.stderr.strip()[-500:]}"
+    )
     return tag
