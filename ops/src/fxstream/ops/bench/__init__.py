@@ -10,6 +10,8 @@
 - :mod:`~fxstream.ops.bench.payload`: round trips of one task with a bytes argument and
   result of 10 kB to 1 GB (by reference through Redis), beside Dask distributed and Parsl's
   HTEX; and the inline vs by-reference sweep around the proxy threshold.
+- :mod:`~fxstream.ops.bench.coldstart`: a worker's cold start (container, interpreter,
+  function load) and a warm task's round trip, per container runtime.
 - :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
   no-op task).
 
