@@ -564,8 +564,8 @@ def bench_coldstart(
     except ValueError as exc:
         err.print(f"[red]bench coldstart:[/red] {exc}")
         raise typer.Exit(2) from exc
-    except TimeoutError as exc:
-        err.print(f"[red]bench coldstart failed:[/red] a task did not finish in time: {exc}")
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        err.print(f"[red]bench coldstart failed:[/red] {exc}")
         raise typer.Exit(1) from exc
 
 

@@ -13,7 +13,9 @@ rootfs and ``bubblewrap-host`` on the host's own (``bubblewrap:/``), ``podman`` 
 built rootfs imported as a local image. The rootfs and image are built once and cached
 (:mod:`fxstream.agent.images`, under ``$XDG_CACHE_HOME/fxstream``; not timed). A
 runtime that cannot run here (its binary is missing, its image cannot be built, its
-worker does not start) is reported as skipped with the reason, never as a figure.
+worker does not start) is reported as skipped with the reason, never as a figure. Each
+runtime is measured in a ``python -c`` child process, whose workers (spawned) re-import
+no command line of their own.
 Nothing is installed: ``./fx test`` installs bubblewrap and podman.
 """
 
@@ -25,6 +27,8 @@ import math
 import os
 import pickle
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -46,7 +50,7 @@ from fxstream.agent.engine import WorkItem
 from fxstream.agent.images import build_podman_image, build_rootfs
 from fxstream.agent.process_engine import ProcessEngine
 
-__all__ = ["RUNTIMES", "run_coldstart_bench"]
+__all__ = ["RUNTIMES", "child", "run_coldstart_bench"]
 
 RUNTIMES: Final = ("multiprocessing-spawn", "process", "bubblewrap", "bubblewrap-host", "podman")
 """What the bench measures, in order (``--runtimes`` picks some)."""
@@ -143,6 +147,34 @@ def _measure(
     return figures
 
 
+def _measure_apart(name: str, repetitions: int, warm_tasks: int) -> Figures:
+    """Measure ``name`` in a ``python -c`` child: multiprocessing's spawn re-imports the
+    parent's main module in every worker, and this command line's (``fxstream``) would
+    add its own imports to the cold start."""
+    script = "import sys; from fxstream.ops.bench.coldstart import child; child(sys.argv[1:])"
+    argv = [sys.executable, "-c", script, name, str(repetitions), str(warm_tasks)]
+    timeout = 60 + repetitions * (_COLD_TIMEOUT_S + warm_tasks * _WARM_TIMEOUT_S)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"measuring {name} failed (exit {done.returncode}): {done.stderr.strip()[-2000:]}"
+        )
+    figures: Figures = json.loads(lines[-1])
+    return figures
+
+
+def child(args: Sequence[str]) -> None:
+    """The measuring child: ``RUNTIME REPETITIONS WARM_TASKS``; prints one JSON line."""
+    name, repetitions, warm_tasks = args[0], int(args[1]), int(args[2])
+    try:
+        runtime, image = _setup(name)
+        figures = _measure(runtime, image, repetitions, warm_tasks)
+    except _Skip as exc:
+        figures = {"skipped": str(exc)}
+    print(json.dumps(figures), flush=True)
+
+
 def run_coldstart_bench(
     *,
     console: Console,
@@ -160,11 +192,7 @@ def run_coldstart_bench(
     results: dict[str, Figures] = {}
     for name in runtimes:
         console.print(f"{name}: {repetitions} cold start(s), {warm_tasks} warm task(s) each ...")
-        try:
-            runtime, image = _setup(name)
-            results[name] = _measure(runtime, image, repetitions, warm_tasks)
-        except _Skip as exc:
-            results[name] = {"skipped": str(exc)}
+        results[name] = _measure_apart(name, repetitions, warm_tasks)
     table = Table(title=f"worker cold and warm start ({repetitions} cold starts per runtime)")
     for column in ("runtime", "cold p50 ms", "cold p99 ms", "warm p50 ms", "warm p99 ms"):
         table.add_column(column, justify="left" if column == "runtime" else "right")
