@@ -180,6 +180,8 @@ class Agent:
                 images=list(self.config.allowed_images().values()),
                 readonly=readonly,
                 writable=writable,
+                idle_s=self.config.pool_idle_s,
+                max_workers=self.config.worker_budget(),
             )
         else:
             engine = ProcessEngine(self.config.workers, self._runner)

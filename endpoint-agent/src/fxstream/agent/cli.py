@@ -28,6 +28,7 @@ from rich.table import Table
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
+from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.topics.connection import CredentialFileError, KafkaConnection
 
@@ -236,6 +237,20 @@ def configure(
         list[str] | None,
         typer.Option(help="A host directory the workers may write (repeat it)."),
     ] = None,
+    pool_idle: Annotated[
+        float,
+        typer.Option(
+            help="Seconds an image's pool (not the default image's) may sit idle before "
+            "its workers stop."
+        ),
+    ] = DEFAULT_POOL_IDLE_S,
+    max_workers: Annotated[
+        int | None,
+        typer.Option(
+            help="The most workers across the image pools (default: --workers per image); "
+            "beyond it the least recently used idle pool is released."
+        ),
+    ] = None,
 ) -> None:
     """Write the endpoint's YAML config and its 0600 credentials file (registering the
     endpoint with the service if needed). No secret is taken on the command line: the
@@ -261,6 +276,8 @@ def configure(
             "image": image,
             "images": _images(allow_image or ()),
             "writable_dirs": tuple(writable_dir or ()),
+            "pool_idle_s": pool_idle,
+            "max_workers": max_workers,
         }
         if credentials is not None:
             path = credentials.expanduser().absolute()

@@ -19,6 +19,13 @@ workers run by default. A function registered with a container runs only in that
 container: in its image's own pool of workers where ``images`` allows it; elsewhere it is
 refused before it runs, saying what to add here.
 ``writable_dirs`` are host directories the workers may write besides their own sandbox.
+
+Image pools (:mod:`fxstream.agent.image_pools`): each image in use has ``workers``
+workers; a pool other than ``image``'s that sits idle ``pool_idle_s`` seconds is
+released (started again, cold, at its image's next task), and at most ``max_workers``
+workers run across the pools (default: ``workers`` times the number of images, so every
+image's pool fits): a task for an image without a pool releases the least recently used
+idle pool when the budget is spent, or waits until one goes idle.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import yaml
 
 from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_for
 from fxstream.agent.credentials import EndpointCredentials
+from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
 from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
 from fxstream.topics.connection import write_secret_file
@@ -112,6 +120,10 @@ class EndpointConfig:
     # Host directories the workers may write besides their own sandbox (a file store's
     # directory is added by itself).
     writable_dirs: tuple[str, ...] = ()
+    # Seconds an image's pool (not the default image's) may sit idle before its workers
+    # stop, and the most workers across the pools (None: workers x the number of images).
+    pool_idle_s: float = DEFAULT_POOL_IDLE_S
+    max_workers: int | None = None
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -180,6 +192,33 @@ class EndpointConfig:
         self._check_runtimes()
         if any(not os.path.isabs(d) for d in self.writable_dirs):
             raise ConfigError("writable_dirs must be absolute paths")
+        self._check_pools()
+
+    def pool_count(self) -> int:
+        """How many image pools this endpoint may run: one per allowed image, plus the
+        no-container pool when ``image`` is not set."""
+        return len(self.images) + (1 if self.image is None else 0)
+
+    def worker_budget(self) -> int:
+        """The most workers across the image pools: ``max_workers``, else ``workers`` per
+        pool (:meth:`pool_count`)."""
+        if self.max_workers is not None:
+            return self.max_workers
+        return self.workers * self.pool_count()
+
+    def _check_pools(self) -> None:
+        if not self.pool_idle_s > 0:
+            raise ConfigError(
+                f"pool_idle_s must be a positive number of seconds an idle image pool is kept "
+                f"(e.g. {DEFAULT_POOL_IDLE_S:g}), not {self.pool_idle_s}"
+            )
+        if self.max_workers is not None and self.max_workers < self.workers:
+            raise ConfigError(
+                f"max_workers ({self.max_workers}) is below workers ({self.workers}): every "
+                f"image's pool has `workers` workers, so set max_workers to at least "
+                f"{self.workers} (max_workers // workers pools run at once), or remove it "
+                f"to allow {self.workers * self.pool_count()} (every image's pool at once)"
+            )
 
     def allowed_images(self) -> dict[str, Image]:
         """The images this endpoint allows, by name; :class:`ConfigError` for a bad entry."""

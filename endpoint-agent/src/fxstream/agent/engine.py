@@ -134,13 +134,15 @@ class WarmState:
     """What one live worker holds warm: the functions it has loaded, in its container.
 
     ``worker_id`` is ``"host:pid"`` (or the engine's own name for a worker);
-    ``container`` is ``None`` for a worker outside any container. The agent
-    advertises these (``WarmAdvert``) whenever they change.
+    ``container`` is ``None`` for a worker outside any container (else its image's
+    name); ``idle`` is True while it holds no task. The agent advertises these
+    (``WarmAdvert``) whenever they change.
     """
 
     worker_id: str
     function_ids: tuple[str, ...]
     container: str | None = None
+    idle: bool = False
 
 
 @runtime_checkable

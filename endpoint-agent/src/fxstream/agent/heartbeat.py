@@ -7,7 +7,9 @@ queue depth (the engine's queue plus the local queue) and the lease of every
 held task (at most ``MAX_LEASES_PER_HEARTBEAT``, fewer when long ids would
 overflow the heartbeats topic's records; the group session renews the rest).
 Whenever what the engine holds warm changes
-(:meth:`~fxstream.agent.engine.Engine.warm`), a ``WarmAdvert`` follows (key:
+(:meth:`~fxstream.agent.engine.Engine.warm`: each live worker, the image its pool runs,
+the functions it has loaded and whether it is idle; a released pool's workers drop out),
+as seen at a heartbeat, a ``WarmAdvert`` follows (key:
 ``<endpoint>/<host>``), cut to the warm topic's record size if it must be (an
 advert is a routing hint). Both go on the agent's plain producer, outside the
 result transactions, so a slow commit never delays them.
@@ -88,7 +90,10 @@ class Heartbeats:
         producer.produce(self._out_topic, key=key, value=value)
         warm = [
             WarmWorker(
-                worker_id=w.worker_id, container=w.container, function_ids=list(w.function_ids)
+                worker_id=w.worker_id,
+                container=w.container,
+                function_ids=list(w.function_ids),
+                idle=w.idle,
             )
             for w in sorted(engine.warm(), key=lambda w: w.worker_id)
         ]

@@ -4,22 +4,48 @@ An endpoint that allows images (``images`` in its config) runs each task in the 
 function names (``WorkItem.image``; ``None``: the endpoint's ``image``, or no container
 when its ``runtime`` is ``process``). :class:`ImagePools` is an
 :class:`~fxstream.agent.engine.Engine` holding one
-:class:`~fxstream.agent.process_engine.ProcessEngine` per image: the default image's pool
-is started with the agent, another image's at its first task, each with ``size`` warm
-workers kept until the agent stops (sizing pools to the task mix, releasing idle ones and
-evicting the least recently used are not built yet). Counts and warm state are the sum of
-the pools'; each warm worker names its image.
+:class:`~fxstream.agent.process_engine.ProcessEngine` of ``size`` warm workers per image
+in use. Counts and warm state are the sum of the pools'; each warm worker names its
+image and whether it holds a task.
+
+Sizing and release (the endpoint config's ``pool_idle_s`` and ``max_workers``):
+
+* The default image's pool starts with the agent; another image's at its first task
+  (a *cold start*: container, interpreter, worker import; counted in :meth:`starts`).
+* A pool is *idle* while none of its tasks is queued or running. A pool other than the
+  default's that stays idle ``idle_s`` seconds is released: its workers are stopped,
+  and its image's next task starts it again, cold.
+* At most ``max_workers`` workers run across the pools, so at most
+  ``max_workers // size`` pools (default: room for every allowed image's pool, so
+  nothing is evicted). A task whose image has no pool when the budget is spent
+  releases the least recently used idle pool (the default's too: a pool is a pool)
+  and starts its own in its place. When no pool is idle the task waits, in order,
+  until one is (never dropped: counted as queued, cancellable, failed with
+  ``PoolClosed`` only when the engine closes). Images that wait are served oldest
+  first; a pool that never goes idle keeps its slots (a steady stream of one image's
+  tasks delays another image's until the stream pauses).
+
+One keeper thread starts and stops pools and resolves what waited; every outcome is
+resolved off the caller's thread, as the engine protocol promises.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import itertools
+import logging
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections import Counter, deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, InvalidStateError
+from typing import Final
 
 from fxstream.agent.containers import ContainerError, Image, runtime_for
 from fxstream.agent.engine import (
+    POOL_CLOSED,
+    TASK_CANCELLED,
     WORKER_START_FAILED,
     EngineCounts,
     WarmState,
@@ -29,15 +55,47 @@ from fxstream.agent.engine import (
 from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.worker_process import RunnerSpec
 
-__all__ = ["ImagePools"]
+__all__ = ["DEFAULT_POOL_IDLE_S", "ImagePools"]
+
+DEFAULT_POOL_IDLE_S: Final = 300.0
+"""How long a non-default image's pool may sit idle before its workers stop, by default."""
+
+log = logging.getLogger(__name__)
+
+_Resolution = tuple["Future[WorkOutcome]", WorkOutcome]
+
+
+class _Pool:
+    """A running pool: its engine, its items in flight, when it was last used."""
+
+    __slots__ = ("engine", "inflight", "last_used")
+
+    def __init__(self, engine: ProcessEngine) -> None:
+        self.engine = engine
+        self.inflight = 0  # submitted to it and not yet answered
+        self.last_used = time.monotonic()  # the last submit or answer
+
+
+class _Waiting:
+    """A task waiting for its image's pool to start."""
+
+    __slots__ = ("future", "item", "seq")
+
+    def __init__(self, seq: int, item: WorkItem) -> None:
+        self.seq = seq
+        self.item = item
+        self.future: Future[WorkOutcome] = Future()
 
 
 class ImagePools:
-    """A process engine per image (see the module notes); the ``"process"`` engine kind.
+    """A process engine per image in use (see the module notes); the ``"process"`` engine.
 
     ``default`` is the image of items that name none (``None``: no container);
     ``images`` every image an item may name. ``readonly`` and ``writable`` are given to
-    every pool (see :class:`~fxstream.agent.process_engine.ProcessEngine`).
+    every pool (see :class:`~fxstream.agent.process_engine.ProcessEngine`). ``idle_s``
+    is how long a non-default pool may sit idle (``None``: kept until the engine
+    closes); ``max_workers`` caps the workers across pools (``None``: ``size`` per
+    image, no eviction). ``ValueError`` says what to change in either.
     """
 
     def __init__(
@@ -49,19 +107,44 @@ class ImagePools:
         images: Sequence[Image],
         readonly: Sequence[str] = (),
         writable: Sequence[str] = (),
+        idle_s: float | None = DEFAULT_POOL_IDLE_S,
+        max_workers: int | None = None,
     ) -> None:
+        if size < 1:
+            raise ValueError(f"a pool needs at least one worker, got size={size}")
+        if idle_s is not None and not idle_s > 0:
+            raise ValueError(f"idle_s must be a positive number of seconds, not {idle_s}")
         self._size = size
         self._runner = runner
         self._images = {image.name: image for image in images}
         self._default = default.name if default is not None else None
         if default is not None:
             self._images[default.name] = default
+        pools = len(self._images) + (1 if self._default is None else 0)
+        self._max_workers = size * pools if max_workers is None else max_workers
+        if self._max_workers < size:
+            raise ValueError(
+                f"max_workers={self._max_workers} leaves no room for one pool of {size} "
+                f"workers: set it to {size} or more"
+            )
+        self._max_pools = self._max_workers // size
+        self._idle_s = idle_s
         self._readonly = tuple(readonly)
         self._writable = tuple(writable)
-        self._lock = threading.Lock()
+        # Re-entrant: a task resolved while a pool is handed its waiting items may submit.
+        self._cond = threading.Condition(threading.RLock())
         self._closed = False
-        self._pools: dict[str | None, ProcessEngine] = {}
-        self._pools[self._default] = self._start(self._default)
+        self._pools: dict[str | None, _Pool] = {}
+        self._starting: set[str | None] = set()
+        self._stopping = 0  # pools being released: their workers still count
+        self._waiting: dict[str | None, deque[_Waiting]] = {}
+        self._deferred: list[_Resolution] = []
+        self._seq = itertools.count()
+        self._starts: Counter[str | None] = Counter()
+        self._pools[self._default] = _Pool(self._start(self._default))
+        self._starts[self._default] += 1
+        self._keeper = threading.Thread(target=self._keep, name="fxstream-image-pools", daemon=True)
+        self._keeper.start()
 
     def _start(self, name: str | None) -> ProcessEngine:
         image = self._images.get(name) if name is not None else None
@@ -75,85 +158,290 @@ class ImagePools:
             writable=self._writable,
         )
 
+    # --- what the agent and tests read --------------------------------------------------
+
     @property
     def name(self) -> str:
         """``"process"``: warm worker processes, per image."""
         return "process"
 
+    @property
+    def max_workers(self) -> int:
+        """The most workers running across the pools at once."""
+        return self._max_workers
+
     def pools(self) -> dict[str | None, ProcessEngine]:
-        """The pools started so far, by image name (``None``: no container)."""
-        with self._lock:
-            return dict(self._pools)
+        """The pools running now, by image name (``None``: no container)."""
+        with self._cond:
+            return {name: pool.engine for name, pool in self._pools.items()}
+
+    def waiting(self) -> dict[str | None, int]:
+        """Tasks waiting for their image's pool to start, by image."""
+        with self._cond:
+            return {name: len(queue) for name, queue in self._waiting.items()}
+
+    def starts(self) -> dict[str | None, int]:
+        """How many times each image's pool has started (each a cold start of its workers)."""
+        with self._cond:
+            return dict(self._starts)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until the default image's workers have started."""
-        return self.pools()[self._default].wait_ready(timeout)
-
-    def submit(self, item: WorkItem) -> Future[WorkOutcome]:
-        """Queue ``item`` in its image's pool (started now if it is the image's first).
-
-        Raises ``ValueError`` for an image this engine does not run (the agent refuses
-        those before: :meth:`~fxstream.agent.policy.TaskPolicy.image_for`) and
-        ``RuntimeError`` once closed. A pool that cannot start resolves the item with a
-        ``WorkerStartFailed`` outcome.
-        """
-        name = item.image if item.image is not None else self._default
-        if name is not None and name not in self._images:
-            raise ValueError(f"image {name!r} is not one this endpoint runs")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the image pools are closed")
-            pool = self._pools.get(name)
-            if pool is None:
-                try:
-                    pool = self._pools[name] = self._start(name)
-                except (ContainerError, OSError) as exc:
-                    failed: Future[WorkOutcome] = Future()
-                    failed.set_running_or_notify_cancel()
-                    failed.set_result(_start_failed(item, name, exc))
-                    return failed
-        return pool.submit(item)
-
-    def cancel(self, task_id: str, reason: str = "", *, kill: bool = True) -> bool:
-        """Cancel the item of ``task_id`` in whichever pool holds it."""
-        return any(pool.cancel(task_id, reason, kill=kill) for pool in self.pools().values())
+        """Wait until the default image's workers have started (True if it is released)."""
+        engine = self.pools().get(self._default)
+        return True if engine is None else engine.wait_ready(timeout)
 
     def counts(self) -> EngineCounts:
-        """The pools' counts, summed."""
-        counts = [pool.counts() for pool in self.pools().values()]
+        """The running pools' counts, summed; tasks waiting for a pool are queued."""
+        with self._cond:
+            engines = [pool.engine for pool in self._pools.values()]
+            waiting = sum(len(queue) for queue in self._waiting.values())
+        counts = [engine.counts() for engine in engines]
         return EngineCounts(
             workers_total=sum(c.workers_total for c in counts),
             workers_idle=sum(c.workers_idle for c in counts),
             workers_busy=sum(c.workers_busy for c in counts),
-            queued=sum(c.queued for c in counts),
+            queued=waiting + sum(c.queued for c in counts),
         )
 
     def warm(self) -> list[WarmState]:
-        """Every pool's warm workers (each names its image)."""
-        return [state for pool in self.pools().values() for state in pool.warm()]
+        """Every running pool's workers (each names its image and whether it is idle)."""
+        return [state for engine in self.pools().values() for state in engine.warm()]
+
+    # --- submit, cancel, close ----------------------------------------------------------
+
+    def submit(self, item: WorkItem) -> Future[WorkOutcome]:
+        """Queue ``item`` in its image's pool, or until that pool starts (module notes).
+
+        Raises ``ValueError`` for an image this engine does not run (the agent refuses
+        those before: :meth:`~fxstream.agent.policy.TaskPolicy.image_for`) or a
+        non-positive walltime, and ``RuntimeError`` once closed. A pool that cannot
+        start resolves its waiting items with a ``WorkerStartFailed`` outcome.
+        """
+        name = item.image if item.image is not None else self._default
+        if name is not None and name not in self._images:
+            raise ValueError(f"image {name!r} is not one this endpoint runs")
+        if item.walltime_s is not None and not item.walltime_s > 0:
+            raise ValueError(f"walltime_s must be positive, got {item.walltime_s}")
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the image pools are closed")
+            pool = self._pools.get(name)
+            if pool is None:
+                waiting = _Waiting(next(self._seq), item)
+                self._waiting.setdefault(name, deque()).append(waiting)
+                self._cond.notify_all()
+                return waiting.future
+            pool.inflight += 1  # never released while this is counted
+            pool.last_used = time.monotonic()
+        try:
+            future = pool.engine.submit(item)
+        except BaseException:
+            self._answered(pool)
+            raise
+        future.add_done_callback(lambda _: self._answered(pool))
+        return future
+
+    def cancel(self, task_id: str, reason: str = "", *, kill: bool = True) -> bool:
+        """Cancel the item of ``task_id``: dropped if it waits for its pool, else cancelled
+        in whichever pool holds it."""
+        with self._cond:
+            for name, queue in self._waiting.items():
+                for waiting in queue:
+                    if waiting.item.task_id == task_id:
+                        queue.remove(waiting)
+                        if not queue:
+                            del self._waiting[name]
+                        message = f"task {task_id} was cancelled" + (
+                            f": {reason}" if reason else ""
+                        )
+                        outcome = _outcome(waiting.item, TASK_CANCELLED, message)
+                        self._deferred.append((waiting.future, outcome))
+                        self._cond.notify_all()
+                        return True
+            engines = [pool.engine for pool in self._pools.values()]
+        return any(engine.cancel(task_id, reason, kill=kill) for engine in engines)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Close every pool at once (so within ``timeout`` for all); idempotent."""
-        with self._lock:
+        """Close every pool at once (so within ``timeout`` for all); idempotent. Tasks
+        waiting for a pool resolve with ``PoolClosed``."""
+        with self._cond:
             self._closed = True
-            pools = list(self._pools.values())
-        closing = [
-            threading.Thread(target=pool.close, args=(timeout,), name="fxstream-pool-close")
-            for pool in pools
+            resolutions, self._deferred = self._deferred, []
+            for queue in self._waiting.values():
+                for waiting in queue:
+                    message = "the engine was closed before the task's image pool started"
+                    resolutions.append(
+                        (waiting.future, _outcome(waiting.item, POOL_CLOSED, message))
+                    )
+            self._waiting.clear()
+            self._cond.notify_all()
+        _resolve(resolutions)
+        if threading.current_thread() is not self._keeper:
+            self._keeper.join()
+        with self._cond:
+            engines = [pool.engine for pool in self._pools.values()]
+            self._pools.clear()
+        _close_all(engines, timeout)
+
+    # --- the keeper thread ----------------------------------------------------------------
+
+    def _answered(self, pool: _Pool) -> None:
+        """One of ``pool``'s items was answered: it may be idle now."""
+        with self._cond:
+            pool.inflight -= 1
+            pool.last_used = time.monotonic()
+            if pool.inflight == 0:
+                self._cond.notify_all()
+
+    def _keep(self) -> None:
+        """The keeper thread: :meth:`_keep_going`, failing what waits should it fail."""
+        try:
+            self._keep_going()
+        except BaseException:
+            log.exception("the image pools' keeper failed; failing the tasks waiting for a pool")
+            with self._cond:
+                waiting = [w for queue in self._waiting.values() for w in queue]
+                self._waiting.clear()
+                self._closed = True
+            message = "the image pools' keeper failed (see the agent's log)"
+            _resolve((w.future, _outcome(w.item, POOL_CLOSED, message)) for w in waiting)
+
+    def _keep_going(self) -> None:
+        """Release idle pools, start pools for waiting tasks, resolve what was cancelled."""
+        while True:
+            with self._cond:
+                resolutions, self._deferred = self._deferred, []
+                if self._closed:
+                    break
+                now = time.monotonic()
+                release = self._expired(now)
+                start = self._next_start(release) if not release else None
+                if not (resolutions or release or start):
+                    self._cond.wait(self._next_expiry(now))
+                    continue
+            _resolve(resolutions)
+            if release:
+                _close_all([pool.engine for pool in release], 10.0)
+                with self._cond:
+                    self._stopping -= len(release)
+                    self._cond.notify_all()
+            if start:
+                self._start_for(start[0])
+        _resolve(resolutions)
+
+    def _expired(self, now: float) -> list[_Pool]:
+        """Remove (lock held) the pools idle longer than ``idle_s``, the default's aside."""
+        if self._idle_s is None:
+            return []
+        expired = [
+            name
+            for name, pool in self._pools.items()
+            if name != self._default and pool.inflight == 0 and now - pool.last_used >= self._idle_s
         ]
-        for thread in closing:
-            thread.start()
-        for thread in closing:
-            thread.join()
+        released = [self._pools.pop(name) for name in expired]
+        self._stopping += len(released)
+        return released
+
+    def _next_expiry(self, now: float) -> float | None:
+        """Seconds until the next idle pool expires (lock held), or None."""
+        if self._idle_s is None:
+            return None
+        due = [
+            pool.last_used + self._idle_s - now
+            for name, pool in self._pools.items()
+            if name != self._default and pool.inflight == 0
+        ]
+        return max(0.0, min(due)) if due else None
+
+    def _next_start(self, release: list[_Pool]) -> tuple[str | None] | None:
+        """The image whose pool to start now (lock held): the one waiting longest, if the
+        budget has room; else the least recently used idle pool goes into ``release``."""
+        candidates = [
+            (queue[0].seq, name)
+            for name, queue in self._waiting.items()
+            if queue and name not in self._pools and name not in self._starting
+        ]
+        if not candidates:
+            return None
+        _, name = min(candidates, key=lambda c: c[0])
+        if len(self._pools) + len(self._starting) + self._stopping < self._max_pools:
+            self._starting.add(name)
+            return (name,)
+        idle = [(pool.last_used, key) for key, pool in self._pools.items() if pool.inflight == 0]
+        if idle:
+            _, victim = min(idle, key=lambda entry: entry[0])
+            release.append(self._pools.pop(victim))
+            self._stopping += 1
+        return None
+
+    def _start_for(self, name: str | None) -> None:
+        """Start ``name``'s pool (a slot is reserved) and hand it the tasks waiting for it."""
+        try:
+            engine = self._start(name)
+        except (ContainerError, OSError) as exc:
+            with self._cond:
+                self._starting.discard(name)
+                failed = self._waiting.pop(name, deque())
+                self._cond.notify_all()
+            message = f"cannot start workers in image {name!r}: {exc}"
+            _resolve((w.future, _outcome(w.item, WORKER_START_FAILED, message)) for w in failed)
+            return
+        with self._cond:
+            self._starting.discard(name)
+            self._cond.notify_all()
+            if not self._closed:
+                pool = self._pools[name] = _Pool(engine)
+                self._starts[name] += 1
+                handed = self._waiting.pop(name, deque())
+                pool.inflight = len(handed)
+                # Under the lock: a cancel finds each item either waiting or in the pool.
+                for waiting in handed:
+                    self._hand(pool, waiting)
+                return
+        engine.close()  # closed while it started: what waited is answered already
+
+    def _hand(self, pool: _Pool, waiting: _Waiting) -> None:
+        """Submit a waiting item to its started pool; its answer resolves the item."""
+        try:
+            inner = pool.engine.submit(waiting.item)
+        except (RuntimeError, ValueError) as exc:
+            self._answered(pool)
+            outcome = _outcome(waiting.item, POOL_CLOSED, f"the image's pool refused it: {exc}")
+            self._deferred.append((waiting.future, outcome))
+            return
+        inner.add_done_callback(functools.partial(self._relay, pool, waiting.future))
+
+    def _relay(self, pool: _Pool, outer: Future[WorkOutcome], inner: Future[WorkOutcome]) -> None:
+        self._answered(pool)
+        _resolve([(outer, inner.result())])
 
 
-def _start_failed(item: WorkItem, image: str | None, exc: Exception) -> WorkOutcome:
+def _resolve(resolutions: Iterable[_Resolution]) -> None:
+    """Set outcomes on futures (a future its holder cancelled keeps that)."""
+    for future, outcome in resolutions:
+        with contextlib.suppress(InvalidStateError):  # cancelled by its holder meanwhile
+            future.set_result(outcome)
+
+
+def _close_all(engines: Sequence[ProcessEngine], timeout: float) -> None:
+    """Close pools at once (so within ``timeout`` for all)."""
+    closing = [
+        threading.Thread(target=engine.close, args=(timeout,), name="fxstream-pool-close")
+        for engine in engines
+    ]
+    for thread in closing:
+        thread.start()
+    for thread in closing:
+        thread.join()
+
+
+def _outcome(item: WorkItem, error_type: str, message: str) -> WorkOutcome:
     return WorkOutcome(
         task_id=item.task_id,
         ok=False,
         value=None,
-        error_type=WORKER_START_FAILED,
-        error_message=f"cannot start workers in image {image!r}: {exc}",
+        error_type=error_type,
+        error_message=message,
         traceback="",
         worker="",
         started_at=None,

@@ -549,12 +549,19 @@ class ProcessEngine:
         return self._image
 
     def warm(self) -> list[WarmState]:
-        """The functions each live worker holds loaded, oldest first (for warm adverts)."""
+        """The functions each live worker holds loaded, oldest first, and whether it is idle
+        (for warm adverts)."""
         container = self._image.name if self._image is not None else None
-        return [
-            WarmState(worker_id=worker, function_ids=tuple(functions), container=container)
-            for worker, functions in self.warm_functions().items()
-        ]
+        with self._lock:
+            return [
+                WarmState(
+                    worker_id=s.worker_id,
+                    function_ids=tuple(dict.fromkeys(function_id for function_id, _ in s.warm)),
+                    container=container,
+                    idle=not s.outstanding,
+                )
+                for s in self._live_slots()
+            ]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every worker has started up; False if ``timeout`` passed first."""

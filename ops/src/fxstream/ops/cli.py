@@ -558,6 +558,40 @@ def bench_chaos(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("coldstart")
+def bench_coldstart(
+    repetitions: Annotated[
+        int, typer.Option(min=1, help="Cold starts (an engine of one worker) per runtime.")
+    ] = 5,
+    warm_tasks: Annotated[
+        int, typer.Option(min=0, help="Warm tasks timed after each cold start.")
+    ] = 20,
+    runtimes: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated: multiprocessing-spawn, process, bubblewrap, "
+            "bubblewrap-host, podman."
+        ),
+    ] = "multiprocessing-spawn,process,bubblewrap,bubblewrap-host,podman",
+) -> None:
+    """Worker cold start (container + interpreter + function load) and warm task, per runtime."""
+    from fxstream.ops.bench.coldstart import run_coldstart_bench
+
+    try:
+        run_coldstart_bench(
+            console=console,
+            repetitions=repetitions,
+            warm_tasks=warm_tasks,
+            runtimes=_labels(runtimes),
+        )
+    except ValueError as exc:
+        err.print(f"[red]bench coldstart:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        err.print(f"[red]bench coldstart failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 @user_app.command("add")
 def user_add(
     name: Annotated[str, typer.Argument(help="the user's display name")],

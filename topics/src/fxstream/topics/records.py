@@ -453,11 +453,13 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
 
 
 class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
-    """One warm worker: the container it runs in and the functions it has loaded."""
+    """One warm worker: the container it runs in, the functions it has loaded, and whether
+    it held no task when advertised (``idle``)."""
 
     worker_id: Annotated[str, Meta(max_length=128)]
     container: Annotated[str, Meta(max_length=1024)] | None = None
     function_ids: list[Id] = []
+    idle: bool = False
 
 
 class WarmAdvert(Record, tag="warm", kw_only=True, frozen=True):

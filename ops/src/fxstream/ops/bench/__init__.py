@@ -10,15 +10,45 @@
 - :mod:`~fxstream.ops.bench.payload`: round trips of one task with a bytes argument and
   result of 10 kB to 1 GB (by reference through Redis), beside Dask distributed and Parsl's
   HTEX; and the inline vs by-reference sweep around the proxy threshold.
+- :mod:`~fxstream.ops.bench.coldstart`: a worker's cold start (container, interpreter,
+  function load) and a warm task's round trip, per container runtime.
 - :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
   no-op task).
 
-Parsl is imported only when a bench runs it.
+Parsl is imported only when a bench runs it, and each bench's module only when its name
+is first used (so ``bench coldstart``'s measuring children import no other bench).
 """
 
-from fxstream.ops.bench.kafka import run_kafka_bench
-from fxstream.ops.bench.latency import run_latency_bench
-from fxstream.ops.bench.payload import run_payload_bench
-from fxstream.ops.bench.throughput import run_throughput_bench
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["run_kafka_bench", "run_latency_bench", "run_payload_bench", "run_throughput_bench"]
+if TYPE_CHECKING:
+    from fxstream.ops.bench.coldstart import run_coldstart_bench
+    from fxstream.ops.bench.kafka import run_kafka_bench
+    from fxstream.ops.bench.latency import run_latency_bench
+    from fxstream.ops.bench.payload import run_payload_bench
+    from fxstream.ops.bench.throughput import run_throughput_bench
+
+_MODULES = {
+    "run_coldstart_bench": "fxstream.ops.bench.coldstart",
+    "run_kafka_bench": "fxstream.ops.bench.kafka",
+    "run_latency_bench": "fxstream.ops.bench.latency",
+    "run_payload_bench": "fxstream.ops.bench.payload",
+    "run_throughput_bench": "fxstream.ops.bench.throughput",
+}
+
+__all__ = [
+    "run_coldstart_bench",
+    "run_kafka_bench",
+    "run_latency_bench",
+    "run_payload_bench",
+    "run_throughput_bench",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Import one of the package's names from its module on first use."""
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
