@@ -60,6 +60,7 @@ from fxstream.service.warm_table import WarmTable, Warmth
 from fxstream.topics import DeserializationError, FunctionRecord, TaskSubmission, payload_references
 
 __all__ = [
+    "MAX_ROUND_ROBIN_GROUPS",
     "Choice",
     "Placement",
     "PlacementPolicy",
@@ -69,6 +70,9 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+MAX_ROUND_ROBIN_GROUPS = 4_096
+"""Groups whose round-robin position is kept; past it every position starts over."""
 
 
 class PlacementPolicy(enum.StrEnum):
@@ -184,6 +188,8 @@ class Placement:
             return Choice(self._random.choice(live), "random")
         if self.policy is PlacementPolicy.ROUND_ROBIN:
             group = tuple(live)
+            if group not in self._turns and len(self._turns) >= MAX_ROUND_ROBIN_GROUPS:
+                self._turns.clear()
             turn = self._turns.get(group, 0)
             self._turns[group] = turn + 1
             return Choice(live[turn % len(live)], "round robin")
