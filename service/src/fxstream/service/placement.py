@@ -53,11 +53,13 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from fxstream.service.registry import EndpointStatus
 from fxstream.service.warm_table import WarmTable, Warmth
 from fxstream.topics import DeserializationError, FunctionRecord, TaskSubmission, payload_references
+
+if TYPE_CHECKING:  # the registry view (Kafka, RocksDB) is not needed to name a policy
+    from fxstream.service.registry import EndpointStatus
 
 __all__ = [
     "MAX_ROUND_ROBIN_GROUPS",
