@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 
 from fxstream.service.auth import cancel_refusal_reason, refusal_reason
 from fxstream.service.outgoing import Outgoing
-from fxstream.service.placement import Placement
+from fxstream.service.placement import Choice, Placement, tie_break
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
@@ -349,7 +349,11 @@ class Router:
             return _Decision(record, submission, changed, DeadLetterReason.FUNCTION_CHANGED)
         if len(candidates) == 1:
             return _Decision(record, submission, None, endpoint_id=candidates[0])
-        choice = self.placement.choose(submission, function, candidates)
+        try:
+            choice = self.placement.choose(submission, function, candidates)
+        except Exception:  # a bug in placement must cost the task its best choice, no more
+            log.exception("router: placement failed for task %s", submission.task_id)
+            choice = Choice(tie_break(submission.task_id, candidates), "placement failed")
         log.debug(
             "router: task %s to %s of %s (%s)",
             submission.task_id,
