@@ -101,7 +101,10 @@ def test_a_grouped_task_goes_where_its_function_is_warm(
         with executor(
             client, endpoint_id=cold.endpoint_id, endpoint_group=[warm.endpoint_id]
         ) as grouped:
-            for x in range(6):  # one at a time: the warm endpoint never queues
+            for x in range(6):
+                # One at a time, each after the endpoints' next heartbeat (every second):
+                # the warm endpoint is idle again when the next one is routed.
+                time.sleep(1.5)
                 future = grouped.submit(triple, x)
                 assert future.result(timeout=WAIT_S) == 3 * x
                 assert future.endpoint_id == warm.endpoint_id, f"task {x} ran on the cold one"

@@ -145,10 +145,33 @@ def test_the_endpoint_with_the_function_warm_is_chosen(
         for s in (submission(fn, [cold, warm]) for _ in range(20))
     ]
     # Each choice adds one to the warm endpoint's backlog estimate until its next
-    # heartbeat: warmth counts while that stays below its two workers (-2, -1, 0, 1).
-    assert chosen[:4] == [warm] * 4
-    assert cold in chosen[4:]
-    assert placement.stats.warm >= 4
+    # heartbeat; warmth counts while that is less than its two workers above the
+    # shortest (-2 and -1 against the cold one's -2; at 0 the cold one's idle workers win).
+    assert chosen[:3] == [warm, warm, cold]
+    assert placement.stats.warm >= 2
+
+
+def test_a_burst_follows_its_first_task_before_any_advert_says_so(
+    view: RegistryView, catalogue: Catalogue, produce: Produce
+) -> None:
+    a, b, fn, other = new_id(), new_id(), new_id(), new_id()
+    publish(view, catalogue, produce, [beat(a, idle=4), beat(b, idle=4)])
+    placement = Placement(view)
+    chosen = [
+        placement.choose(s, function(fn), s.candidates()).endpoint_id
+        for s in (submission(fn, [a, b]) for _ in range(5))
+    ]
+    # The first goes by the tie-break; the next three follow it (routed there: warm soon)
+    # while its backlog is within its four workers of the other's; the fifth spills.
+    assert chosen[1:4] == [chosen[0]] * 3
+    assert chosen[4] != chosen[0]
+    # Without warm routing the same burst alternates.
+    backlog = Placement(view, PlacementPolicy.BACKLOG)
+    spread = [
+        backlog.choose(s, function(other), s.candidates()).endpoint_id
+        for s in (submission(other, [a, b]) for _ in range(4))
+    ]
+    assert spread[0] != spread[1] and spread[2] != spread[3]
 
 
 def test_a_warm_container_counts_for_a_function_that_names_it(
@@ -227,7 +250,7 @@ def test_the_backlog_policy_ignores_warmth(
         view,
         catalogue,
         produce,
-        [beat(warm, idle=1, busy=1), beat(idle, idle=2)],
+        [beat(warm, idle=2, busy=1), beat(idle, idle=2)],
         [advert(warm, fn)],
     )
     task = submission(fn, [warm, idle])

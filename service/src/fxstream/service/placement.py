@@ -15,15 +15,22 @@ follows, so every router instance derives them from the same topics:
 - **warmth** (policy ``warm``): the candidates' managers' latest warm adverts
   (:class:`~fxstream.service.warm_table.WarmTable`): rank 2 where a worker has the
   function loaded, 1 where a worker runs the function's container (a function that
-  names one), else 0. Warmth counts only while the endpoint is not saturated: its
-  estimated backlog below its worker count (one round of its workers). A warm
-  endpoint otherwise attracts every task of its function however long its queue;
-  past that point a cold start elsewhere costs less than the wait.
+  names one), else 0. An advert lags the routing by a heartbeat or more, so a task
+  this instance routed to an endpoint in the last ``AFFINITY_S`` seconds counts as
+  warmth there too (its function rank 2, its container rank 1): the tasks of a burst
+  follow the first one instead of each starting its container somewhere else.
+  Warmth counts only while the endpoint's estimated backlog is within one round of
+  its workers of the shortest backlog among the live candidates (less than its
+  worker count more): a warm endpoint otherwise attracts every task of its function
+  however long its queue, and past that point a cold start elsewhere costs less than
+  the wait.
 - **backlog**: ``queue_depth + workers_busy - workers_idle`` of the latest
   heartbeat, plus the tasks this router instance routed there since that heartbeat
   was sent (heartbeats come every few seconds; without this every task of a burst
-  would go to the same "shortest" endpoint). That count is the only state here not
-  derived from a topic: per instance, reset by each newer heartbeat.
+  would go to the same "shortest" endpoint). That count and the recent routings above
+  are the only state here not derived from a topic: per instance (a restarted router
+  starts without them), the count reset by each newer heartbeat, the routings
+  forgotten after ``AFFINITY_S`` or beyond ``MAX_AFFINITIES``.
 - **data locality**: the bytes of the submission's by-reference arguments whose
   reference names the candidate as its ``site``. The references are read from the
   payload's by-reference envelope (:func:`~fxstream.topics.payload_references`: a
@@ -51,6 +58,7 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -62,6 +70,8 @@ if TYPE_CHECKING:  # the registry view (Kafka, RocksDB) is not needed to name a 
     from fxstream.service.registry import EndpointStatus
 
 __all__ = [
+    "AFFINITY_S",
+    "MAX_AFFINITIES",
     "MAX_ROUND_ROBIN_GROUPS",
     "Choice",
     "Placement",
@@ -75,6 +85,10 @@ log = logging.getLogger(__name__)
 
 MAX_ROUND_ROBIN_GROUPS = 4_096
 """Groups whose round-robin position is kept; past it every position starts over."""
+AFFINITY_S = 60.0
+"""How long a task routed to an endpoint makes its function (and container) count warm there."""
+MAX_AFFINITIES = 65_536
+"""Recent (endpoint, function or container) routings kept; the oldest is forgotten first."""
 
 
 class PlacementPolicy(enum.StrEnum):
@@ -151,6 +165,8 @@ class Placement:
         self._random = random.Random(self.seed)
         self._pending: dict[str, _Pending] = {}
         self._turns: dict[tuple[str, ...], int] = {}
+        # (endpoint, "f:<function>" or "c:<container>") -> when a task was last routed so.
+        self._recent: OrderedDict[tuple[str, str], float] = OrderedDict()
 
     def choose(
         self,
@@ -172,8 +188,10 @@ class Placement:
             live = ordered
             note = "; no candidate is live, so it waits in the chosen one's queue"
             self.stats.none_live += 1
-        choice = self._choose_live(submission, function, live, statuses)
+        choice = self._choose_live(submission, function, live, statuses, now)
         self._pending_of(choice.endpoint_id, statuses[choice.endpoint_id]).routed += 1
+        if self.policy is PlacementPolicy.WARM:
+            self._remember(choice.endpoint_id, submission, function, now)
         self.stats.chosen += 1
         return Choice(choice.endpoint_id, choice.reason + note)
 
@@ -183,6 +201,7 @@ class Placement:
         function: FunctionRecord | None,
         live: list[str],
         statuses: dict[str, EndpointStatus],
+        now: float,
     ) -> Choice:
         if len(live) == 1:
             return Choice(live[0], "the only live candidate")
@@ -195,7 +214,19 @@ class Placement:
             turn = self._turns.get(group, 0)
             self._turns[group] = turn + 1
             return Choice(live[turn % len(live)], "round robin")
-        scored = [self._score(submission, function, e, statuses[e]) for e in live]
+        backlogs = {e: self._backlog(e, statuses[e]) for e in live}
+        shortest = min(backlogs.values())
+        scored = [
+            _Scored(
+                e,
+                self._warm_rank(submission, function, e, now)
+                if self.policy is PlacementPolicy.WARM
+                and backlogs[e] - shortest < max(1, statuses[e].workers_total)
+                else 0,
+                backlogs[e],
+            )
+            for e in live
+        ]
         best = min(scored, key=lambda s: (-s.warm_rank, s.backlog))
         tied = [
             s.endpoint_id
@@ -216,28 +247,52 @@ class Placement:
             return Choice(tied[0], what)
         return Choice(tie_break(submission.task_id, tied), what + ", tie broken by task id")
 
-    def _score(
-        self,
-        submission: TaskSubmission,
-        function: FunctionRecord | None,
-        endpoint_id: str,
-        status: EndpointStatus,
-    ) -> _Scored:
-        backlog = (
+    def _backlog(self, endpoint_id: str, status: EndpointStatus) -> int:
+        """The latest heartbeat's backlog plus what this instance routed there since."""
+        return (
             status.queue_depth
             + status.workers_busy
             - status.workers_idle
             + self._pending_of(endpoint_id, status).routed
         )
-        rank = 0
-        if self.policy is PlacementPolicy.WARM and backlog < max(1, status.workers_total):
-            warmth: Warmth = self.signals.warm.warmth(
-                endpoint_id,
-                submission.function_id,
-                None if function is None else function.container,
-            )
-            rank = warmth.rank
-        return _Scored(endpoint_id, rank, backlog)
+
+    def _warm_rank(
+        self,
+        submission: TaskSubmission,
+        function: FunctionRecord | None,
+        endpoint_id: str,
+        now: float,
+    ) -> int:
+        """2: the function is (or was just routed) warm there; 1: its container; 0."""
+        container = None if function is None else function.container
+        warmth: Warmth = self.signals.warm.warmth(endpoint_id, submission.function_id, container)
+        if warmth.rank == 2 or self._recently(endpoint_id, f"f:{submission.function_id}", now):
+            return 2
+        if warmth.rank == 1 or (
+            container is not None and self._recently(endpoint_id, f"c:{container}", now)
+        ):
+            return 1
+        return 0
+
+    def _recently(self, endpoint_id: str, what: str, now: float) -> bool:
+        at = self._recent.get((endpoint_id, what))
+        return at is not None and now - at < AFFINITY_S
+
+    def _remember(
+        self,
+        endpoint_id: str,
+        submission: TaskSubmission,
+        function: FunctionRecord | None,
+        now: float,
+    ) -> None:
+        keys = [(endpoint_id, f"f:{submission.function_id}")]
+        if function is not None and function.container is not None:
+            keys.append((endpoint_id, f"c:{function.container}"))
+        for key in keys:
+            self._recent[key] = now
+            self._recent.move_to_end(key)
+        while len(self._recent) > MAX_AFFINITIES:
+            self._recent.popitem(last=False)
 
     def _pending_of(self, endpoint_id: str, status: EndpointStatus) -> _Pending:
         """What this instance routed to ``endpoint_id`` since its latest heartbeat."""
