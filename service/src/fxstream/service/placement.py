@@ -19,11 +19,13 @@ follows, so every router instance derives them from the same topics:
   this instance routed to an endpoint in the last ``AFFINITY_S`` seconds counts as
   warmth there too (its function rank 2, its container rank 1): the tasks of a burst
   follow the first one instead of each starting its container somewhere else.
-  Warmth counts only while the endpoint's estimated backlog is within one round of
-  its workers of the shortest backlog among the live candidates (less than its
-  worker count more): a warm endpoint otherwise attracts every task of its function
-  however long its queue, and past that point a cold start elsewhere costs less than
-  the wait.
+  Warmth counts only while the endpoint's estimated backlog exceeds the shortest
+  among the live candidates by less than one round of its workers plus that shortest
+  backlog again (``backlog - shortest < workers_total + max(0, shortest)``): a warm
+  endpoint otherwise attracts every task of its function however long its queue.
+  With idle workers elsewhere a cold start there beats queueing a round; with deep
+  queues everywhere a cold start is small beside the wait, and only a warm queue
+  about twice the shortest sends the task elsewhere.
 - **backlog**: ``queue_depth + workers_busy - workers_idle`` of the latest
   heartbeat, plus the tasks this router instance routed there since that heartbeat
   was sent (heartbeats come every few seconds; without this every task of a burst
@@ -221,7 +223,7 @@ class Placement:
                 e,
                 self._warm_rank(submission, function, e, now)
                 if self.policy is PlacementPolicy.WARM
-                and backlogs[e] - shortest < max(1, statuses[e].workers_total)
+                and backlogs[e] - shortest < max(1, statuses[e].workers_total) + max(0, shortest)
                 else 0,
                 backlogs[e],
             )
