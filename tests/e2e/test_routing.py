@@ -158,3 +158,33 @@ def test_a_group_with_an_endpoint_the_user_may_not_use_is_refused(
         wait_for_state(stranger, future.task_id, "rejected")
     finally:
         stranger.close()
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+def test_a_grouped_task_is_cancelled_wherever_the_router_sent_it(
+    shared_platform: PrivatePlatform, pair: tuple[ExtraEndpoint, ExtraEndpoint]
+) -> None:
+    warm, cold = pair
+    client = shared_platform.client()
+    try:
+        with executor(client, endpoint_id=warm.endpoint_id) as only_warm:
+            assert only_warm.submit(nap, 0.0).result(timeout=WAIT_S) == 0.0
+            function_id = only_warm.register_function(nap)
+        wait_until_warm(shared_platform, warm.endpoint_id, function_id)
+        time.sleep(1.5)  # the warm endpoint's next heartbeat: idle again
+        # Named endpoint: the cold one; the router sends it to the warm one. A cancel sent
+        # only to the named endpoint would leave it running for its whole minute.
+        with executor(
+            client, endpoint_id=cold.endpoint_id, endpoint_group=[warm.endpoint_id]
+        ) as grouped:
+            future = grouped.submit(nap, 60.0)
+            wait_for_state(client, future.task_id, "running", timeout_s=WAIT_S)
+            assert client.get_task(future.task_id)["endpoint_id"] == warm.endpoint_id
+            assert grouped.kill(future, reason="routing test")
+        wait_for_state(client, future.task_id, "cancelled", timeout_s=WAIT_S)
+    finally:
+        client.close()
