@@ -96,7 +96,8 @@ def test_a_grouped_task_goes_where_its_function_is_warm(
             assert only_warm.submit(triple, 1).result(timeout=WAIT_S) == 3
             function_id = only_warm.register_function(triple)
         wait_until_warm(shared_platform, warm.endpoint_id, function_id)
-        # endpoint_id names the cold one: without warm routing it would be a candidate
+        # The same function id (an executor registers a function anew). endpoint_id names
+        # the cold one: without warm routing it would be a candidate
         # as good as the other, and the tie-break would spread the tasks over both.
         with executor(
             client, endpoint_id=cold.endpoint_id, endpoint_group=[warm.endpoint_id]
@@ -105,7 +106,7 @@ def test_a_grouped_task_goes_where_its_function_is_warm(
                 # One at a time, each after the endpoints' next heartbeat (every second):
                 # the warm endpoint is idle again when the next one is routed.
                 time.sleep(1.5)
-                future = grouped.submit(triple, x)
+                future = grouped.submit_to_registered_function(function_id, (x,))
                 assert future.result(timeout=WAIT_S) == 3 * x
                 assert future.endpoint_id == warm.endpoint_id, f"task {x} ran on the cold one"
                 assert client.get_task(future.task_id)["endpoint_id"] == warm.endpoint_id
@@ -128,7 +129,7 @@ def test_a_dead_endpoint_of_the_group_is_never_chosen(
             dead = doomed.endpoint_id
         wait_until_lost(client, dead)
         with executor(client, endpoint_group=[dead, live.endpoint_id]) as grouped:
-            futures = [grouped.submit(quadruple, x) for x in range(10)]
+            futures = [grouped.submit_to_registered_function(function_id, (x,)) for x in range(10)]
             assert [f.result(timeout=WAIT_S) for f in futures] == [4 * x for x in range(10)]
         assert {f.endpoint_id for f in futures} == {live.endpoint_id}
     finally:
@@ -181,7 +182,7 @@ def test_a_grouped_task_is_cancelled_wherever_the_router_sent_it(
         with executor(
             client, endpoint_id=cold.endpoint_id, endpoint_group=[warm.endpoint_id]
         ) as grouped:
-            future = grouped.submit(nap, 60.0)
+            future = grouped.submit_to_registered_function(function_id, (60.0,))
             wait_for_state(client, future.task_id, "running", timeout_s=WAIT_S)
             assert client.get_task(future.task_id)["endpoint_id"] == warm.endpoint_id
             assert grouped.kill(future, reason="routing test")
