@@ -185,12 +185,12 @@ def _check_archive(root: Path, d: Deployment) -> None:
         assert [int(h) for h in frame["hour"]] == list(stamped.dt.hour)
         assert len(set(frame["hour"])) >= 2
         # DuckDB reads the same files with the hive columns.
-        row = duckdb.sql(
+        (row,) = duckdb.sql(
             "select count(*), count(distinct topic || ':' || partition || ':' || \"offset\"), "
             f"count(distinct hour) from read_parquet('{root / kind}/**/*.parquet', "
             "hive_partitioning = true)"
-        ).fetchone()
-        assert row is not None and row[0] == row[1] == len(produced) and row[2] >= 2
+        ).fetchall()
+        assert row[0] == row[1] == len(produced) and row[2] >= 2
         for file in (root / kind).rglob("*.parquet"):
             assert pq.read_schema(file).equals(SCHEMAS[kind]), file
     results = pd.read_parquet(root / "results")
