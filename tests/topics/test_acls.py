@@ -23,6 +23,7 @@ from fxstream.topics.acls import (
     is_allowed,
     principal_for,
     render_acl_table_md,
+    source_prefix,
     user_group_prefix,
 )
 
@@ -42,7 +43,8 @@ def test_topic_rules_name_catalogue_topics() -> None:
 
 
 def test_no_role_may_create_delete_or_alter_anything() -> None:
-    for role, ident in ((Role.SERVICE, None), (Role.USER, "a"), (Role.ENDPOINT, "e")):
+    roles = ((Role.SERVICE, None), (Role.USER, "a"), (Role.ENDPOINT, "e"), (Role.SOURCE, "s"))
+    for role, ident in roles:
         ops = {g.operation for g in grants_for(role, CATALOGUE, ident)}
         assert ops <= {Operation.READ, Operation.WRITE, Operation.DESCRIBE_CONFIGS}, role
 
@@ -86,6 +88,27 @@ def test_an_endpoint_reads_only_its_queue_in_its_group() -> None:
     assert not is_allowed(
         grants, Resource.TRANSACTIONAL_ID, "fxstream-agent.e-2.h.a", Operation.WRITE
     )
+
+
+def test_an_event_source_writes_and_reads_only_its_own_events_topic() -> None:
+    grants = grants_for(Role.SOURCE, CATALOGUE, "s")
+    assert principal_for(Role.SOURCE, "s") == "User:src.s"
+    own = CATALOGUE.events("s")
+    assert is_allowed(grants, Resource.TOPIC, own, Operation.WRITE)
+    assert is_allowed(grants, Resource.TOPIC, own, Operation.READ)
+    for topic in (CATALOGUE.events("s-2"), CATALOGUE.events("t"), CATALOGUE.results("s")):
+        for op in Operation:
+            assert not is_allowed(grants, Resource.TOPIC, topic, op), (topic, op)
+    assert is_allowed(grants, Resource.TRANSACTIONAL_ID, source_prefix("s") + "w", Operation.WRITE)
+    assert not is_allowed(
+        grants, Resource.TRANSACTIONAL_ID, "fxstream-source.s-2.w", Operation.WRITE
+    )
+    assert is_allowed(grants, Resource.GROUP, source_prefix("s") + "scan", Operation.READ)
+    assert not is_allowed(grants, Resource.GROUP, "fxstream-processors-x", Operation.READ)
+    # The service's Parquet sink reads every source's events, and writes none.
+    service = grants_for(Role.SERVICE, CATALOGUE)
+    assert is_allowed(service, Resource.TOPIC, own, Operation.READ)
+    assert not is_allowed(service, Resource.TOPIC, own, Operation.WRITE)
 
 
 def test_the_service_writes_the_registry_and_dispatches_but_not_agents_topics() -> None:

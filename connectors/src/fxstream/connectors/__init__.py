@@ -15,8 +15,19 @@
 - :mod:`~fxstream.connectors.integrity`: the SHA-256 every stored object's key carries,
   checked before anything is deserialized (``StoreIntegrityError``).
 
-The ADIOS2 names are imported on first use: ``adios2`` takes about 0.3 s to import,
-which every user of this package would otherwise pay.
+Event sources and the sink (docs/triggers.md):
+
+- :mod:`~fxstream.connectors.event_writer`: writes typed events to ``events.<source>``
+  in transactions, and reads the recent keys a restarted source skips.
+- :mod:`~fxstream.connectors.file_watcher`: one event per complete file in a directory.
+- :mod:`~fxstream.connectors.adios_steps`: one event per step of an ADIOS2 BP5 stream.
+- :mod:`~fxstream.connectors.topic_source`: events from the records of a Kafka topic.
+- :mod:`~fxstream.connectors.parquet_sink`: results metadata, events and task-state
+  changes archived to Parquet by day and hour, each row once.
+- :mod:`~fxstream.connectors.source_cli`: the ``fxstream-source`` command.
+
+The ADIOS2, watchdog and pyarrow names are imported on first use: ``adios2`` alone takes
+about 0.3 s to import, which every user of this package would otherwise pay.
 """
 
 import importlib
@@ -51,20 +62,30 @@ from fxstream.connectors.stores import DEFAULT_LEASE_S, StoreSpec, StoreURLError
 
 if TYPE_CHECKING:
     from fxstream.connectors.adios import Adios2Connector, Adios2Key
+    from fxstream.connectors.adios_steps import Adios2StepSource
     from fxstream.connectors.adios_stream import (
         Adios2Stream,
         Adios2StreamReader,
         Adios2StreamWriter,
         StreamStep,
     )
+    from fxstream.connectors.event_writer import EventWriter
+    from fxstream.connectors.file_watcher import FileWatcher
+    from fxstream.connectors.parquet_sink import ParquetSink
+    from fxstream.connectors.topic_source import TopicEventSource
 
-_ADIOS2_NAMES = {
+_LAZY_NAMES = {
     "Adios2Connector": "fxstream.connectors.adios",
     "Adios2Key": "fxstream.connectors.adios",
     "Adios2Stream": "fxstream.connectors.adios_stream",
     "Adios2StreamReader": "fxstream.connectors.adios_stream",
     "Adios2StreamWriter": "fxstream.connectors.adios_stream",
     "StreamStep": "fxstream.connectors.adios_stream",
+    "Adios2StepSource": "fxstream.connectors.adios_steps",
+    "EventWriter": "fxstream.connectors.event_writer",
+    "FileWatcher": "fxstream.connectors.file_watcher",
+    "ParquetSink": "fxstream.connectors.parquet_sink",
+    "TopicEventSource": "fxstream.connectors.topic_source",
 }
 
 __all__ = [
@@ -72,14 +93,17 @@ __all__ = [
     "DEFAULT_PROXY_THRESHOLD_BYTES",
     "Adios2Connector",
     "Adios2Key",
+    "Adios2StepSource",
     "Adios2Stream",
     "Adios2StreamReader",
     "Adios2StreamWriter",
     "ByReference",
+    "EventWriter",
     "FileConnector",
     "FileObjectKey",
     "FileStreamReader",
     "FileStreamWriter",
+    "FileWatcher",
     "GlobusAuthConfig",
     "GlobusConnector",
     "GlobusKey",
@@ -90,6 +114,7 @@ __all__ = [
     "ObjectDescription",
     "ObjectOnOtherNode",
     "Packed",
+    "ParquetSink",
     "RedisConnector",
     "RedisObjectKey",
     "StoreIntegrityError",
@@ -98,6 +123,7 @@ __all__ = [
     "StoredObject",
     "StreamAborted",
     "StreamStep",
+    "TopicEventSource",
     "collect_references",
     "evict_objects",
     "load_payload",
@@ -109,8 +135,8 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """Import an ADIOS2 name from its module on first use."""
-    module = _ADIOS2_NAMES.get(name)
+    """Import an ADIOS2, event-source or sink name from its module on first use."""
+    module = _LAZY_NAMES.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(module), name)

@@ -205,7 +205,7 @@ def render_topics_md(catalogue: Catalogue | None = None) -> str:
     lines += [
         "The broker's ACLs, from `fxstream.topics.acls` (the one table in code; the ACL-matrix "
         "test checks every cell against a real broker). `<U>` is a user id, `<E>` an "
-        "endpoint id; `*` ends a prefixed name.",
+        "endpoint id, `<S>` an event source id; `*` ends a prefixed name.",
         "",
         render_acl_table_md(catalogue).rstrip("\n"),
     ]

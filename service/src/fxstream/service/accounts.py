@@ -48,6 +48,7 @@ SCRAM_ITERATIONS = 8192
 _PASSWORD_BYTES = 32
 _USER_TOPICS = ("from.user.{user_id}", "results.{user_id}")
 _ENDPOINT_TOPICS = ("tasks.ep.{endpoint_id}", "from.ep.{endpoint_id}")
+_SOURCE_TOPICS = ("events.{source}",)
 
 
 class AccountError(RuntimeError):
@@ -143,6 +144,15 @@ class AccountManager:
         """Remove endpoint ``endpoint_id``'s credential, ACLs and topics (queued tasks too)."""
         topics = self._topics(_ENDPOINT_TOPICS, endpoint_id=endpoint_id)
         self._delete(Role.ENDPOINT, endpoint_id, topics)
+
+    def create_source_principal(self, source: str) -> Principal:
+        """Event source ``source``'s topic ``events.<source>``, ACLs and credential; the
+        password is returned once."""
+        return self._create(Role.SOURCE, source, self._topics(_SOURCE_TOPICS, source=source))
+
+    def delete_source_principal(self, source: str) -> None:
+        """Remove event source ``source``'s credential, ACLs and its events topic."""
+        self._delete(Role.SOURCE, source, self._topics(_SOURCE_TOPICS, source=source))
 
     # --- the service ---------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Who may do what on the broker: the one ACL table of fxstream, as data.
 
 The broker runs ``StandardAuthorizer`` with ``allow.everyone.if.no.acl.found=false``, so a
-principal may do exactly what an ALLOW in this table grants it, and nothing else. Four roles:
+principal may do exactly what an ALLOW in this table grants it, and nothing else. Five roles:
 
 - **admin** (``fxstream-admin``): the only super user (``super.users``); it needs no ACL.
   Ops provisioning and the REST API's account manager act as admin.
@@ -13,6 +13,9 @@ principal may do exactly what an ALLOW in this table grants it, and nothing else
 - **endpoint** ``E`` (``ep.<E>``): reads only ``tasks.ep.<E>`` in the group
   ``fxstream-endpoint.<E>``, writes only ``from.ep.<E>``, with transactional ids starting
   ``fxstream-agent.<E>.``.
+- **source** ``S`` (``src.<S>``): an event source (file watcher, ADIOS2 steps): writes and
+  reads only ``events.<S>`` (it reads its recent keys at start, so a restart repeats no
+  event), with groups and transactional ids starting ``fxstream-source.<S>.``.
 
 Topic names come from the :class:`~fxstream.topics.catalogue.Catalogue` (so a deployment's
 prefix is honoured); ids never contain ``.``, which therefore ends every prefix safely.
@@ -61,6 +64,7 @@ __all__ = [
     "is_allowed",
     "principal_for",
     "render_acl_table_md",
+    "source_prefix",
     "user_group_prefix",
     "username_for",
 ]
@@ -74,6 +78,7 @@ SERVICE_GROUP_PREFIX = "fxstream-processors"
 SERVICE_VIEW_GROUP = "fxstream-registry-view-unused"
 _USER_PREFIX = "u."
 _ENDPOINT_PREFIX = "ep."
+_SOURCE_PREFIX = "src."
 
 
 class Role(StrEnum):
@@ -83,6 +88,7 @@ class Role(StrEnum):
     SERVICE = "service"
     USER = "user"
     ENDPOINT = "endpoint"
+    SOURCE = "source"
 
 
 class Resource(StrEnum):
@@ -164,7 +170,7 @@ class Grant:
 # A topic rule's name for every topic of the deployment (its prefix, PREFIXED).
 ALL_TOPICS = "*"
 
-_S, _U, _E = Role.SERVICE, Role.USER, Role.ENDPOINT
+_S, _U, _E, _SRC = Role.SERVICE, Role.USER, Role.ENDPOINT, Role.SOURCE
 _T, _G, _X = Resource.TOPIC, Resource.GROUP, Resource.TRANSACTIONAL_ID
 _LIT, _PRE = Pattern.LITERAL, Pattern.PREFIXED
 _R, _W = Operation.READ, Operation.WRITE
@@ -193,6 +199,7 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S, _T, _LIT, "task-events", _R, "task-state processor"),
     Rule(_S, _T, _LIT, "task-events", _W, "liveness, ingress (agents' events)"),
     Rule(_S, _T, _LIT, "dead-letter", _W, "every processor dead-letters what it refuses"),
+    Rule(_S, _T, _PRE, "events.{source}", _R, "the Parquet sink archives every source's events"),
     Rule(
         _S, _T, _PRE, ALL_TOPICS, Operation.DESCRIBE_CONFIGS, "start-up check: topics as specified"
     ),
@@ -209,11 +216,15 @@ TABLE: tuple[Rule, ...] = (
     Rule(_E, _T, _LIT, "from.ep.{endpoint_id}", _W, "results, heartbeats, warm, locations"),
     Rule(_E, _G, _LIT, "fxstream-endpoint.{id}", _R, "its agents' group (and txn commits)"),
     Rule(_E, _X, _PRE, "fxstream-agent.{id}.", _W, "its agents' transactions"),
+    # --- an event source: a file watcher, an ADIOS2 step source ---------------------------
+    Rule(_SRC, _T, _LIT, "events.{source}", _W, "its events"),
+    Rule(_SRC, _T, _LIT, "events.{source}", _R, "its recent keys at start (no repeats)"),
+    Rule(_SRC, _G, _PRE, "fxstream-source.{id}.", _R, "its groups"),
+    Rule(_SRC, _X, _PRE, "fxstream-source.{id}.", _W, "its transactions"),
 )
 
 # Catalogue topics no role but admin may touch, and why.
 NOT_GRANTED: dict[str, str] = {
-    "events.{source}": "event sources have no principal yet: admin only",
     "streams.{stream}": "SDK streams have no per-user namespace yet: admin only",
 }
 
@@ -225,7 +236,8 @@ def username_for(role: Role, principal_id: str | None = None) -> str:
     if role is Role.SERVICE:
         return SERVICE_USERNAME
     ident = _require_id(role, principal_id)
-    return (_USER_PREFIX if role is Role.USER else _ENDPOINT_PREFIX) + ident
+    prefix = {Role.USER: _USER_PREFIX, Role.ENDPOINT: _ENDPOINT_PREFIX}.get(role, _SOURCE_PREFIX)
+    return prefix + ident
 
 
 def principal_for(role: Role, principal_id: str | None = None) -> str:
@@ -246,6 +258,11 @@ def endpoint_group(endpoint_id: str) -> str:
 def endpoint_transactional_prefix(endpoint_id: str) -> str:
     """The prefix of the transactional ids endpoint ``endpoint_id``'s agents may use."""
     return f"fxstream-agent.{_require_id(Role.ENDPOINT, endpoint_id)}."
+
+
+def source_prefix(source: str) -> str:
+    """The prefix of every consumer group and transactional id source ``source`` may use."""
+    return f"fxstream-source.{_require_id(Role.SOURCE, source)}."
 
 
 def _require_id(role: Role, principal_id: str | None) -> str:
@@ -395,7 +412,7 @@ def is_allowed(
     return bool(covering & _IMPLIED.get(operation, frozenset()))
 
 
-_ID_SHOWN = {Role.USER: "<U>", Role.ENDPOINT: "<E>"}
+_ID_SHOWN = {Role.USER: "<U>", Role.ENDPOINT: "<E>", Role.SOURCE: "<S>"}
 
 
 def _shown_name(catalogue: Catalogue, rule: Rule) -> str:
@@ -420,6 +437,8 @@ def _principal_shown(role: Role) -> str:
         return f"`{_USER_PREFIX}<U>`"
     if role is Role.ENDPOINT:
         return f"`{_ENDPOINT_PREFIX}<E>`"
+    if role is Role.SOURCE:
+        return f"`{_SOURCE_PREFIX}<S>`"
     return f"`{username_for(role)}`"
 
 
