@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxstream.topics import (
+    MAX_ENDPOINT_GROUP,
     SCHEMA_VERSIONS,
     Attempt,
     ClientInfo,
@@ -215,11 +216,34 @@ def test_newer_schema_version_is_refused() -> None:
         decode_any(msgspec.msgpack.encode(raw))
 
 
-@pytest.mark.parametrize("kind", ["submission", "cancel", "dispatch"])
+@pytest.mark.parametrize("kind", ["cancel", "dispatch"])
 def test_records_that_lost_the_token_are_version_2(kind: str) -> None:
     # Issue 13: no credential in any record (the token left submissions and cancels), and
     # the dispatch gained the router-stamped submitter and code digest.
     assert SCHEMA_VERSIONS[kind] == 2
+
+
+def test_the_submission_with_an_endpoint_group_is_version_3() -> None:
+    # Issue 13 took its token (v2); issue 14 added its endpoint group (v3): a v2 reader
+    # refuses it ("upgrade fxstream") instead of ignoring the group.
+    assert SCHEMA_VERSIONS["submission"] == 3
+
+
+def test_a_submission_s_candidates_are_its_endpoint_and_group_sorted_once_each() -> None:
+    assert SUBMISSION.candidates() == ("ep-1",)
+    grouped = msgspec.structs.replace(SUBMISSION, endpoint_group=["ep-3", "ep-1", "ep-2"])
+    assert decode(encode(grouped), TaskSubmission).candidates() == ("ep-1", "ep-2", "ep-3")
+    assert msgspec.structs.replace(SUBMISSION, endpoint_group=[]).candidates() == ("ep-1",)
+
+
+def test_an_endpoint_group_is_bounded_and_made_of_ids() -> None:
+    raw = msgspec.msgpack.decode(encode(SUBMISSION))
+    raw["endpoint_group"] = [f"ep-{i}" for i in range(MAX_ENDPOINT_GROUP + 1)]
+    with pytest.raises(RecordDecodeError, match="endpoint_group"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+    raw["endpoint_group"] = ["not an id"]
+    with pytest.raises(RecordDecodeError, match="endpoint_group"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
 
 
 def test_no_task_record_has_a_field_for_a_credential() -> None:

@@ -437,14 +437,17 @@ class Intake:
 
 
 def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
-    """Why a dispatch's submission disagrees with the router's stamps, or ''."""
+    """Why a dispatch's submission disagrees with the router's stamps, or ''.
+
+    The router's endpoint must be the submission's, or one of its endpoint group (the
+    router chose it there)."""
     stamped = (dispatch.task_id, dispatch.endpoint_id, dispatch.user_id, dispatch.function_sha256)
-    claimed = (
-        submission.task_id,
-        submission.endpoint_id,
-        submission.user_id,
-        submission.function_sha256,
+    endpoint = (
+        dispatch.endpoint_id
+        if dispatch.endpoint_id in submission.candidates()
+        else submission.endpoint_id
     )
+    claimed = (submission.task_id, endpoint, submission.user_id, submission.function_sha256)
     if stamped == claimed:
         return ""
     return (

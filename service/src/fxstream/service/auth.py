@@ -151,8 +151,15 @@ def refusal_reason(
     user: UserRecord | None,
     function: FunctionRecord | None,
     endpoint: EndpointRecord | None,
+    *,
+    endpoint_id: str | None = None,
 ) -> str | None:
     """Why the router must refuse ``submission``, or None when it may run.
+
+    ``endpoint`` is the record of ``endpoint_id`` (default: the submission's
+    ``endpoint_id``); for a submission with an endpoint group the router asks once
+    per candidate and refuses the task if any one is refused (a group is never a way
+    to reach an endpoint the user may not use).
 
     The reasons are written for the submitter: they say what is wrong and what
     to do, and never reveal whether another user's private object exists.
@@ -170,8 +177,16 @@ def refusal_reason(
             "register it with Client.register_function, or ask its owner to share it"
         )
     if not _shared_with(user, endpoint):
+        named = submission.endpoint_id if endpoint_id is None else endpoint_id
+        if len(submission.candidates()) > 1:
+            return (
+                f"endpoint {named!r} of the task's endpoint group "
+                f"{list(submission.candidates())} does not exist or is not shared with you: "
+                "remove it from the group (list the endpoints you may use with "
+                "Client.list_endpoints)"
+            )
         return (
-            f"endpoint {submission.endpoint_id!r} does not exist or is not shared with you: "
+            f"endpoint {named!r} does not exist or is not shared with you: "
             "list the endpoints you may use with Client.list_endpoints"
         )
     return None

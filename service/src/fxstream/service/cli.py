@@ -35,6 +35,7 @@ from fxstream.service.account_files import (
     globus_provider,
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
+from fxstream.service.placement import PlacementPolicy
 from fxstream.topics import (
     Catalogue,
     CredentialFileError,
@@ -427,6 +428,15 @@ def worker(
             help="run only this processor, in this process (repeatable); all of them by default",
         ),
     ] = None,
+    placement: Annotated[
+        PlacementPolicy,
+        typer.Option(
+            "--placement",
+            envvar="FXSTREAM_PLACEMENT",
+            help="how the router chooses among a task's endpoint group: warm (warmth, then "
+            "backlog, data locality, a hash of the task id), backlog, round-robin or random",
+        ),
+    ] = PlacementPolicy.WARM,
 ) -> None:
     """Run the stream processors (router, ingress, task state, liveness) until stopped."""
     try:
@@ -443,7 +453,7 @@ def worker(
     run_processors = _load_processors()
     roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
-        run_processors(target.kafka, target.catalogue, roles=roles)
+        run_processors(target.kafka, target.catalogue, roles=roles, placement=placement)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 

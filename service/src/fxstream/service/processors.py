@@ -63,6 +63,7 @@ from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
 from fxstream.service.outgoing import Outgoing
+from fxstream.service.placement import Placement, PlacementPolicy
 from fxstream.service.quarantine import write_or_quarantine
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
@@ -82,6 +83,7 @@ __all__ = [
     "DEFAULT_APP_ID",
     "EXIT_WRITE_FAILED",
     "KAFKA_CREDENTIALS_ENV",
+    "PLACEMENT_ENV",
     "ROLES",
     "build_app",
     "main",
@@ -93,6 +95,8 @@ log = logging.getLogger(__name__)
 DEFAULT_APP_ID = "fxstream-processors"
 # Names the Kafka credentials file when --kafka-credentials does not (as in the CLI).
 KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
+# Names the router's placement policy when --placement does not (what ./fx up passes on).
+PLACEMENT_ENV = "FXSTREAM_PLACEMENT"
 # What --only can choose; all of them run in one process without it.
 ROLES = ("router", "ingress", "task-state", "liveness")
 BATCH_SIZE = 500
@@ -171,11 +175,13 @@ def build_app(
     data_dir: Path | None = None,
     batch_size: int = BATCH_SIZE,
     roles: Sequence[str] = ROLES,
+    placement: PlacementPolicy = PlacementPolicy.WARM,
 ) -> faust.App:
     """The faust app running ``roles`` (router, task-state, liveness), not yet started.
 
     ``data_dir`` is faust's working directory (nothing durable lives there: the
     store is in memory); by default a directory under the system temp dir.
+    ``placement`` is how the router chooses among a grouped task's endpoints.
     """
     unknown = set(roles) - set(ROLES)
     if unknown or not roles:
@@ -190,7 +196,7 @@ def build_app(
         app.producer_only = True
     stoppers: list[Callable[[], Awaitable[None]]] = []
     if "router" in roles:
-        _add_router(app, kafka, catalogue, app_id, batch_size, stoppers)
+        _add_router(app, kafka, catalogue, app_id, batch_size, stoppers, placement)
     if "ingress" in roles:
         _add_ingress(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "task-state" in roles:
@@ -239,9 +245,16 @@ def _add_router(
     app_id: str,
     batch_size: int,
     stoppers: list[Callable[[], Awaitable[None]]],
+    policy: PlacementPolicy = PlacementPolicy.WARM,
 ) -> None:
-    view = RegistryView(kafka, catalogue, follow=("users", "functions", "endpoints"))
-    router = Router(catalogue, view, TopicDirectory(kafka))
+    # Heartbeats and warm adverts: what placement chooses by (fxstream.service.placement).
+    view = RegistryView(
+        kafka,
+        catalogue,
+        follow=("users", "functions", "endpoints", "heartbeats", "warm"),
+        component="router's registry view",
+    )
+    router = Router(catalogue, view, TopicDirectory(kafka), placement=Placement(view, policy))
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
     # with faust's assignor.
     router_loop = RouterLoop(
@@ -250,7 +263,7 @@ def _add_router(
 
     def closed() -> None:
         router.close()
-        log.info("router: %s", router.stats)
+        log.info("router: %s; placement (%s): %s", router.stats, policy, router.placement.stats)
 
     _run_in_app(app, stoppers, router_loop, closed)
 
@@ -389,6 +402,7 @@ def run_processors(
     log_level: str = "INFO",
     batch_size: int = BATCH_SIZE,
     roles: Sequence[str] = ROLES,
+    placement: PlacementPolicy = PlacementPolicy.WARM,
 ) -> None:
     """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
 
@@ -401,6 +415,7 @@ def run_processors(
         data_dir=data_dir,
         batch_size=batch_size,
         roles=roles,
+        placement=placement,
     )
     worker = _Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -443,6 +458,14 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="run only this processor (repeatable); all of them by default",
     )
+    parser.add_argument(
+        "--placement",
+        choices=[str(p) for p in PlacementPolicy],
+        default=os.environ.get(PLACEMENT_ENV) or str(PlacementPolicy.WARM),
+        help="how the router chooses among a task's endpoint group: warm (warmth, then "
+        "backlog, locality, a hash of the task id), backlog, round-robin or random "
+        f"(default: ${PLACEMENT_ENV}, else warm)",
+    )
     return parser
 
 
@@ -461,6 +484,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         kafka = KafkaConnection(args.bootstrap)
     else:
         parser.error("say where Kafka is: --kafka-credentials FILE or --bootstrap HOST:PORT")
+    try:
+        placement = PlacementPolicy(args.placement)
+    except ValueError:
+        parser.error(
+            f"placement {args.placement!r} (from ${PLACEMENT_ENV}?) is not one of "
+            f"{', '.join(PlacementPolicy)}"
+        )
     run_processors(
         kafka,
         Catalogue(prefix=args.prefix),
@@ -469,6 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log_level=args.log_level,
         batch_size=args.batch_size,
         roles=tuple(args.only) if args.only else ROLES,
+        placement=placement,
     )
     return 0
 

@@ -8,6 +8,10 @@ liveness processor's output: an endpoint's status is computed from its last
 heartbeat when asked. Kill the service and restart it, and the view is back
 as it was.
 
+The router's view also follows ``warm`` (compacted: the latest advert per endpoint
+manager), folded into a bounded :class:`~fxstream.service.warm_table.WarmTable`
+(:attr:`RegistryView.warm`), and ``heartbeats`` for liveness and backlog.
+
 Task states are not held in memory: ``task-state`` grows with every task ever
 run, so the view folds it into a :class:`~fxstream.service.task_table.TaskStateTable`
 (RocksDB on local disk, rebuilt at every start) whose memory is bounded by its
@@ -34,7 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, get_args
 
 from confluent_kafka import (
     OFFSET_BEGINNING,
@@ -47,6 +51,7 @@ from confluent_kafka import (
 )
 
 from fxstream.service.task_table import TaskStateTable
+from fxstream.service.warm_table import WarmTable
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
@@ -58,6 +63,7 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskState,
     UserRecord,
+    WarmAdvert,
     dead_letter,
     decode,
     encode,
@@ -85,7 +91,7 @@ _NO_LEADER_YET = frozenset(
     }
 )
 
-Followed = Literal["users", "functions", "endpoints", "heartbeats", "task-state"]
+Followed = Literal["users", "functions", "endpoints", "heartbeats", "task-state", "warm"]
 ALL_FOLLOWED: tuple[Followed, ...] = ("users", "functions", "endpoints", "heartbeats", "task-state")
 
 
@@ -137,11 +143,14 @@ class RegistryView:
             "endpoints": (catalogue.endpoints, EndpointRecord),
             "heartbeats": (catalogue.heartbeats, Heartbeat),
             "task-state": (catalogue.task_state, TaskState),
+            "warm": (catalogue.warm, WarmAdvert),
         }
         for followed in follow:
             topic, record_type = kind_types[followed]
             self._kinds[topic] = (followed, record_type)
-        self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in ALL_FOLLOWED}
+        self._tables: dict[Followed, dict[str, Record]] = {k: {} for k in get_args(Followed)}
+        self.warm = WarmTable()
+        """What endpoint managers hold warm (filled only when the view follows ``warm``)."""
         self._token_index: dict[str, UserRecord] = {}
         self._endpoint_token_index: dict[str, EndpointRecord] = {}
         self._identity_index: dict[str, UserRecord] = {}
@@ -366,7 +375,9 @@ class RegistryView:
         value = message.value()
         table = self._tables[followed]
         if value is None and followed != "heartbeats":
-            if followed == "task-state" and self._task_table is not None:
+            if followed == "warm":
+                self.warm.fold(key, None)
+            elif followed == "task-state" and self._task_table is not None:
                 self._task_table.delete(key)
             else:
                 self._remove(followed, key)
@@ -389,6 +400,18 @@ class RegistryView:
             previous = _as(table.get(record.endpoint_id), Heartbeat)
             if previous is None or previous.sent_at <= record.sent_at:
                 table[record.endpoint_id] = record
+            return
+        if isinstance(record, WarmAdvert):
+            if not self.warm.fold(key, record):
+                # The ingress wrote it, checked: only a forged or rewritten topic gets here.
+                log.warning(
+                    "registry view: skipping a warm advert on %s [%s] @ %s: its key %r is "
+                    "not '<endpoint>/<manager>' of the advert, or it is older than the last",
+                    topic,
+                    partition,
+                    offset,
+                    key,
+                )
             return
         if isinstance(record, TaskState):
             if self._task_table is not None and value is not None:

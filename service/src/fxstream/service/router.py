@@ -28,6 +28,15 @@ partition number: the cancel reaches the endpoint queue after its task's
 dispatch, so the agent holding the task reads the task first and its cancel
 next, without any lookup of task state here (see docs/architecture.md).
 
+A submission with an ``endpoint_group`` (:meth:`TaskSubmission.candidates`) is
+refused unless the user may use every candidate (the refusal names the first one
+that is not shared with them); otherwise a :class:`~fxstream.service.placement.Placement`
+chooses one (liveness, warmth, backlog, data locality, a tie-break: see that module),
+and the chosen endpoint is the dispatch's and the ``routed`` state's ``endpoint_id``,
+so nothing downstream knows groups exist. A cancel of a grouped task is sent by the
+SDK once per candidate (no state lookup here): the agents that do not hold the task
+ignore it.
+
 Every record is keyed by task id, so Kafka's default partitioner puts all of a
 task's records on the same partition number of each topic. :meth:`Router.plan`
 does no writing: the faust agent in :mod:`fxstream.service.processors` sends
@@ -43,6 +52,7 @@ from dataclasses import dataclass, field
 
 from fxstream.service.auth import cancel_refusal_reason, refusal_reason
 from fxstream.service.outgoing import Outgoing
+from fxstream.service.placement import Choice, Placement, tie_break
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
@@ -123,6 +133,12 @@ class _Decision:
     submission: TaskSubmission
     refusal: str | None
     error_type: DeadLetterReason = DeadLetterReason.REJECTED
+    endpoint_id: str = ""
+    """Where it goes: the submission's endpoint, or the one placement chose of its group."""
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoint_id or self.submission.endpoint_id
 
 
 class Router:
@@ -136,7 +152,11 @@ class Router:
         *,
         catch_up_s: float = 2.0,
         clock: Callable[[], float] = time.time,
+        placement: Placement | None = None,
     ) -> None:
+        """``placement`` chooses among a grouped submission's endpoints (default: the
+        ``warm`` policy over ``view``, which should then follow ``heartbeats`` and
+        ``warm``; a view that does not sees no candidate live and no warmth)."""
         self._catalogue = catalogue
         self._view = view
         self._directory = directory
@@ -149,6 +169,7 @@ class Router:
             start_timeout_s=60.0,
         )
         self._clock = clock
+        self.placement = placement if placement is not None else Placement(view, clock=clock)
         self._queue_limit = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes
         self.stats = RouterStats()
 
@@ -303,31 +324,50 @@ class Router:
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
     ) -> None:
         if decision.refusal is None:
-            self._plan_routed(plan, decision.record, decision.submission, now)
+            self._plan_routed(plan, decision.record, decision.submission, decision.endpoint, now)
         else:
             self._plan_refused(plan, decision, now, results_present)
 
     def _decide(self, record: RawRecord, submission: TaskSubmission) -> _Decision:
         function = self._view.function(submission.function_id)
-        refusal = refusal_reason(
-            submission,
-            self._view.user(submission.user_id),
-            function,
-            self._view.endpoint(submission.endpoint_id),
-        )
-        if refusal is not None:
-            return _Decision(record, submission, refusal)
+        user = self._view.user(submission.user_id)
+        candidates = submission.candidates()
+        for endpoint_id in candidates:
+            # Every candidate: a group never reaches an endpoint the user may not use.
+            refusal = refusal_reason(
+                submission,
+                user,
+                function,
+                self._view.endpoint(endpoint_id),
+                endpoint_id=endpoint_id,
+            )
+            if refusal is not None:
+                return _Decision(record, submission, refusal)
         changed = _code_changed(submission, function)
         if changed is not None:
             self.stats.functions_changed += 1
             return _Decision(record, submission, changed, DeadLetterReason.FUNCTION_CHANGED)
-        return _Decision(record, submission, None)
+        if len(candidates) == 1:
+            return _Decision(record, submission, None, endpoint_id=candidates[0])
+        try:
+            choice = self.placement.choose(submission, function, candidates)
+        except Exception:  # a bug in placement must cost the task its best choice, no more
+            log.exception("router: placement failed for task %s", submission.task_id)
+            choice = Choice(tie_break(submission.task_id, candidates), "placement failed")
+        log.debug(
+            "router: task %s to %s of %s (%s)",
+            submission.task_id,
+            choice.endpoint_id,
+            candidates,
+            choice.reason,
+        )
+        return _Decision(record, submission, None, endpoint_id=choice.endpoint_id)
 
     def _has_unknown(self, submission: TaskSubmission) -> bool:
         return (
             self._view.user(submission.user_id) is None
             or self._view.function(submission.function_id) is None
-            or self._view.endpoint(submission.endpoint_id) is None
+            or any(self._view.endpoint(e) is None for e in submission.candidates())
         )
 
     def _cancel_has_unknown(self, cancel: TaskCancel) -> bool:
@@ -345,24 +385,22 @@ class Router:
     async def _refuse_unroutable(self, decisions: list[_Decision]) -> list[_Decision]:
         """Refuse allowed tasks that cannot be delivered: no queue topic, or too large."""
         present = await self._directory.present(
-            self._catalogue.endpoint_queue(d.submission.endpoint_id)
-            for d in decisions
-            if d.refusal is None
+            self._catalogue.endpoint_queue(d.endpoint) for d in decisions if d.refusal is None
         )
         checked: list[_Decision] = []
         for d in decisions:
             reason = d.refusal
             if reason is None:
                 reason = self._unroutable(d, present)
-            checked.append(_Decision(d.record, d.submission, reason, d.error_type))
+            checked.append(_Decision(d.record, d.submission, reason, d.error_type, d.endpoint_id))
         return checked
 
     def _unroutable(self, decision: _Decision, present: set[str]) -> str | None:
         submission = decision.submission
-        queue = self._catalogue.endpoint_queue(submission.endpoint_id)
+        queue = self._catalogue.endpoint_queue(decision.endpoint)
         if queue not in present:
             return (
-                f"endpoint {submission.endpoint_id!r} has no queue topic {queue!r}: "
+                f"endpoint {decision.endpoint!r} has no queue topic {queue!r}: "
                 "ask the operator to re-register the endpoint (POST /v1/endpoints creates it)"
             )
         size = len(decision.record.value or b"")
@@ -370,7 +408,7 @@ class Router:
         # it, the key and the forwarded headers.
         wire = record_bytes(
             submission.task_id.encode(), None, _forwarded_headers(decision.record.headers)
-        ) + _dispatch_bytes(submission, size)
+        ) + _dispatch_bytes(submission, decision.endpoint, size)
         if wire > self._queue_limit:
             return (
                 f"the task is {size:,} bytes ({wire:,} as routed, with its headers), too "
@@ -382,12 +420,17 @@ class Router:
     # --- what to write -------------------------------------------------------------------
 
     def _plan_routed(
-        self, plan: RoutePlan, record: RawRecord, submission: TaskSubmission, now: float
+        self,
+        plan: RoutePlan,
+        record: RawRecord,
+        submission: TaskSubmission,
+        endpoint_id: str,
+        now: float,
     ) -> None:
         key = submission.task_id.encode()
         dispatch = TaskDispatch(
             task_id=submission.task_id,
-            endpoint_id=submission.endpoint_id,
+            endpoint_id=endpoint_id,
             # The topic's user (plan() dead-lettered any other) and the digest
             # _code_changed checked against the registry: facts the agent trusts.
             user_id=submission.user_id,
@@ -401,11 +444,12 @@ class Router:
             TaskStateName.ROUTED,
             now,
             TaskTimings(submitted_at=submission.submitted_at, routed_at=now),
+            endpoint_id=endpoint_id,
         )
         plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
         plan.dispatches.append(
             Outgoing(
-                self._catalogue.endpoint_queue(submission.endpoint_id),
+                self._catalogue.endpoint_queue(endpoint_id),
                 key,
                 encode(dispatch),
                 _forwarded_headers(record.headers),
@@ -475,12 +519,13 @@ def _state(
     timings: TaskTimings,
     *,
     error: TaskError | None = None,
+    endpoint_id: str | None = None,
 ) -> TaskState:
     return TaskState(
         task_id=submission.task_id,
         user_id=submission.user_id,
         function_id=submission.function_id,
-        endpoint_id=submission.endpoint_id,
+        endpoint_id=submission.endpoint_id if endpoint_id is None else endpoint_id,
         task_group_id=submission.task_group_id,
         state=name,
         updated_at=now,
@@ -489,11 +534,11 @@ def _state(
     )
 
 
-def _dispatch_bytes(submission: TaskSubmission, submission_bytes: int) -> int:
+def _dispatch_bytes(submission: TaskSubmission, endpoint_id: str, submission_bytes: int) -> int:
     """The encoded size of the dispatch of a submission of ``submission_bytes`` bytes."""
     empty = TaskDispatch(
         task_id=submission.task_id,
-        endpoint_id=submission.endpoint_id,
+        endpoint_id=endpoint_id,
         user_id=submission.user_id,
         function_sha256=submission.function_sha256,
         routed_at=0.0,

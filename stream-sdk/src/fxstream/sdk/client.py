@@ -509,8 +509,14 @@ class Client:
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
         function_sha256: str | None = None,
+        endpoint_group: Sequence[str] | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
+
+        ``endpoint_group`` names further endpoints the service may run it on instead of
+        ``endpoint_id``: the router chooses one that is online, preferring one with the
+        function warm, then the shortest backlog, then the one holding its by-reference
+        arguments. You must be allowed to use every one of them, or the task is refused.
 
         ``max_retries`` further attempts are made after an infrastructure failure
         (its worker died, its walltime passed), and after an exception of the
@@ -536,6 +542,7 @@ class Client:
             max_retries=max_retries,
             walltime_s=walltime_s,
             retry_user_errors=retry_user_errors,
+            endpoint_group=endpoint_group,
         )
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:
@@ -589,6 +596,7 @@ class Client:
             endpoint_id=task.endpoint_id,
             submitted_at=task.submitted_at,
         )
+        future.candidates = task.candidates
         future._remote_cancel = self._send_remote_cancel
         future._state_probe = self._task_state_name
         future._stored = list(task.stored)
@@ -661,24 +669,43 @@ class Client:
         if objects:
             evict_objects(objects)
 
-    def run(self, *args: Any, endpoint_id: str, function_id: str, **kwargs: Any) -> str:
-        """Run ``function_id(*args, **kwargs)`` on ``endpoint_id``; returns the task id.
+    def run(
+        self,
+        *args: Any,
+        endpoint_id: str,
+        function_id: str,
+        endpoint_group: Sequence[str] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Run ``function_id(*args, **kwargs)`` on ``endpoint_id`` (or, with
+        ``endpoint_group``, on the one of them the service chooses: see
+        :meth:`prepare_task`); returns the task id.
 
         Returns once Kafka has acknowledged the task (it is durable). Get the
         outcome with :meth:`get_result` or :meth:`future`.
         """
-        return self._run_tasks([self.prepare_task(endpoint_id, function_id, args, kwargs)])[0]
+        task = self.prepare_task(
+            endpoint_id, function_id, args, kwargs, endpoint_group=endpoint_group
+        )
+        return self._run_tasks([task])[0]
 
     def create_batch(self, task_group_id: str | None = None) -> Batch:
         """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
         :meth:`batch_run`."""
         return Batch(self.pack, task_group_id)
 
-    def batch_run(self, endpoint_id: str, batch: Batch) -> list[str]:
-        """Run every task of ``batch`` on ``endpoint_id``; returns the task ids in order."""
+    def batch_run(
+        self, endpoint_id: str, batch: Batch, *, endpoint_group: Sequence[str] | None = None
+    ) -> list[str]:
+        """Run every task of ``batch`` on ``endpoint_id`` (or on the one of
+        ``endpoint_group`` the service chooses, per task); returns the task ids in order."""
         tasks = [
             self.prepare_task(
-                endpoint_id, function_id, payload=payload, task_group_id=batch.task_group_id
+                endpoint_id,
+                function_id,
+                payload=payload,
+                task_group_id=batch.task_group_id,
+                endpoint_group=endpoint_group,
             )
             for function_id, payload in batch
         ]
@@ -712,39 +739,48 @@ class Client:
         any, still ends cancelled, as ``future.cancel()`` does).
 
         ``endpoint_id`` is needed only for a task this client did not submit and
-        the service does not know yet; otherwise it is taken from the task.
+        the service does not know yet; otherwise it is taken from the task. A task
+        submitted here with an endpoint group gets one cancel per endpoint of the group
+        (the router does not look up where it sent the task; the agents that do not
+        hold it ignore theirs).
         Raises :class:`~fxstream.sdk.errors.SubmissionFailed` when Kafka does not
         acknowledge the cancel within ``timeout`` seconds, and
         :class:`~fxstream.sdk.errors.NotFound` for a task nobody knows.
         """
         future = self._tracked(task_id)
-        if endpoint_id is None:
-            if future is not None:
-                endpoint_id = future.endpoint_id
-            else:
-                endpoint_id = str(self._rest.get(f"/tasks/{task_id}")["endpoint_id"])
+        if endpoint_id is not None:
+            targets: Sequence[str] = [endpoint_id]
+        elif future is not None:
+            targets = future.candidates or [future.endpoint_id]
+        else:
+            targets = [str(self._rest.get(f"/tasks/{task_id}")["endpoint_id"])]
         producer = self._streams()[0]
-        record = build_cancel(
-            user_id=self.user_id,
-            task_id=task_id,
-            endpoint_id=endpoint_id,
-            reason=reason,
-            kill=kill,
-        )
-        acknowledged: concurrent.futures.Future[SubmissionFailed | None] = (
-            concurrent.futures.Future()
-        )
-        producer.send_record(task_id, record, lambda _, failure: acknowledged.set_result(failure))
-        try:
-            failure = acknowledged.result(timeout)
-        except TimeoutError:
-            raise SubmissionFailed(
-                f"the cancel of task {task_id} was not acknowledged by Kafka within "
-                f"{timeout:.0f} s (is the broker up, and is FXSTREAM_BOOTSTRAP right?); it may "
-                "still be delivered"
-            ) from None
-        if failure is not None:
-            raise failure
+        acknowledgements: list[concurrent.futures.Future[SubmissionFailed | None]] = []
+        for target in targets:
+            record = build_cancel(
+                user_id=self.user_id,
+                task_id=task_id,
+                endpoint_id=target,
+                reason=reason,
+                kill=kill,
+            )
+            acknowledged: concurrent.futures.Future[SubmissionFailed | None] = (
+                concurrent.futures.Future()
+            )
+            producer.send_record(task_id, record, _acknowledge(acknowledged))
+            acknowledgements.append(acknowledged)
+        deadline = time.monotonic() + timeout
+        for acknowledged in acknowledgements:
+            try:
+                failure = acknowledged.result(max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise SubmissionFailed(
+                    f"the cancel of task {task_id} was not acknowledged by Kafka within "
+                    f"{timeout:.0f} s (is the broker up, and is FXSTREAM_BOOTSTRAP right?); it "
+                    "may still be delivered"
+                ) from None
+            if failure is not None:
+                raise failure
         if future is not None:
             # The cancel is on its way (a running task's worker is killed): the future
             # ends cancelled now, running or not, and sends no second cancel.
@@ -766,21 +802,23 @@ class Client:
                 "task %s: the client is closed, its remote cancel is not sent", future.task_id
             )
             return
-        record = build_cancel(
-            user_id=self.user_id,
-            task_id=future.task_id,
-            endpoint_id=future.endpoint_id,
-            # future.cancel() never stops an executing call: if the task started before
-            # this client learnt so (its running event lags by up to a heartbeat), the
-            # agent lets it finish; its result is then dropped here (future cancelled).
-            kill=False,
-        )
 
         def delivered(task_id: str, failure: SubmissionFailed | None) -> None:
             if failure is not None:
                 log.warning("the remote cancel of task %s was not sent: %s", task_id, failure)
 
-        producer.send_record(future.task_id, record, delivered)
+        # A grouped task: one cancel per endpoint it may have been routed to.
+        for target in future.candidates or [future.endpoint_id]:
+            record = build_cancel(
+                user_id=self.user_id,
+                task_id=future.task_id,
+                endpoint_id=target,
+                # future.cancel() never stops an executing call: if the task started
+                # before this client learnt so (its running event lags by up to a
+                # heartbeat), the agent lets it finish; its result is then dropped here.
+                kill=False,
+            )
+            producer.send_record(future.task_id, record, delivered)
 
     def _tracked(self, task_id: str) -> TaskFuture | None:
         """This client's future of a task, kept (``run``) or only awaiting its result."""
@@ -1227,3 +1265,14 @@ def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
     else:
         entry["result"] = future.result()
     return entry
+
+
+def _acknowledge(
+    acknowledged: concurrent.futures.Future[SubmissionFailed | None],
+) -> Callable[[str, SubmissionFailed | None], None]:
+    """A delivery callback that resolves ``acknowledged`` with the failure (or None)."""
+
+    def delivered(_task_id: str, failure: SubmissionFailed | None) -> None:
+        acknowledged.set_result(failure)
+
+    return delivered

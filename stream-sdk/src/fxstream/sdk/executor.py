@@ -36,7 +36,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, ParamSpec, TypeVar
 
 from fxstream.sdk.client import Client
@@ -89,6 +89,13 @@ threading._register_atexit(_send_queued_at_exit)  # type: ignore[attr-defined]
 class Executor(concurrent.futures.Executor):
     """Runs functions on ``endpoint_id`` through ``client`` and returns :class:`TaskFuture` s.
 
+    ``endpoint_group`` (instead of, or besides, ``endpoint_id``) lets the service choose
+    the endpoint of each task among several: one that is online, preferring one with the
+    function warm, then the shortest backlog, then the one holding the task's
+    by-reference arguments (the router's placement policy). The user must be allowed on
+    every endpoint of the group, or each task is refused with the endpoint named.
+    ``future.endpoint_id`` is where the task ran once its result arrived.
+
     ``client`` defaults to ``Client.from_environment()`` (closed by
     :meth:`shutdown`). ``task_group_id`` (default: a new UUID) is written in
     every task. ``batch_size`` is the most tasks the sender thread produces
@@ -117,6 +124,7 @@ class Executor(concurrent.futures.Executor):
         max_retries: int = 0,
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
+        endpoint_group: Sequence[str] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -128,6 +136,9 @@ class Executor(concurrent.futures.Executor):
         self.walltime_s = walltime_s
         self.retry_user_errors = retry_user_errors
         self.endpoint_id = endpoint_id
+        self.endpoint_group: list[str] | None = (
+            list(endpoint_group) if endpoint_group is not None else None
+        )
         self._owns_client = client is None
         self.client = client if client is not None else Client.from_environment()
         self.batch_size = batch_size
@@ -240,6 +251,7 @@ class Executor(concurrent.futures.Executor):
             function_id,
             args,
             kwargs,
+            endpoint_group=self.endpoint_group,
             task_group_id=self.task_group_id,
             max_retries=self.max_retries,
             walltime_s=self.walltime_s,
@@ -316,11 +328,14 @@ class Executor(concurrent.futures.Executor):
         return super().map(fn, *iterables, timeout=timeout, chunksize=chunksize)
 
     def _check_endpoint(self) -> str:
-        if self.endpoint_id is None:
-            raise ValueError(
-                "no endpoint to run on: pass Executor(endpoint_id=...) or set executor.endpoint_id"
-            )
-        return self.endpoint_id
+        if self.endpoint_id is not None:
+            return self.endpoint_id
+        if self.endpoint_group:
+            return sorted(self.endpoint_group)[0]  # one candidate among the group
+        raise ValueError(
+            "no endpoint to run on: pass Executor(endpoint_id=...) or "
+            "Executor(endpoint_group=[...]), or set executor.endpoint_id"
+        )
 
     def _check_open(self) -> None:
         refusal = self._refusal()
@@ -352,8 +367,12 @@ class Executor(concurrent.futures.Executor):
             return False
         if future._cancel_unsent():
             return True
+        # Client.cancel sends a grouped task's cancel to each endpoint of its group.
         self.client.cancel(
-            future.task_id, endpoint_id=future.endpoint_id, reason=reason, timeout=timeout
+            future.task_id,
+            endpoint_id=None if future.candidates else future.endpoint_id,
+            reason=reason,
+            timeout=timeout,
         )
         return future.cancelled()
 
@@ -408,7 +427,8 @@ class Executor(concurrent.futures.Executor):
 
     def __repr__(self) -> str:
         return (
-            f"Executor(endpoint_id={self.endpoint_id!r}, task_group_id={self.task_group_id!r}, "
+            f"Executor(endpoint_id={self.endpoint_id!r}, endpoint_group={self.endpoint_group!r}, "
+            f"task_group_id={self.task_group_id!r}, "
             f"batch_size={self.batch_size})"
         )
 

@@ -73,7 +73,9 @@ def timings_of(
 class TaskFuture(Future[Any]):
     """The future of one submitted task.
 
-    ``task_id``, ``function_id`` and ``endpoint_id`` name the task;
+    ``task_id``, ``function_id`` and ``endpoint_id`` name the task (for a task
+    submitted with an endpoint group, ``candidates`` are the group and ``endpoint_id``
+    becomes the endpoint the service chose once its result arrives);
     ``timings`` (see :data:`TIMING_KEYS`) is filled in when the result
     arrives; ``worker`` and ``attempt`` say where and on which attempt it ran.
     ``duplicates`` counts further result records for this task, which are
@@ -108,6 +110,9 @@ class TaskFuture(Future[Any]):
         self.task_id = task_id
         self.function_id = function_id
         self.endpoint_id = endpoint_id
+        # A grouped task: every endpoint the router may have sent it to (its cancels go
+        # to each); empty for a task that names one endpoint.
+        self.candidates: tuple[str, ...] = ()
         self.timings: Timings = timings_of(None, submitted=submitted_at, delivered=None)
         self.worker: str | None = None
         self.attempt: int | None = None

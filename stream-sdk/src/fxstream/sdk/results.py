@@ -430,6 +430,8 @@ class ResultListener:
         )
         future.worker = result.worker or None
         future.attempt = result.attempt
+        if result.endpoint_id in future.candidates:
+            future.endpoint_id = result.endpoint_id  # a grouped task: where the router sent it
         if future.cancelled():
             if result.value is not None:
                 fetched.extend(_references_of(result.value))

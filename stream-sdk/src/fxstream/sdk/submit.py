@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -33,6 +33,7 @@ from fxstream.connectors import ByReference, Packed, StoredObject, evict_objects
 from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
 from fxstream.topics import (
+    MAX_ENDPOINT_GROUP,
     Catalogue,
     KafkaConnection,
     RecordDecodeError,
@@ -84,6 +85,9 @@ class PreparedTask:
     task_group_id: str | None = None
     stored: tuple[StoredObject, ...] = ()
     """Objects its arguments put in the proxy store (evicted once its result is consumed)."""
+    candidates: tuple[str, ...] = ()
+    """The endpoints the router may choose among (``endpoint_id`` and its group, sorted);
+    empty for a task that names one endpoint."""
 
 
 def pack_arguments(
@@ -144,8 +148,13 @@ def build_task(
     max_retries: int = 0,
     walltime_s: float | None = None,
     retry_user_errors: bool = False,
+    endpoint_group: Sequence[str] | None = None,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
+
+    ``endpoint_group``: further endpoints the router may run it on instead of
+    ``endpoint_id`` (it chooses by liveness, warm workers, backlog and data locality;
+    the user must be allowed on every one, or the task is refused).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -165,6 +174,7 @@ def build_task(
             max_retries=max_retries,
             walltime_s=walltime_s,
             retry_user_errors=retry_user_errors,
+            endpoint_group=endpoint_group,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -183,8 +193,15 @@ def _build_task(
     max_retries: int,
     walltime_s: float | None,
     retry_user_errors: bool,
+    endpoint_group: Sequence[str] | None,
 ) -> PreparedTask:
     payload = packed.payload
+    group = sorted(set(endpoint_group or ()) - {endpoint_id}) or None
+    if group is not None and len(group) > MAX_ENDPOINT_GROUP:
+        raise ValueError(
+            f"an endpoint group may name at most {MAX_ENDPOINT_GROUP} endpoints besides "
+            f"endpoint_id, not {len(group)}: split the work over several groups"
+        )
     task_id = str(uuid.uuid4())
     submitted_at = time.time()
     submission = TaskSubmission(
@@ -200,6 +217,7 @@ def _build_task(
         max_retries=max_retries,
         walltime_s=walltime_s,
         retry_user_errors=retry_user_errors,
+        endpoint_group=group,
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")
@@ -231,6 +249,7 @@ def _build_task(
         record=record,
         task_group_id=task_group_id,
         stored=tuple(packed.stored),
+        candidates=submission.candidates() if group else (),
     )
 
 

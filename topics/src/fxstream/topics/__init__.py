@@ -39,6 +39,7 @@ from fxstream.topics.deadletter import (
 )
 from fxstream.topics.provision import Drift, ProvisionError, ProvisionReport, ensure_topics
 from fxstream.topics.records import (
+    MAX_ENDPOINT_GROUP,
     SCHEMA_VERSIONS,
     Attempt,
     ClientInfo,
@@ -100,6 +101,7 @@ from fxstream.topics.serialize import (
 )
 
 __all__ = [
+    "MAX_ENDPOINT_GROUP",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",

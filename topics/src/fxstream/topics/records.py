@@ -21,6 +21,7 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "MAX_ENDPOINT_GROUP",
     "SCHEMA_VERSIONS",
     "Attempt",
     "ClientInfo",
@@ -77,6 +78,8 @@ Count = Annotated[int, Meta(ge=0)]
 Text = Annotated[str, Meta(max_length=65_536)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 SchemaVersion = Annotated[int, Meta(ge=1, description="schema version of this record kind")]
+MAX_ENDPOINT_GROUP: Final = 16
+"""The most endpoints one submission may name as its group (``endpoint_group``)."""
 
 
 class RecordDecodeError(ValueError):
@@ -120,12 +123,32 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     submission whose ``user_id`` names anyone else. ``function_sha256`` pins the
     function's code: the router refuses the task if the registered code has
     another digest, and the agent checks the code it fetches against it.
+
+    ``endpoint_group`` (version 3) lets the router choose: the task may run on
+    ``endpoint_id`` or any endpoint of the group (:meth:`candidates`), and the
+    router authorises the user for every one of them and routes the task to the one
+    its placement policy picks (the dispatch's ``endpoint_id``). Why a field on the
+    submission and not a registered group record: it needs no new topic, ACL, API or
+    registry view; the router authorises each candidate per task exactly as it does a
+    single endpoint today (a group is never a way around sharing); and a group changes
+    with what the user passes, not with an operator's registration. It is bounded
+    (``MAX_ENDPOINT_GROUP``) so the router's work per task stays bounded. The version
+    moved from 2 to 3 although the field is optional: a version-2 router would ignore
+    it and route every grouped task to ``endpoint_id``, and a version-2 agent would
+    refuse a grouped task routed to another member as a dispatch that disagrees with
+    its submission; with the bump both say "upgrade fxstream" instead.
     """
 
-    v: SchemaVersion = 2
+    v: SchemaVersion = 3
     task_id: Id
     function_id: Id
-    endpoint_id: Annotated[Id, Meta(description="the endpoint the task should run on")]
+    endpoint_id: Annotated[
+        Id,
+        Meta(
+            description="the endpoint the task should run on; with endpoint_group, one "
+            "candidate among them"
+        ),
+    ]
     user_id: Annotated[Id, Meta(description="the submitter: must be the user of the topic")]
     function_sha256: Annotated[
         str,
@@ -136,7 +159,10 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     ]
     payload: Annotated[
         bytes,
-        Meta(description="serialized (args, kwargs), strategy header first; opaque to the router"),
+        Meta(
+            description="serialized (args, kwargs), strategy header first; the router reads at "
+            "most its by-reference envelope (the objects' sites), never the arguments"
+        ),
     ]
     client: ClientInfo
     submitted_at: Timestamp
@@ -149,6 +175,23 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     retry_user_errors: Annotated[
         bool, Meta(description="also retry (up to max_retries) when the function raises")
     ] = False
+    endpoint_group: (
+        Annotated[
+            list[Id],
+            Meta(
+                max_length=MAX_ENDPOINT_GROUP,
+                description="further endpoints the router may choose instead of endpoint_id "
+                "(the user must be allowed on every one)",
+            ),
+        ]
+        | None
+    ) = None
+
+    def candidates(self) -> tuple[str, ...]:
+        """The endpoints this task may run on: ``endpoint_id`` and its group, sorted, once each."""
+        if not self.endpoint_group:
+            return (self.endpoint_id,)
+        return tuple(sorted({self.endpoint_id, *self.endpoint_group}))
 
 
 class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
@@ -630,7 +673,8 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
 
 # The newest schema version this code reads and writes, per record kind.
 # A kind's version is its ``v`` default: 2 for the records issue 13 changed (no token,
-# pinned code digest, the router-stamped submitter), 1 for the rest.
+# pinned code digest, the router-stamped submitter), 3 for the submission (its endpoint
+# group, issue 14), 1 for the rest.
 SCHEMA_VERSIONS: Final[dict[str, int]] = {
     str(msgspec.inspect.type_info(t).tag): int(  # type: ignore[attr-defined]
         next(f.default for f in msgspec.structs.fields(t) if f.name == "v")
