@@ -30,10 +30,11 @@ from fxstream.agent.image_pools import ImagePools
 from fxstream.agent.python_envs import probe_environments, probe_interpreter
 from fxstream.agent.runner import RUNNER
 from fxstream.ops.private import ExtraEndpoint
+from fxstream.topics import Heartbeat, decode
 from tests.containers.python_client import leave_mark
 from tests.containers.test_container_config import config
 from tests.containers.test_runtimes import item
-from tests.e2e.stack import Stack, added_endpoint
+from tests.e2e.stack import Stack, added_endpoint, committed_records
 from tests.python_venvs import other_python, workspace_venv
 
 CLIENT = Path(__file__).with_name("python_client.py")
@@ -127,6 +128,19 @@ def test_a_task_runs_in_the_interpreter_of_its_python_version(
         here_version, here_pid = client.future(task).result(timeout=RESULT_S)
     assert here_version == platform.python_version()
     assert here_pid != pid
+
+
+def test_the_heartbeat_lists_the_python_versions(
+    stack: Stack, two_pythons: ExtraEndpoint, from_312: dict[str, Any]
+) -> None:
+    key = two_pythons.endpoint_id
+    beats = [
+        decode(m.value(), Heartbeat)
+        for m in committed_records(stack.kafka, stack.catalogue.heartbeats, key)
+        if m.value() is not None
+    ]
+    assert beats, f"no heartbeat of {key} on {stack.catalogue.heartbeats}"
+    assert beats[-1].python_versions == sorted({OWN_MINOR, "3.12"})
 
 
 @pytest.mark.usefixtures("leaves_no_process")
