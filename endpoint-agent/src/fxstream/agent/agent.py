@@ -75,6 +75,7 @@ from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.publisher import TransactionalPublisher
 from fxstream.agent.pull import Intake
+from fxstream.agent.python_envs import probe_environments
 from fxstream.agent.runner import runner_for
 from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, StoreSpec
@@ -168,11 +169,21 @@ class Agent:
     def run(self, ready: Callable[[], None] | None = None) -> None:
         """Serve until stopped. ``ready`` is called once workers and Kafka are up."""
         began = time.monotonic()  # the start-up's phases are logged from here
+        # Each worker environment's Python version, before anything starts: an interpreter
+        # that cannot run workers stops the agent here (PythonEnvironmentError).
+        pythons = probe_environments(self.config, self._runner)
+        self._beats.python_versions = pythons.versions()
+        log.info(
+            "worker Python versions %s found %.1f s after start",
+            ", ".join(pythons.versions()),
+            time.monotonic() - began,
+        )
         kafka = self.config.kafka(self._credentials).confluent()
         readonly, writable = self.config.worker_paths()
         engine: Engine
-        if self.config.images:
-            # A pool per allowed image; the default's started now, the others at first use.
+        if self.config.images or self.config.interpreters:
+            # A pool per allowed image and interpreter; the default's started now, the
+            # others at first use.
             engine = ImagePools(
                 self.config.workers,
                 self._runner,
@@ -182,6 +193,7 @@ class Agent:
                 writable=writable,
                 idle_s=self.config.pool_idle_s,
                 max_workers=self.config.worker_budget(),
+                interpreters=pythons.interpreters,
             )
         else:
             engine = ProcessEngine(self.config.workers, self._runner)
@@ -195,6 +207,7 @@ class Agent:
             tracker=self._tracker,
             held=self._held,
             answers=self._answers,
+            pythons=pythons,
         )
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.

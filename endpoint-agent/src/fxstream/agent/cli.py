@@ -29,6 +29,7 @@ from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, end
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
+from fxstream.agent.python_envs import PythonEnvironmentError
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.topics.connection import CredentialFileError, KafkaConnection
 
@@ -251,6 +252,14 @@ def configure(
             "beyond it the least recently used idle pool is released."
         ),
     ] = None,
+    interpreter: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Another Python interpreter the workers may run, for tasks submitted from "
+            "its version: the absolute path of a virtualenv's python with fxstream-agent "
+            "installed (repeat it)."
+        ),
+    ] = None,
 ) -> None:
     """Write the endpoint's YAML config and its 0600 credentials file (registering the
     endpoint with the service if needed). No secret is taken on the command line: the
@@ -278,6 +287,7 @@ def configure(
             "writable_dirs": tuple(writable_dir or ()),
             "pool_idle_s": pool_idle,
             "max_workers": max_workers,
+            "interpreters": tuple(interpreter or ()),
         }
         if credentials is not None:
             path = credentials.expanduser().absolute()
@@ -447,6 +457,8 @@ def _serve(config: EndpointConfig) -> None:
 
     try:
         agent.run(ready=ready)
+    except PythonEnvironmentError as exc:
+        raise _fail(f"endpoint {config.name!r} cannot start: {exc}") from exc
     finally:
         pid_file.unlink(missing_ok=True)
 

@@ -20,6 +20,14 @@ container: in its image's own pool of workers where ``images`` allows it; elsewh
 refused before it runs, saying what to add here.
 ``writable_dirs`` are host directories the workers may write besides their own sandbox.
 
+Python versions (:mod:`fxstream.agent.python_envs`): a task runs only in a worker of the
+Python major.minor its client serialized the function with. The workers of ``image`` and
+``images`` run the agent's own interpreter; ``interpreters`` lists other Python
+interpreters (absolute paths, e.g. ``[/opt/py312/bin/python]``: each a virtualenv's
+``python`` with fxstream-agent installed), each with a pool of its own (in ``image``'s
+container when there is one) for the tasks of its version. Their versions are found when
+the agent starts; one that cannot run workers stops it there, saying why.
+
 Image pools (:mod:`fxstream.agent.image_pools`): each image in use has ``workers``
 workers; a pool other than ``image``'s that sits idle ``pool_idle_s`` seconds is
 released (started again, cold, at its image's next task), and at most ``max_workers``
@@ -124,6 +132,9 @@ class EndpointConfig:
     # stop, and the most workers across the pools (None: workers x the number of images).
     pool_idle_s: float = DEFAULT_POOL_IDLE_S
     max_workers: int | None = None
+    # Other Python interpreters the workers may run (absolute paths of virtualenvs'
+    # pythons with fxstream-agent installed), for tasks submitted from their versions.
+    interpreters: tuple[str, ...] = ()
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -192,12 +203,30 @@ class EndpointConfig:
         self._check_runtimes()
         if any(not os.path.isabs(d) for d in self.writable_dirs):
             raise ConfigError("writable_dirs must be absolute paths")
+        self._check_interpreters()
         self._check_pools()
 
+    def _check_interpreters(self) -> None:
+        """Absolute, distinct, executable paths, none an image's name (they name pools)."""
+        for path in self.interpreters:
+            if not isinstance(path, str) or not os.path.isabs(path):
+                raise ConfigError(
+                    f"interpreters: {path!r} is not an absolute path; list the python of a "
+                    "virtualenv with fxstream-agent installed, e.g. [/opt/py312/bin/python]"
+                )
+            if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+                raise ConfigError(f"interpreters: {path} is not an executable file")
+            if path in self.images:
+                raise ConfigError(
+                    f"interpreters: {path} is also the name of an image; rename the image"
+                )
+        if len(set(self.interpreters)) != len(self.interpreters):
+            raise ConfigError("interpreters: an interpreter is listed twice; list it once")
+
     def pool_count(self) -> int:
-        """How many image pools this endpoint may run: one per allowed image, plus the
-        no-container pool when ``image`` is not set."""
-        return len(self.images) + (1 if self.image is None else 0)
+        """How many image pools this endpoint may run: one per allowed image and per
+        interpreter, plus the no-container pool when ``image`` is not set."""
+        return len(self.images) + len(self.interpreters) + (1 if self.image is None else 0)
 
     def worker_budget(self) -> int:
         """The most workers across the image pools: ``max_workers``, else ``workers`` per
@@ -345,6 +374,7 @@ class EndpointConfig:
         settings["allowed_functions"] = list(self.allowed_functions)
         settings["allowed_serializers"] = list(self.allowed_serializers)
         settings["writable_dirs"] = list(self.writable_dirs)
+        settings["interpreters"] = list(self.interpreters)
         write_secret_file(self.path, yaml.safe_dump(settings, sort_keys=False).encode())
         return self.path
 

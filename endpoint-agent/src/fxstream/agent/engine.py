@@ -74,7 +74,8 @@ class WorkItem:
     ``code`` may be ``None`` when the engine has seen this function's code before
     (the process engine keeps a bounded cache of it); ``walltime_s`` bounds load
     plus run time; ``image`` names the container image the item must run in (its
-    function's container; ``None``: the engine's default).
+    function's container; ``None``: the engine's default), or the pool of the
+    interpreter of its Python version (:mod:`fxstream.agent.python_envs`: its path).
     """
 
     task_id: str

@@ -5,7 +5,8 @@ endpoint id) on its ``from.ep.<endpoint>`` topic: its workers (total, idle,
 busy, from the engine's :meth:`~fxstream.agent.engine.Engine.counts`), its
 queue depth (the engine's queue plus the local queue) and the lease of every
 held task (at most ``MAX_LEASES_PER_HEARTBEAT``, fewer when long ids would
-overflow the heartbeats topic's records; the group session renews the rest).
+overflow the heartbeats topic's records; the group session renews the rest) and
+the Python versions its workers run (:mod:`fxstream.agent.python_envs`).
 Whenever what the engine holds warm changes
 (:meth:`~fxstream.agent.engine.Engine.warm`: each live worker, the image its pool runs,
 the functions it has loaded and whether it is idle; a released pool's workers drop out),
@@ -57,6 +58,8 @@ class Heartbeats:
         self._held = held
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
+        self.python_versions: list[str] = []
+        """The major.minor versions the workers run (set once they are probed)."""
 
     def send(self, producer: Producer, engine: Engine) -> None:
         """Produce a heartbeat, and a warm advert if what ``engine`` holds warm changed."""
@@ -78,6 +81,7 @@ class Heartbeats:
             leases=leases,
             leases_truncated=truncated,
             agent_version=AGENT_VERSION,
+            python_versions=self.python_versions,
         )
         key = self._config.endpoint_id.encode()
         value = encode(beat)

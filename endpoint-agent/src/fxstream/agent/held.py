@@ -42,7 +42,8 @@ class Held:
     size: int
     code_sha256: str = ""
     code: bytes = b""
-    # The allowed image its function's container names (None: the endpoint's default).
+    # The allowed image its function's container names, or the interpreter pool of its
+    # Python version (None: the endpoint's default).
     image: str | None = None
     # This agent's attempt number (the dispatch's, then one more per local retry) and
     # the failed attempts before it, oldest first.

@@ -6,7 +6,11 @@ when its ``runtime`` is ``process``). :class:`ImagePools` is an
 :class:`~fxstream.agent.engine.Engine` holding one
 :class:`~fxstream.agent.process_engine.ProcessEngine` of ``size`` warm workers per image
 in use. Counts and warm state are the sum of the pools'; each warm worker names its
-image and whether it holds a task.
+image and whether it holds a task. An interpreter other than the agent's (an endpoint's
+``interpreters``, :mod:`fxstream.agent.python_envs`) has a pool too, named by its path
+(the name ``WorkItem.image`` gives for a task of its Python version): its workers run
+that interpreter, in the default image's container when there is one; it is sized and
+released as another image's pool.
 
 Sizing and release (the endpoint config's ``pool_idle_s`` and ``max_workers``):
 
@@ -38,7 +42,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Final
 
@@ -53,6 +57,7 @@ from fxstream.agent.engine import (
     WorkOutcome,
 )
 from fxstream.agent.process_engine import ProcessEngine
+from fxstream.agent.python_envs import PythonInterpreter
 from fxstream.agent.worker_process import RunnerSpec
 
 __all__ = ["DEFAULT_POOL_IDLE_S", "ImagePools"]
@@ -91,7 +96,8 @@ class ImagePools:
     """A process engine per image in use (see the module notes); the ``"process"`` engine.
 
     ``default`` is the image of items that name none (``None``: no container);
-    ``images`` every image an item may name. ``readonly`` and ``writable`` are given to
+    ``images`` every image an item may name; ``interpreters`` the other interpreters'
+    pools an item may name, by name (their paths). ``readonly`` and ``writable`` are given to
     every pool (see :class:`~fxstream.agent.process_engine.ProcessEngine`). ``idle_s``
     is how long a non-default pool may sit idle (``None``: kept until the engine
     closes); ``max_workers`` caps the workers across pools (``None``: ``size`` per
@@ -109,6 +115,7 @@ class ImagePools:
         writable: Sequence[str] = (),
         idle_s: float | None = DEFAULT_POOL_IDLE_S,
         max_workers: int | None = None,
+        interpreters: Mapping[str, PythonInterpreter] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
@@ -120,7 +127,11 @@ class ImagePools:
         self._default = default.name if default is not None else None
         if default is not None:
             self._images[default.name] = default
-        pools = len(self._images) + (1 if self._default is None else 0)
+        self._interpreters = dict(interpreters or {})
+        clash = sorted(set(self._interpreters) & set(self._images))
+        if clash:
+            raise ValueError(f"{clash[0]!r} names both an image and an interpreter")
+        pools = len(self._images) + len(self._interpreters) + (1 if self._default is None else 0)
         self._max_workers = size * pools if max_workers is None else max_workers
         if self._max_workers < size:
             raise ValueError(
@@ -147,6 +158,9 @@ class ImagePools:
         self._keeper.start()
 
     def _start(self, name: str | None) -> ProcessEngine:
+        python = self._interpreters.get(name) if name is not None else None
+        if python is not None:  # another interpreter, in the default image
+            name = self._default
         image = self._images.get(name) if name is not None else None
         container = image is not None and image.runtime != "process"
         return ProcessEngine(
@@ -156,6 +170,7 @@ class ImagePools:
             image=image if container else None,
             readonly=self._readonly,
             writable=self._writable,
+            python=python,
         )
 
     # --- what the agent and tests read --------------------------------------------------
@@ -218,7 +233,7 @@ class ImagePools:
         start resolves its waiting items with a ``WorkerStartFailed`` outcome.
         """
         name = item.image if item.image is not None else self._default
-        if name is not None and name not in self._images:
+        if name is not None and name not in self._images and name not in self._interpreters:
             raise ValueError(f"image {name!r} is not one this endpoint runs")
         if item.walltime_s is not None and not item.walltime_s > 0:
             raise ValueError(f"walltime_s must be positive, got {item.walltime_s}")

@@ -62,6 +62,11 @@ Design choices the agent relies on:
   the virtualenv and every directory on ``sys.path`` are bound read-only. A
   killed container whose launcher does not take it down (podman, docker) is
   killed with the runtime's stop command.
+* **Interpreters.** With ``python`` (a
+  :class:`~fxstream.agent.python_envs.PythonInterpreter` probed at the agent's start)
+  the workers run that interpreter instead of the agent's, started by command line
+  (the ``process`` runtime unless another is given), with its own import path as
+  ``PYTHONPATH`` and its own paths bound read-only into a container.
 """
 
 from __future__ import annotations
@@ -96,7 +101,7 @@ from multiprocessing.context import ForkServerContext, SpawnContext
 from multiprocessing.process import BaseProcess
 from typing import Any, Final, Literal
 
-from fxstream.agent.containers import ContainerError, Image, Runtime, WorkerLaunch
+from fxstream.agent.containers import ContainerError, Image, ProcessRuntime, Runtime, WorkerLaunch
 from fxstream.agent.engine import (
     CODE_HASH_MISMATCH,
     CODE_REQUIRED,
@@ -110,6 +115,7 @@ from fxstream.agent.engine import (
     WorkItem,
     WorkOutcome,
 )
+from fxstream.agent.python_envs import PythonInterpreter
 from fxstream.agent.worker_process import (
     DEFAULT_RUNNER,
     REPLY_NEEDS_CODE,
@@ -218,15 +224,6 @@ def _run_stop(argv: list[str]) -> None:
     """Run a runtime's stop command; its failure (the container is gone already) is fine."""
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(argv, capture_output=True, timeout=_STOP_TIMEOUT_S, check=False)
-
-
-def _python_paths() -> tuple[str, ...]:
-    """What a worker reads of this Python: the interpreter, the virtualenv, ``sys.path``."""
-    interpreter = os.path.dirname(os.path.realpath(sys.executable))
-    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, interpreter]
-    paths += [os.path.abspath(p) for p in sys.path if os.path.exists(p or ".")]
-    paths += [os.path.realpath(p) for p in paths]
-    return tuple(dict.fromkeys(paths))
 
 
 _Process = BaseProcess | _LaunchedWorker
@@ -409,7 +406,8 @@ class ProcessEngine:
     to this Python (interpreter, virtualenv, ``sys.path``) and ``readonly``; a runtime
     that cannot run here (its binary is missing) raises
     :class:`~fxstream.agent.containers.ContainerError` saying what to install.
-    ``start_method`` applies only without a runtime.
+    ``start_method`` applies only without a runtime. ``python`` is the interpreter the
+    workers run (None: the agent's own; see the module notes).
     """
 
     def __init__(
@@ -426,6 +424,7 @@ class ProcessEngine:
         image: Image | None = None,
         writable: Sequence[str] = (),
         readonly: Sequence[str] = (),
+        python: PythonInterpreter | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
@@ -442,11 +441,14 @@ class ProcessEngine:
                     f"the {runtime.name} runtime needs an image of its own, not "
                     f"{'none' if image is None else repr(image.spec)}"
                 )
+        if python is not None and runtime is None:
+            runtime = ProcessRuntime()  # another interpreter: started by its command line
         self._runtime = runtime
         self._image = image
+        self._python = python if python is not None else PythonInterpreter.current()
         self._writable = tuple(os.path.abspath(p) for p in writable)
         self._readonly = (
-            (*_python_paths(), *(os.path.abspath(p) for p in readonly)) if runtime else ()
+            (*self._python.paths, *(os.path.abspath(p) for p in readonly)) if runtime else ()
         )
         self._instance = uuid.uuid4().hex[:8]
         self._size = size
@@ -1158,15 +1160,15 @@ class ProcessEngine:
         state[STATE_SEQ] = -1
         crash_path = os.path.join(sandbox, "crash.txt")
         channel = (3, 4) if runtime.passes_fds else (0, 1)
-        argv = [sys.executable, "-m", "fxstream.agent.worker_process"]
+        argv = [self._python.executable, "-m", "fxstream.agent.worker_process"]
         argv += ["--tasks-fd", str(channel[0]), "--results-fd", str(channel[1])]
         argv += ["--state", state_path, "--crash", crash_path]
         if runtime.name == "process":  # in a container the parent is the runtime
             argv += ["--parent-pid", str(os.getpid())]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            os.path.abspath(p) for p in sys.path if os.path.exists(p or ".")
-        )
+        if self._python.executable != sys.executable:
+            env.pop("PYTHONHOME", None)  # the agent's, not this interpreter's
+        env["PYTHONPATH"] = os.pathsep.join(self._python.sys_path)
         launch = WorkerLaunch(
             argv=tuple(argv),
             env=env,

@@ -19,7 +19,11 @@ stamped task, endpoint, submitter or code digest, is dead-lettered
 ``allowed_serializers``; :mod:`fxstream.agent.policy`) is answered
 ``NotAllowedOnEndpoint`` from its record's fields and its arguments' header
 alone; its function's code is fetched (:mod:`fxstream.agent.function_code`) and
-used only if its SHA-256 is the dispatch's ``function_sha256``. A redelivered
+used only if its SHA-256 is the dispatch's ``function_sha256``. Then the task
+goes to the worker environment of its function's container and its client's
+Python version (:mod:`fxstream.agent.python_envs`), or, when no environment of
+the endpoint runs that version, is answered ``PythonVersionMismatch`` before it
+runs (nothing of it deserialized). A redelivered
 record its partition's previous owner answered (the commit metadata read on
 assignment, :meth:`Intake.assigned`) is settled without running, and the same
 task twice in one assignment is answered by one run.
@@ -54,6 +58,7 @@ from fxstream.agent.function_code import (
 from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
+from fxstream.agent.python_envs import PythonEnvironments
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
@@ -92,8 +97,11 @@ class Intake:
         tracker: OffsetTracker,
         held: HeldTasks,
         answers: Answerer,
+        pythons: PythonEnvironments | None = None,
     ) -> None:
         self._config = config
+        # The workers' Python environments (None: every task goes to the default one).
+        self._pythons = pythons
         self._queue_topic = catalogue.endpoint_queue(config.endpoint_id)
         self._engine = engine
         self._policy = policy
@@ -237,8 +245,9 @@ class Intake:
         self._enqueue(held, sha, code)
 
     def _enqueue(self, held: Held, sha: str, code: bytes) -> None:
-        """Queue a task whose code is in hand, for the image its function's container names,
-        unless the endpoint does not allow that container (refused before it runs: nothing
+        """Queue a task whose code is in hand, for the image its function's container names
+        and the environment of its client's Python version, unless the endpoint does not
+        allow that container or runs no such environment (refused before it runs: nothing
         deserialized)."""
         submission = held.submission
         container = self._codes.container(submission.function_id)
@@ -249,6 +258,17 @@ class Intake:
                 held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
             )
             return
+        if self._pythons is not None:
+            image, refusal = self._pythons.environment_for(
+                submission.function_id, submission.client.python_version, image
+            )
+            if refusal is not None:
+                log.warning("task %s refused: %s", submission.task_id, refusal)
+                mismatch = failed_outcome(
+                    submission, TaskErrorType.PYTHON_MISMATCH, ValueError(refusal)
+                )
+                self._answers.publish(held, mismatch)
+                return
         self._held.enqueue(dataclasses.replace(held, code_sha256=sha, code=code, image=image))
 
     def _foreign(self, dispatch: TaskDispatch) -> str:

@@ -277,6 +277,9 @@ class TaskErrorType(enum.StrEnum):
     NOT_ALLOWED = "NotAllowedOnEndpoint"
     """The endpoint's owner does not allow this function or argument serializer there
     (allowed_functions / allowed_serializers); refused before anything was deserialized."""
+    PYTHON_MISMATCH = "PythonVersionMismatch"
+    """No worker environment of the endpoint runs the Python major.minor that serialized the
+    function (the submission's ``client.python_version``); refused before it ran."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
@@ -493,6 +496,14 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
         bool, Meta(description="true when the agent held more tasks than it listed")
     ] = False
     agent_version: Annotated[str, Meta(max_length=64)] = ""
+    python_versions: Annotated[
+        list[Annotated[str, Meta(max_length=16)]],
+        Meta(
+            max_length=32,
+            description="the Python major.minor versions this agent's workers run, e.g. "
+            "['3.11', '3.12']: a task submitted from another is refused (PythonVersionMismatch)",
+        ),
+    ] = []
 
 
 class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
