@@ -427,6 +427,15 @@ def worker(
             help="run only this processor, in this process (repeatable); all of them by default",
         ),
     ] = None,
+    instance: Annotated[
+        int,
+        typer.Option(
+            "--instance",
+            min=0,
+            help="this process's number among those running the same processors (0, 1, ...): "
+            "several share each processor's consumer group, each with its own transactional id",
+        ),
+    ] = 0,
 ) -> None:
     """Run the stream processors (router, ingress, task state, liveness) until stopped."""
     try:
@@ -443,7 +452,7 @@ def worker(
     run_processors = _load_processors()
     roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
-        run_processors(target.kafka, target.catalogue, roles=roles)
+        run_processors(target.kafka, target.catalogue, roles=roles, instance=instance)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 
