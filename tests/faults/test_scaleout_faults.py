@@ -66,7 +66,9 @@ def second_router(stack: FaultStack) -> ManagedProcess:
 
 def router_partitions(stack: FaultStack, topic: str) -> list[set[int]]:
     """Per member of the router group owning partitions of ``topic``, those partitions."""
-    group = stack.admin().describe_consumer_groups([ROUTER_GROUP])[ROUTER_GROUP].result()
+    admin = stack.admin()  # kept referenced: its futures never resolve once it is freed
+    futures = admin.describe_consumer_groups([ROUTER_GROUP], request_timeout=30)
+    group = futures[ROUTER_GROUP].result(timeout=60)
     owned = [
         {tp.partition for tp in member.assignment.topic_partitions if tp.topic == topic}
         for member in group.members
