@@ -233,6 +233,11 @@ def test_each_instance_of_a_scaled_out_processor_is_its_own_supervised_process(
     services.state_dir.mkdir(parents=True)
     services.credentials_file.write_text("{}")
     names = [c.name for c in services.status(expected=True)]
-    assert [
-        n for n in names if n.startswith(("router", "ingress", "task-state"))
-    ] == ["router", "router-1", "ingress", "task-state", "task-state-1", "task-state-2"]
+    assert [n for n in names if n.startswith(("router", "ingress", "task-state"))] == [
+        "router",
+        "router-1",
+        "ingress",
+        "task-state",
+        "task-state-1",
+        "task-state-2",
+    ]
