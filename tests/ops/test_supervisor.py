@@ -208,3 +208,36 @@ def test_status_flags_a_crash_looping_service_process_as_unhealthy(tmp_path: Pat
     assert "crash-looping: exited 4 times in a row, last exit code 75" in router.detail
     assert str(services.router.log_file) in router.detail
     assert not found["supervisor"].healthy and found["supervisor"].detail == "not running"
+
+
+def test_each_instance_of_a_scaled_out_processor_is_its_own_supervised_process(
+    tmp_path: Path,
+) -> None:
+    """``router_instances = 2`` (and the like): one child per instance, each with its own
+    ``--instance``, log and PID file, and ``./fx status`` lists each."""
+    from fxstream.ops.private import private_config
+    from fxstream.ops.services import ServiceSet
+
+    config = private_config(tmp_path).with_overrides(router_instances=2, task_state_instances=3)
+    services = ServiceSet(config)
+    children = {c.key: c for c in services.supervisor_spec().children}
+    routers = [children["router"], children["router-1"]]
+    assert "--instance" not in routers[0].argv
+    assert routers[1].argv[-3:] == ["router", "--instance", "1"]
+    assert children["task-state-2"].argv[-3:] == ["task-state", "--instance", "2"]
+    assert "router-2" not in children and "ingress-1" not in children
+    assert len({c.log_file for c in children.values()}) == len(children)
+    assert [p.name for p in services.instances["router"]] == ["router", "router-1"]
+    assert services.router is services.instances["router"][0]
+    assert len(services.processors()) == 2 + 1 + 3 + 1
+    services.state_dir.mkdir(parents=True)
+    services.credentials_file.write_text("{}")
+    names = [c.name for c in services.status(expected=True)]
+    assert [n for n in names if n.startswith(("router", "ingress", "task-state"))] == [
+        "router",
+        "router-1",
+        "ingress",
+        "task-state",
+        "task-state-1",
+        "task-state-2",
+    ]

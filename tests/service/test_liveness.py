@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from fxstream.service.liveness import LivenessMonitor
@@ -154,3 +155,15 @@ def test_malformed_heartbeats_are_dead_lettered_with_the_reason() -> None:
         b"not a heartbeat",
     )
     assert dead.reason
+
+
+def test_agents_of_a_partition_given_to_another_liveness_process_are_forgotten() -> None:
+    """Several liveness processes share ``heartbeats``: one that gives a partition up
+    must not declare that partition's agents lost for want of their heartbeats."""
+    monitor = LivenessMonitor(CATALOGUE)
+    on_0 = beat(100.0, agent="agent-1")
+    on_1 = dataclasses.replace(beat(100.0, agent="agent-2", endpoint="ep-2"), partition=1)
+    monitor.observe([on_0, on_1])
+    assert monitor.forget({1}) == ["agent-2"]
+    lost, _ = monitor.lost(now=200.0)
+    assert [t.agent_id for t in lost] == ["agent-1"], "only its own partition's agent is lost"

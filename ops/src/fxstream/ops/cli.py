@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.ops.config import ConfigError, PlatformConfig, repo_root
+from fxstream.ops.config import MAX_INSTANCES, ConfigError, PlatformConfig, repo_root
 from fxstream.ops.install import InstallError, ensure_requirements
 from fxstream.ops.platform import Platform, PlatformError, PlatformStatus
 from fxstream.ops.process import ProcessStartError
@@ -96,6 +96,16 @@ def up(
             "(also FXSTREAM_INSECURE=1). Anyone who reaches its ports owns the platform.",
         ),
     ] = False,
+    router_instances: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            max=MAX_INSTANCES,
+            help="Router processes (one consumer group) [default: the config's "
+            "router_instances, FXSTREAM_ROUTER_INSTANCES, else 1]; takes effect when the "
+            "services start (./fx down first if they run).",
+        ),
+    ] = None,
 ) -> None:
     """Install what is missing; start Kafka, Redis, the service and a local endpoint; quickstart.
 
@@ -105,6 +115,8 @@ def up(
     config = _config()
     if insecure:
         config = config.with_overrides(insecure=True)
+    if router_instances is not None:
+        config = config.with_overrides(router_instances=router_instances)
     if config.insecure:
         err.print(
             "[bold red]WARNING: starting the INSECURE platform: Kafka without "
@@ -125,6 +137,13 @@ def up(
         raise typer.Exit(1) from exc
     _print_status(platform.status())
     services = platform.services()
+    running_routers = len(services.instances["router"])
+    if running_routers != config.router_instances:
+        err.print(
+            f"[yellow]{running_routers} router process(es) run, not "
+            f"{config.router_instances}: the services were already running; "
+            "./fx down, then ./fx up, to change it[/yellow]"
+        )
     endpoint_id = services.local_endpoint_id()
     if quickstart and endpoint_id is not None:
         from fxstream.ops.quickstart import run_quickstart

@@ -17,9 +17,26 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["ConfigError", "PlatformConfig", "kafka_version", "repo_root"]
+__all__ = [
+    "INSTANCE_SETTINGS",
+    "MAX_INSTANCES",
+    "ConfigError",
+    "PlatformConfig",
+    "kafka_version",
+    "repo_root",
+]
 
 _POM_NS = "{http://maven.apache.org/POM/4.0.0}"
+# Each stream processor's setting for how many processes of it run (its consumer group's
+# members), by role.
+INSTANCE_SETTINGS = {
+    "router": "router_instances",
+    "ingress": "ingress_instances",
+    "task-state": "task_state_instances",
+    "liveness": "liveness_instances",
+}
+# More processes than a role's input partitions (4 per topic) would only stand by.
+MAX_INSTANCES = 8
 
 
 class ConfigError(ValueError):
@@ -82,6 +99,11 @@ class PlatformConfig:
     # after which a restarted service process counts as stable again (backoff reset).
     restart_backoff_max_s: int = 60
     restart_stable_s: int = 60
+    # Processes per stream processor (a consumer group each; 1 = no scale-out).
+    router_instances: int = 1
+    ingress_instances: int = 1
+    task_state_instances: int = 1
+    liveness_instances: int = 1
     # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
     # --insecure). Secure is the default everywhere.
     insecure: bool = False
@@ -103,6 +125,10 @@ class PlatformConfig:
         "topic_prefix": "FXSTREAM_TOPIC_PREFIX",
         "restart_backoff_max_s": "FXSTREAM_RESTART_BACKOFF_MAX_S",
         "restart_stable_s": "FXSTREAM_RESTART_STABLE_S",
+        "router_instances": "FXSTREAM_ROUTER_INSTANCES",
+        "ingress_instances": "FXSTREAM_INGRESS_INSTANCES",
+        "task_state_instances": "FXSTREAM_TASK_STATE_INSTANCES",
+        "liveness_instances": "FXSTREAM_LIVENESS_INSTANCES",
         "insecure": "FXSTREAM_INSECURE",
     }
 
@@ -178,6 +204,12 @@ class PlatformConfig:
         for name in ("restart_backoff_max_s", "restart_stable_s"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} ({self.ENV_VARS[name]}) must be at least 1 second")
+        for name in INSTANCE_SETTINGS.values():
+            if not 1 <= getattr(self, name) <= MAX_INSTANCES:
+                raise ConfigError(
+                    f"{name} ({self.ENV_VARS[name]}) must be 1 to {MAX_INSTANCES} "
+                    f"(processes of that stream processor): {getattr(self, name)}"
+                )
         if self.kafka_heap_mb < 256:
             raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")
 
@@ -186,6 +218,10 @@ class PlatformConfig:
         config = replace(self, **changes)
         config.validate()
         return config
+
+    def instances(self, role: str) -> int:
+        """How many processes of stream processor ``role`` run (see ``INSTANCE_SETTINGS``)."""
+        return int(getattr(self, INSTANCE_SETTINGS[role]))
 
     @property
     def kafka_version(self) -> str:

@@ -2,7 +2,11 @@
 
 Each runs as its own process under the platform's supervisor
 (:mod:`fxstream.ops.supervisor`): the API, the router, the ingress, the task-state
-processor, the liveness processor and the local endpoint. The supervisor is
+processor, the liveness processor and the local endpoint. Each stream processor runs
+as many processes as the config says (``router_instances`` and the like, 1 by default),
+numbered from 0: the first is named for its role (``router``), the others ``router-1``,
+``router-2``, ..., each started with ``--instance N`` (its own transactional id, one
+member of its role's consumer group). The supervisor is
 itself a process started detached and tracked by PID (like the broker and
 Redis); it restarts a crashed child with backoff and records its restarts,
 which ``status`` reports. ``start`` also makes sure a local user exists
@@ -35,7 +39,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from fxstream.ops.config import PlatformConfig
+from fxstream.ops.config import INSTANCE_SETTINGS, MAX_INSTANCES, PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free, tail
 from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
@@ -55,6 +59,7 @@ __all__ = [
     "ComponentStatus",
     "Credentials",
     "ServiceSet",
+    "instance_name",
 ]
 
 LOCAL_ENDPOINT = "local"
@@ -181,15 +186,16 @@ class ServiceSet:
             ),
             *(
                 ChildSpec(
-                    name=role,
-                    key=role,
-                    argv=[*worker, role],
-                    log_file=str(logs / f"service-{role}.log"),
+                    name=instance_name(role, n),
+                    key=instance_name(role, n),
+                    argv=[*worker, role, *(["--instance", str(n)] if n else [])],
+                    log_file=str(logs / f"service-{instance_name(role, n)}.log"),
                     cwd=str(self.state_dir),
                     stop_wave=1,
                     env=service_env,
                 )
-                for role in ("router", "ingress", "task-state", "liveness")
+                for role in INSTANCE_SETTINGS
+                for n in range(config.instances(role))
             ),
             ChildSpec(
                 name=f"endpoint {LOCAL_ENDPOINT}",
@@ -200,6 +206,11 @@ class ServiceSet:
                 stop_wave=2,
             ),
         ]
+        running = self._running_specs()
+        if running is not None:
+            # A running supervisor runs the spec it was started with (the config may
+            # have changed since): status and stop are about those processes.
+            self._specs = running
         handles = {
             spec.key: SupervisedProcess(
                 name=spec.name,
@@ -213,11 +224,32 @@ class ServiceSet:
             for spec in self._specs
         }
         self.api = handles["api"]
-        self.router = handles["router"]
-        self.ingress = handles["ingress"]
-        self.task_state = handles["task-state"]
-        self.liveness = handles["liveness"]
         self.endpoint = handles["endpoint"]
+        # Per role, its processes in instance order (the first is named for the role).
+        self.instances: dict[str, list[SupervisedProcess]] = {
+            role: [
+                handles[instance_name(role, n)]
+                for n in range(MAX_INSTANCES)
+                if instance_name(role, n) in handles
+            ]
+            for role in INSTANCE_SETTINGS
+        }
+        self.router = self.instances["router"][0]
+        self.ingress = self.instances["ingress"][0]
+        self.task_state = self.instances["task-state"][0]
+        self.liveness = self.instances["liveness"][0]
+
+    def _running_specs(self) -> list[ChildSpec] | None:
+        """The children of the running supervisor's saved spec; None if none runs."""
+        if self.supervisor.pid() is None or not self.spec_file.is_file():
+            return None
+        try:
+            children = SupervisorSpec.load(self.spec_file).children
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        keys = {child.key for child in children}
+        wanted = {"api", "endpoint", *INSTANCE_SETTINGS}
+        return children if wanted <= keys else None
 
     @property
     def credentials_file(self) -> Path:
@@ -246,18 +278,11 @@ class ServiceSet:
 
     def processes(self) -> list[SupervisedProcess]:
         """Every supervised service process, in start order."""
-        return [
-            self.api,
-            self.router,
-            self.ingress,
-            self.task_state,
-            self.liveness,
-            self.endpoint,
-        ]
+        return [self.api, *self.processors(), self.endpoint]
 
     def processors(self) -> list[SupervisedProcess]:
-        """The stream processors: router, ingress, task-state, liveness."""
-        return [self.router, self.ingress, self.task_state, self.liveness]
+        """The stream processors: every router, ingress, task-state and liveness process."""
+        return [process for role in INSTANCE_SETTINGS for process in self.instances[role]]
 
     def supervisor_spec(self) -> SupervisorSpec:
         """What the supervisor runs, with this platform's backoff settings."""
@@ -588,6 +613,12 @@ class ServiceSet:
         return response.status_code == 200 and response.json().get("owner_id") == (
             credentials.user_id
         )
+
+
+def instance_name(role: str, instance: int) -> str:
+    """The name (and supervisor key) of process ``instance`` of stream processor ``role``:
+    the role itself for the first, ``<role>-<instance>`` for the others."""
+    return role if instance == 0 else f"{role}-{instance}"
 
 
 def _setting(config_file: Path, name: str) -> object:

@@ -437,6 +437,15 @@ def worker(
             "backlog, data locality, a hash of the task id), backlog, round-robin or random",
         ),
     ] = PlacementPolicy.WARM,
+    instance: Annotated[
+        int,
+        typer.Option(
+            "--instance",
+            min=0,
+            help="this process's number among those running the same processors (0, 1, ...): "
+            "several share each processor's consumer group, each with its own transactional id",
+        ),
+    ] = 0,
 ) -> None:
     """Run the stream processors (router, ingress, task state, liveness) until stopped."""
     try:
@@ -453,7 +462,9 @@ def worker(
     run_processors = _load_processors()
     roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
-        run_processors(target.kafka, target.catalogue, roles=roles, placement=placement)
+        run_processors(
+            target.kafka, target.catalogue, roles=roles, placement=placement, instance=instance
+        )
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
 

@@ -154,6 +154,11 @@ class TaskMemory:
             self.put(task_id, known)
         return known
 
+    def clear(self) -> None:
+        """Forget every task (``recall`` still answers): after a rebalance, another
+        instance may have written the state of tasks remembered here."""
+        self._tasks.clear()
+
     def put(self, task_id: str, known: KnownTask) -> None:
         """Remember ``known`` for ``task_id`` as the most recent entry."""
         key = hash(task_id)

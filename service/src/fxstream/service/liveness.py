@@ -16,6 +16,12 @@ same stream as it happens, per agent (an endpoint may have several):
   then make them ``running`` again, and a zombie that wakes up is fenced;
 - malformed heartbeats are dead-lettered with the reason, never skipped.
 
+Several liveness processes share ``heartbeats`` as one consumer group (faust's). Each
+knows only the agents whose heartbeats are on its partitions (an endpoint's heartbeats
+are keyed by the endpoint, so all of its agents are on one), and forgets them when the
+partition is reassigned (:meth:`LivenessMonitor.forget`): otherwise it would declare
+lost the agents whose heartbeats now go to another process.
+
 It writes :class:`~fxstream.topics.TaskEvent` records to ``task-events``; the
 task-state processor decides whether the lifecycle allows each step.
 """
@@ -23,7 +29,7 @@ task-state processor decides whether the lifecycle allows each step.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from fxstream.service.outgoing import Outgoing
@@ -69,6 +75,8 @@ class _Agent:
     sent_at: float
     period_s: float
     leases: list[TaskLease]
+    # The heartbeats partition its beats are read from.
+    partition: int = -1
     # Tasks already announced running by this agent, as (task id, attempt).
     announced: set[tuple[str, int]] = field(default_factory=set)
 
@@ -102,7 +110,7 @@ class LivenessMonitor:
                     "liveness: dead-lettered a heartbeat at offset %d: %s", record.offset, exc
                 )
                 continue
-            transition = self._fold(beat, out)
+            transition = self._fold(beat, record.partition, out)
             if transition is not None:
                 transitions.append(transition)
         return transitions, out
@@ -147,7 +155,16 @@ class LivenessMonitor:
         """The endpoints with an agent online as of the last :meth:`lost` check."""
         return sorted({a.endpoint_id for a in self._agents.values()})
 
-    def _fold(self, beat: Heartbeat, out: list[Outgoing]) -> Transition | None:
+    def forget(self, partitions: Iterable[int]) -> list[str]:
+        """Forget the agents whose heartbeats are on ``partitions`` of ``heartbeats``
+        (given to another liveness process); their ids."""
+        gone = set(partitions)
+        forgotten = [a for a, agent in self._agents.items() if agent.partition in gone]
+        for agent_id in forgotten:
+            del self._agents[agent_id]
+        return forgotten
+
+    def _fold(self, beat: Heartbeat, partition: int, out: list[Outgoing]) -> Transition | None:
         agent = self._agents.get(beat.agent_id)
         if agent is not None and beat.sent_at < agent.sent_at:
             return None  # an older heartbeat, redelivered: the newer one stands
@@ -155,6 +172,7 @@ class LivenessMonitor:
         if agent is None:
             agent = _Agent(beat.endpoint_id, beat.hostname, beat.sent_at, beat.period_s, [])
             self._agents[beat.agent_id] = agent
+        agent.partition = partition
         agent.sent_at, agent.period_s = beat.sent_at, beat.period_s
         agent.leases = list(beat.leases)
         self._announce_running(agent, beat, out)

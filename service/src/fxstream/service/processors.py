@@ -26,6 +26,16 @@ app never declares one. Consumer groups, whichever way they run: the router
 ``<app id>-router``, the task-state processor ``<app id>-task-state``, the
 liveness agent the app id.
 
+Each role scales out: several processes of one role (``--instance N``, each a
+different N) share its consumer group, and Kafka spreads the input partitions over
+them. The router's and the ingress's transactional ids are ``<group>-<N>``, so
+instances never fence each other and a restarted instance fences only its own
+predecessor; partitions change hands only between batches
+(:mod:`fxstream.service.rebalance`). The task-state followers are assigned
+co-partitioned (one task's results and events go to one instance); the liveness
+agents share ``heartbeats`` through faust's own group, each forgetting the agents of
+partitions it gives up.
+
 Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
 --prefix fx. [--only router|ingress|task-state|liveness]`` (``FILE``: the service
 principal's 0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure
@@ -176,18 +186,23 @@ def build_app(
     batch_size: int = BATCH_SIZE,
     roles: Sequence[str] = ROLES,
     placement: PlacementPolicy = PlacementPolicy.WARM,
+    instance: int = 0,
 ) -> faust.App:
     """The faust app running ``roles`` (router, task-state, liveness), not yet started.
 
     ``data_dir`` is faust's working directory (nothing durable lives there: the
-    store is in memory); by default a directory under the system temp dir.
+    store is in memory); by default a directory under the system temp dir, one per
+    ``instance`` (the process's number among those running the same roles).
     ``placement`` is how the router chooses among a grouped task's endpoints.
     """
     unknown = set(roles) - set(ROLES)
     if unknown or not roles:
         raise ValueError(f"roles must be some of {', '.join(ROLES)}; got {list(roles)}")
+    if instance < 0:
+        raise ValueError(f"instance must be 0 or more; got {instance}")
     faust_id = faust_app_id(app_id, roles)
-    data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / faust_id
+    own_dir = faust_id if instance == 0 else f"{faust_id}-{instance}"
+    data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / own_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     app = faust.App(faust_id, **_broker_settings(kafka), **_app_settings(catalogue, data_dir))
     if "liveness" not in roles:
@@ -196,9 +211,9 @@ def build_app(
         app.producer_only = True
     stoppers: list[Callable[[], Awaitable[None]]] = []
     if "router" in roles:
-        _add_router(app, kafka, catalogue, app_id, batch_size, stoppers, placement)
+        _add_router(app, kafka, catalogue, app_id, batch_size, instance, stoppers, placement)
     if "ingress" in roles:
-        _add_ingress(app, kafka, catalogue, app_id, batch_size, stoppers)
+        _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers)
     if "task-state" in roles:
         _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "liveness" in roles:
@@ -244,6 +259,7 @@ def _add_router(
     catalogue: Catalogue,
     app_id: str,
     batch_size: int,
+    instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
     policy: PlacementPolicy = PlacementPolicy.WARM,
 ) -> None:
@@ -258,7 +274,12 @@ def _add_router(
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
     # with faust's assignor.
     router_loop = RouterLoop(
-        kafka, catalogue, router, group_id=f"{app_id}-router", batch_size=batch_size
+        kafka,
+        catalogue,
+        router,
+        group_id=f"{app_id}-router",
+        instance=str(instance),
+        batch_size=batch_size,
     )
 
     def closed() -> None:
@@ -274,6 +295,7 @@ def _add_ingress(
     catalogue: Catalogue,
     app_id: str,
     batch_size: int,
+    instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
 ) -> None:
     # The routing facts (task -> endpoint, user) are the router's routed states, read
@@ -292,6 +314,7 @@ def _add_ingress(
         catalogue,
         ingress,
         group_id=f"{app_id}-ingress",
+        instance=str(instance),
         batch_size=batch_size,
         pattern=catalogue.from_endpoint_pattern,
         component=INGRESS,
@@ -329,6 +352,7 @@ def _add_task_state(
         group_id=f"{app_id}-task-state",
         batch_size=batch_size,
         states=states,
+        directory=TopicDirectory(kafka),
     )
 
     _run_in_app(app, stoppers, follower, lambda: log.info("task-state: %s", planner.stats))
@@ -350,8 +374,16 @@ def _add_liveness(app: faust.App, catalogue: Catalogue, batch_size: int) -> None
         _log_transitions(transitions)
         await _write_or_exit(app, catalogue, LIVENESS, records, ())
 
+    async def forget(sender: Any, /, *args: Any, signal: Any, **__: Any) -> None:
+        # Another liveness process reads these partitions now (see fxstream.service.liveness).
+        revoked = args[0] if args else ()
+        gone = {tp.partition for tp in revoked if tp.topic == catalogue.heartbeats}
+        for agent_id in liveness.forget(gone):
+            log.info("liveness: agent %s is another liveness process's now", agent_id)
+
     app.agent(app.topic(catalogue.heartbeats), name="liveness")(watch_heartbeats)
     app.timer(LIVENESS_CHECK_S)(check_liveness)
+    app.on_partitions_revoked.connect(forget)
 
 
 def _log_transitions(transitions: Sequence[Transition]) -> None:
@@ -403,8 +435,12 @@ def run_processors(
     batch_size: int = BATCH_SIZE,
     roles: Sequence[str] = ROLES,
     placement: PlacementPolicy = PlacementPolicy.WARM,
+    instance: int = 0,
 ) -> None:
     """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
+
+    ``instance`` numbers this process among those running the same roles (0, 1, ...):
+    each needs its own.
 
     Raises what crashed the worker, if something did.
     """
@@ -416,6 +452,7 @@ def run_processors(
         batch_size=batch_size,
         roles=roles,
         placement=placement,
+        instance=instance,
     )
     worker = _Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -451,6 +488,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", type=Path, default=None, help="faust's working directory")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, help="records per batch")
+    parser.add_argument(
+        "--instance",
+        type=int,
+        default=0,
+        help="this process's number among those running the same processors (default: 0)",
+    )
     parser.add_argument(
         "--only",
         choices=ROLES,
@@ -500,6 +543,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         batch_size=args.batch_size,
         roles=tuple(args.only) if args.only else ROLES,
         placement=placement,
+        instance=args.instance,
     )
     return 0
 

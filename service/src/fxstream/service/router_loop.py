@@ -35,15 +35,41 @@ faust's per-event cost (about 100 µs) alone held the router near 5,000
 tasks/s. This loop runs inside the faust app as a task (beside the task-state
 follower), with aiokafka's transactional producer. Its transactional id is
 stable (``<app id>-router-<instance>``): a restarted router fences the previous
-instance, whose open transaction is aborted. Running several routers in one
-consumer group needs a distinct ``instance`` per router.
+instance, whose open transaction is aborted.
+
+Several routers (or ingresses) run as one consumer group, each with its own
+``instance`` and so its own transactional id; Kafka spreads the input partitions over
+them. A rebalance hands a partition over only between batches
+(:class:`~fxstream.service.rebalance.PartitionGuard`): the batch in hand is committed
+(or aborted) before its partitions are given up, and the partitions are let go only
+once the group coordinator returns the offsets of the last transaction (a committed
+transaction's offsets become visible when its markers are written, just after the
+commit returns). The next owner, which starts from the committed offsets, therefore
+never routes a record the previous owner routed or is still committing.
+A *zombie* is the remaining danger: a router that stood still (SIGSTOP, a paused VM)
+longer than its consumer session, whose partitions the group gave to another router
+meanwhile, and which then commits a batch it held. Kafka's answer (KIP-447: the group's
+generation sent with the transaction's offsets, so the broker refuses a stale member's
+commit) is not in aiokafka 0.14, whose TxnOffsetCommit is version 0. So the loop watches
+itself (:class:`~fxstream.service.rebalance.StallWatch`): a batch taken or held across
+a stall of half the session timeout or more, or committed within half a session of one,
+is aborted just before its commit, and re-read from its first offset instead (by this
+router if it still owns the partitions, else, once the consumer has learnt from its next
+heartbeat that they moved, by their new owner); so is a batch whose consumer learnt,
+while the batch was in hand, that the group had dropped it
+(:func:`~fxstream.service.rebalance.group_generation` changed). What stays open is a
+stall in the instant between those checks and the commit request reaching the broker,
+and a router cut off from its group coordinator alone, still committing through the
+transaction coordinator before a heartbeat gets through: docs/faults.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn, Protocol
 
@@ -60,6 +86,7 @@ from fxstream.service.quarantine import (
     dead_letters_for_refused,
     refusal_reason,
 )
+from fxstream.service.rebalance import PartitionGuard, StallWatch, group_generation
 from fxstream.service.router import COMPONENT, RoutePlan
 from fxstream.topics import (
     Catalogue,
@@ -78,9 +105,17 @@ log = logging.getLogger(__name__)
 EXIT_WRITE_FAILED = 75
 # Tries of one batch's transaction before the router gives up and exits.
 COMMIT_ATTEMPTS = 6
+# The routers' consumer session: a router silent this long is replaced in its group.
+SESSION_TIMEOUT_MS = 10_000
+# How long a rebalance waits for the last transaction's offsets to become visible.
+HANDOVER_S = 30.0
 # Rounds of setting culprits aside: refuse them, then dead-letter them, then
 # dead-letter them without their value.
 QUARANTINE_ROUNDS = 3
+
+
+class _Stalled(Exception):
+    """The batch was held across a stall of the process: abort it, do not commit it."""
 
 
 class Planner(Protocol):
@@ -144,6 +179,8 @@ class RouterLoop(StoppableLoop):
             "metadata_max_age_ms": metadata_max_age_ms,
             # How long the broker may hold a fetch with nothing (committed) to return.
             "fetch_max_wait_ms": fetch_max_wait_ms,
+            "session_timeout_ms": SESSION_TIMEOUT_MS,
+            "heartbeat_interval_ms": SESSION_TIMEOUT_MS // 3,
         }
         self._producer_settings: dict[str, Any] = {
             **kafka.aiokafka(),
@@ -162,6 +199,15 @@ class RouterLoop(StoppableLoop):
             "request_timeout_ms": 30_000,
         }
         self._producer: Any = None
+        self.guard = PartitionGuard(f"{component} {instance}", on_revoked=self._hand_over)
+        # The offsets the last committed transaction wrote (see _hand_over).
+        self._last_offsets: dict[Any, int] = {}
+        # A batch held across a stall this long is not committed (see the module).
+        self.stall_watch = StallWatch(SESSION_TIMEOUT_MS / 2_000)
+        self._batch_taken_at = 0.0
+        self._batch_starts: dict[Any, int] = {}
+        self._batch_generation: int | None = None
+        self.abandoned = 0
         self.batches = 0
         self.quarantined = 0
 
@@ -170,20 +216,29 @@ class RouterLoop(StoppableLoop):
         # aiokafka binds its clients to the running loop, so they are made here.
         self._producer = AIOKafkaProducer(**self._producer_settings)
         self._consumer = AIOKafkaConsumer(**self._consumer_settings)
+        watch = asyncio.create_task(self.stall_watch.run())
         try:
             await self._router.start()
             await self._producer.start()
             await self._consumer.start()
-            self._consumer.subscribe(pattern=self._pattern)
+            self._consumer.subscribe(pattern=self._pattern, listener=self.guard)
             while not self._stopping.is_set():
-                batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
-                records = [r for partition in batch.values() for r in partition]
-                if records:
-                    plan = await self._router.plan(records)
-                    await self._commit(
-                        [*plan.first, *plan.dispatches], offsets_after(batch), records
-                    )
+                self._batch_taken_at = time.monotonic()
+                fetched = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
+                if not fetched:
+                    continue
+                self._batch_starts = {tp: rs[0].offset for tp, rs in fetched.items() if rs}
+                self._batch_generation = group_generation(self._consumer)
+                # Partitions are given up only once the batch is committed (or aborted).
+                async with self.guard.batch(fetched) as batch:
+                    records = [r for partition in batch.values() for r in partition]
+                    if records:
+                        plan = await self._router.plan(records)
+                        await self._commit(
+                            [*plan.first, *plan.dispatches], offsets_after(batch), records
+                        )
         finally:
+            watch.cancel()
             if self._consumer is not None:
                 await self._consumer.stop()
             if self._producer is not None:
@@ -212,6 +267,9 @@ class RouterLoop(StoppableLoop):
             attempt += 1
             try:
                 await self._transact(records, offsets)
+            except _Stalled:
+                await self._abandon(offsets, len(inputs))
+                return
             except TransactionalIdAuthorizationFailed:
                 self._exit(f"{self.name}: Kafka does not allow this router's transactional id")
             except ProducerFenced:
@@ -247,7 +305,63 @@ class RouterLoop(StoppableLoop):
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
             else:
                 self.batches += 1
+                self._last_offsets = dict(offsets)
                 return
+
+    def _superseded(self) -> bool:
+        """True if the group may have given the batch's partitions to another router: the
+        consumer learnt it was dropped (its generation changed), or the process stood
+        still while taking or holding the batch, or so recently that the consumer may
+        not have learnt yet (its next heartbeat tells it)."""
+        if group_generation(self._consumer) != self._batch_generation:
+            return True
+        recent = time.monotonic() - SESSION_TIMEOUT_MS / 2_000
+        return self.stall_watch.stalled_since(min(self._batch_taken_at, recent))
+
+    async def _abandon(self, offsets: dict[Any, int], count: int) -> None:
+        """Re-read a batch held across a stall from its first offset; it was aborted."""
+        self.abandoned += 1
+        log.warning(
+            "%s: the process stood still, or the group dropped it, while it held a batch "
+            "of %d record(s); its partitions may be another router's by now, so the batch "
+            "was aborted, not committed, and is read again",
+            self.name,
+            count,
+        )
+        for tp, first in self._batch_starts.items():
+            if tp in offsets:
+                with contextlib.suppress(Exception):  # not ours any more: its owner reads it
+                    self._consumer.seek(tp, first)
+        # Time for the consumer's next heartbeat to say whether the partitions moved.
+        await asyncio.sleep(0.5)
+
+    async def _hand_over(self, revoked: frozenset[Any]) -> None:
+        """Give ``revoked`` up once the coordinator returns what the last transaction
+        committed for them (its offsets are pending until its markers are written; a new
+        owner fetching them before that would start from the previous offsets and route
+        the batch again: aiokafka 0.14 cannot ask for stable offsets, KIP-447)."""
+        pending = {tp: offset for tp, offset in self._last_offsets.items() if tp in revoked}
+        self._last_offsets = {}
+        deadline = time.monotonic() + HANDOVER_S
+        while pending:
+            found = await asyncio.gather(*(self._consumer.committed(tp) for tp in pending))
+            pending = {
+                tp: offset
+                for (tp, offset), committed in zip(pending.items(), found, strict=True)
+                if committed is None or committed < offset
+            }
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                log.warning(
+                    "%s: the last transaction's offsets of %d partition(s) are still not "
+                    "visible after %.0f s; giving them up anyway",
+                    self.name,
+                    len(pending),
+                    HANDOVER_S,
+                )
+                return
+            await asyncio.sleep(0.01)
 
     async def _learn_topics(self, records: Sequence[Outgoing]) -> None:
         # aiokafka 0.14 fails a transaction (NotLeaderForPartition, after the whole
@@ -266,6 +380,8 @@ class RouterLoop(StoppableLoop):
             ]
             await asyncio.gather(*sent)
             await self._producer.send_offsets_to_transaction(offsets, self._group_id)
+            if self._superseded():
+                raise _Stalled  # aborts the transaction (see the module)
 
     async def _probe(self, records: Sequence[Outgoing]) -> BaseException | None:
         """Write ``records`` in a transaction that is always aborted; Kafka's refusal, if any.

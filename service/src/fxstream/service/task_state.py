@@ -43,7 +43,9 @@ from fxstream.service.lifecycle import (
 )
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.outgoing import Outgoing
+from fxstream.service.rebalance import CoPartitionedAssignor, PartitionGuard
 from fxstream.service.registry import RegistryView
+from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Attempt,
     Catalogue,
@@ -337,6 +339,15 @@ class ResultsFollower(StoppableLoop):
     ``states`` is the view of task-state the planner's memory recalls from
     (``recall_from``): it is started, and read to its end, before the first batch, and
     closed at the end.
+
+    Several followers run as one consumer group (one per task-state process). Partitions
+    are assigned co-partitioned (:class:`~fxstream.service.rebalance.CoPartitionedAssignor`),
+    so all of one task's results and events reach one follower, and handed over only
+    between batches (:class:`~fxstream.service.rebalance.PartitionGuard`). After each
+    assignment the planner's memory is cleared and, before the next batch, ``states``
+    is read to task-state's end (``directory`` says where that is): the previous owner's
+    writes, acknowledged before it gave the partitions up, are then what the planner
+    recalls, never a stale memory of its own.
     """
 
     name = "task-state"
@@ -351,9 +362,13 @@ class ResultsFollower(StoppableLoop):
         batch_size: int = 500,
         metadata_max_age_ms: int = 5_000,
         states: RegistryView | None = None,
+        directory: TopicDirectory | None = None,
     ) -> None:
         super().__init__()
         self._states = states
+        self._directory = directory
+        self._reassigned = False
+        self.guard = PartitionGuard(self.name, on_assigned=self._assigned)
         self._planner = planner
         self._send = send
         self._batch_size = batch_size
@@ -371,6 +386,8 @@ class ResultsFollower(StoppableLoop):
             # and fuller fetches (the broker's cost is per request) for <= 100 ms of lag.
             "fetch_min_bytes": 64 * 1024,
             "fetch_max_wait_ms": 100,
+            # One task's results (4 partitions) and events (8) reach the same instance.
+            "partition_assignment_strategy": (CoPartitionedAssignor,),
         }
 
     async def run(self) -> None:
@@ -380,13 +397,20 @@ class ResultsFollower(StoppableLoop):
         try:
             await self._start_states()
             await self._consumer.start()
-            self._consumer.subscribe(pattern=_inputs_pattern(self._planner.catalogue))
+            self._consumer.subscribe(
+                pattern=_inputs_pattern(self._planner.catalogue), listener=self.guard
+            )
             while not self._stopping.is_set():
-                batch = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
-                records = [r for partition in batch.values() for r in partition]
-                if records:
-                    await self._send(self._planner.plan(records), records)
-                    await self._commit(batch)
+                fetched = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
+                if not fetched:
+                    continue
+                # Partitions are given up only once the batch is written and committed.
+                async with self.guard.batch(fetched) as batch:
+                    records = [r for partition in batch.values() for r in partition]
+                    if records:
+                        await self._catch_up_after_rebalance()
+                        await self._send(self._planner.plan(records), records)
+                        await self._commit(batch)
         finally:
             await self._consumer.stop()
             if self._states is not None:
@@ -405,6 +429,24 @@ class ResultsFollower(StoppableLoop):
                 "anyway (it keeps reading)",
                 CATCH_UP_S,
             )
+
+    async def _assigned(self, partitions: frozenset[Any]) -> None:
+        # Runs before the consumer heartbeats again: the catch-up waits for the next batch.
+        self._planner.memory.clear()
+        self._reassigned = True
+
+    async def _catch_up_after_rebalance(self) -> None:
+        """Read task-state to its current end once after each assignment (see the class)."""
+        if not self._reassigned or self._states is None or self._directory is None:
+            return
+        states = self._states
+        topic = self._planner.catalogue.task_state
+        ends = await self._directory.end_offsets([topic])
+        while not await asyncio.to_thread(states.wait_until_read, ends, CATCH_UP_S):
+            if not states.following:
+                raise RuntimeError("task-state: the view of task-state stopped reading")
+            log.warning("task-state: still reading task-state after a rebalance")
+        self._reassigned = False
 
     async def _commit(self, batch: dict[Any, list[Any]]) -> None:
         try:
