@@ -100,11 +100,10 @@ def two_routers(fault_stack: FaultStack) -> Iterator[ManagedProcess]:
 
 
 def stream(executor: Executor, workload: Workload, wave: int) -> None:
-    """Submit wave ``wave`` of the no-op tasks, then pause before the next."""
+    """Submit wave ``wave`` of the no-op tasks (the caller pauses before the next)."""
     per_wave = TASKS // WAVES
     for i in range(wave * per_wave, (wave + 1) * per_wave):
         workload.submit(executor, noop, (i,), i)
-    time.sleep(WAVE_GAP_S)
 
 
 def check_routed_once(stack: FaultStack, client: Client, workload: Workload) -> None:
@@ -133,11 +132,14 @@ def test_two_routers_one_sigkilled_under_load_route_every_task_exactly_once(
             for wave in range(WAVES):
                 stream(executor, workload, wave)
                 if wave == 8:
+                    # Killed right after a wave is handed over, so its tasks are in flight
+                    # (after the pause the platform has usually finished them all).
                     assert workload.done < len(workload.futures)
                     assert router_0.kill(), "router 0 was not running"
                 if wave == 11:
                     # The supervisor restarts it after its backoff; start() does it now.
                     router_0.start()
+                time.sleep(WAVE_GAP_S)
             check_routed_once(fault_stack, client, workload)
         # Router 1 routed throughout and gave partitions up to router 0's successor.
         log = fault_stack.log(two_routers)
@@ -167,6 +169,7 @@ def test_a_router_stopped_past_its_session_commits_nothing_it_held_when_it_wakes
                     # Past the routers' 10 s session: router 0 owns every partition now.
                     assert time.monotonic() - stopped_at > 12
                     os.kill(pid, signal.SIGCONT)
+                time.sleep(WAVE_GAP_S)
             check_routed_once(fault_stack, client, workload)
         log = fault_stack.log(zombie)
         assert "stood still" in log, log[-3000:]
