@@ -71,7 +71,7 @@ from fxstream.topics import (
     producer_message_max_bytes,
 )
 
-__all__ = ["LIVENESS_PERIODS", "EndpointStatus", "RegistryView"]
+__all__ = ["LIVENESS_PERIODS", "PREFETCH_KBYTES", "EndpointStatus", "RegistryView"]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,11 @@ R = TypeVar("R", bound=Record)
 
 # An endpoint is lost once this many heartbeat periods pass without one.
 LIVENESS_PERIODS = 3.0
+
+# What the view's consumer may hold fetched ahead of its thread, in KiB (librdkafka's
+# queued.max.messages.kbytes; its default is 65,536). A record larger than this still
+# comes, alone.
+PREFETCH_KBYTES = 4_096
 
 # Errors a partition reports while its new leader is being elected or announced.
 _NO_LEADER_YET = frozenset(
@@ -177,6 +182,11 @@ class RegistryView:
                 # idle view costs the broker two requests a second, not hundreds.
                 "fetch.min.bytes": 1,
                 "fetch.wait.max.ms": fetch_wait_max_ms,
+                # librdkafka prefetches up to 64 MiB by default while the view's thread
+                # lags (a burst, a catch-up), and the process keeps much of that memory
+                # after it drains: each burst raised the RSS of every task-state follower
+                # in the 1-hour soak. A few MiB keep up with any steady load here.
+                "queued.max.messages.kbytes": PREFETCH_KBYTES,
                 "log_level": 2,
             }
         )

@@ -59,6 +59,13 @@ _GROUP: Final = b"g\x00"  # group \0 user \0 sequence -> task id
 _ROUTED: Final = b"r\x00"  # endpoint \0 function -> b"" once a task of it was routed there
 _SEP: Final = b"\x00"
 _SEQUENCE_BYTES: Final = 8
+_FIGURES: Final = (
+    ("memtables", "rocksdb.cur-size-all-mem-tables"),
+    ("table_readers", "rocksdb.estimate-table-readers-mem"),
+    ("block_cache", "rocksdb.block-cache-usage"),
+    ("block_cache_pinned", "rocksdb.block-cache-pinned-usage"),
+    ("sst_bytes", "rocksdb.live-sst-files-size"),
+)
 
 
 def _sweep_orphans(parent: Path) -> None:
@@ -233,6 +240,20 @@ class TaskStateTable:
             if self._closed:
                 return 0
             return self._db.property_int_value("rocksdb.estimate-num-keys") or 0
+
+    def memory_figures(self) -> dict[str, int]:
+        """RocksDB's own account of its memory and files, in bytes (files: a count):
+        memtables, table readers (outside the block cache), block cache (and its pinned
+        part), live SST bytes and files."""
+        with self._lock:
+            if self._closed:
+                return {}
+            figures = {name: self._db.property_int_value(prop) or 0 for name, prop in _FIGURES}
+            figures["sst_files"] = sum(
+                int(self._db.property_value(f"rocksdb.num-files-at-level{level}") or 0)
+                for level in range(7)
+            )
+            return figures
 
     def close(self) -> None:
         """Close the database and remove its directory."""
