@@ -7,8 +7,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated, NoReturn, Protocol
 
 import typer
 from rich.console import Console
@@ -327,6 +328,27 @@ def _task_bench_errors() -> tuple[type[Exception], ...]:
     )
 
 
+class _BenchSettings(Protocol):
+    """A bench's settings: refuse what cannot run with ValueError."""
+
+    def validate(self) -> None: ...
+
+
+def _run_task_bench(name: str, settings: _BenchSettings, run: Callable[..., object]) -> None:
+    """Validate ``settings`` (exit 2 naming the bad value), then run the task-path bench
+    ``name`` (exit 1 with its error in one line)."""
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]bench {name}:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    try:
+        run(console=console, settings=settings)
+    except _task_bench_errors() as exc:
+        err.print(f"[red]bench {name} failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 # The task-path benches' switch for the same figures with security off.
 _PlainOption = Annotated[
     bool,
@@ -452,16 +474,7 @@ def bench_payload(
         warmup_small=warmup_small,
         warmup_large=warmup_large,
     )
-    try:
-        settings.validate()
-    except ValueError as exc:
-        err.print(f"[red]bench payload:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        run_payload_bench(console=console, settings=settings)
-    except _task_bench_errors() as exc:
-        err.print(f"[red]bench payload failed:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    _run_task_bench("payload", settings, run_payload_bench)
 
 
 @bench_app.command("idle")
@@ -475,16 +488,7 @@ def bench_idle(
     from fxstream.ops.bench.idle import IdleSettings, run_idle_bench
 
     settings = IdleSettings(settle_s=settle, window_s=window)
-    try:
-        settings.validate()
-    except ValueError as exc:
-        err.print(f"[red]bench idle:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        run_idle_bench(console=console, settings=settings)
-    except _task_bench_errors() as exc:
-        err.print(f"[red]bench idle failed:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    _run_task_bench("idle", settings, run_idle_bench)
 
 
 @bench_app.command("soak")
@@ -513,16 +517,7 @@ def bench_soak(
         max_slope_mb=max_slope,
         max_growth=max_growth,
     )
-    try:
-        settings.validate()
-    except ValueError as exc:
-        err.print(f"[red]bench soak:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        run_soak_bench(console=console, settings=settings)
-    except _task_bench_errors() as exc:
-        err.print(f"[red]bench soak failed:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    _run_task_bench("soak", settings, run_soak_bench)
 
 
 def _labels(text: str) -> tuple[str, ...]:
@@ -565,16 +560,7 @@ def bench_chaos(
         max_retries=max_retries,
         seed=seed,
     )
-    try:
-        settings.validate()
-    except ValueError as exc:
-        err.print(f"[red]bench chaos:[/red] {exc}")
-        raise typer.Exit(2) from exc
-    try:
-        run_chaos_bench(console=console, settings=settings)
-    except _task_bench_errors() as exc:
-        err.print(f"[red]bench chaos failed:[/red] {exc}")
-        raise typer.Exit(1) from exc
+    _run_task_bench("chaos", settings, run_chaos_bench)
 
 
 @bench_app.command("coldstart")
