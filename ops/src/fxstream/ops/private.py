@@ -177,13 +177,15 @@ class PrivatePlatform:
         runtime: str = "process",
         images: Mapping[str, str] | None = None,
         image: str | None = None,
+        max_workers: int | None = None,
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
         ``store_url`` ``"platform"`` gives it the platform's store, None none (large
         results then travel inline). ``allowed_functions`` and ``allowed_serializers`` set
         what it runs (see the endpoint config); ``runtime``, ``images`` (name ->
-        ``"runtime:reference"``) and ``image`` the container its workers run in. It is
+        ``"runtime:reference"``) and ``image`` the container its workers run in;
+        ``max_workers`` the most workers across its image pools. It is
         stopped by
         :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
@@ -219,6 +221,8 @@ class PrivatePlatform:
             argv += ["--allow-image", f"{image_name}={spec}"]
         if image is not None:
             argv += ["--image", image]
+        if max_workers is not None:
+            argv += ["--max-workers", str(max_workers)]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file, with the
