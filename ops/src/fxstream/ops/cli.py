@@ -597,6 +597,43 @@ def bench_coldstart(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("routing")
+def bench_routing(
+    tasks: Annotated[
+        int, typer.Option(min=1, help="Tasks of the warm-routing comparison.")
+    ] = 3_000,
+    endpoints: Annotated[
+        int, typer.Option(min=2, max=16, help="Endpoints of the warm-routing comparison.")
+    ] = 4,
+    images: Annotated[
+        int, typer.Option(min=1, max=100, help="Container images (one function each).")
+    ] = 10,
+    pool_slots: Annotated[
+        int, typer.Option(min=1, help="Image pools an endpoint runs at once (max_workers).")
+    ] = 3,
+    group_tasks: Annotated[
+        int, typer.Option(min=1, help="Tasks of the backlog vs round-robin comparison.")
+    ] = 1_000,
+    group_endpoints: Annotated[
+        int, typer.Option(min=2, max=16, help="Endpoints of 1, 2, 3, ... workers for it.")
+    ] = 3,
+    seed: Annotated[int, typer.Option(help="Seeds the task mix (the same for each policy).")] = 7,
+) -> None:
+    """Warm routing vs random (completion, cold starts), shortest backlog vs round robin."""
+    from fxstream.ops.bench.routing import RoutingSettings, run_routing_bench
+
+    settings = RoutingSettings(
+        tasks=tasks,
+        endpoints=endpoints,
+        images=images,
+        pool_slots=pool_slots,
+        group_tasks=group_tasks,
+        group_endpoints=group_endpoints,
+        seed=seed,
+    )
+    _run_task_bench("routing", settings, run_routing_bench)
+
+
 @user_app.command("add")
 def user_add(
     name: Annotated[str, typer.Argument(help="the user's display name")],

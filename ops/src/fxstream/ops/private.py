@@ -178,6 +178,7 @@ class PrivatePlatform:
         images: Mapping[str, str] | None = None,
         image: str | None = None,
         interpreters: Sequence[str] = (),
+        max_workers: int | None = None,
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
@@ -185,7 +186,8 @@ class PrivatePlatform:
         results then travel inline). ``allowed_functions`` and ``allowed_serializers`` set
         what it runs (see the endpoint config); ``runtime``, ``images`` (name ->
         ``"runtime:reference"``) and ``image`` the container its workers run in;
-        ``interpreters`` other Pythons its workers may run (see the endpoint config). It is
+        ``interpreters`` other Pythons its workers may run (see the endpoint config);
+        ``max_workers`` the most workers across its image pools. It is
         stopped by
         :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
@@ -223,6 +225,8 @@ class PrivatePlatform:
             argv += ["--image", image]
         for interpreter in interpreters:
             argv += ["--interpreter", interpreter]
+        if max_workers is not None:
+            argv += ["--max-workers", str(max_workers)]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file, with the
