@@ -55,7 +55,7 @@ from fxstream.ops.bench.stack import (
 )
 from fxstream.sdk import Executor, TaskFuture
 
-__all__ = ["RoutingSettings", "run_routing_bench"]
+__all__ = ["DURATIONS_S", "RoutingSettings", "draw_workload", "run_routing_bench", "sleep_for"]
 
 PLACEMENT_ENV: Final = "FXSTREAM_PLACEMENT"
 DURATIONS_S: Final = (0.01, 0.05, 0.2)
@@ -110,7 +110,7 @@ def _placement(policy: str) -> Iterator[None]:
             os.environ[PLACEMENT_ENV] = previous
 
 
-def _workload(count: int, kinds: int, seed: int) -> list[tuple[int, float]]:
+def draw_workload(count: int, kinds: int, seed: int) -> list[tuple[int, float]]:
     """``count`` (kind, duration) pairs, the same for a given seed."""
     rng = random.Random(seed)
     return [
@@ -146,7 +146,7 @@ def _run(
 
 def _warm_phase(console: Console, settings: RoutingSettings, policy: str) -> Figures:
     images = {f"img{i}": "process:" for i in range(settings.images)}
-    workload = _workload(settings.tasks, settings.images, settings.seed)
+    workload = draw_workload(settings.tasks, settings.images, settings.seed)
     with _placement(policy), private_platform(console, services=True) as platform:
         endpoints = [
             platform.add_endpoint(
@@ -175,7 +175,7 @@ def _warm_phase(console: Console, settings: RoutingSettings, policy: str) -> Fig
 
 
 def _group_phase(console: Console, settings: RoutingSettings, policy: str) -> Figures:
-    workload = _workload(settings.group_tasks, 1, settings.seed + 1)
+    workload = draw_workload(settings.group_tasks, 1, settings.seed + 1)
     with _placement(policy), private_platform(console, services=True) as platform:
         endpoints = [
             platform.add_endpoint(
