@@ -86,6 +86,7 @@ from fxstream.topics import (
     CredentialFileError,
     KafkaConnection,
     RawRecord,
+    aiokafka_max_batch_size,
     aiokafka_max_request_size,
 )
 
@@ -151,8 +152,9 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         "producer_max_request_size": aiokafka_max_request_size(catalogue),
         "producer_acks": -1,
         # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
-        # tasks would take many produce requests instead of one.
-        "producer_max_batch_size": 1_048_576,
+        # tasks would take many produce requests instead of one. No larger than the
+        # smallest topic's limit, which the broker applies to a whole batch.
+        "producer_max_batch_size": aiokafka_max_batch_size(catalogue),
         # A write Kafka keeps refusing fails after this, and the process fail-stops.
         "producer_request_timeout": 120.0,
         "datadir": str(data_dir),

@@ -92,6 +92,7 @@ from fxstream.topics import (
     Catalogue,
     KafkaConnection,
     RawRecord,
+    aiokafka_max_batch_size,
     aiokafka_max_request_size,
     dead_letter,
     encode,
@@ -191,8 +192,9 @@ class RouterLoop(StoppableLoop):
             # aiokafka's default (1 MB) is below the catalogue's largest record.
             "max_request_size": aiokafka_max_request_size(catalogue),
             # Its 16 kB per-partition batches hold ~35 dispatches: a batch of tasks
-            # would take many produce requests instead of one.
-            "max_batch_size": 1_048_576,
+            # would take many produce requests instead of one. No larger than the
+            # smallest topic's limit, which the broker applies to a whole batch.
+            "max_batch_size": aiokafka_max_batch_size(catalogue),
             # A send stuck on a partition without a leader fails well inside the
             # transaction timeout (60 s), so the batch is aborted and retried by this
             # loop, not timed out (and fenced) by the coordinator.

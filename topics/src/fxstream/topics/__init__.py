@@ -11,6 +11,7 @@
 
 from fxstream.topics.budget import (
     RecordTooLarge,
+    aiokafka_max_batch_size,
     aiokafka_max_request_size,
     bounded_error,
     fit_result,
@@ -156,6 +157,7 @@ __all__ = [
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
+    "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
     "bounded_error",
     "client_info",

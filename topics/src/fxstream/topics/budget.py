@@ -12,6 +12,8 @@ writer sizes its records here:
 - :func:`producer_message_max_bytes` / :func:`aiokafka_max_request_size` are the
   producer settings that let through every record some topic accepts (and no
   more): the topic's own check is :func:`fits`, made before producing.
+  :func:`aiokafka_max_batch_size` keeps an aiokafka batch (the unit the broker
+  checks) within the smallest topic's limit.
 - :func:`truncate_utf8` / :func:`truncate_utf8_tail` cut text to a number of UTF-8
   *bytes* at a character boundary, with a marker saying how much was cut.
 - :func:`bounded_error` bounds a :class:`~fxstream.topics.TaskError` in bytes;
@@ -40,6 +42,7 @@ __all__ = [
     "TRACEBACK_MAX_BYTES",
     "Headers",
     "RecordTooLarge",
+    "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
     "bounded_error",
     "clean_text",
@@ -152,6 +155,21 @@ def producer_message_max_bytes(catalogue: Catalogue) -> int:
 def aiokafka_max_request_size(catalogue: Catalogue) -> int:
     """aiokafka's ``max_request_size`` (faust: ``producer_max_request_size``) to match."""
     return producer_message_max_bytes(catalogue)
+
+
+def aiokafka_max_batch_size(catalogue: Catalogue) -> int:
+    """aiokafka's ``max_batch_size`` (faust: ``producer_max_batch_size``) to match: the
+    smallest topic limit in the catalogue.
+
+    The broker checks a whole record batch (every record one request carries for one
+    partition) against the topic's ``max.message.bytes``, not each record: two 177 kB
+    heartbeats in one batch for ``heartbeats`` (256 KiB) were refused together, though
+    each fits. aiokafka closes a batch before a record that would take it past this
+    size, and a lone record larger than it still gets a batch of its own, so with it no
+    batch exceeds the limit of the topic it goes to, and each record is sized against
+    its own topic with :func:`fits`.
+    """
+    return min(spec.max_message_bytes for spec in catalogue.specs)
 
 
 # --- text ----------------------------------------------------------------------------------
