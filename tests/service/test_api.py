@@ -159,6 +159,10 @@ def test_register_creates_the_results_topic_and_me_answers(
     assert body == {"user_id": user.user_id, "name": "Ada Lovelace"}
 
 
+_UNKNOWN_ID = "0f0f0f0f-0000-4000-8000-0000000000aa"
+"""An id nothing has (fixed: pytest-xdist workers must collect the same test ids)."""
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
@@ -166,16 +170,16 @@ def test_register_creates_the_results_topic_and_me_answers(
         ("GET", "/v1/users/me", None),
         ("POST", "/v1/users/me/token", None),
         ("DELETE", "/v1/users/me/token", None),
-        ("POST", f"/v1/users/{uuid.uuid4()}/token", None),
+        ("POST", f"/v1/users/{_UNKNOWN_ID}/token", None),
         ("POST", "/v1/functions", {"name": "f", "code": CODE_B64}),
         ("GET", "/v1/functions", None),
-        ("GET", f"/v1/functions/{uuid.uuid4()}", None),
-        ("DELETE", f"/v1/functions/{uuid.uuid4()}", None),
+        ("GET", f"/v1/functions/{_UNKNOWN_ID}", None),
+        ("DELETE", f"/v1/functions/{_UNKNOWN_ID}", None),
         ("POST", "/v1/endpoints", {"name": "e"}),
         ("GET", "/v1/endpoints", None),
-        ("GET", f"/v1/endpoints/{uuid.uuid4()}", None),
-        ("DELETE", f"/v1/endpoints/{uuid.uuid4()}", None),
-        ("GET", f"/v1/tasks/{uuid.uuid4()}", None),
+        ("GET", f"/v1/endpoints/{_UNKNOWN_ID}", None),
+        ("DELETE", f"/v1/endpoints/{_UNKNOWN_ID}", None),
+        ("GET", f"/v1/tasks/{_UNKNOWN_ID}", None),
         ("POST", "/v1/tasks/status", {"task_ids": []}),
     ],
 )

@@ -218,15 +218,21 @@ def test(ctx: typer.Context) -> None:
     Extra arguments go to pytest, e.g. ``./fx test -k topics -x``. ``./fx test --fast`` is the
     edit loop's lane: no Kafka, Redis or platform is started and nothing is killed (tests
     marked platform/faults/cluster, or needing the session broker, are deselected).
+
+    ``--workers N`` runs the test files in N pytest-xdist workers, a file at a time each
+    (``--dist loadfile``, so a module's platform serves all its tests; each worker starts
+    its own session broker). The default is 1 (no xdist): on a 2-core machine the suite is
+    CPU-bound, and two workers took as long as one (33m48s against 32m).
     """
     fast = "--fast" in ctx.args
+    args = _with_workers(list(ctx.args))
     python = sys.executable
     sources = [f"{d}/src" for d in PACKAGE_DIRS]
     _run("ruff format --check", [python, "-m", "ruff", "format", "--check", *PACKAGE_DIRS, "tests"])
     _run("ruff check", [python, "-m", "ruff", "check", *PACKAGE_DIRS, "tests"])
     _run("mypy", [python, "-m", "mypy", *sources])
     if fast:
-        _pytest(ctx.args)
+        _pytest(args)
     console.rule("[bold]requirements (Java, Apache Kafka, Redis, container runtimes)")
     try:
         for name, where in ensure_requirements(_config()).items():
@@ -234,7 +240,23 @@ def test(ctx: typer.Context) -> None:
     except InstallError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
-    _pytest(ctx.args)
+    _pytest(args)
+
+
+def _with_workers(args: list[str]) -> list[str]:
+    """``args`` for pytest, with ``--workers N`` turned into xdist's options (see ``test``)."""
+    workers = 1
+    if "--workers" in args:
+        at = args.index("--workers")
+        value = args[at + 1] if at + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            err.print(f"[red]--workers needs a whole number of at least 1, not {value!r}[/red]")
+            raise typer.Exit(2)
+        workers = int(value)
+        del args[at : at + 2]
+    if "--fast" in args or workers == 1 or any(a == "-n" or a.startswith("-n") for a in args):
+        return args
+    return [*args, "-n", str(workers), "--dist", "loadfile"]
 
 
 def _pytest(args: list[str]) -> NoReturn:

@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -321,20 +321,22 @@ def parsl_htex(
 
 
 def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:
-    """Wait for every future's result in order, counting them on ``meter``.
+    """Wait for every future's result, counting them on ``meter`` as they finish (in any
+    order: a task that waits behind others must not hide the progress of the rest).
 
     Raises :class:`BenchError` when no future at all finishes for :data:`IDLE_TIMEOUT_S`
-    (a lost task), and re-raises a task's own exception.
+    (a lost task), and re-raises a task's own exception (the first in submission order).
     """
     idle = _IdleWatch(futures)
-    for done, future in enumerate(futures, start=1):
-        while True:
-            try:
-                future.result(timeout=_CHECK_S)
-                break
-            except TimeoutError:
-                idle.check()
-        meter.count(done)
+    pending = set(futures)
+    while pending:
+        finished, pending = wait(pending, timeout=_CHECK_S, return_when=FIRST_COMPLETED)
+        if finished:
+            meter.count(len(futures) - len(pending))
+        else:
+            idle.check()
+    for future in futures:
+        future.result()
     meter.finish(len(futures))
 
 
