@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import httpx
 from hypothesis import strategies as st
@@ -29,6 +29,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/v1/endpoints/{id}"),
     ("DELETE", "/v1/endpoints/{id}"),
     ("GET", "/v1/tasks/{id}"),
+    ("GET", "/v1/tasks"),
     ("POST", "/v1/tasks/status"),
     ("GET", "/v1/task-groups/{id}/tasks"),
     ("GET", "/v1/health"),
@@ -127,6 +128,36 @@ def _body(path: str) -> st.SearchStrategy[tuple[bytes | None, str | None]]:
     )
 
 
+# The query parameters of GET /v1/tasks, with values near and far from valid ones.
+_TASK_QUERY_NAMES = (
+    "tag",
+    "state",
+    "function_id",
+    "endpoint_id",
+    "group",
+    "since",
+    "until",
+    "order",
+    "limit",
+    "cursor",
+    "x",
+)
+_task_query_values = st.one_of(
+    st.text(max_size=80),
+    st.sampled_from(["run:42", "a:b:c", ":", "succeeded", "desc", "0", "-1", "1e400", "nan"]),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.integers(-(2**70), 2**70).map(str),
+    st.binary(max_size=40).map(lambda b: b.hex()),
+)
+
+
+def _task_query(draw: st.DrawFn) -> str:
+    pairs = draw(
+        st.lists(st.tuples(st.sampled_from(_TASK_QUERY_NAMES), _task_query_values), max_size=6)
+    )
+    return "?" + urlencode(pairs) if pairs else ""
+
+
 @st.composite
 def requests(draw: st.DrawFn, known: KnownIds) -> ApiRequest:
     """A request to one of the routes (or a path near them) with fuzzed parts."""
@@ -134,6 +165,8 @@ def requests(draw: st.DrawFn, known: KnownIds) -> ApiRequest:
     if draw(st.integers(0, 9)) == 0:
         method = draw(st.sampled_from(["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]))
     path = template.replace("{id}", quote(draw(_ids(known)), safe=""))
+    if template == "/v1/tasks":
+        path += _task_query(draw)
     if draw(st.integers(0, 9)) == 0:
         path += draw(st.sampled_from(["/", "/extra", "?x=1", "//", "/%ff"]))
     headers = dict(draw(_auth(known)))

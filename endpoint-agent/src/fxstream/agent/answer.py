@@ -310,6 +310,7 @@ class Answerer:
                 finished_at=outcome.finished_at,
                 result_published_at=time.time(),
             ),
+            tags=submission.tags,
         )
 
     def dead_letter_message(

@@ -18,6 +18,7 @@ import asyncio
 import base64
 import binascii
 import logging
+import math
 import threading
 import time
 import uuid
@@ -62,6 +63,8 @@ from fxstream.service.identity_provider import (
 )
 from fxstream.service.rate_limit import DEFAULT_LIMITS, RateLimiter, RegistrationLimits
 from fxstream.service.registry import RegistryView
+from fxstream.service.task_query import decode_cursor, encode_cursor, event_log, parse_tag
+from fxstream.service.task_table import DEFAULT_MAX_SCAN, TaskQuery
 from fxstream.topics import (
     Catalogue,
     DeserializationError,
@@ -71,6 +74,7 @@ from fxstream.topics import (
     Record,
     RecordDecodeError,
     TaskState,
+    TaskStateName,
     UserRecord,
     code_sha256,
     decode,
@@ -79,6 +83,7 @@ from fxstream.topics import (
     record_bytes,
     strategy_of,
 )
+from fxstream.topics.records import LATEST_TIMESTAMP
 
 __all__ = ["AccountSettings", "ApiError", "Principal", "RecordWriter", "create_app"]
 
@@ -88,6 +93,9 @@ log = logging.getLogger(__name__)
 # accepts is refused when the record is read back.
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
 MAX_STATUS_QUERY = 1_000
+MAX_TASK_PAGE = 1_000
+DEFAULT_TASK_PAGE = 100
+MAX_QUERY_TAGS = 8
 MAX_GROUP_PAGE = 1_000
 # A page of a task group stops growing once its values reach this many bytes (a
 # task-state value may be up to the topic's record limit); it always holds one task.
@@ -307,6 +315,17 @@ class TaskGroupPage(BaseModel):
     tasks: list[dict[str, Any]] = Field(description="task-state records, as GET /v1/tasks/{id}")
 
 
+class TaskPage(BaseModel):
+    """``GET /v1/tasks``: one page of the caller's tasks that match the filters."""
+
+    tasks: list[dict[str, Any]] = Field(description="task-state records, as GET /v1/tasks/{id}")
+    next_cursor: str | None = Field(
+        description="pass as cursor= for the next page; null once nothing further matches "
+        "(a page may hold fewer tasks than limit, even none, and still have one)"
+    )
+    scanned: int = Field(description="index entries this page read (at most 10,000)")
+
+
 class Health(BaseModel):
     """The service answers; ``kafka`` says whether the broker does too."""
 
@@ -488,7 +507,7 @@ class Runtime:
 def _start_runtime(
     kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float, accounts: AccountSettings
 ) -> Runtime:
-    view = RegistryView(kafka, catalogue, component="api registry view")
+    view = RegistryView(kafka, catalogue, component="api registry view", index_tasks=True)
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -1158,7 +1177,8 @@ def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) ->
 
 @router.get("/tasks/{task_id}", tags=["tasks"])
 def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
-    """The latest state of one of the caller's tasks."""
+    """The latest state of one of the caller's tasks, with its ``events``: the site
+    timestamps it holds as an ordered log of ``{state, at, where, attempt}``."""
     task = _task_of_caller(runtime.view, caller, task_id)
     if task is None:
         # Another user's task answers exactly as an unknown one.
@@ -1168,7 +1188,104 @@ def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str,
             f"no state for task {task_id!r} (yet): a task appears once the processors "
             "have seen its submission",
         )
-    return _record_json(task)
+    body = _record_json(task)
+    body["events"] = event_log(task)
+    return body
+
+
+@router.get("/tasks", tags=["tasks"])
+def query_tasks(
+    caller: CallerDep,
+    runtime: RuntimeDep,
+    tag: Annotated[
+        list[str] | None,
+        Query(
+            max_length=MAX_QUERY_TAGS,
+            description="key:value; repeat for several (a task must carry every one)",
+        ),
+    ] = None,
+    state: Annotated[
+        list[TaskStateName] | None, Query(description="repeat for any of several states")
+    ] = None,
+    function_id: Annotated[str | None, Query(pattern=ID_PATTERN)] = None,
+    endpoint_id: Annotated[
+        str | None, Query(pattern=ID_PATTERN, description="where it was routed (ran)")
+    ] = None,
+    group: Annotated[str | None, Query(pattern=ID_PATTERN, description="task group id")] = None,
+    since: Annotated[
+        float | None,
+        Query(ge=0, le=LATEST_TIMESTAMP, description="submitted at or after (epoch seconds)"),
+    ] = None,
+    until: Annotated[
+        float | None,
+        Query(ge=0, le=LATEST_TIMESTAMP, description="submitted at or before (epoch seconds)"),
+    ] = None,
+    order: Annotated[
+        Literal["asc", "desc"], Query(description="by submission time; desc: newest first")
+    ] = "asc",
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_TASK_PAGE, description="the most tasks to return")
+    ] = DEFAULT_TASK_PAGE,
+    cursor: Annotated[
+        str | None, Query(description="next_cursor of the previous page (same filters)")
+    ] = None,
+) -> TaskPage:
+    """The caller's tasks that match every filter given, by submission time, paged.
+
+    Only the caller's own tasks are ever walked. Every task task-state holds is
+    queryable (the topic is compacted and kept forever), from the moment the API's view
+    has read its first state. A page ends at ``limit`` tasks, about 8 MiB of values, or
+    10,000 index entries read, whichever comes first: follow ``next_cursor`` until it is
+    null.
+    """
+    try:
+        tags = dict(parse_tag(text) for text in tag or ())
+        after = decode_cursor(cursor) if cursor is not None else None
+    except ValueError as exc:
+        raise ApiError(422, "invalid-request", str(exc)) from None
+    for name, moment in (("since", since), ("until", until)):
+        if moment is not None and not math.isfinite(moment):
+            raise ApiError(
+                422, "invalid-request", f"{name} must be seconds since the epoch, not {moment}"
+            )
+    if since is not None and until is not None and until < since:
+        raise ApiError(
+            422, "invalid-request", f"until ({until}) is before since ({since}): swap them"
+        )
+    query = TaskQuery(
+        user_id=caller.user_id,
+        tags=tags or None,
+        states=frozenset(str(name) for name in state) if state else None,
+        function_id=function_id,
+        endpoint_id=endpoint_id,
+        task_group_id=group,
+        since=since,
+        until=until,
+        descending=order == "desc",
+    )
+    found = runtime.view.query_tasks(query, limit=limit, after=after, max_scan=DEFAULT_MAX_SCAN)
+    tasks: list[dict[str, Any]] = []
+    value_bytes = 0
+    next_position = found.cursor
+    previous: bytes | None = None
+    for task_id, position in found.matches:
+        task = _task_of_caller(runtime.view, caller, task_id)
+        if task is None:
+            continue
+        size = len(task.value or b"")
+        if tasks and value_bytes + size > MAX_GROUP_PAGE_VALUE_BYTES:
+            next_position = previous
+            break
+        value_bytes += size
+        body = _record_json(task)
+        body["events"] = event_log(task)
+        tasks.append(body)
+        previous = position
+    return TaskPage(
+        tasks=tasks,
+        next_cursor=None if next_position is None else encode_cursor(next_position),
+        scanned=found.scanned,
+    )
 
 
 @router.post("/tasks/status", tags=["tasks"])

@@ -342,7 +342,9 @@ def _add_task_state(
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
     # every platform on the machine that uses the default app id).
     states = RegistryView(kafka, catalogue, follow=("task-state",))
-    planner = TaskStatePlanner(catalogue, memory=TaskMemory(recall=recall_from(states)))
+    planner = TaskStatePlanner(
+        catalogue, memory=TaskMemory(recall=recall_from(states)), lookup=states.task
+    )
 
     async def write(records: Sequence[Outgoing], inputs: Sequence[RawRecord]) -> None:
         await _write_or_exit(app, catalogue, TASK_STATE, records, inputs)

@@ -50,7 +50,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from fxstream.service.task_table import TaskStateTable
+from fxstream.service.task_table import QueryPage, TaskQuery, TaskStateTable
 from fxstream.service.warm_table import WarmTable
 from fxstream.topics import (
     Catalogue,
@@ -135,11 +135,13 @@ class RegistryView:
         task_table_dir: Path | None = None,
         component: str | None = "registry view",
         fetch_wait_max_ms: int = 500,
+        index_tasks: bool = False,
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
         dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
         is how long the broker may hold a fetch that finds nothing new (a write ends the
-        wait at once)."""
+        wait at once). ``index_tasks``: keep the task-state table's query index (the
+        API's view, for :meth:`query_tasks`; the processors' views need none)."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -162,7 +164,7 @@ class RegistryView:
         # Task states and task groups live on disk (a temporary directory by default).
         self._task_table: TaskStateTable | None = None
         if "task-state" in (followed for followed, _ in self._kinds.values()):
-            self._task_table = TaskStateTable(task_table_dir)
+            self._task_table = TaskStateTable(task_table_dir, indexed=index_tasks)
         self._positions: dict[tuple[str, int], int] = {}
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -315,6 +317,15 @@ class RegistryView:
         if self._task_table is None:
             return []
         return self._task_table.group(task_group_id, user_id)
+
+    def query_tasks(
+        self, query: TaskQuery, *, limit: int, after: bytes | None = None, max_scan: int
+    ) -> QueryPage:
+        """The tasks matching ``query``, a page at a time (see
+        :meth:`TaskStateTable.query`); an empty page unless the view indexes task-state."""
+        if self._task_table is None or not self._task_table.indexed:
+            return QueryPage([], None, 0)
+        return self._task_table.query(query, limit=limit, after=after, max_scan=max_scan)
 
     def task_group_users(self, task_group_id: str) -> set[str]:
         """The users with at least one task in ``task_group_id`` (a client picks group ids)."""

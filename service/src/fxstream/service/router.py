@@ -475,6 +475,7 @@ class Router:
                 outcome="error",
                 error=error,
                 timings=timings,
+                tags=submission.tags,
             )
             plan.first.append(Outgoing(results, key, encode(result)))
         state = _state(submission, TaskStateName.REJECTED, now, timings, error=error)
@@ -531,6 +532,7 @@ def _state(
         updated_at=now,
         timings=timings,
         error=error,
+        tags=submission.tags,
     )
 
 

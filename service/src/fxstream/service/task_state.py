@@ -23,7 +23,7 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,17 @@ def _error_once(attempts: list[Attempt], error: TaskError | None) -> list[Attemp
     return [msgspec.structs.replace(a, error=summary) if a.error == error else a for a in attempts]
 
 
+def _event_timings(known: TaskTimings | None, event: TaskEvent) -> TaskTimings:
+    """The timings a state written for ``event`` keeps: the submitted and routed times
+    known before it (the router's), and the start of the attempt the event names."""
+    started = event.attempt.started_at if event.attempt else None
+    return TaskTimings(
+        submitted_at=known.submitted_at if known else None,
+        routed_at=known.routed_at if known else None,
+        started_at=started,
+    )
+
+
 def _terminal_state(result: TaskResult) -> TaskStateName:
     if result.outcome == "success":
         return TaskStateName.SUCCEEDED
@@ -148,9 +159,15 @@ def _terminal_state(result: TaskResult) -> TaskStateName:
     return TaskStateName.FAILED
 
 
-def fold_result(result: TaskResult, now: float, earlier: Sequence[Attempt] = ()) -> TaskState:
+def fold_result(
+    result: TaskResult,
+    now: float,
+    earlier: Sequence[Attempt] = (),
+    tags: Mapping[str, str] | None = None,
+) -> TaskState:
     """The terminal task state one result stands for, with every attempt: ``earlier``
-    (known before the result), the result's own history, then the result's attempt."""
+    (known before the result), the result's own history, then the result's attempt.
+    Its tags are the result's (the agent copies the submission's), else ``tags``."""
     state = _terminal_state(result)
     succeeded = state is TaskStateName.SUCCEEDED
     attempts = _merge_attempts(earlier, [*result.earlier_attempts, _attempt_of(result)])
@@ -167,6 +184,7 @@ def fold_result(result: TaskResult, now: float, earlier: Sequence[Attempt] = ())
         attempts=_error_once(attempts, error),
         error=error,
         value=result.value if succeeded else None,
+        tags=result.tags or dict(tags or {}),
     )
 
 
@@ -192,6 +210,10 @@ class TaskStatePlanner:
     memory: TaskMemory = field(default_factory=TaskMemory)
     clock: Callable[[], float] = time.time
     stats: TaskStateStats = field(default_factory=TaskStateStats)
+    lookup: Callable[[str], TaskState | None] | None = None
+    """Reads a task's state from task-state (``RegistryView.task``): what a state written
+    for a task event keeps of the one before it (tags, submitted and routed times), and a
+    result from an agent that sends no tags takes them from."""
 
     def __post_init__(self) -> None:
         self._state_limit = self.catalogue.spec("task-state").max_message_bytes
@@ -245,7 +267,11 @@ class TaskStatePlanner:
                 known.state,
             )
             return
-        state = fold_result(result, now, known.attempts if known else ())
+        # An agent older than tags sends none: the router's copy then.
+        before = None if result.tags else self._state_before(result.task_id)
+        state = fold_result(
+            result, now, known.attempts if known else (), before.tags if before else None
+        )
         self._write(out, state)
         self.memory.put(result.task_id, KnownTask(state.state, result.attempt))
         self.stats.folded += 1
@@ -281,6 +307,9 @@ class TaskStatePlanner:
         attempts = list(known.attempts) if known else []
         if event.attempt is not None and event.attempt.error is not None:
             attempts = _merge_attempts(attempts, [event.attempt])
+        # An event carries neither tags nor the router's timings: the state it follows does.
+        before = self._state_before(event.task_id)
+        timings = _event_timings(before.timings if before else None, event)
         state = TaskState(
             task_id=event.task_id,
             user_id=event.user_id,
@@ -289,13 +318,20 @@ class TaskStatePlanner:
             task_group_id=event.task_group_id,
             state=event.state,
             updated_at=now,
-            timings=TaskTimings(started_at=event.attempt.started_at if event.attempt else None),
+            timings=timings,
             attempts=_error_once(attempts, event.attempt.error if event.attempt else None),
             error=event.attempt.error if event.attempt else None,
+            tags=before.tags if before else {},
         )
         self._write(out, state)
         self.memory.put(event.task_id, KnownTask(event.state, number, tuple(attempts)))
         self.stats.events_applied += 1
+
+    def _state_before(self, task_id: str) -> TaskState | None:
+        """The task's state as ``lookup`` (this processor's view of task-state) holds it:
+        whichever state it is, its tags and its submitted and routed times are the router's
+        (they never change). None without a lookup or before the view has the task."""
+        return None if self.lookup is None else self.lookup(task_id)
 
     # --- writing -------------------------------------------------------------------------
 

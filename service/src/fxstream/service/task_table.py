@@ -12,10 +12,28 @@ instead, with memory bounded by its settings, not by the number of tasks:
 
 Beside the states it keeps each task group's members per user, in the order first
 seen (for paged listings), and each task's group entry (to move it when a later state
-names another group or user). Nothing here is durable: a table is rebuilt from the
-topic when its view starts, so the write-ahead log is off and the directory is removed
-on :meth:`close`. A directory left behind by a killed process is removed by the next
-table made in the same parent directory.
+names another group or user).
+
+An *indexed* table (the API's; ``indexed=True``) also keeps what filtered queries
+(:meth:`TaskStateTable.query`, ``GET /v1/tasks``) need, so none of them reads every task:
+
+- per task, a small summary (its user, submission time, state, function, endpoint,
+  group and tags: ~100-2,500 bytes), rewritten with each state;
+- per user, the task ids ordered by submission time (``submitted_at``; for a task whose
+  states never carried it, the time the table first saw it);
+- per user and tag ``key: value``, the task ids with that tag, ordered the same way.
+
+A query walks one of these orders (a tag's if it names a tag, else the user's), between
+its time bounds, and checks the other filters on each summary; a request walks at most
+``max_scan`` entries (its page then ends early, with a cursor to go on), so its cost is
+bounded whatever the number of tasks, and a tag query's walk is proportional to the
+tasks with that tag, not to all the user's tasks. Each new task costs ``1 +`` its number
+of tags index entries once, and every state one summary write.
+
+Nothing here is durable: a table is rebuilt from the topic when its view starts, so the
+write-ahead log is off and the directory is removed on :meth:`close`. A directory left
+behind by a killed process is removed by the next table made in the same parent
+directory.
 """
 
 from __future__ import annotations
@@ -25,9 +43,12 @@ import shutil
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+import msgspec
 from rocksdict import (
     BlockBasedOptions,
     Cache,
@@ -43,8 +64,11 @@ from fxstream.topics import TaskState, TaskStateName, decode
 __all__ = [
     "DEFAULT_BLOCK_CACHE_BYTES",
     "DEFAULT_CACHE_ENTRIES",
+    "DEFAULT_MAX_SCAN",
     "DEFAULT_WRITE_BUFFER_BYTES",
     "TABLE_DIR_PREFIX",
+    "QueryPage",
+    "TaskQuery",
     "TaskStateTable",
 ]
 
@@ -57,6 +81,15 @@ _STATE: Final = b"s\x00"
 _MEMBER: Final = b"m\x00"  # task id -> its group key
 _GROUP: Final = b"g\x00"  # group \0 user \0 sequence -> task id
 _ROUTED: Final = b"r\x00"  # endpoint \0 function -> b"" once a task of it was routed there
+# Indexed tables only: each task's summary, and its entries in the query orders.
+_SUMMARY: Final = b"i\x00"  # task id -> _Summary
+_BY_USER: Final = b"u\x00"  # user \0 time (8) task id -> b""
+_BY_TAG: Final = b"t\x00"  # user \0 tag key \0 tag value \0 time (8) task id -> b""
+_TIME_BYTES: Final = 8
+_LAST_TIME: Final = (1 << 64) - 1
+DEFAULT_MAX_SCAN: Final = 10_000
+# Entries read per hold of the lock (a query lets the follower's writes in between).
+_CHUNK: Final = 256
 _SEP: Final = b"\x00"
 _SEQUENCE_BYTES: Final = 8
 _FIGURES: Final = (
@@ -66,6 +99,96 @@ _FIGURES: Final = (
     ("block_cache_pinned", "rocksdb.block-cache-pinned-usage"),
     ("sst_bytes", "rocksdb.live-sst-files-size"),
 )
+
+
+class _Summary(msgspec.Struct, array_like=True, frozen=True):
+    """What a query checks of a task without decoding its state."""
+
+    user: str
+    at: int  # microseconds since the epoch: its position in the query orders
+    state: str
+    function: str
+    endpoint: str
+    group: str | None
+    tags: dict[str, str]
+
+
+_summary_decoder = msgspec.msgpack.Decoder(_Summary)
+_summary_encoder = msgspec.msgpack.Encoder()
+
+
+@dataclass(frozen=True)
+class TaskQuery:
+    """A filter over one user's tasks: every field given must match (tags: each of them)."""
+
+    user_id: str
+    tags: Mapping[str, str] | None = None
+    states: frozenset[str] | None = None
+    function_id: str | None = None
+    endpoint_id: str | None = None
+    task_group_id: str | None = None
+    since: float | None = None
+    """Submitted at or after (seconds since the epoch)."""
+    until: float | None = None
+    """Submitted at or before."""
+    descending: bool = False
+    """Newest first (default: oldest first)."""
+
+    def matches(self, summary: _Summary) -> bool:
+        """Whether a task summarised as ``summary`` passes every filter."""
+        return (
+            summary.user == self.user_id
+            and (self.states is None or summary.state in self.states)
+            and (self.function_id is None or summary.function == self.function_id)
+            and (self.endpoint_id is None or summary.endpoint == self.endpoint_id)
+            and (self.task_group_id is None or summary.group == self.task_group_id)
+            and all(summary.tags.get(k) == v for k, v in (self.tags or {}).items())
+        )
+
+
+@dataclass(frozen=True)
+class QueryPage:
+    """What one :meth:`TaskStateTable.query` found: ``matches`` as (task id, position),
+    ``cursor`` the position to go on from (None: nothing further matches), and how many
+    entries it read (``scanned``)."""
+
+    matches: list[tuple[str, bytes]]
+    cursor: bytes | None
+    scanned: int
+
+
+def _micros(at: float) -> int:
+    return min(max(int(at * 1_000_000), 0), _LAST_TIME)
+
+
+def _time_key(micros: int) -> bytes:
+    return micros.to_bytes(_TIME_BYTES, "big")
+
+
+def _summary_of(state: TaskState, at: int) -> _Summary:
+    return _Summary(
+        user=state.user_id,
+        at=at,
+        state=str(state.state),
+        function=state.function_id,
+        endpoint=state.endpoint_id,
+        group=state.task_group_id,
+        tags=dict(state.tags),
+    )
+
+
+def _order_prefix(user_id: str, tag: tuple[str, str] | None = None) -> bytes:
+    if tag is None:
+        return _BY_USER + user_id.encode() + _SEP
+    key, value = tag
+    return _BY_TAG + user_id.encode() + _SEP + key.encode() + _SEP + value.encode() + _SEP
+
+
+def _index_keys(summary: _Summary, task_id: bytes) -> list[bytes]:
+    position = _time_key(summary.at) + task_id
+    keys = [_order_prefix(summary.user) + position]
+    keys += [_order_prefix(summary.user, tag) + position for tag in summary.tags.items()]
+    return keys
 
 
 def _sweep_orphans(parent: Path) -> None:
@@ -95,7 +218,9 @@ class TaskStateTable:
         write_buffer_bytes: int = DEFAULT_WRITE_BUFFER_BYTES,
         block_cache_bytes: int = DEFAULT_BLOCK_CACHE_BYTES,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
+        indexed: bool = False,
     ) -> None:
+        """``indexed``: also keep what :meth:`query` needs (see the module)."""
         if cache_entries < 0:
             raise ValueError("cache_entries must not be negative")
         if directory is None:
@@ -126,6 +251,7 @@ class TaskStateTable:
         self._lock = threading.Lock()
         self._sequence = 0
         self._closed = False
+        self.indexed = indexed
 
     # --- writing (the follower thread) ---------------------------------------------------
 
@@ -157,6 +283,8 @@ class TaskStateTable:
             # later state's function and endpoint come from the agent's result and are not
             # evidence of routing.
             batch.put(_routed_key(state.endpoint_id, state.function_id), b"")
+        if self.indexed:
+            self._index(batch, task_id, state)
         with self._lock:
             if not self._closed:
                 self._db.write(batch)
@@ -173,10 +301,43 @@ class TaskStateTable:
         if group is not None:
             batch.delete(group)
             batch.delete(_MEMBER + key)
+        summary = self._summary(key) if self.indexed else None
+        if summary is not None:
+            for index_key in _index_keys(summary, key):
+                batch.delete(index_key)
+            batch.delete(_SUMMARY + key)
         with self._lock:
             if not self._closed:
                 self._db.write(batch)
             self._cache.pop(task_id, None)
+
+    def _summary(self, task_id: bytes) -> _Summary | None:
+        raw = self._db.get(_SUMMARY + task_id)
+        return None if raw is None else _summary_decoder.decode(raw)
+
+    def _index(self, batch: WriteBatch, task_id: bytes, state: TaskState) -> None:
+        """Add to ``batch`` the task's new summary, and its index entries if they move."""
+        old = self._summary(task_id)
+        submitted = state.timings.submitted_at
+        if submitted is not None:
+            at = _micros(submitted)
+        elif old is not None and old.user == state.user_id:
+            at = old.at
+        else:
+            at = _micros(state.updated_at)
+        summary = _summary_of(state, at)
+        if old is not None and (old.user, old.at, old.tags) != (
+            summary.user,
+            summary.at,
+            summary.tags,
+        ):
+            for key in _index_keys(old, task_id):
+                batch.delete(key)
+            old = None
+        if old is None:
+            for key in _index_keys(summary, task_id):
+                batch.put(key, b"")
+        batch.put(_SUMMARY + task_id, _summary_encoder.encode(summary))
 
     # --- reading -------------------------------------------------------------------------
 
@@ -233,6 +394,78 @@ class TaskStateTable:
                     break
                 found.append((key, value))
         return found
+
+    def query(
+        self,
+        query: TaskQuery,
+        *,
+        limit: int,
+        after: bytes | None = None,
+        max_scan: int = DEFAULT_MAX_SCAN,
+    ) -> QueryPage:
+        """The tasks of ``query.user_id`` that match ``query``, in submission-time order.
+
+        Walks the order of the query's first tag (else the user's order) from ``after``
+        (a cursor from an earlier page) between ``since`` and ``until``, and stops at
+        ``limit`` matches or after ``max_scan`` entries: a page may then hold fewer than
+        ``limit`` (even none) with a cursor to go on. Only an indexed table answers.
+        """
+        if not self.indexed:
+            raise RuntimeError("this task-state table keeps no query index (indexed=False)")
+        tag = next(iter(query.tags.items())) if query.tags else None
+        prefix = _order_prefix(query.user_id, tag)
+        low = _time_key(_micros(query.since)) if query.since is not None else b""
+        high = _time_key(_micros(query.until) if query.until is not None else _LAST_TIME)
+        matches: list[tuple[str, bytes]] = []
+        scanned = 0
+        last: bytes | None = None
+        for position, summary in self._walk(prefix, low, high, after, query.descending):
+            scanned += 1
+            last = position
+            if summary is not None and query.matches(summary):
+                matches.append((position[_TIME_BYTES:].decode(), position))
+            if len(matches) >= limit or scanned >= max_scan:
+                return QueryPage(matches, last, scanned)
+        return QueryPage(matches, None, scanned)
+
+    def _walk(
+        self, prefix: bytes, low: bytes, high: bytes, after: bytes | None, descending: bool
+    ) -> Iterator[tuple[bytes, _Summary | None]]:
+        """(position, summary) of the entries under ``prefix`` whose time is within
+        ``low``..``high`` (inclusive), after ``after``, in order; the lock is held for
+        one chunk of entries at a time."""
+        if descending:
+            start = prefix + high + b"\xff"
+            if after is not None:
+                start = min(start, prefix + after)
+        else:
+            start = prefix + low
+            if after is not None:
+                start = max(start, prefix + after + b"\x00")
+        skip = prefix + after if after is not None else None
+        while True:
+            chunk: list[tuple[bytes, _Summary | None]] = []
+            with self._lock:
+                if self._closed:
+                    return
+                for key, _ in self._db.items(from_key=start, backwards=descending):
+                    if not isinstance(key, bytes) or not key.startswith(prefix):
+                        break
+                    if key == skip:
+                        continue
+                    position = key[len(prefix) :]
+                    moment = position[:_TIME_BYTES]
+                    if (moment < low) if descending else (moment > high):
+                        break
+                    summary = self._summary(position[_TIME_BYTES:])
+                    chunk.append((position, summary))
+                    if len(chunk) >= _CHUNK:
+                        break
+            yield from chunk
+            if len(chunk) < _CHUNK:
+                return
+            last = prefix + chunk[-1][0]
+            start, skip = (last, last) if descending else (last + b"\x00", None)
 
     def approximate_tasks(self) -> int:
         """RocksDB's estimate of the keys held (states and index entries)."""

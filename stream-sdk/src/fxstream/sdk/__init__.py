@@ -15,7 +15,7 @@ listener thread), ``history`` (results read back for replay), ``submit``
 """
 
 from fxstream.sdk.batch import Batch
-from fxstream.sdk.client import Client, IssuedToken, RegisteredUser
+from fxstream.sdk.client import Client, IssuedToken, RegisteredUser, TaskPage
 from fxstream.sdk.errors import (
     AuthenticationError,
     ConfigurationError,
@@ -83,6 +83,7 @@ __all__ = [
     "SubmissionFailed",
     "TaskExecutionFailed",
     "TaskFuture",
+    "TaskPage",
     "TaskPending",
     "TaskRejected",
     "WalltimeExceeded",

@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from fxstream.connectors import Packed
+from fxstream.topics import budget
 
 __all__ = ["Batch", "Packer"]
 
@@ -18,27 +19,39 @@ class Batch:
 
     Arguments are serialized and size-checked in :meth:`add`, so a bad
     argument raises there, not at ``batch_run``; the endpoint is chosen at
-    ``batch_run``. Iterating gives ``(function_id, packed payload)`` pairs.
+    ``batch_run``. Iterating gives ``(function_id, packed payload)`` pairs;
+    :meth:`entries` gives each task's tags too.
     """
 
     def __init__(self, pack: Packer, task_group_id: str | None = None) -> None:
         self.task_group_id = task_group_id
         self._pack = pack
         self._tasks: list[tuple[str, Packed]] = []
+        self._tags: list[dict[str, str]] = []
 
     def add(
         self,
         function_id: str,
         args: Iterable[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
-        """Add one call of ``function_id`` with ``args`` and ``kwargs``.
+        """Add one call of ``function_id`` with ``args`` and ``kwargs``, labelled ``tags``
+        (added to those ``batch_run`` gives every task; see ``Client.prepare_task``).
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` or
         :class:`~fxstream.topics.SerializationError` for arguments that cannot
-        be sent.
+        be sent, ``ValueError`` for tags that cannot (saying what to change).
         """
+        checked = budget.check_tags(tags)
         self._tasks.append((function_id, self._pack(function_id, tuple(args), kwargs)))
+        self._tags.append(checked)
+
+    def entries(self) -> Iterator[tuple[str, Packed, dict[str, str]]]:
+        """``(function_id, packed payload, tags)`` of each task, in the order added."""
+        for (function_id, packed), tags in zip(self._tasks, self._tags, strict=True):
+            yield function_id, packed, tags
 
     def __len__(self) -> int:
         return len(self._tasks)

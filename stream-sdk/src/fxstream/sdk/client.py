@@ -22,9 +22,11 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import CancelledError
+from datetime import datetime
 from typing import Any, Final, NamedTuple
+from urllib.parse import urlencode
 
 from proxystore.store.base import Store
 
@@ -64,11 +66,12 @@ from fxstream.topics import (
     Serializer,
     TaskError,
     TaskTimings,
+    budget,
     producer_message_max_bytes,
 )
 from fxstream.topics.acls import user_group_prefix
 
-__all__ = ["Client", "IssuedToken", "RegisteredUser"]
+__all__ = ["Client", "IssuedToken", "RegisteredUser", "TaskPage"]
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,14 @@ def _issued(answer: dict[str, Any]) -> IssuedToken:
         float(answer["token_expires_at"]),
         None if previous is None else float(previous),
     )
+
+
+class TaskPage(NamedTuple):
+    """One page of :meth:`Client.get_tasks`: the tasks (each as :meth:`Client.get_task`
+    answers from the service) and the cursor of the next page (None at the end)."""
+
+    tasks: list[dict[str, Any]]
+    next_cursor: str | None
 
 
 class Client:
@@ -510,6 +521,7 @@ class Client:
         retry_user_errors: bool = False,
         function_sha256: str | None = None,
         endpoint_group: Sequence[str] | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
 
@@ -522,11 +534,14 @@ class Client:
         (its worker died, its walltime passed), and after an exception of the
         function too if ``retry_user_errors``; ``walltime_s`` bounds one attempt.
         ``function_sha256`` pins the code to run (default: :meth:`function_sha256`).
+        ``tags`` label the task for :meth:`get_tasks` (``{"run": "42"}``: at most 8 tags,
+        keys of 1-32 letters, digits, '_', '.' or '-', string values of 1-64 characters).
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
-        invalid id) before anything is sent.
+        invalid id or tag, saying what to change) before anything is sent.
         """
+        tags = budget.check_tags(tags)  # before the arguments are packed (and stored)
         if function_sha256 is None:
             function_sha256 = self.function_sha256(function_id)
         if payload is None:
@@ -543,6 +558,7 @@ class Client:
             walltime_s=walltime_s,
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
+            tags=tags,
         )
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:
@@ -597,6 +613,7 @@ class Client:
             submitted_at=task.submitted_at,
         )
         future.candidates = task.candidates
+        future.tags = dict(task.tags)
         future._remote_cancel = self._send_remote_cancel
         future._state_probe = self._task_state_name
         future._stored = list(task.stored)
@@ -675,17 +692,23 @@ class Client:
         endpoint_id: str,
         function_id: str,
         endpoint_group: Sequence[str] | None = None,
+        tags: Mapping[str, str] | None = None,
         **kwargs: Any,
     ) -> str:
         """Run ``function_id(*args, **kwargs)`` on ``endpoint_id`` (or, with
         ``endpoint_group``, on the one of them the service chooses: see
         :meth:`prepare_task`); returns the task id.
 
+        ``tags`` label the task for :meth:`get_tasks` (see :meth:`prepare_task`); like
+        ``endpoint_group`` it is taken by ``run`` itself, so a function's own keyword
+        argument of that name goes through :meth:`create_batch` / :meth:`batch_run` or the
+        Executor instead.
+
         Returns once Kafka has acknowledged the task (it is durable). Get the
         outcome with :meth:`get_result` or :meth:`future`.
         """
         task = self.prepare_task(
-            endpoint_id, function_id, args, kwargs, endpoint_group=endpoint_group
+            endpoint_id, function_id, args, kwargs, endpoint_group=endpoint_group, tags=tags
         )
         return self._run_tasks([task])[0]
 
@@ -695,10 +718,20 @@ class Client:
         return Batch(self.pack, task_group_id)
 
     def batch_run(
-        self, endpoint_id: str, batch: Batch, *, endpoint_group: Sequence[str] | None = None
+        self,
+        endpoint_id: str,
+        batch: Batch,
+        *,
+        endpoint_group: Sequence[str] | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Run every task of ``batch`` on ``endpoint_id`` (or on the one of
-        ``endpoint_group`` the service chooses, per task); returns the task ids in order."""
+        ``endpoint_group`` the service chooses, per task); returns the task ids in order.
+
+        ``tags`` label every task of the batch; a task's own tags (``Batch.add(...,
+        tags=...)``) are added to them and win for the same key.
+        """
+        shared = budget.check_tags(tags)
         tasks = [
             self.prepare_task(
                 endpoint_id,
@@ -706,8 +739,9 @@ class Client:
                 payload=payload,
                 task_group_id=batch.task_group_id,
                 endpoint_group=endpoint_group,
+                tags={**shared, **own} if own else shared,
             )
-            for function_id, payload in batch
+            for function_id, payload, own in batch.entries()
         ]
         return self._run_tasks(tasks)
 
@@ -973,10 +1007,17 @@ class Client:
             return self._futures.get(task_id)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        """What is known about a task: ``state``, ``pending``, ``timings``, ``error``, ...
+        """What is known about a task: ``state``, ``pending``, ``timings``, ``error``,
+        ``tags``, ``events``, ...
 
-        A task this client ran and got the result of is answered locally;
-        otherwise the service's task-state view is asked (``GET /v1/tasks/{id}``).
+        ``events`` is the task's log of site timestamps, in lifecycle order, each
+        ``{"state", "at", "where", "attempt"}``: submitted (``client``), routed
+        (``router``), dequeued and result-published (``endpoint:<id>``), each attempt's
+        started and finished (``worker:<host:pid>``), and the state it is in now
+        (``task-state``). A task this client ran and got the result of is answered
+        locally (its events end with ``delivered``, when this client received the
+        result, in place of the service's last step); otherwise the service's task-state
+        view is asked (``GET /v1/tasks/{id}``).
         """
         future = self._local(task_id)
         if future is not None and future.done():
@@ -988,6 +1029,89 @@ class Client:
                 raise
             return _local_task(future)
         return _service_task(state)
+
+    def get_tasks(
+        self,
+        *,
+        tags: Mapping[str, str] | None = None,
+        state: str | Iterable[str] | None = None,
+        function_id: str | None = None,
+        endpoint_id: str | None = None,
+        task_group_id: str | None = None,
+        since: float | datetime | None = None,
+        until: float | datetime | None = None,
+        newest_first: bool = False,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """One page of this user's tasks that match every filter given (``GET /v1/tasks``).
+
+        ``tags``: the task must carry each ``key: value``; ``state``: one state or several
+        (``"running"``, ``["succeeded", "failed"]``); ``since`` / ``until``: submitted
+        within (epoch seconds or an aware ``datetime``), oldest first unless
+        ``newest_first``. Pass the page's ``next_cursor`` as ``cursor`` (with the same
+        filters) for the next page: a page may hold fewer than ``limit`` tasks, even none,
+        and still have one (the service reads a bounded part of its index per request);
+        :meth:`iter_tasks` follows the cursors for you. Only this user's tasks are ever
+        returned; every task the service's task-state holds is queryable.
+        """
+        params: list[tuple[str, str]] = [
+            ("tag", f"{key}:{value}") for key, value in budget.check_tags(tags).items()
+        ]
+        states = [state] if isinstance(state, str) else list(state or ())
+        params += [("state", str(name)) for name in states]
+        for name, value in (
+            ("function_id", function_id),
+            ("endpoint_id", endpoint_id),
+            ("group", task_group_id),
+            ("cursor", cursor),
+        ):
+            if value is not None:
+                params.append((name, value))
+        for name, moment in (("since", since), ("until", until)):
+            if moment is not None:
+                params.append((name, repr(_epoch_seconds(moment, name))))
+        params += [("order", "desc" if newest_first else "asc"), ("limit", str(limit))]
+        page: dict[str, Any] = self._rest.get(f"/tasks?{urlencode(params)}")
+        following = page.get("next_cursor")
+        return TaskPage(
+            [_service_task(task) for task in page.get("tasks", [])],
+            str(following) if following is not None else None,
+        )
+
+    def iter_tasks(
+        self,
+        *,
+        tags: Mapping[str, str] | None = None,
+        state: str | Iterable[str] | None = None,
+        function_id: str | None = None,
+        endpoint_id: str | None = None,
+        task_group_id: str | None = None,
+        since: float | datetime | None = None,
+        until: float | datetime | None = None,
+        newest_first: bool = False,
+        page_size: int = 100,
+    ) -> Iterator[dict[str, Any]]:
+        """Every task :meth:`get_tasks` matches, fetching page after page as it is read."""
+        states = [state] if isinstance(state, str) else list(state or ())
+        cursor: str | None = None
+        while True:
+            page = self.get_tasks(
+                tags=tags,
+                state=states,
+                function_id=function_id,
+                endpoint_id=endpoint_id,
+                task_group_id=task_group_id,
+                since=since,
+                until=until,
+                newest_first=newest_first,
+                limit=page_size,
+                cursor=cursor,
+            )
+            yield from page.tasks
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
 
     def get_result(self, task_id: str) -> Any:
         """The task's return value; raises its error if it failed.
@@ -1151,12 +1275,16 @@ def _submitted_at(state: Mapping[str, Any]) -> float:
 
 
 def _future_of(state: Mapping[str, Any]) -> TaskFuture:
-    return TaskFuture(
+    future = TaskFuture(
         str(state.get("task_id")),
         function_id=str(state.get("function_id")),
         endpoint_id=str(state.get("endpoint_id")),
         submitted_at=_submitted_at(state) or time.time(),
     )
+    tags = state.get("tags")
+    if isinstance(tags, dict):
+        future.tags = {str(key): str(value) for key, value in tags.items()}
+    return future
 
 
 def _task_error(data: Mapping[str, Any]) -> TaskError:
@@ -1200,6 +1328,45 @@ def _service_timings(data: Any) -> Timings:
     return timings_of(reported, submitted=None, delivered=None)
 
 
+def _epoch_seconds(moment: float | datetime, name: str) -> float:
+    if isinstance(moment, datetime):
+        if moment.tzinfo is None:
+            raise ValueError(
+                f"{name} is a naive datetime: give it a time zone (datetime.now(timezone.utc)) "
+                "or pass seconds since the epoch"
+            )
+        return moment.timestamp()
+    return float(moment)
+
+
+# The local timings of a finished future, in lifecycle order, with the site of each.
+_LOCAL_EVENTS: Final = (
+    ("submitted", "submitted", "client"),
+    ("routed", "routed", "router"),
+    ("dequeued", "dequeued", "endpoint"),
+    ("started", "started", "worker"),
+    ("finished", "finished", "worker"),
+    ("result-published", "result_published", "endpoint"),
+    ("delivered", "delivered", "client"),
+)
+
+
+def _local_events(future: TaskFuture) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for name, key, site in _LOCAL_EVENTS:
+        at = future.timings.get(key)
+        if at is None:
+            continue
+        where = site
+        if site == "endpoint":
+            where = f"endpoint:{future.endpoint_id}"
+        elif site == "worker":
+            where = f"worker:{future.worker}" if future.worker else f"endpoint:{future.endpoint_id}"
+        attempt = future.attempt if site == "worker" else None
+        events.append({"state": name, "at": at, "where": where, "attempt": attempt})
+    return events
+
+
 def _service_task(state: Mapping[str, Any]) -> dict[str, Any]:
     name = str(state.get("state"))
     return {
@@ -1213,6 +1380,8 @@ def _service_task(state: Mapping[str, Any]) -> dict[str, Any]:
         "timings": _service_timings(state.get("timings")),
         "error": state.get("error"),
         "attempts": state.get("attempts", []),
+        "tags": state.get("tags") or {},
+        "events": state.get("events") or [],
     }
 
 
@@ -1248,6 +1417,8 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
         "error": error,
         "worker": future.worker,
         "attempt": future.attempt,
+        "tags": dict(future.tags),
+        "events": _local_events(future),
     }
 
 

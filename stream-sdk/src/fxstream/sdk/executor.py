@@ -43,6 +43,7 @@ from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
 from fxstream.sdk.futures import TaskFuture
 from fxstream.sdk.submit import PreparedTask
+from fxstream.topics import budget
 
 __all__ = ["Executor"]
 
@@ -100,7 +101,9 @@ class Executor(concurrent.futures.Executor):
     :meth:`shutdown`). ``task_group_id`` (default: a new UUID) is written in
     every task. ``batch_size`` is the most tasks the sender thread produces
     per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
-    to every task submitted (see :meth:`Client.prepare_task`).
+    to every task submitted (see :meth:`Client.prepare_task`), and so do ``tags``
+    (``Executor(tags={"run": "42"})``; set ``executor.tags`` to label later tasks
+    otherwise), which ``Client.get_tasks(tags=...)`` filters on.
 
     Replay: ``Executor(task_group_id=...).reload_tasks()`` in a new process
     rebuilds a future for every task of that group sent by an earlier one
@@ -125,6 +128,7 @@ class Executor(concurrent.futures.Executor):
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
         endpoint_group: Sequence[str] | None = None,
+        tags: Mapping[str, str] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -135,6 +139,7 @@ class Executor(concurrent.futures.Executor):
         self.max_retries = max_retries
         self.walltime_s = walltime_s
         self.retry_user_errors = retry_user_errors
+        self._tags = budget.check_tags(tags)
         self.endpoint_id = endpoint_id
         self.endpoint_group: list[str] | None = (
             list(endpoint_group) if endpoint_group is not None else None
@@ -163,6 +168,15 @@ class Executor(concurrent.futures.Executor):
             self._lock,
             self.client if self._owns_client else None,
         )
+
+    @property
+    def tags(self) -> dict[str, str]:
+        """The tags written in every task submitted from now on (a copy; set to change)."""
+        return dict(self._tags)
+
+    @tags.setter
+    def tags(self, tags: Mapping[str, str] | None) -> None:
+        self._tags = budget.check_tags(tags)
 
     # --- functions ---------------------------------------------------------------------
 
@@ -256,6 +270,7 @@ class Executor(concurrent.futures.Executor):
             max_retries=self.max_retries,
             walltime_s=self.walltime_s,
             retry_user_errors=self.retry_user_errors,
+            tags=self._tags,
         )
         future = self.client.track(task)
         with _live_lock, self._lock:

@@ -113,6 +113,8 @@ class TaskFuture(Future[Any]):
         # A grouped task: every endpoint the router may have sent it to (its cancels go
         # to each); empty for a task that names one endpoint.
         self.candidates: tuple[str, ...] = ()
+        # The tags it was submitted with (Client.get_tasks filters on them).
+        self.tags: dict[str, str] = {}
         self.timings: Timings = timings_of(None, submitted=submitted_at, delivered=None)
         self.worker: str | None = None
         self.attempt: int | None = None

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from confluent_kafka import KafkaError, Message, Producer
@@ -88,6 +88,8 @@ class PreparedTask:
     candidates: tuple[str, ...] = ()
     """The endpoints the router may choose among (``endpoint_id`` and its group, sorted);
     empty for a task that names one endpoint."""
+    tags: Mapping[str, str] = field(default_factory=dict)
+    """The task's tags, as its record carries them."""
 
 
 def pack_arguments(
@@ -149,12 +151,14 @@ def build_task(
     walltime_s: float | None = None,
     retry_user_errors: bool = False,
     endpoint_group: Sequence[str] | None = None,
+    tags: Mapping[str, str] | None = None,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
     ``endpoint_group``: further endpoints the router may run it on instead of
     ``endpoint_id`` (it chooses by liveness, warm workers, backlog and data locality;
-    the user must be allowed on every one, or the task is refused).
+    the user must be allowed on every one, or the task is refused). ``tags``: the
+    task's labels for filtered queries (:func:`fxstream.topics.budget.check_tags`).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -175,6 +179,7 @@ def build_task(
             walltime_s=walltime_s,
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
+            tags=tags,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -194,8 +199,10 @@ def _build_task(
     walltime_s: float | None,
     retry_user_errors: bool,
     endpoint_group: Sequence[str] | None,
+    tags: Mapping[str, str] | None,
 ) -> PreparedTask:
     payload = packed.payload
+    checked_tags = budget.check_tags(tags)
     group = sorted(set(endpoint_group or ()) - {endpoint_id}) or None
     if group is not None and len(group) > MAX_ENDPOINT_GROUP:
         raise ValueError(
@@ -218,6 +225,7 @@ def _build_task(
         walltime_s=walltime_s,
         retry_user_errors=retry_user_errors,
         endpoint_group=group,
+        tags=checked_tags,
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")
@@ -250,6 +258,7 @@ def _build_task(
         task_group_id=task_group_id,
         stored=tuple(packed.stored),
         candidates=submission.candidates() if group else (),
+        tags=checked_tags,
     )
 
 

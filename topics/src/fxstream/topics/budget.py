@@ -16,6 +16,9 @@ writer sizes its records here:
   checks) within the smallest topic's limit.
 - :func:`truncate_utf8` / :func:`truncate_utf8_tail` cut text to a number of UTF-8
   *bytes* at a character boundary, with a marker saying how much was cut.
+- :func:`check_tags` checks a task's tags against their bounds (:data:`MAX_TASK_TAGS`
+  tags, keys of :data:`MAX_TAG_KEY_CHARS`, values of :data:`MAX_TAG_VALUE_CHARS`; at most
+  :data:`TAGS_MAX_BYTES` in a record), with errors that say what to change.
 - :func:`bounded_error` bounds a :class:`~fxstream.topics.TaskError` in bytes;
   :func:`fit_result` and :func:`fit_state` shrink a result or a task state until it
   fits its topic (tracebacks first, then messages, then the oldest attempts), and
@@ -24,13 +27,25 @@ writer sizes its records here:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 from typing import Final
 
 import msgspec
 
 from fxstream.topics.catalogue import Catalogue, TopicSpec
-from fxstream.topics.records import Attempt, TaskError, TaskResult, TaskState, encode
+from fxstream.topics.records import (
+    MAX_TAG_KEY_CHARS,
+    MAX_TAG_VALUE_CHARS,
+    MAX_TASK_TAGS,
+    TAG_KEY_PATTERN,
+    TAG_VALUE_PATTERN,
+    Attempt,
+    TaskError,
+    TaskResult,
+    TaskState,
+    encode,
+)
 
 __all__ = [
     "ATTEMPT_MESSAGE_MAX_BYTES",
@@ -38,13 +53,18 @@ __all__ = [
     "ERROR_MESSAGE_MAX_BYTES",
     "ERROR_TYPE_MAX_CHARS",
     "HEADER_OVERHEAD_BYTES",
+    "MAX_TAG_KEY_CHARS",
+    "MAX_TAG_VALUE_CHARS",
+    "MAX_TASK_TAGS",
     "RECORD_OVERHEAD_BYTES",
+    "TAGS_MAX_BYTES",
     "TRACEBACK_MAX_BYTES",
     "Headers",
     "RecordTooLarge",
     "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
     "bounded_error",
+    "check_tags",
     "clean_text",
     "fit_result",
     "fit_state",
@@ -229,6 +249,60 @@ def truncate_utf8_tail(text: str, max_bytes: int) -> str:
     tail = data[len(data) - room :].decode("utf-8", "ignore")
     cut = len(data) - len(tail.encode("utf-8"))
     return (_marker(cut).lstrip() + " ") + tail
+
+
+# --- task tags -----------------------------------------------------------------------------
+
+TAGS_MAX_BYTES: Final = MAX_TASK_TAGS * (MAX_TAG_KEY_CHARS + 4 * MAX_TAG_VALUE_CHARS + 8)
+"""The most bytes a task's tags add to a record (UTF-8 keys and values, up to 4 bytes a
+character, and msgpack's string headers): 2,368. The bounds exist because tags are
+copied into the task's state and result and indexed per tag by the API's view of
+task-state: one task costs at most this many bytes, and ``1 + MAX_TASK_TAGS`` index
+entries, wherever it is held."""
+_TAG_KEY: Final = re.compile(TAG_KEY_PATTERN)
+_TAG_VALUE: Final = re.compile(TAG_VALUE_PATTERN)
+
+
+def check_tags(tags: Mapping[str, str] | None) -> dict[str, str]:
+    """``tags`` as the dict a submission carries, or ``ValueError`` saying what to change.
+
+    A task carries at most :data:`MAX_TASK_TAGS` tags; a key is 1-32 letters, digits,
+    '_', '.' or '-' (no ':', which separates key and value in a query); a value is a
+    string of 1-64 characters without control characters (pass ``str(value)`` for a
+    number). The router checks the same bounds (the record's schema), so a task the SDK
+    lets through is never refused for its tags.
+    """
+    if tags is None:
+        return {}
+    if not isinstance(tags, Mapping):
+        raise ValueError(
+            f"tags must be a mapping of str to str, e.g. {{'run': '42'}}, not {type(tags).__name__}"
+        )
+    if len(tags) > MAX_TASK_TAGS:
+        raise ValueError(
+            f"a task may carry at most {MAX_TASK_TAGS} tags, not {len(tags)}: keep the ones "
+            "you will query by, or join related labels into one value"
+        )
+    checked: dict[str, str] = {}
+    for key, value in tags.items():
+        if not isinstance(key, str) or not _TAG_KEY.match(key):
+            raise ValueError(
+                f"tag key {key!r} is not valid: use 1-{MAX_TAG_KEY_CHARS} letters, digits, "
+                "'_', '.' or '-' (no ':' or spaces), e.g. 'run' or 'beamline.sample'"
+            )
+        if not isinstance(value, str):
+            raise ValueError(
+                f"tag {key!r} has a value of type {type(value).__name__}: tag values are "
+                f"strings; pass str({value!r})"
+            )
+        if not _TAG_VALUE.match(value) or clean_text(value) != value:
+            raise ValueError(
+                f"tag {key!r} has value {value!r}, which is not valid: use 1-"
+                f"{MAX_TAG_VALUE_CHARS} characters without control characters (newlines, "
+                "tabs); put a longer text in the task's arguments instead"
+            )
+        checked[key] = value
+    return checked
 
 
 # --- task errors, results and states -------------------------------------------------------

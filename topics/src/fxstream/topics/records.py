@@ -21,8 +21,14 @@ import msgspec
 from msgspec import Meta
 
 __all__ = [
+    "LATEST_TIMESTAMP",
     "MAX_ENDPOINT_GROUP",
+    "MAX_TAG_KEY_CHARS",
+    "MAX_TAG_VALUE_CHARS",
+    "MAX_TASK_TAGS",
     "SCHEMA_VERSIONS",
+    "TAG_KEY_PATTERN",
+    "TAG_VALUE_PATTERN",
     "Attempt",
     "ClientInfo",
     "DataLocation",
@@ -36,6 +42,7 @@ __all__ = [
     "Record",
     "RecordDecodeError",
     "StorageTier",
+    "Tags",
     "TaskCancel",
     "TaskDispatch",
     "TaskError",
@@ -80,6 +87,28 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 SchemaVersion = Annotated[int, Meta(ge=1, description="schema version of this record kind")]
 MAX_ENDPOINT_GROUP: Final = 16
 """The most endpoints one submission may name as its group (``endpoint_group``)."""
+MAX_TASK_TAGS: Final = 8
+"""The most tags one task may carry (``tags``; :func:`fxstream.topics.budget.check_tags`)."""
+MAX_TAG_KEY_CHARS: Final = 32
+"""A tag key: 1-32 letters, digits, '_', '.' or '-' (never ':', which splits a query's
+``key:value``)."""
+MAX_TAG_VALUE_CHARS: Final = 64
+"""A tag value: 1-64 characters, no control characters."""
+TAG_KEY_PATTERN: Final = rf"^[A-Za-z0-9_.-]{{1,{MAX_TAG_KEY_CHARS}}}\Z"
+TAG_VALUE_PATTERN: Final = rf"^[^\x00-\x1f\x7f]{{1,{MAX_TAG_VALUE_CHARS}}}\Z"
+Tags = Annotated[
+    dict[
+        Annotated[str, Meta(pattern=TAG_KEY_PATTERN)],
+        Annotated[str, Meta(pattern=TAG_VALUE_PATTERN)],
+    ],
+    Meta(
+        max_length=MAX_TASK_TAGS,
+        description="the submitter's labels for the task (key -> value), for filtered "
+        "queries (GET /v1/tasks?tag=key:value); set once, at submission; at most 8, keys "
+        "of 1-32 letters, digits, '_', '.' or '-', values of 1-64 characters without "
+        "control characters",
+    ),
+]
 
 
 class RecordDecodeError(ValueError):
@@ -137,6 +166,11 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     it and route every grouped task to ``endpoint_id``, and a version-2 agent would
     refuse a grouped task routed to another member as a dispatch that disagrees with
     its submission; with the bump both say "upgrade fxstream" instead.
+
+    ``tags`` (issue 15) are the submitter's labels, at most ``MAX_TASK_TAGS`` short
+    ``key: value`` strings, copied by the router into the task's state (and by the agent
+    into its result) so the API can filter on them. The version stays 3: a reader that
+    ignores them only leaves a task untagged, which changes no routing or running.
     """
 
     v: SchemaVersion = 3
@@ -186,6 +220,7 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
         ]
         | None
     ) = None
+    tags: Tags = {}
 
     def candidates(self) -> tuple[str, ...]:
         """The endpoints this task may run on: ``endpoint_id`` and its group, sorted, once each."""
@@ -329,6 +364,9 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
     earlier_attempts: Annotated[
         list[Attempt], Meta(description="the failed attempts before this one, oldest first")
     ] = []
+    tags: Annotated[
+        Tags, Meta(description="the submission's tags (bounded as there), copied by the agent")
+    ] = {}
 
 
 class TaskStateName(enum.StrEnum):
@@ -362,6 +400,10 @@ class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
         bytes | None,
         Meta(description="the serialized result once succeeded, for get_result"),
     ] = None
+    tags: Annotated[
+        Tags,
+        Meta(description="the submission's tags (bounded as there; the router's copy stands)"),
+    ] = {}
 
 
 class TaskEvent(Record, tag="task-event", kw_only=True, frozen=True):
