@@ -32,6 +32,12 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("GET", "/v1/tasks"),
     ("POST", "/v1/tasks/status"),
     ("GET", "/v1/task-groups/{id}/tasks"),
+    ("POST", "/v1/triggers"),
+    ("GET", "/v1/triggers"),
+    ("GET", "/v1/triggers/{id}"),
+    ("POST", "/v1/triggers/{id}/pause"),
+    ("POST", "/v1/triggers/{id}/resume"),
+    ("DELETE", "/v1/triggers/{id}"),
     ("GET", "/v1/health"),
 )
 
@@ -41,6 +47,20 @@ BODY_FIELDS: dict[str, tuple[str, ...]] = {
     "/v1/functions": ("name", "code", "container", "public", "allowed_users", "description"),
     "/v1/endpoints": ("name", "public", "allowed_users", "description", "metadata"),
     "/v1/tasks/status": ("task_ids",),
+    "/v1/triggers": (
+        "name",
+        "source",
+        "function_id",
+        "endpoint_id",
+        "endpoint_group",
+        "key_pattern",
+        "predicates",
+        "arguments",
+        "template",
+        "constants",
+        "max_in_flight",
+        "max_per_second",
+    ),
 }
 
 

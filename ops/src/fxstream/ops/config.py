@@ -34,6 +34,7 @@ INSTANCE_SETTINGS = {
     "ingress": "ingress_instances",
     "task-state": "task_state_instances",
     "liveness": "liveness_instances",
+    "trigger": "trigger_instances",
 }
 # More processes than a role's input partitions (4 per topic) would only stand by.
 MAX_INSTANCES = 8
@@ -104,6 +105,9 @@ class PlatformConfig:
     ingress_instances: int = 1
     task_state_instances: int = 1
     liveness_instances: int = 1
+    # The trigger processor counts a rule's tasks in flight and its rate per process: run
+    # one (docs/triggers.md).
+    trigger_instances: int = 1
     # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
     # --insecure). Secure is the default everywhere.
     insecure: bool = False
@@ -129,6 +133,7 @@ class PlatformConfig:
         "ingress_instances": "FXSTREAM_INGRESS_INSTANCES",
         "task_state_instances": "FXSTREAM_TASK_STATE_INSTANCES",
         "liveness_instances": "FXSTREAM_LIVENESS_INSTANCES",
+        "trigger_instances": "FXSTREAM_TRIGGER_INSTANCES",
         "insecure": "FXSTREAM_INSECURE",
     }
 

@@ -31,7 +31,14 @@ from threading import Event, Thread
 from typing import Annotated, Any, Literal
 
 import msgspec
-from confluent_kafka import IsolationLevel, KafkaError, KafkaException, Message, Producer
+from confluent_kafka import (
+    ConsumerGroupTopicPartitions,
+    IsolationLevel,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+)
 from confluent_kafka import TopicPartition as KafkaTopicPartition
 from confluent_kafka.admin import AdminClient, OffsetSpec
 from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
@@ -75,6 +82,7 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskState,
     TaskStateName,
+    TriggerRule,
     UserRecord,
     code_sha256,
     decode,
@@ -83,6 +91,7 @@ from fxstream.topics import (
     record_bytes,
     strategy_of,
 )
+from fxstream.topics.acls import SERVICE_GROUP_PREFIX
 from fxstream.topics.records import LATEST_TIMESTAMP
 
 __all__ = ["AccountSettings", "ApiError", "Principal", "RecordWriter", "create_app"]
@@ -101,6 +110,10 @@ MAX_GROUP_PAGE = 1_000
 # task-state value may be up to the topic's record limit); it always holds one task.
 MAX_GROUP_PAGE_VALUE_BYTES = 8 * 1024 * 1024
 MAX_SHARED_WITH = 10_000
+# The trigger processor's consumer group (fxstream.service.processors: <app id>-trigger).
+TRIGGER_GROUP = f"{SERVICE_GROUP_PREFIX}-trigger"
+_TERMINAL_STATES = frozenset({"succeeded", "failed", "rejected", "cancelled"})
+_TRIGGER_HELP = "see docs/triggers.md for a rule's fields"
 
 
 class ApiError(Exception):
@@ -326,6 +339,47 @@ class TaskPage(BaseModel):
     scanned: int = Field(description="index entries this page read (at most 10,000)")
 
 
+AttributeValue = str | int | float | bool | None
+
+
+class EventPredicateBody(_Body):
+    """One condition on an event attribute (all of a rule's must hold)."""
+
+    attribute: Annotated[str, Field(min_length=1, max_length=256)]
+    op: Literal["eq", "ne", "prefix", "suffix", "glob", "lt", "le", "gt", "ge", "exists"]
+    value: AttributeValue = None
+
+
+class ClientBody(_Body):
+    """The registering client's versions (the SDK sends its own)."""
+
+    python_version: Annotated[str, Field(max_length=64)]
+    fxstream_version: Annotated[str, Field(max_length=64)]
+    serializers: dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=64)]]
+
+
+class NewTrigger(_Body):
+    """``POST /v1/triggers``: a trigger rule owned by the caller (docs/triggers.md)."""
+
+    name: Name
+    source: Annotated[str, Field(pattern=ID_PATTERN, description="fires on events.<source>")]
+    function_id: Id
+    endpoint_id: Id
+    endpoint_group: Annotated[list[Id], Field(max_length=16)] | None = None
+    event_type: Annotated[str, Field(min_length=1, max_length=128)] | None = None
+    key_pattern: Annotated[
+        str, Field(min_length=1, max_length=1024, description="fnmatch pattern on the event key")
+    ] = "*"
+    predicates: Annotated[list[EventPredicateBody], Field(max_length=32)] = []
+    arguments: Literal["event", "attributes", "template"] = "event"
+    template: Annotated[dict[str, str], Field(max_length=64)] = {}
+    constants: Annotated[dict[str, AttributeValue], Field(max_length=64)] = {}
+    paused: bool = False
+    max_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    max_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
+    client: ClientBody | None = None
+
+
 class Health(BaseModel):
     """The service answers; ``kafka`` says whether the broker does too."""
 
@@ -497,6 +551,8 @@ class Runtime:
     account_lock: threading.Lock = field(default_factory=threading.Lock)
     # False on the insecure development platform: principals are then topics only.
     kafka_secure: bool = True
+    # Pausing and resuming a rule read, modify and write it: one at a time in this process.
+    trigger_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -1342,6 +1398,164 @@ def read_task_group(
         next_offset=position if position < len(task_ids) else None,
         tasks=tasks,
     )
+
+
+# --- trigger rules -------------------------------------------------------------------------
+
+
+def _trigger_or_404(view: RegistryView, rule_id: str, caller: UserRecord) -> TriggerRule:
+    # Another user's rule answers exactly as one that does not exist.
+    rule = view.trigger(rule_id)
+    if rule is None or rule.owner_id != caller.user_id:
+        raise ApiError(
+            404,
+            "not-found",
+            f"trigger rule {rule_id!r} does not exist or was deleted; GET /v1/triggers lists yours",
+        )
+    return rule
+
+
+def _trigger_record(fields: dict[str, Any]) -> TriggerRule:
+    try:
+        return msgspec.convert({"kind": "trigger-rule", **fields}, TriggerRule)
+    except msgspec.ValidationError as exc:
+        raise ApiError(
+            422, "invalid-request", f"the rule is not valid: {exc}; {_TRIGGER_HELP}"
+        ) from exc
+
+
+@router.post("/triggers", status_code=201, tags=["triggers"])
+def create_trigger(body: NewTrigger, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """Register a trigger rule owned by the caller (rate-limited per user).
+
+    The caller must be allowed to use the function and every endpoint now (404 as for
+    any function or endpoint they may not see); each firing is authorised again by the
+    router, as the caller's own submission. The rule pins the function's current code
+    digest: a firing after the function changed is refused (FunctionChanged).
+    """
+    _limit(runtime, "triggers", f"user:{caller.user_id}")
+    function = _function_or_404(runtime.view, body.function_id, caller.user_id)
+    principal = Principal("user", user=caller)
+    for endpoint_id in dict.fromkeys([body.endpoint_id, *(body.endpoint_group or [])]):
+        _endpoint_or_404(runtime.view, endpoint_id, principal)
+    now = time.time()
+    fields = body.model_dump(exclude={"max_in_flight", "max_per_second"})
+    rule = _trigger_record(
+        {
+            **fields,
+            "rule_id": _new_id(),
+            "owner_id": caller.user_id,
+            "function_sha256": function.code_sha256,
+            "limits": {
+                "max_in_flight": body.max_in_flight,
+                "max_per_second": body.max_per_second,
+            },
+            "created_at": now,
+            "updated_at": now,
+        }
+    )
+    runtime.writer.put(runtime.catalogue.triggers, rule.rule_id, rule)
+    return _record_json(rule)
+
+
+@router.get("/triggers", tags=["triggers"])
+def list_triggers(caller: CallerDep, runtime: RuntimeDep) -> list[dict[str, Any]]:
+    """The caller's trigger rules, oldest first."""
+    own = [r for r in runtime.view.triggers() if r.owner_id == caller.user_id]
+    return [_record_json(r) for r in sorted(own, key=lambda r: r.created_at)]
+
+
+@router.get("/triggers/{rule_id}", tags=["triggers"])
+def read_trigger(rule_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """One of the caller's rules with its ``status``.
+
+    ``fired``: the rule's tasks the service has seen (its task group, id = the rule
+    id); ``in_flight``: those not yet succeeded, failed, rejected or cancelled;
+    ``states``: the count per state; ``waiting``: the events on the rule's source the
+    trigger processor has not gone past yet (its consumer group's lag; null when the
+    source's topic does not exist), including those held at a rule's limit.
+    """
+    rule = _trigger_or_404(runtime.view, rule_id, caller)
+    states: dict[str, int] = {}
+    task_ids = runtime.view.task_group(rule.rule_id, rule.owner_id)
+    for task_id in task_ids:
+        state = runtime.view.task(task_id)
+        if state is not None:
+            states[str(state.state)] = states.get(str(state.state), 0) + 1
+    body = _record_json(rule)
+    body["status"] = {
+        "fired": len(task_ids),
+        "in_flight": sum(n for name, n in states.items() if name not in _TERMINAL_STATES),
+        "states": states,
+        "waiting": _source_lag(runtime, runtime.catalogue.events(rule.source)),
+    }
+    return body
+
+
+def _set_paused(runtime: Runtime, rule_id: str, caller: UserRecord, paused: bool) -> TriggerRule:
+    with runtime.trigger_lock:
+        rule = _trigger_or_404(runtime.view, rule_id, caller)
+        if rule.paused != paused:
+            rule = msgspec.structs.replace(rule, paused=paused, updated_at=time.time())
+            runtime.writer.put(runtime.catalogue.triggers, rule_id, rule)
+    return rule
+
+
+@router.post("/triggers/{rule_id}/pause", tags=["triggers"])
+def pause_trigger(rule_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """Pause one of the caller's rules: events processed while it is paused fire nothing
+    (not later either)."""
+    return _record_json(_set_paused(runtime, rule_id, caller, True))
+
+
+@router.post("/triggers/{rule_id}/resume", tags=["triggers"])
+def resume_trigger(rule_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
+    """Resume one of the caller's rules: it fires again for the events processed from now."""
+    return _record_json(_set_paused(runtime, rule_id, caller, False))
+
+
+@router.delete("/triggers/{rule_id}", status_code=204, tags=["triggers"])
+def delete_trigger(rule_id: str, caller: CallerDep, runtime: RuntimeDep) -> Response:
+    """Delete one of the caller's rules (a tombstone on the triggers topic); its tasks stay."""
+    with runtime.trigger_lock:
+        _trigger_or_404(runtime.view, rule_id, caller)
+        runtime.writer.delete(runtime.catalogue.triggers, rule_id)
+    return Response(status_code=204)
+
+
+def _source_lag(runtime: Runtime, topic: str) -> int | None:
+    """How many records of ``topic`` the trigger processor's group has not gone past."""
+    try:
+        described = runtime.admin.list_topics(topic, timeout=runtime.timeout_s).topics.get(topic)
+        if described is None or described.error is not None:
+            return None
+        partitions = [KafkaTopicPartition(topic, p) for p in described.partitions]
+        asked = runtime.admin.list_consumer_group_offsets(
+            [ConsumerGroupTopicPartitions(TRIGGER_GROUP, partitions)],
+            request_timeout=runtime.timeout_s,
+        )
+        committed = {
+            tp.partition: tp.offset for tp in asked[TRIGGER_GROUP].result().topic_partitions or []
+        }
+        ends: list[dict[int, int]] = []
+        for spec in (OffsetSpec.earliest(), OffsetSpec.latest()):  # type: ignore[no-untyped-call]
+            answers = runtime.admin.list_offsets(
+                {tp: spec for tp in partitions},
+                isolation_level=IsolationLevel.READ_COMMITTED,
+                request_timeout=runtime.timeout_s,
+            )
+            ends.append({tp.partition: f.result().offset for tp, f in answers.items()})
+    except KafkaException as exc:
+        raise _kafka_unavailable(
+            f"cannot read the trigger processor's lag on {topic}: {exc}"
+        ) from exc
+    earliest, latest = ends
+    lag = 0
+    for partition, end in latest.items():
+        position = committed.get(partition, -1)
+        start = position if position >= 0 else earliest.get(partition, 0)
+        lag += max(0, end - max(start, earliest.get(partition, 0)))
+    return lag
 
 
 @router.get("/health", tags=["health"])

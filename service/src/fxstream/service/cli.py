@@ -412,6 +412,7 @@ class Processor(StrEnum):
     INGRESS = "ingress"
     TASK_STATE = "task-state"
     LIVENESS = "liveness"
+    TRIGGER = "trigger"
 
 
 @app.command()
@@ -447,7 +448,8 @@ def worker(
         ),
     ] = 0,
 ) -> None:
-    """Run the stream processors (router, ingress, task state, liveness) until stopped."""
+    """Run the stream processors (router, ingress, task state, liveness, trigger) until
+    stopped."""
     try:
         target = target_from(
             bootstrap,

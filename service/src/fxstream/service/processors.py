@@ -17,6 +17,11 @@
   ``heartbeats``: it logs agents coming online and being lost, and turns task
   leases into ``running`` and ``waiting-for-endpoint`` task events
   (:mod:`fxstream.service.liveness`).
+- The *trigger* processor reads every ``events.<source>`` topic (by pattern), matches
+  each event to the trigger rules and writes a submission per firing to the rule
+  owner's ``from.user.<owner>`` (which the router authorises like any other), each
+  batch in one transaction with its input offsets; per-rule limits hold events on
+  their topic (:mod:`fxstream.service.trigger_processor`).
 
 ``--only ROLE`` runs one of them in its own process (what ``./fx up`` does,
 under its supervisor, so one cannot take the others down); without it all
@@ -81,6 +86,7 @@ from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
+from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner
 from fxstream.topics import (
     Catalogue,
     CredentialFileError,
@@ -109,7 +115,7 @@ KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # Names the router's placement policy when --placement does not (what ./fx up passes on).
 PLACEMENT_ENV = "FXSTREAM_PLACEMENT"
 # What --only can choose; all of them run in one process without it.
-ROLES = ("router", "ingress", "task-state", "liveness")
+ROLES = ("router", "ingress", "task-state", "liveness", "trigger")
 BATCH_SIZE = 500
 # How often endpoints whose heartbeats stopped are looked for.
 LIVENESS_CHECK_S = 1.0
@@ -220,6 +226,8 @@ def build_app(
         _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers)
     if "liveness" in roles:
         _add_liveness(app, catalogue, batch_size)
+    if "trigger" in roles:
+        _add_trigger(app, kafka, catalogue, app_id, batch_size, instance, stoppers)
 
     async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
         await asyncio.gather(*(stopper() for stopper in stoppers))
@@ -325,6 +333,39 @@ def _add_ingress(
     def closed() -> None:
         ingress.close()
         log.info("ingress: %s", ingress.stats)
+
+    _run_in_app(app, stoppers, loop, closed)
+
+
+def _add_trigger(
+    app: faust.App,
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    app_id: str,
+    batch_size: int,
+    instance: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+) -> None:
+    # The rules, and the task states that say which of a rule's tasks are still in flight.
+    view = RegistryView(
+        kafka,
+        catalogue,
+        follow=("triggers", "task-state"),
+        component="trigger processor's view",
+    )
+    planner = TriggerPlanner(catalogue, view, TopicDirectory(kafka))
+    loop = TriggerLoop(
+        kafka,
+        catalogue,
+        planner,
+        group_id=f"{app_id}-trigger",
+        instance=str(instance),
+        batch_size=batch_size,
+    )
+
+    def closed() -> None:
+        planner.close()
+        log.info("trigger: %s", planner.stats)
 
     _run_in_app(app, stoppers, loop, closed)
 

@@ -45,6 +45,7 @@ class RegistrationLimits:
     endpoints: RateLimit = field(default_factory=lambda: RateLimit(burst=20, per_hour=100))
     functions: RateLimit = field(default_factory=lambda: RateLimit(burst=200, per_hour=2_000))
     logins: RateLimit = field(default_factory=lambda: RateLimit(burst=20, per_hour=200))
+    triggers: RateLimit = field(default_factory=lambda: RateLimit(burst=200, per_hour=2_000))
 
 
 DEFAULT_LIMITS: Final = RegistrationLimits()

@@ -1,6 +1,6 @@
 """A live, in-memory view of the registry topics, rebuilt from Kafka at start.
 
-The compacted topics (users, functions, endpoints, task-state) are the
+The compacted topics (users, functions, endpoints, triggers, task-state) are the
 service's only state: the view reads each from the beginning, folds the latest
 record per key (a tombstone deletes), and keeps following them. Heartbeats
 (a delete-policy topic) are folded to the latest per endpoint, which is the
@@ -18,7 +18,7 @@ run, so the view folds it into a :class:`~fxstream.service.task_table.TaskStateT
 settings. The other tables grow with the registry (users, functions, endpoints),
 not with tasks.
 
-A record on users, functions or endpoints that does not decode, or whose Kafka
+A record on users, functions, endpoints or triggers that does not decode, or whose Kafka
 key is not the id inside it, is ignored (the key keeps what it had) and
 dead-lettered (``RecordDecodeError`` / ``KeyMismatch``) by the view that read it:
 each view (the API's, the router's) writes its own dead letter, once per
@@ -62,6 +62,7 @@ from fxstream.topics import (
     Record,
     RecordDecodeError,
     TaskState,
+    TriggerRule,
     UserRecord,
     WarmAdvert,
     dead_letter,
@@ -96,8 +97,17 @@ _NO_LEADER_YET = frozenset(
     }
 )
 
-Followed = Literal["users", "functions", "endpoints", "heartbeats", "task-state", "warm"]
-ALL_FOLLOWED: tuple[Followed, ...] = ("users", "functions", "endpoints", "heartbeats", "task-state")
+Followed = Literal[
+    "users", "functions", "endpoints", "heartbeats", "task-state", "warm", "triggers"
+]
+ALL_FOLLOWED: tuple[Followed, ...] = (
+    "users",
+    "functions",
+    "endpoints",
+    "heartbeats",
+    "task-state",
+    "triggers",
+)
 
 
 @dataclass(frozen=True)
@@ -119,6 +129,7 @@ _ID_FIELDS: dict[Followed, str] = {
     "users": "user_id",
     "functions": "function_id",
     "endpoints": "endpoint_id",
+    "triggers": "rule_id",
 }
 
 
@@ -151,6 +162,7 @@ class RegistryView:
             "heartbeats": (catalogue.heartbeats, Heartbeat),
             "task-state": (catalogue.task_state, TaskState),
             "warm": (catalogue.warm, WarmAdvert),
+            "triggers": (catalogue.triggers, TriggerRule),
         }
         for followed in follow:
             topic, record_type = kind_types[followed]
@@ -307,6 +319,14 @@ class RegistryView:
         return [
             r for r in self._tables["endpoints"].copy().values() if isinstance(r, EndpointRecord)
         ]
+
+    def trigger(self, rule_id: str) -> TriggerRule | None:
+        """A live (not deleted) trigger rule by id."""
+        return _as(self._tables["triggers"].get(rule_id), TriggerRule)
+
+    def triggers(self) -> list[TriggerRule]:
+        """Every live trigger rule."""
+        return [r for r in self._tables["triggers"].copy().values() if isinstance(r, TriggerRule)]
 
     def task(self, task_id: str) -> TaskState | None:
         """The latest state of a task (None unless this view follows task-state)."""

@@ -67,6 +67,7 @@ from fxstream.topics import (
     TaskError,
     TaskTimings,
     budget,
+    client_info,
     producer_message_max_bytes,
 )
 from fxstream.topics.acls import user_group_prefix
@@ -84,6 +85,8 @@ _DIGESTS_KEPT: Final = 10_000
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
 _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
+# What a predicate may be given as: a mapping, or (attribute, op[, value]).
+Predicate = Mapping[str, Any] | tuple[str, str] | tuple[str, str, Any]
 
 
 # Clients with a producer: what the exit hook flushes.
@@ -484,6 +487,91 @@ class Client:
     def delete_endpoint(self, endpoint_id: str) -> None:
         """Delete an endpoint you own."""
         self._rest.delete(f"/endpoints/{endpoint_id}")
+
+    # --- trigger rules -----------------------------------------------------------------
+
+    def register_trigger(
+        self,
+        *,
+        source: str,
+        function_id: str,
+        endpoint_id: str,
+        name: str | None = None,
+        endpoint_group: Iterable[str] | None = None,
+        event_type: str | None = None,
+        key_pattern: str = "*",
+        predicates: Iterable[Predicate] = (),
+        arguments: str = "event",
+        template: Mapping[str, str] | None = None,
+        constants: Mapping[str, Any] | None = None,
+        paused: bool = False,
+        max_in_flight: int | None = None,
+        max_per_second: float | None = None,
+    ) -> str:
+        """Register a trigger rule: each event on ``events.<source>`` that passes the filter
+        runs ``function_id`` on ``endpoint_id`` (or any endpoint of ``endpoint_group``) as
+        you; returns the rule id (docs/triggers.md).
+
+        The filter: ``event_type`` (exact), ``key_pattern`` (``fnmatch`` on the event key)
+        and ``predicates`` on the event's attributes, each ``(attribute, op, value)`` or a
+        mapping with those keys; ``op`` is one of ``eq``, ``ne``, ``prefix``, ``suffix``,
+        ``glob``, ``lt``, ``le``, ``gt``, ``ge``, ``exists``. ``arguments`` says how the
+        event becomes keyword arguments: ``event`` (one argument ``event``, a dict),
+        ``attributes`` (one per attribute) or ``template`` (``template`` maps argument
+        names to ``event_key``, ``source``, ``event_type``, ``occurred_at``,
+        ``attributes`` or ``attributes.<name>``); ``constants`` are added to every call.
+        ``max_in_flight`` and ``max_per_second`` limit the rule: events beyond them wait
+        on their topic. The rule's tasks form the task group whose id is the rule id.
+        """
+        info = client_info()
+        body = {
+            "name": name or f"{source}-trigger",
+            "source": source,
+            "function_id": function_id,
+            "endpoint_id": endpoint_id,
+            "endpoint_group": None if endpoint_group is None else list(endpoint_group),
+            "event_type": event_type,
+            "key_pattern": key_pattern,
+            "predicates": [_predicate(p) for p in predicates],
+            "arguments": arguments,
+            "template": dict(template or {}),
+            "constants": dict(constants or {}),
+            "paused": paused,
+            "max_in_flight": max_in_flight,
+            "max_per_second": max_per_second,
+            "client": {
+                "python_version": info.python_version,
+                "fxstream_version": info.fxstream_version,
+                "serializers": dict(info.serializers),
+            },
+        }
+        answer = self._rest.post("/triggers", body)
+        return str(answer["rule_id"])
+
+    def list_triggers(self) -> list[dict[str, Any]]:
+        """Your trigger rules, oldest first."""
+        answer: list[dict[str, Any]] = self._rest.get("/triggers")
+        return answer
+
+    def get_trigger(self, rule_id: str) -> dict[str, Any]:
+        """One of your rules with its ``status``: ``fired``, ``in_flight``, ``states`` (count
+        per task state) and ``waiting`` (events of its source not yet processed)."""
+        answer: dict[str, Any] = self._rest.get(f"/triggers/{rule_id}")
+        return answer
+
+    def pause_trigger(self, rule_id: str) -> dict[str, Any]:
+        """Pause one of your rules: events processed while it is paused fire nothing."""
+        answer: dict[str, Any] = self._rest.post(f"/triggers/{rule_id}/pause", None)
+        return answer
+
+    def resume_trigger(self, rule_id: str) -> dict[str, Any]:
+        """Resume one of your rules: it fires again for events processed from now on."""
+        answer: dict[str, Any] = self._rest.post(f"/triggers/{rule_id}/resume", None)
+        return answer
+
+    def delete_trigger(self, rule_id: str) -> None:
+        """Delete one of your rules (its tasks stay)."""
+        self._rest.delete(f"/triggers/{rule_id}")
 
     # --- submitting --------------------------------------------------------------------
 
@@ -1253,6 +1341,17 @@ class Client:
 
 
 # --- status answers ----------------------------------------------------------------------
+
+
+def _predicate(predicate: Predicate) -> dict[str, Any]:
+    if isinstance(predicate, Mapping):
+        return dict(predicate)
+    if isinstance(predicate, tuple) and len(predicate) in (2, 3):
+        attribute, op, *value = predicate
+        return {"attribute": attribute, "op": op, "value": value[0] if value else None}
+    raise ValueError(
+        f"a predicate is (attribute, op, value) or a mapping with those keys, not {predicate!r}"
+    )
 
 
 def _check_group_id(task_group_id: str) -> None:

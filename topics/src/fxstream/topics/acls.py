@@ -5,9 +5,11 @@ principal may do exactly what an ALLOW in this table grants it, and nothing else
 
 - **admin** (``fxstream-admin``): the only super user (``super.users``); it needs no ACL.
   Ops provisioning and the REST API's account manager act as admin.
-- **service** (``fxstream-service``): the processors (router, task-state, liveness, ingress).
-  It reads the inputs, writes the registry, the dispatches, results and task-state, in its
-  own consumer groups and transactional ids; it creates, deletes and alters nothing.
+- **service** (``fxstream-service``): the processors (router, task-state, liveness, ingress,
+  trigger). It reads the inputs, writes the registry, the dispatches, results and task-state,
+  and a trigger rule's firings on its owner's ``from.user.<U>`` (which the router then
+  authorises as that user's), in its own consumer groups and transactional ids; it creates,
+  deletes and alters nothing.
 - **user** ``U`` (``u.<U>``): writes only ``from.user.<U>`` and reads only ``results.<U>``,
   in groups and transactional ids starting ``fxstream-user.<U>.``.
 - **endpoint** ``E`` (``ep.<E>``): reads only ``tasks.ep.<E>`` in the group
@@ -199,7 +201,24 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S, _T, _LIT, "task-events", _R, "task-state processor"),
     Rule(_S, _T, _LIT, "task-events", _W, "liveness, ingress (agents' events)"),
     Rule(_S, _T, _LIT, "dead-letter", _W, "every processor dead-letters what it refuses"),
-    Rule(_S, _T, _PRE, "events.{source}", _R, "the Parquet sink archives every source's events"),
+    Rule(
+        _S,
+        _T,
+        _PRE,
+        "events.{source}",
+        _R,
+        "trigger processor; the Parquet sink archives every source's events",
+    ),
+    Rule(_S, _T, _LIT, "triggers", _R, "trigger processor, registry views"),
+    Rule(_S, _T, _LIT, "triggers", _W, "the registry is written by the service only"),
+    Rule(
+        _S,
+        _T,
+        _PRE,
+        "from.user.{user_id}",
+        _W,
+        "trigger processor: a rule's firings, as its owner (the router authorises them)",
+    ),
     Rule(
         _S, _T, _PRE, ALL_TOPICS, Operation.DESCRIBE_CONFIGS, "start-up check: topics as specified"
     ),

@@ -113,9 +113,11 @@ FROM_USER = TopicSpec(
     name="from.user.{user_id}",
     key="task id",
     summary="The only topic user U writes: its task submissions, and cancel requests for its "
-    "tasks (after the task, on its partition). Only U's principal may write it, so the "
-    "router takes the submitter from the topic name, never from the record.",
-    written_by="that user's SDK (the API, as admin, on its behalf)",
+    "tasks (after the task, on its partition). Only U's principal (and the service's trigger "
+    "processor, for U's own rules) may write it, so the router takes the submitter from the "
+    "topic name, never from the record.",
+    written_by="that user's SDK (the API, as admin, on its behalf); the trigger processor, "
+    "for the firings of that user's rules",
     read_by="router (all of them, by pattern)",
     cleanup_policy=CleanupPolicy.DELETE,
     partitions=4,
@@ -202,11 +204,22 @@ EVENTS = TopicSpec(
     key="event key",
     summary="Events from one source (a file watcher, an instrument) that may trigger tasks.",
     written_by="event sources",
-    read_by="trigger processor, analytics",
+    read_by="trigger processor (all of them, by pattern), Parquet sink",
     cleanup_policy=CleanupPolicy.DELETE,
     partitions=4,
     retention_ms=7 * DAY_MS,
     template_field="source",
+)
+TRIGGERS = TopicSpec(
+    name="triggers",
+    key="rule id",
+    summary="Trigger rules (owner, event filter, function, endpoint, arguments, paused, "
+    "limits); the latest record per id is the truth, a tombstone deletes.",
+    written_by="service (API)",
+    read_by="trigger processor; the API's view",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=1,
+    retention_ms=-1,
 )
 STREAMS = TopicSpec(
     name="streams.{stream}",
@@ -265,6 +278,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     TASK_STATE,
     TASK_EVENTS,
     EVENTS,
+    TRIGGERS,
     STREAMS,
     FROM_ENDPOINT,
     DEAD_LETTER,
@@ -386,6 +400,20 @@ class Catalogue:
     def data_locations(self) -> str:
         """Where proxied objects live (compacted)."""
         return self.topic(DATA_LOCATIONS)
+
+    @property
+    def triggers(self) -> str:
+        """The compacted trigger rules."""
+        return self.topic(TRIGGERS)
+
+    @property
+    def events_pattern(self) -> str:
+        """The regular expression matching every source's ``events.<S>`` topic."""
+        return self.pattern(EVENTS)
+
+    def source_of(self, topic: str) -> str | None:
+        """The source whose ``events.<S>`` topic ``topic`` is (None for any other topic)."""
+        return self.template_value(EVENTS, topic)
 
     @property
     def task_state(self) -> str:

@@ -95,6 +95,9 @@ class DeadLetterReason(StrEnum):
     """A submission pinned to a code digest the function's registered code no longer has."""
     CODE_INTEGRITY = "CodeIntegrityError"
     """Function code whose SHA-256 is not the digest its dispatch was routed with."""
+    TRIGGER_UNFIREABLE = "TriggerUnfireable"
+    """An event a trigger rule matched that cannot become a task: its arguments do not
+    serialize, or the submission would be too large (the rule's other firings go on)."""
 
 
 class RawRecord(Protocol):

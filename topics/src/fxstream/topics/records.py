@@ -15,6 +15,9 @@ All encoding and decoding goes through :func:`encode`, :func:`decode` and
 from __future__ import annotations
 
 import enum
+import fnmatch
+import math
+import re
 from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
@@ -36,6 +39,7 @@ __all__ = [
     "Digest",
     "EndpointRecord",
     "Event",
+    "EventPredicate",
     "FunctionRecord",
     "Heartbeat",
     "ObjectReference",
@@ -54,6 +58,9 @@ __all__ = [
     "TaskStateName",
     "TaskSubmission",
     "TaskTimings",
+    "TriggerFiring",
+    "TriggerLimits",
+    "TriggerRule",
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
@@ -144,6 +151,17 @@ class ClientInfo(msgspec.Struct, kw_only=True, frozen=True):
     ] = {}
 
 
+class TriggerFiring(msgspec.Struct, kw_only=True, frozen=True):
+    """Which rule fired a task, for which event (``TaskSubmission.trigger``)."""
+
+    rule_id: Id
+    source: Id
+    event_key: Annotated[str, Meta(min_length=1, max_length=1024)]
+    event_topic: Annotated[str, Meta(max_length=249)]
+    event_partition: Annotated[int, Meta(ge=0)]
+    event_offset: Annotated[int, Meta(ge=0)]
+
+
 class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     """A task as submitted (topic ``from.user.<user_id>``, key: task id).
 
@@ -221,6 +239,13 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
         | None
     ) = None
     tags: Tags = {}
+    trigger: Annotated[
+        TriggerFiring | None,
+        Meta(
+            description="set when a trigger rule fired the task (issue 15): the rule and the "
+            "event, so event -> rule -> task -> result can be followed"
+        ),
+    ] = None
 
     def candidates(self) -> tuple[str, ...]:
         """The endpoints this task may run on: ``endpoint_id`` and its group, sorted, once each."""
@@ -642,6 +667,206 @@ class Event(Record, tag="event", kw_only=True, frozen=True):
     ] = None
 
 
+PredicateOp = Literal["eq", "ne", "prefix", "suffix", "glob", "lt", "le", "gt", "ge", "exists"]
+_TEXT_OPS: Final = frozenset({"prefix", "suffix", "glob"})
+_NUMBER_OPS: Final = frozenset({"lt", "le", "gt", "ge"})
+MAX_PREDICATES: Final = 32
+MAX_TEMPLATE: Final = 64
+_EVENT_FIELDS: Final = ("event_key", "source", "event_type", "occurred_at")
+_TEMPLATE_REF: Final = re.compile(
+    r"(event_key|source|event_type|occurred_at|attributes|attributes\..{1,256})"
+)
+
+
+def _check_value(what: str, value: object) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{what}: {value!r} is not a finite number (JSON has none)")
+    if isinstance(value, int) and not -(2**63) <= value < 2**64:
+        raise ValueError(f"{what}: {value!r} does not fit in 64 bits")
+
+
+def _same(a: object, b: object) -> bool:
+    # True == 1 in Python; an event's flag is not its count.
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return a == b
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class EventPredicate(msgspec.Struct, kw_only=True, frozen=True):
+    """One condition on an event's attribute (all of a rule's predicates must hold).
+
+    ``eq``/``ne``: equal or not (any value); ``prefix``/``suffix``/``glob`` (an
+    ``fnmatch`` pattern): a text attribute and a text ``value``; ``lt``/``le``/``gt``/``ge``:
+    a number attribute compared with a number ``value``; ``exists``: the attribute is
+    there (``value`` unused). A predicate on an attribute the event does not have is
+    false, whatever its op (``exists`` aside); so is a text or number op on a value of
+    another type. Nothing is ever evaluated as code.
+    """
+
+    attribute: Annotated[str, Meta(min_length=1, max_length=256)]
+    op: PredicateOp
+    value: AttributeValue = None
+
+    def __post_init__(self) -> None:
+        _check_value(f"predicate on {self.attribute!r}", self.value)
+        if self.op in _TEXT_OPS and not isinstance(self.value, str):
+            raise ValueError(
+                f"predicate on {self.attribute!r}: op {self.op!r} needs a text value, "
+                f"not {self.value!r}"
+            )
+        if self.op in _NUMBER_OPS and not _is_number(self.value):
+            raise ValueError(
+                f"predicate on {self.attribute!r}: op {self.op!r} needs a number value, "
+                f"not {self.value!r}"
+            )
+
+    def holds(self, attributes: dict[str, AttributeValue]) -> bool:
+        """Whether this condition holds for an event with ``attributes``."""
+        if self.attribute not in attributes:
+            return False
+        if self.op == "exists":
+            return True
+        have = attributes[self.attribute]
+        want = self.value
+        if self.op in ("eq", "ne"):
+            return _same(have, want) == (self.op == "eq")
+        if self.op in _TEXT_OPS:
+            if not isinstance(have, str) or not isinstance(want, str):
+                return False
+            if self.op == "prefix":
+                return have.startswith(want)
+            if self.op == "suffix":
+                return have.endswith(want)
+            return fnmatch.fnmatchcase(have, want)
+        if not _is_number(have) or not _is_number(want):
+            return False
+        assert isinstance(have, int | float) and isinstance(want, int | float)
+        if self.op == "lt":
+            return have < want
+        if self.op == "le":
+            return have <= want
+        if self.op == "gt":
+            return have > want
+        return have >= want
+
+
+class TriggerLimits(msgspec.Struct, kw_only=True, frozen=True):
+    """A rule's limits: tasks in flight (fired, not yet finished) and firings per second.
+
+    When a firing would pass a limit, the event waits on its topic (the trigger
+    processor does not read past it) until the rule is under its limits again.
+    """
+
+    max_in_flight: Annotated[int, Meta(ge=1, le=1_000_000)] | None = None
+    max_per_second: Annotated[float, Meta(gt=0, le=1_000_000)] | None = None
+
+
+class TriggerRule(Record, tag="trigger-rule", kw_only=True, frozen=True):
+    """A trigger rule (topic ``triggers``, compacted, key: rule id; a tombstone deletes).
+
+    Written only by the service's API, for the authenticated caller (``owner_id``): the
+    trigger processor submits each firing as that user, on ``from.user.<owner_id>``, so
+    the router authorises it like any other submission of that user. An event fires the
+    rule when it is on ``events.<source>``, was written at or after ``created_at`` (its
+    Kafka timestamp), the rule is not paused, ``event_type`` (if set) is its type, its
+    key matches ``key_pattern`` (``fnmatch``) and every predicate holds.
+
+    How the event becomes the function's keyword arguments (``arguments``):
+    ``event``: one argument ``event``, a dict with ``source``, ``event_key``,
+    ``event_type``, ``occurred_at`` and ``attributes``; ``attributes``: each attribute is
+    an argument; ``template``: ``template`` maps argument names to ``event_key``,
+    ``source``, ``event_type``, ``occurred_at``, ``attributes`` (all of them, a dict) or
+    ``attributes.<name>`` (one; null when the event lacks it). ``constants`` are added
+    to every call (the event's arguments win on a clash).
+    """
+
+    rule_id: Id
+    owner_id: Id
+    name: Name
+    source: Id
+    event_type: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    key_pattern: Annotated[str, Meta(min_length=1, max_length=1024)] = "*"
+    predicates: Annotated[list[EventPredicate], Meta(max_length=MAX_PREDICATES)] = []
+    function_id: Id
+    function_sha256: Annotated[
+        str,
+        Meta(pattern=r"^[0-9a-f]{64}$", description="the function's code digest at registration"),
+    ]
+    endpoint_id: Id
+    endpoint_group: Annotated[list[Id], Meta(max_length=MAX_ENDPOINT_GROUP)] | None = None
+    arguments: Literal["event", "attributes", "template"] = "event"
+    template: Annotated[
+        dict[
+            Annotated[str, Meta(min_length=1, max_length=128)],
+            Annotated[str, Meta(min_length=1, max_length=268)],
+        ],
+        Meta(max_length=MAX_TEMPLATE),
+    ] = {}
+    constants: Annotated[
+        dict[Annotated[str, Meta(min_length=1, max_length=128)], AttributeValue],
+        Meta(max_length=MAX_TEMPLATE),
+    ] = {}
+    paused: bool = False
+    limits: TriggerLimits = TriggerLimits()
+    client: Annotated[
+        ClientInfo | None,
+        Meta(description="the registering client's versions, sent with every firing"),
+    ] = None
+    created_at: Timestamp
+    updated_at: Timestamp
+
+    def __post_init__(self) -> None:
+        if self.arguments == "template" and not self.template:
+            raise ValueError(
+                "arguments 'template' needs a template: map argument names to event_key, "
+                "source, event_type, occurred_at, attributes or attributes.<name>"
+            )
+        if self.arguments != "template" and self.template:
+            raise ValueError("a template is used only with arguments 'template'")
+        for name, value in self.constants.items():
+            _check_value(f"constant {name!r}", value)
+        for argument, ref in self.template.items():
+            if not _TEMPLATE_REF.fullmatch(ref):
+                raise ValueError(
+                    f"template argument {argument!r}: {ref!r} is not one of event_key, source, "
+                    "event_type, occurred_at, attributes or attributes.<name>"
+                )
+
+    def matches(self, event: Event) -> bool:
+        """Whether ``event`` passes this rule's filter (paused and time are not checked)."""
+        if event.source != self.source:
+            return False
+        if self.event_type is not None and event.event_type != self.event_type:
+            return False
+        if not fnmatch.fnmatchcase(event.event_key, self.key_pattern):
+            return False
+        return all(p.holds(event.attributes) for p in self.predicates)
+
+    def kwargs_for(self, event: Event) -> dict[str, Any]:
+        """The keyword arguments a firing for ``event`` calls the function with."""
+        kwargs: dict[str, Any] = dict(self.constants)
+        if self.arguments == "event":
+            kwargs["event"] = {
+                **{name: getattr(event, name) for name in _EVENT_FIELDS},
+                "attributes": dict(event.attributes),
+            }
+        elif self.arguments == "attributes":
+            kwargs.update(event.attributes)
+        else:
+            for argument, ref in self.template.items():
+                if ref == "attributes":
+                    kwargs[argument] = dict(event.attributes)
+                elif ref.startswith("attributes."):
+                    kwargs[argument] = event.attributes.get(ref[len("attributes.") :])
+                else:
+                    kwargs[argument] = getattr(event, ref)
+        return kwargs
+
+
 class Digest(msgspec.Struct, kw_only=True, frozen=True):
     """What identifies bytes a dead letter kept only a prefix of: their size and SHA-256."""
 
@@ -693,6 +918,7 @@ AnyRecord = (
     | WarmAdvert
     | DataLocation
     | Event
+    | TriggerRule
     | DeadLetter
 )
 
@@ -710,6 +936,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     WarmAdvert,
     DataLocation,
     Event,
+    TriggerRule,
     DeadLetter,
 )
 
