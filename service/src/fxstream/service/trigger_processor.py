@@ -453,9 +453,14 @@ class TriggerLoop(RouterLoop):
             await self._consumer.start()
             self._consumer.subscribe(pattern=self._pattern, listener=self.guard)
             while not self._stopping.is_set():
-                if not self._consumer.assignment():
-                    # No source yet (or a rebalance): aiokafka's getmany would wait for an
-                    # assignment past any timeout, and a stop with it.
+                if not self._consumer.subscription():
+                    # No source yet: aiokafka's getmany would wait for an assignment past
+                    # any timeout, and a stop with it. Once a source exists the loop must
+                    # poll even with no partition assigned (yet, or to this instance):
+                    # aiokafka leaves the group after max_poll_interval_ms (5 min) without
+                    # a fetch, and rejoins only when the consumer fetches again, so a
+                    # loop that waited for an assignment before polling never got one
+                    # (the trigger tests failed on a shared platform 10 minutes old).
                     await asyncio.sleep(0.2)
                     continue
                 self._resume_held()
