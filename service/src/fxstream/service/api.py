@@ -1244,9 +1244,7 @@ def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str,
             f"no state for task {task_id!r} (yet): a task appears once the processors "
             "have seen its submission",
         )
-    body = _record_json(task)
-    body["events"] = event_log(task)
-    return body
+    return _task_json(task)
 
 
 @router.get("/tasks", tags=["tasks"])
@@ -1333,9 +1331,7 @@ def query_tasks(
             next_position = previous
             break
         value_bytes += size
-        body = _record_json(task)
-        body["events"] = event_log(task)
-        tasks.append(body)
+        tasks.append(_task_json(task))
         previous = position
     return TaskPage(
         tasks=tasks,
@@ -1351,8 +1347,15 @@ def read_task_states(
     """The states of many of the caller's tasks; unknown (or not the caller's) is null."""
     states = {task_id: _task_of_caller(runtime.view, caller, task_id) for task_id in body.task_ids}
     return {
-        task_id: None if state is None else _record_json(state) for task_id, state in states.items()
+        task_id: None if state is None else _task_json(state) for task_id, state in states.items()
     }
+
+
+def _task_json(task: TaskState) -> dict[str, Any]:
+    """A task state as the task routes answer it: the record and its event log."""
+    body = _record_json(task)
+    body["events"] = event_log(task)
+    return body
 
 
 @router.get("/task-groups/{task_group_id}/tasks", tags=["tasks"])
