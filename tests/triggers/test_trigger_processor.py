@@ -8,6 +8,7 @@ functions run on the platform's endpoints. Every module-level name that starts w
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 import uuid
@@ -125,13 +126,12 @@ def caught_up(status: dict[str, Any]) -> bool:
 def result_of(client: Client, task_id: str, timeout_s: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
+        # NotFound: the processors have not folded the fired task yet; ask again.
+        with contextlib.suppress(NotFound):
             state = client.get_task(task_id)
             if state["state"] in ("succeeded", "failed", "rejected", "cancelled"):
                 assert state["state"] == "succeeded", state
                 return client.get_result(task_id)
-        except NotFound:
-            pass
         assert time.monotonic() < deadline, f"task {task_id} did not finish"
         time.sleep(0.2)
 
