@@ -23,7 +23,7 @@ from fxstream.ops.private import PrivatePlatform, private_config, private_platfo
 from fxstream.ops.process import free_ports
 from fxstream.topics import KafkaConnection, write_secret_file
 
-pytest_plugins = ["tests.cpu_report"]
+pytest_plugins = ["tests.cpu_report", "tests.log_report"]
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster")

@@ -60,9 +60,29 @@ def _wait_settled(ledger: ChaosLedger, timeout_s: float = SETTLE_S) -> None:
         time.sleep(0.2)
 
 
+def _where_outstanding(cluster: ChaosCluster, ledger: ChaosLedger, shown: int = 3) -> str:
+    """What the service says of the first few unresolved tasks (for a failure's message)."""
+    ids = ledger.outstanding_task_ids()
+    lines = [f"{sum(1 for i in ids if i is None)} of them never sent"]
+    client = cluster.client()
+    try:
+        for task_id in [i for i in ids if i is not None][:shown]:
+            try:
+                task = client.get_task(task_id)
+                events = [event.get("state") for event in task.get("events", [])]
+                lines.append(f"{task_id}: state {task.get('state')}, events {events}")
+            except Exception as error:  # a diagnostic: say what failed, whatever it is
+                lines.append(f"{task_id}: {type(error).__name__}: {error}")
+    finally:
+        client.close()
+    return "; ".join(lines)
+
+
 def _assert_exactly_once(cluster: ChaosCluster, ledger: ChaosLedger, total: int) -> None:
     assert ledger.submitted == total
-    assert ledger.outstanding == 0, f"{ledger.outstanding} tasks never completed"
+    assert ledger.outstanding == 0, (
+        f"{ledger.outstanding} tasks never completed ({_where_outstanding(cluster, ledger)})"
+    )
     assert ledger.failed == 0, f"failed tasks: {dict(ledger.errors)}"
     assert ledger.wrong_values == 0
     assert ledger.resolved_more_than_once == 0

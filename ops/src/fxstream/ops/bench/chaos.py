@@ -396,6 +396,15 @@ class ChaosLedger:
         """A future resolved more than once, or with a value not its own."""
         return self.resolved_more_than_once + self.wrong_values
 
+    def outstanding_task_ids(self) -> list[str | None]:
+        """The task ids of the futures not resolved yet (None: not sent yet), in order."""
+        with self._lock:
+            return [
+                future.task_id
+                for future, count in zip(self.futures, self.resolutions, strict=True)
+                if count == 0
+            ]
+
     def task_ids(self) -> list[str]:
         """Every submitted task id, in submission order."""
         with self._lock:
