@@ -27,7 +27,12 @@ Sizing and release (the endpoint config's ``pool_idle_s`` and ``max_workers``):
   until one is (never dropped: counted as queued, cancellable, failed with
   ``PoolClosed`` only when the engine closes). Images that wait are served oldest
   first; a pool that never goes idle keeps its slots (a steady stream of one image's
-  tasks delays another image's until the stream pauses).
+  tasks delays another image's until the stream pauses), unless the agent stops
+  feeding it.
+* :meth:`ImagePools.room` tells the agent which images' pools want tasks (two per
+  worker), so it hands over tasks of warm pools first (:mod:`fxstream.agent.pick`);
+  while an image waits for a slot, one pool is offered none so it goes idle (one of an
+  image the agent has nothing queued for first, which is also released first).
 
 One keeper thread starts and stops pools and resolves what waited; every outcome is
 resolved off the caller's thread, as the engine protocol promises.
