@@ -263,7 +263,8 @@ class ImagePools:
             pending = sum(1 for name in self._waiting if name not in self._starting)
             slots = self._max_pools - len(self._pools) - len(self._starting) - self._stopping
             blocked = max(0, pending - slots)
-            if blocked:
+            # Slots no release under way will free: only then must a pool make way.
+            if pending - slots - self._stopping > 0:
                 idle = [name for name, pool in self._pools.items() if pool.inflight == 0]
                 draining = self._draining
                 if (
