@@ -177,7 +177,7 @@ def test_an_image_passed_over_runs_within_the_wait_bound(bound: float) -> None:
             feeder.hold(task, 0.1)
         began = time.time()
         feeder.run()
-        ran = feeder.outcomes[other]
+        ran = feeder.outcomes[other.task_id]
         assert ran.started_at is not None
         last_of_stream = max(feeder.outcomes[t.task_id].started_at or 0.0 for t in stream)
         if bound < 10:
