@@ -134,7 +134,7 @@ class Agent:
         # Every task taken off Kafka and not yet answered durably, where it waits, and the
         # assignment epoch (bumped whenever partitions are revoked or lost: answers to
         # tasks taken in an earlier epoch are dropped by the publisher).
-        self._held = HeldTasks()
+        self._held = HeldTasks(config.max_image_wait_s)
         self._hostname = socket.gethostname()
         # Results, dead letters, task events and data locations (given its clients in run).
         self._answers = Answerer(

@@ -33,7 +33,10 @@ workers; a pool other than ``image``'s that sits idle ``pool_idle_s`` seconds is
 released (started again, cold, at its image's next task), and at most ``max_workers``
 workers run across the pools (default: ``workers`` times the number of images, so every
 image's pool fits): a task for an image without a pool releases the least recently used
-idle pool when the budget is spent, or waits until one goes idle.
+idle pool when the budget is spent, or waits until one goes idle. With fewer pools than
+images the agent hands its engine tasks of images whose pools run first
+(:mod:`fxstream.agent.pick`); an image passed over ``max_image_wait_s`` seconds gets
+its turn (a pool released for it).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import yaml
 from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
+from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
 from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
 from fxstream.topics.connection import write_secret_file
@@ -132,6 +136,10 @@ class EndpointConfig:
     # stop, and the most workers across the pools (None: workers x the number of images).
     pool_idle_s: float = DEFAULT_POOL_IDLE_S
     max_workers: int | None = None
+    # With fewer pools than images (max_workers), the agent hands its engine tasks of
+    # images whose pools run first; an image's oldest task passed over this long is
+    # handed over anyway (its pool started in place of another's).
+    max_image_wait_s: float = DEFAULT_MAX_IMAGE_WAIT_S
     # Other Python interpreters the workers may run (absolute paths of virtualenvs'
     # pythons with fxstream-agent installed), for tasks submitted from their versions.
     interpreters: tuple[str, ...] = ()
@@ -240,6 +248,12 @@ class EndpointConfig:
             raise ConfigError(
                 f"pool_idle_s must be a positive number of seconds an idle image pool is kept "
                 f"(e.g. {DEFAULT_POOL_IDLE_S:g}), not {self.pool_idle_s}"
+            )
+        if not self.max_image_wait_s > 0:
+            raise ConfigError(
+                f"max_image_wait_s must be a positive number of seconds an image's tasks may "
+                f"wait for warm pools' tasks (e.g. {DEFAULT_MAX_IMAGE_WAIT_S:g}), not "
+                f"{self.max_image_wait_s}"
             )
         if self.max_workers is not None and self.max_workers < self.workers:
             raise ConfigError(

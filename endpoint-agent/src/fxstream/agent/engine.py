@@ -22,7 +22,8 @@ What an engine promises the agent:
 * :meth:`Engine.cancel` resolves the task's future with a :data:`TASK_CANCELLED`
   outcome (or leaves a started task alone when ``kill`` is false).
 * :meth:`Engine.counts` and :meth:`Engine.warm` are cheap snapshots, taken for
-  every heartbeat and warm advert.
+  every heartbeat and warm advert; :meth:`Engine.room` is one too, taken for every
+  task the agent hands over (which images' tasks it can start without a cold pool).
 
 The error type names below are the engine's own; user exceptions keep their
 type name. :data:`TASK_CANCELLED` is the same name as
@@ -31,6 +32,7 @@ type name. :data:`TASK_CANCELLED` is the same name as
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
@@ -47,6 +49,7 @@ __all__ = [
     "WORKER_START_FAILED",
     "Engine",
     "EngineCounts",
+    "PoolRoom",
     "WarmState",
     "WorkItem",
     "WorkOutcome",
@@ -146,6 +149,27 @@ class WarmState:
     idle: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class PoolRoom:
+    """Which images' tasks an engine with pools per image can take now without a cold pool.
+
+    ``free`` maps each image whose pool runs, is starting or is about to start (tasks
+    wait for it) to how many more of its tasks it wants now (0: full, or being drained to
+    make way for another image); an image absent from it has no pool, so its next task
+    means a cold start. ``None`` names the default image (a task's ``WorkItem.image``
+    ``None``), as does the default image's own name. ``spare`` is how many more pools may
+    start without releasing one; ``blocked`` how many images' tasks wait for a pool to be
+    released (the budget is spent and none is idle); ``unwanted`` how many running pools
+    are of images the agent has no task queued for (each may make way for another
+    image). The agent's warm-first pick (:mod:`fxstream.agent.pick`) reads it.
+    """
+
+    free: dict[str | None, int]
+    spare: int
+    blocked: int
+    unwanted: int
+
+
 @runtime_checkable
 class Engine(Protocol):
     """Runs work items and reports on its workers; see the module notes for its promises."""
@@ -179,6 +203,13 @@ class Engine(Protocol):
 
     def warm(self) -> list[WarmState]:
         """What each live worker holds warm now."""
+        ...
+
+    def room(self, wanted: Collection[str | None] = ()) -> PoolRoom | None:
+        """Which images' tasks it can take without a cold pool, ``wanted`` being the images
+        the agent has tasks queued for (a pool of another image makes way first);
+        ``None`` when any task can (one pool, or room for every image's): the agent then
+        hands tasks over in arrival order."""
         ...
 
     def close(self, timeout: float = 10.0) -> None:

@@ -4,7 +4,9 @@ The engine is given only as many tasks as it can start soon (``workers +
 prefetch``, funcX's batching); the rest wait, decoded, in the local queue
 (:class:`~fxstream.agent.held.HeldTasks`). When the engine answers (on its own
 thread), the outcome is answered at once and the freed slot gets the next task
-of the local queue: the poll thread is not in that path.
+of the local queue: the poll thread is not in that path. Which task is next is the
+warm-first pick's (:mod:`fxstream.agent.pick`): in arrival order, unless the engine
+runs fewer image pools than images, when tasks of images whose pools run go first.
 
 An outcome is final unless a retry may cure it: a platform failure (a lost
 worker, ``retryable``) is retried up to the task's ``max_retries``, its own
@@ -81,7 +83,9 @@ class EngineFeed:
         capacity = self._config.workers + self._config.prefetch
         self._held.requeue_due_retries()
         while True:
-            held = self._held.next_for_engine(capacity)
+            # Warm-first when the engine's pools are fewer than its images (fxstream.agent.pick).
+            room = engine.room(self._held.queued_images())
+            held = self._held.next_for_engine(capacity, room)
             if held is None:
                 return
             submission = held.submission

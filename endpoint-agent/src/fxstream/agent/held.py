@@ -21,10 +21,11 @@ import heapq
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from fxstream.agent.engine import PoolRoom
+from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S, LocalQueue
 from fxstream.topics import Attempt, TaskDispatch, TaskLease, TaskSubmission
 
 __all__ = ["CancelClaim", "Held", "HeldTasks"]
@@ -77,12 +78,12 @@ class CancelClaim:
 class HeldTasks:
     """Every held task by id, where it waits, and the assignment epoch; thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_image_wait_s: float = DEFAULT_MAX_IMAGE_WAIT_S) -> None:
         self._lock = threading.Lock()
         # Every held task by task id; the ones not yet given to the engine are also in
-        # _queue, in arrival order.
+        # _queue, in arrival order (taken warm-first: fxstream.agent.pick).
         self._held: dict[str, Held] = {}
-        self._queue: deque[Held] = deque()
+        self._queue: LocalQueue[Held] = LocalQueue(max_image_wait_s)
         self._queue_bytes = 0
         self._in_engine = 0
         # When each task in the engine was given to it (a lease's started_at), by task id.
@@ -107,6 +108,11 @@ class HeldTasks:
     def queued(self) -> int:
         """Tasks in the local queue (read without the lock: a hint for the poll size)."""
         return len(self._queue)
+
+    def queued_images(self) -> list[str | None]:
+        """The images of the tasks in the local queue (for the engine's room)."""
+        with self._lock:
+            return self._queue.images()
 
     def queue_size(self) -> tuple[int, int]:
         """The local queue's length in tasks and in bytes."""
@@ -203,9 +209,8 @@ class HeldTasks:
             if held.dispatch.user_id != user_id:
                 return CancelClaim(held, refused=True)
             self._cancelled[task_id] = reason
-            queued = next((h for h in self._queue if h.task_id == task_id), None)
+            queued = self._queue.remove(task_id)
             if queued is not None:
-                self._queue.remove(queued)
                 self._queue_bytes -= queued.size
                 self._cancelled.pop(task_id, None)
             else:
@@ -250,13 +255,17 @@ class HeldTasks:
 
     # --- the engine (its thread, and the poll thread) ------------------------------------
 
-    def next_for_engine(self, capacity: int) -> Held | None:
+    def next_for_engine(self, capacity: int, room: PoolRoom | None = None) -> Held | None:
         """The next task of the local queue for the engine, counted in it; None when the
-        queue is empty or ``capacity`` tasks are in the engine already."""
+        queue is empty, ``capacity`` tasks are in the engine already, or no queued task
+        may go to the engine's pools now (``room``, the engine's: the warm-first pick of
+        :mod:`fxstream.agent.pick`; None: the oldest task)."""
         with self._lock:
             if not self._queue or self._in_engine >= capacity:
                 return None
-            held = self._queue.popleft()
+            held = self._queue.take(room, time.monotonic())
+            if held is None:
+                return None
             self._queue_bytes -= held.size
             self._in_engine += 1
             self._given_to_engine[held.task_id] = time.time()
@@ -329,7 +338,7 @@ class HeldTasks:
         for task_id in gone:
             self._held.pop(task_id, None)
             self._cancelled.pop(task_id, None)
-        self._queue = deque(h for h in self._queue if h.task_id not in gone)
+        self._queue.retain(lambda h: h.task_id not in gone)
         self._queue_bytes = sum(h.size for h in self._queue)
         self._retries = [r for r in self._retries if r[2].task_id not in gone]
         heapq.heapify(self._retries)

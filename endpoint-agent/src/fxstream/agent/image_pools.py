@@ -27,7 +27,12 @@ Sizing and release (the endpoint config's ``pool_idle_s`` and ``max_workers``):
   until one is (never dropped: counted as queued, cancellable, failed with
   ``PoolClosed`` only when the engine closes). Images that wait are served oldest
   first; a pool that never goes idle keeps its slots (a steady stream of one image's
-  tasks delays another image's until the stream pauses).
+  tasks delays another image's until the stream pauses), unless the agent stops
+  feeding it.
+* :meth:`ImagePools.room` tells the agent which images' pools want tasks (two per
+  worker), so it hands over tasks of warm pools first (:mod:`fxstream.agent.pick`);
+  while an image waits for a slot, one pool is offered none so it goes idle (one of an
+  image the agent has nothing queued for first, which is also released first).
 
 One keeper thread starts and stops pools and resolves what waited; every outcome is
 resolved off the caller's thread, as the engine protocol promises.
@@ -42,7 +47,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Final
 
@@ -52,6 +57,7 @@ from fxstream.agent.engine import (
     TASK_CANCELLED,
     WORKER_START_FAILED,
     EngineCounts,
+    PoolRoom,
     WarmState,
     WorkItem,
     WorkOutcome,
@@ -139,6 +145,13 @@ class ImagePools:
                 f"workers: set it to {size} or more"
             )
         self._max_pools = self._max_workers // size
+        self._pool_kinds = pools
+        # The pool not offered more tasks (room) so it goes idle for an image waiting for a
+        # slot: (its name,), or None.
+        self._draining: tuple[str | None] | None = None
+        # The images the agent last said it has tasks queued for (room): their pools are
+        # released last.
+        self._wanted: set[str | None] = set()
         self._idle_s = idle_s
         self._readonly = tuple(readonly)
         self._writable = tuple(writable)
@@ -221,6 +234,64 @@ class ImagePools:
     def warm(self) -> list[WarmState]:
         """Every running pool's workers (each names its image and whether it is idle)."""
         return [state for engine in self.pools().values() for state in engine.warm()]
+
+    def room(self, wanted: Collection[str | None] = ()) -> PoolRoom | None:
+        """Which images' tasks the pools want now, ``wanted`` being the images the agent
+        has tasks queued for (None when the budget holds every image's pool: nothing is
+        ever evicted, any task may come next).
+
+        A running or starting pool wants tasks until it holds two per worker (one
+        running, one queued: the next starts without waiting for the agent); an image
+        whose tasks wait for a pool counts as starting. While an image waits for a slot
+        and no pool is idle, one pool is offered no more tasks, so it goes idle and makes
+        way: one of an image not ``wanted`` if any, then the one with the fewest tasks,
+        then the least recently used. Idle pools are offered none either then (the
+        keeper releases one, again of an image not ``wanted`` first).
+        """
+        if self._max_pools >= self._pool_kinds:
+            return None
+        want = 2 * self._size
+        with self._cond:
+            self._wanted = {self._default if name is None else name for name in wanted}
+            free: dict[str | None, int] = {
+                name: max(0, want - pool.inflight) for name, pool in self._pools.items()
+            }
+            for name, queue in self._waiting.items():
+                free[name] = max(0, want - len(queue))
+            for name in self._starting:
+                free.setdefault(name, want)
+            pending = sum(1 for name in self._waiting if name not in self._starting)
+            slots = self._max_pools - len(self._pools) - len(self._starting) - self._stopping
+            blocked = max(0, pending - slots)
+            # Slots no release under way will free: only then must a pool make way.
+            if pending - slots - self._stopping > 0:
+                idle = [name for name, pool in self._pools.items() if pool.inflight == 0]
+                draining = self._draining
+                if (
+                    not idle
+                    and self._pools
+                    and (draining is None or draining[0] not in self._pools)
+                ):
+                    victim = min(self._pools, key=self._release_order)
+                    self._draining = draining = (victim,)
+                if draining is not None and draining[0] in self._pools:
+                    idle.append(draining[0])
+                for name in idle:
+                    free[name] = 0
+            else:
+                self._draining = None
+            if self._default is not None and self._default in free:
+                free[None] = free[self._default]
+            unwanted = sum(1 for name in self._pools if name not in self._wanted)
+            return PoolRoom(
+                free=free, spare=max(0, slots - pending), blocked=blocked, unwanted=unwanted
+            )
+
+    def _release_order(self, name: str | None) -> tuple[bool, int, float]:
+        """How soon a running pool makes way (lock held; smallest first): not wanted, fewest
+        tasks, least recently used."""
+        pool = self._pools[name]
+        return (name in self._wanted, pool.inflight, pool.last_used)
 
     # --- submit, cancel, close ----------------------------------------------------------
 
@@ -370,7 +441,8 @@ class ImagePools:
 
     def _next_start(self, release: list[_Pool]) -> tuple[str | None] | None:
         """The image whose pool to start now (lock held): the one waiting longest, if the
-        budget has room; else the least recently used idle pool goes into ``release``."""
+        budget has room; else the least recently used idle pool (of an image the agent has
+        no task queued for, if any: :meth:`room`) goes into ``release``."""
         candidates = [
             (queue[0].seq, name)
             for name, queue in self._waiting.items()
@@ -382,9 +454,9 @@ class ImagePools:
         if len(self._pools) + len(self._starting) + self._stopping < self._max_pools:
             self._starting.add(name)
             return (name,)
-        idle = [(pool.last_used, key) for key, pool in self._pools.items() if pool.inflight == 0]
+        idle = [key for key, pool in self._pools.items() if pool.inflight == 0]
         if idle:
-            _, victim = min(idle, key=lambda entry: entry[0])
+            victim = min(idle, key=self._release_order)
             release.append(self._pools.pop(victim))
             self._stopping += 1
         return None

@@ -94,7 +94,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
@@ -111,6 +111,7 @@ from fxstream.agent.engine import (
     WORKER_LOST,
     WORKER_START_FAILED,
     EngineCounts,
+    PoolRoom,
     WarmState,
     WorkItem,
     WorkOutcome,
@@ -564,6 +565,10 @@ class ProcessEngine:
                 )
                 for s in self._live_slots()
             ]
+
+    def room(self, wanted: Collection[str | None] = ()) -> PoolRoom | None:
+        """None: one pool, so any task may come next (the agent hands them over in order)."""
+        return None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every worker has started up; False if ``timeout`` passed first."""
