@@ -131,6 +131,8 @@ def test_cli_configure_with_an_id_and_list(endpoints_dir: Path) -> None:
         "ep-lab",
         "--workers",
         "4",
+        "--max-image-wait",
+        "12.5",
     ]
     owner = "owner-secret-7f3a"
     done = subprocess.run(
@@ -139,6 +141,7 @@ def test_cli_configure_with_an_id_and_list(endpoints_dir: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     config = EndpointConfig.load("lab")
     assert config.workers == 4
+    assert config.max_image_wait_s == 12.5
     assert owner not in config.path.read_text()
     # The service issued no endpoint token (it runs nowhere here): the owner's is kept in
     # the 0600 credentials file, said loudly.

@@ -29,6 +29,7 @@ from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, end
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
+from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
 from fxstream.agent.python_envs import PythonEnvironmentError
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.topics.connection import CredentialFileError, KafkaConnection
@@ -252,6 +253,14 @@ def configure(
             "beyond it the least recently used idle pool is released."
         ),
     ] = None,
+    max_image_wait: Annotated[
+        float,
+        typer.Option(
+            help="With fewer pools than images (--max-workers), tasks of images whose "
+            "pools run go first; an image's oldest task passed over this many seconds "
+            "gets its turn (a pool released for it)."
+        ),
+    ] = DEFAULT_MAX_IMAGE_WAIT_S,
     interpreter: Annotated[
         list[str] | None,
         typer.Option(
@@ -287,6 +296,7 @@ def configure(
             "writable_dirs": tuple(writable_dir or ()),
             "pool_idle_s": pool_idle,
             "max_workers": max_workers,
+            "max_image_wait_s": max_image_wait,
             "interpreters": tuple(interpreter or ()),
         }
         if credentials is not None:
