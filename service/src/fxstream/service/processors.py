@@ -77,6 +77,7 @@ from fxstream.service.ingress import Ingress
 from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
+from fxstream.service.memory_report import MemoryReport, report_interval_s
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.placement import Placement, PlacementPolicy
 from fxstream.service.quarantine import write_or_quarantine
@@ -218,16 +219,18 @@ def build_app(
         # its conductor. The router and task-state loops bring their own consumers.
         app.producer_only = True
     stoppers: list[Callable[[], Awaitable[None]]] = []
+    report = MemoryReport()
     if "router" in roles:
         _add_router(app, kafka, catalogue, app_id, batch_size, instance, stoppers, placement)
     if "ingress" in roles:
-        _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers)
+        _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
     if "task-state" in roles:
-        _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers)
+        _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers, report)
     if "liveness" in roles:
         _add_liveness(app, catalogue, batch_size)
     if "trigger" in roles:
-        _add_trigger(app, kafka, catalogue, app_id, batch_size, instance, stoppers)
+        _add_trigger(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
+    _add_memory_report(app, report)
 
     async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
         await asyncio.gather(*(stopper() for stopper in stoppers))
@@ -307,6 +310,7 @@ def _add_ingress(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
+    report: MemoryReport,
 ) -> None:
     # The routing facts (task -> endpoint, user) are the router's routed states, read
     # back from task-state into an on-disk table (see fxstream.service.ingress).
@@ -318,6 +322,7 @@ def _add_ingress(
         follow=("task-state",),
         component="ingress's task-state view",
     )
+    report.add_table("view", states.memory_figures)
     ingress = Ingress(catalogue, states, TopicDirectory(kafka))
     loop = RouterLoop(
         kafka,
@@ -345,6 +350,7 @@ def _add_trigger(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
+    report: MemoryReport,
 ) -> None:
     # The rules, and the task states that say which of a rule's tasks are still in flight.
     view = RegistryView(
@@ -353,6 +359,7 @@ def _add_trigger(
         follow=("triggers", "task-state"),
         component="trigger processor's view",
     )
+    report.add_table("view", view.memory_figures)
     planner = TriggerPlanner(catalogue, view, TopicDirectory(kafka))
     loop = TriggerLoop(
         kafka,
@@ -377,12 +384,14 @@ def _add_task_state(
     app_id: str,
     batch_size: int,
     stoppers: list[Callable[[], Awaitable[None]]],
+    report: MemoryReport,
 ) -> None:
     # The planner's memory of tasks: the most recent in memory, the rest read back from
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
     # every platform on the machine that uses the default app id).
     states = RegistryView(kafka, catalogue, follow=("task-state",))
+    report.add_table("view", states.memory_figures)
     planner = TaskStatePlanner(
         catalogue, memory=TaskMemory(recall=recall_from(states)), lookup=states.task
     )
@@ -429,6 +438,19 @@ def _add_liveness(app: faust.App, catalogue: Catalogue, batch_size: int) -> None
     app.agent(app.topic(catalogue.heartbeats), name="liveness")(watch_heartbeats)
     app.timer(LIVENESS_CHECK_S)(check_liveness)
     app.on_partitions_revoked.connect(forget)
+
+
+def _add_memory_report(app: faust.App, report: MemoryReport) -> None:
+    """Log where the process's memory is every ``FXSTREAM_MEMORY_REPORT_S`` seconds
+    (:mod:`fxstream.service.memory_report`), the first line that long after the start."""
+    interval = report_interval_s()
+    if interval == 0:
+        return
+
+    async def report_memory() -> None:
+        log.info("%s", report.line())
+
+    app.timer(interval)(report_memory)
 
 
 def _log_transitions(transitions: Sequence[Transition]) -> None:

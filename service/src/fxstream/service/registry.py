@@ -332,6 +332,11 @@ class RegistryView:
         """The latest state of a task (None unless this view follows task-state)."""
         return None if self._task_table is None else self._task_table.get(task_id)
 
+    def memory_figures(self) -> dict[str, int]:
+        """Its on-disk task table's memory in bytes, RocksDB's own account (empty unless
+        this view follows task-state); see :meth:`TaskStateTable.memory_figures`."""
+        return {} if self._task_table is None else self._task_table.memory_figures()
+
     def task_group(self, task_group_id: str, user_id: str) -> list[str]:
         """The ids of ``user_id``'s tasks in ``task_group_id``, in the order first seen."""
         if self._task_table is None:

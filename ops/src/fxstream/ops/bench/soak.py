@@ -16,6 +16,14 @@ Flatness is judged per process on the samples after ``warmup_minutes``:
 A process is flat when ``slope <= max_slope_mb`` and ``ratio <= 1 + max_growth``. At the
 end, the first task of the run is read back from the service (``get_task``): a view that
 bounds its memory must still answer for a task long evicted from its cache.
+
+To tell a leak from memory the allocator keeps, the report also holds the SDK's own heap
+figures at each sample (``sdk_heap``: Python's allocated blocks, the objects the
+collector tracks, glibc's heap in use and free) and every service's ``memory:`` log
+lines (``memory_lines``, :mod:`fxstream.service.memory_report`; set
+``FXSTREAM_MEMORY_REPORT_S`` for their interval and ``FXSTREAM_MALLOC_TRIM=1`` to have
+each report return the allocator's free heap first: the platform's processes inherit
+both from this one).
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from fxstream.ops.bench.stack import (
 )
 from fxstream.ops.platform import Platform
 from fxstream.sdk import Client, Executor, TaskFuture
+from fxstream.service.memory_report import MemoryReport
 
 __all__ = ["ProcessFigures", "SoakSettings", "judge", "run_soak_bench", "slope_per_10min"]
 
@@ -238,11 +247,17 @@ class _Samples:
     rss: dict[str, dict[int, float]] = field(default_factory=dict)  # label -> index -> MB
     pids: dict[str, list[int]] = field(default_factory=dict)
     backlog: list[int] = field(default_factory=list)
+    # This process's (the SDK's) heap figures at each sample (fxstream.service.memory_report).
+    sdk_heap: list[dict[str, int]] = field(default_factory=list)
+    _report: MemoryReport = field(default_factory=lambda: MemoryReport(trim=False))
 
     def take(self, platform: Platform, at: float, backlog: int) -> None:
         index = len(self.times)
         self.times.append(round(at, 1))
         self.backlog.append(backlog)
+        heap = self._report.figures()
+        heap.pop("rss", None)
+        self.sdk_heap.append(heap)
         for label, pid, rss in _walk(platform):
             self.rss.setdefault(label, {})[index] = rss / MB
             pids = self.pids.setdefault(label, [])
@@ -376,6 +391,19 @@ def _print_table(console: Console, figures: list[ProcessFigures], settings: Soak
     wide.print(table)
 
 
+def _memory_lines(platform: Platform) -> dict[str, list[str]]:
+    """Each service's ``memory:`` log lines (:mod:`fxstream.service.memory_report`), read
+    before the platform's home goes: where its RSS went, Python's heap or the allocator's
+    or RocksDB's."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((platform.config.home / "logs").glob("service-*.log")):
+        with path.open(encoding="utf-8", errors="replace") as lines:
+            kept = [line.strip() for line in lines if "memory: " in line]
+        if kept:
+            found[path.stem.removeprefix("service-")] = kept
+    return found
+
+
 def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any]:
     """Run the soak; print a table and, as the last line of stdout, one JSON object.
 
@@ -391,6 +419,7 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
             f"{settings.interval_s:g} s"
         )
         load = _load(console, private, platform, settings, samples)
+        memory_lines = _memory_lines(platform)
     figures = [
         judged
         for label in samples.rss
@@ -410,6 +439,8 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
         "sample_times_s": samples.times,
         "backlog": samples.backlog,
         "processes": [asdict(f) for f in figures],
+        "sdk_heap": samples.sdk_heap,
+        "memory_lines": memory_lines,
         "wall_s": round(time.perf_counter() - started, 1),
     }
     verdict = (
