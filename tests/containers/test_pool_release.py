@@ -167,3 +167,13 @@ def test_the_coldstart_bench_prints_figures_per_runtime(rootfs: Path) -> None:
     assert podman.get("cold_p50_ms", 0) > podman.get("warm_p50_ms", 0) > 0, podman
     assert any("worker cold and warm start" in line for line in lines)
     print(f"coldstart bench took {time.monotonic() - began:.1f} s")
+
+
+def test_the_heartbeat_s_pool_slots_say_when_pools_are_fewer_than_images() -> None:
+    images = {f"img{n}": "process" for n in range(10)}
+    # 10 images and the no-container pool, 3 of them at once: placement reads 3.
+    assert config(workers=1, max_workers=3, images=images).pool_slots() == 3
+    assert config(workers=2, max_workers=7, images=images).pool_slots() == 3
+    # Room for every pool (no max_workers, or one as large): 0, no budget to keep.
+    assert config(workers=1, images=images).pool_slots() == 0
+    assert config(workers=1, max_workers=11, images=images).pool_slots() == 0

@@ -60,6 +60,7 @@ def beat(
     queued: int = 0,
     sent_at: float | None = None,
     period_s: float = PERIOD_S,
+    pool_slots: int = 0,
 ) -> Heartbeat:
     return Heartbeat(
         endpoint_id=endpoint_id,
@@ -73,6 +74,7 @@ def beat(
         workers_idle=idle,
         workers_busy=busy,
         queue_depth=queued,
+        pool_slots=pool_slots,
     )
 
 
@@ -275,6 +277,76 @@ def test_routed_tasks_count_until_the_next_heartbeat(
     publish(view, catalogue, produce, [beat(a), beat(b, idle=0, busy=2, queued=100)])
     task = submission(fn, [a, b])
     assert placement.choose(task, function(fn), task.candidates()).endpoint_id == a
+
+
+def test_load_is_per_worker_so_a_larger_endpoint_takes_more(
+    view: RegistryView, catalogue: Catalogue, produce: Produce
+) -> None:
+    small, large, fn = new_id(), new_id(), new_id()
+    publish(view, catalogue, produce, [beat(small, idle=1), beat(large, idle=3)])
+    placement = Placement(view, PlacementPolicy.BACKLOG)
+    counts = Counter(
+        placement.choose(s, function(fn), s.candidates()).endpoint_id
+        for s in (submission(fn, [small, large]) for _ in range(40))
+    )
+    # Rounds of work ahead stay within one of each other: 1:3, where a task count
+    # (the estimate before) split the burst 20/20, a wait three times longer on the small.
+    assert 9 <= counts[small] <= 11, counts
+    assert counts[small] + counts[large] == 40
+
+
+def test_a_task_goes_where_a_pool_slot_is_free_before_evicting_another_image(
+    view: RegistryView, catalogue: Catalogue, produce: Produce
+) -> None:
+    full, spare = new_id(), new_id()
+    publish(
+        view,
+        catalogue,
+        produce,
+        # full runs 2 of its 2 pool slots, idle; spare 1 of 2, half busy.
+        [beat(full, idle=2, pool_slots=2), beat(spare, idle=1, busy=1, pool_slots=2)],
+        [
+            advert(full, container="img1", manager="m1"),
+            advert(full, container="img2", manager="m2"),
+            advert(spare, container="img3"),
+        ],
+    )
+    placement = Placement(view)
+    task = submission("f4", [full, spare])
+    # Less loaded, full would win by load alone; its pools are all other images'.
+    choice = placement.choose(task, function("f4", "img4"), task.candidates())
+    assert choice.endpoint_id == spare, choice
+    assert placement.stats.evictions_avoided == 1
+    # Now both are full (spare just got img4): load decides, the penalty is moot.
+    task = submission("f5", [full, spare])
+    assert placement.choose(task, function("f5", "img5"), task.candidates()).endpoint_id == full
+    assert placement.stats.evictions_avoided == 1
+    # The backlog policy knows no pool budget: the least loaded.
+    task = submission("f6", [full, spare])
+    backlog = Placement(view, PlacementPolicy.BACKLOG)
+    assert backlog.choose(task, function("f6", "img6"), task.candidates()).endpoint_id == full
+
+
+@pytest.mark.parametrize(("queued", "expected"), [(0, "holder"), (5, "full")])
+def test_an_image_stays_with_its_pool_until_the_wait_there_is_long(
+    view: RegistryView, catalogue: Catalogue, produce: Produce, queued: int, expected: str
+) -> None:
+    holder, full = new_id(), new_id()
+    publish(
+        view,
+        catalogue,
+        produce,
+        [
+            beat(holder, idle=0, busy=1, queued=queued, pool_slots=3),
+            beat(full, idle=1, pool_slots=1),
+        ],
+        [advert(holder, container="img1"), advert(full, container="img2")],
+    )
+    task = submission("f1", [holder, full])
+    choice = Placement(view).choose(task, function("f1", "img1"), task.candidates())
+    # holder's load (1 or 6 rounds) is past the warmth bound (1 round) either way; within
+    # twice it (2) full's only slot is not taken from img2; past it, the idle one wins.
+    assert choice.endpoint_id == {"holder": holder, "full": full}[expected], choice
 
 
 def test_data_locality_breaks_a_tie(

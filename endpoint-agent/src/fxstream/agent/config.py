@@ -243,6 +243,13 @@ class EndpointConfig:
             return self.max_workers
         return self.workers * self.pool_count()
 
+    def pool_slots(self) -> int:
+        """How many image pools run at once when that is fewer than :meth:`pool_count`
+        (``max_workers // workers``), else 0: every pool fits (the heartbeat's
+        ``pool_slots``, which placement reads)."""
+        slots = self.worker_budget() // self.workers
+        return slots if slots < self.pool_count() else 0
+
     def _check_pools(self) -> None:
         if not self.pool_idle_s > 0:
             raise ConfigError(

@@ -82,6 +82,7 @@ class Heartbeats:
             leases_truncated=truncated,
             agent_version=AGENT_VERSION,
             python_versions=self.python_versions,
+            pool_slots=self._config.pool_slots(),
         )
         key = self._config.endpoint_id.encode()
         value = encode(beat)

@@ -19,26 +19,42 @@ follows, so every router instance derives them from the same topics:
   this instance routed to an endpoint in the last ``AFFINITY_S`` seconds counts as
   warmth there too (its function rank 2, its container rank 1): the tasks of a burst
   follow the first one instead of each starting its container somewhere else.
-  Warmth counts only while the endpoint's estimated backlog exceeds the shortest
-  among the live candidates by less than one round of its workers plus that shortest
-  backlog again (``backlog - shortest < workers_total + max(0, shortest)``): a warm
-  endpoint otherwise attracts every task of its function however long its queue.
-  With idle workers elsewhere a cold start there beats queueing a round; with deep
-  queues everywhere a cold start is small beside the wait, and only a warm queue
-  about twice the shortest sends the task elsewhere.
-- **backlog**: ``queue_depth + workers_busy - workers_idle`` of the latest
-  heartbeat, plus the tasks this router instance routed there since that heartbeat
-  was sent (heartbeats come every few seconds; without this every task of a burst
-  would go to the same "shortest" endpoint). That count and the recent routings above
-  are the only state here not derived from a topic: per instance (a restarted router
-  starts without them), the count reset by each newer heartbeat, the routings
-  forgotten after ``AFFINITY_S`` or beyond ``MAX_AFFINITIES``.
+  Warmth counts only while the endpoint's load (below) exceeds the shortest among
+  the live candidates by less than one round plus that shortest load again
+  (``load - shortest < 1 + shortest``): a warm endpoint otherwise attracts every task
+  of its function however long its queue. With idle workers elsewhere a cold start
+  there beats queueing a round; with deep queues everywhere a cold start is small
+  beside the wait, and only a warm queue about twice the shortest sends the task
+  elsewhere.
+- **pool budget** (policy ``warm``): an endpoint that runs fewer image pools than
+  images (its heartbeat's ``pool_slots``) releases a pool for a task of an image it
+  does not run, a cold start there and another when the released image's tasks come
+  back. A candidate whose slots are all taken by other images (its warm advert's
+  containers and those this instance routed there in the last ``AFFINITY_S``
+  seconds) ranks -1 for such a task, below the candidates that would not release one
+  (the image's own, or one with a free slot), as long as one of those is within twice
+  the warmth bound (``load - shortest < 2 * (1 + shortest)``); past that, the wait
+  there costs more than cold starts, and the task goes where the load is least. So
+  the images of a burst spread over the endpoints' slots instead of every image
+  becoming warm everywhere.
+- **load**: the rounds of work ahead of a task sent now,
+  ``(queue_depth + workers_busy + routed) / max(1, workers_total)`` (below 1 while
+  a worker is idle): the latest
+  heartbeat's queue and busy workers, plus the tasks this router instance routed
+  there since that heartbeat was sent (heartbeats come every few seconds; without
+  this every task of a burst would go to the same "shortest" endpoint). Per worker,
+  so an endpoint of 3 workers takes three times the tasks of one of 1 (a task count
+  alone splits them evenly: a wait three times longer on the small one). That count
+  and the recent routings above are the only state here not derived from a topic:
+  per instance (a restarted router starts without them), the count reset by each
+  newer heartbeat, the routings forgotten after ``AFFINITY_S`` or beyond
+  ``MAX_AFFINITIES`` (``MAX_IMAGES_PER_ENDPOINT`` containers per endpoint).
 - **data locality**: the bytes of the submission's by-reference arguments whose
   reference names the candidate as its ``site``. The references are read from the
   payload's by-reference envelope (:func:`~fxstream.topics.payload_references`: a
   msgpack list the SDK puts in front of the serialized arguments so agents and the
   SDK handle the objects without loading the payload), never from the arguments
-  themselves, and only when warmth and backlog leave a tie. The ``data-locations``
+  themselves, and only when warmth and load leave a tie. The ``data-locations``
   topic is not read: a reference already names its site, and that topic grows with
   every object ever stored (a view of it would need an on-disk table like
   task-state's) only to add whether an object was evicted since.
@@ -47,7 +63,7 @@ follows, so every router instance derives them from the same topics:
   when the signals have not moved.
 
 Policies (the router's ``placement`` setting): ``warm`` (all of the above, the
-default), ``backlog`` (liveness, backlog, locality, tie-break: Balsam's shortest
+default), ``backlog`` (liveness, load, locality, tie-break: Balsam's shortest
 backlog), ``round-robin`` (liveness, then the next live candidate in turn per group,
 per router instance) and ``random`` (liveness, then a uniform choice). The last two
 exist for the benchmark that compares them.
@@ -74,6 +90,7 @@ if TYPE_CHECKING:  # the registry view (Kafka, RocksDB) is not needed to name a 
 __all__ = [
     "AFFINITY_S",
     "MAX_AFFINITIES",
+    "MAX_IMAGES_PER_ENDPOINT",
     "MAX_ROUND_ROBIN_GROUPS",
     "Choice",
     "Placement",
@@ -91,6 +108,8 @@ AFFINITY_S = 60.0
 """How long a task routed to an endpoint makes its function (and container) count warm there."""
 MAX_AFFINITIES = 65_536
 """Recent (endpoint, function or container) routings kept; the oldest is forgotten first."""
+MAX_IMAGES_PER_ENDPOINT = 1_024
+"""Containers recently routed to one endpoint kept for its pool budget; the oldest go first."""
 
 
 class PlacementPolicy(enum.StrEnum):
@@ -129,6 +148,9 @@ class PlacementStats:
 
     chosen: int = 0
     warm: int = 0
+    # Choices that would have sent a task to an endpoint whose pools were all taken by
+    # other images (releasing one: a cold start) but for the pool budget.
+    evictions_avoided: int = 0
     none_live: int = 0
     dead_dropped: int = 0
 
@@ -143,7 +165,7 @@ class _Pending:
 class _Scored:
     endpoint_id: str
     warm_rank: int
-    backlog: int
+    load: float
 
 
 def tie_break(task_id: str, tied: Sequence[str]) -> str:
@@ -169,6 +191,8 @@ class Placement:
         self._turns: dict[tuple[str, ...], int] = {}
         # (endpoint, "f:<function>" or "c:<container>") -> when a task was last routed so.
         self._recent: OrderedDict[tuple[str, str], float] = OrderedDict()
+        # Per endpoint, the containers routed there recently (-> when), for its pool budget.
+        self._recent_images: dict[str, OrderedDict[str, float]] = {}
 
     def choose(
         self,
@@ -216,27 +240,36 @@ class Placement:
             turn = self._turns.get(group, 0)
             self._turns[group] = turn + 1
             return Choice(live[turn % len(live)], "round robin")
-        backlogs = {e: self._backlog(e, statuses[e]) for e in live}
-        shortest = min(backlogs.values())
+        loads = {e: self._load(e, statuses[e]) for e in live}
+        shortest = min(loads.values())
+        warm = self.policy is PlacementPolicy.WARM
+        raw = {e: self._warm_rank(submission, function, e, now) if warm else 0 for e in live}
+        container = None if function is None else function.container
+        # A warm endpoint attracts the task while its wait is less than one round of its
+        # workers plus the shortest wait again (see the module notes).
         scored = [
-            _Scored(
-                e,
-                self._warm_rank(submission, function, e, now)
-                if self.policy is PlacementPolicy.WARM
-                and backlogs[e] - shortest < max(1, statuses[e].workers_total) + max(0, shortest)
-                else 0,
-                backlogs[e],
-            )
-            for e in live
+            _Scored(e, raw[e] if loads[e] - shortest < 1 + shortest else 0, loads[e]) for e in live
         ]
-        best = min(scored, key=lambda s: (-s.warm_rank, s.backlog))
+        if warm and container is not None:
+            # Releasing another image's pool is avoided while a candidate that would not
+            # is within twice that bound (past it, waiting there costs more).
+            taken = {
+                e for e in live if raw[e] == 0 and self._pools_taken(e, statuses[e], container, now)
+            }
+            if any(e not in taken and loads[e] - shortest < 2 * (1 + shortest) for e in live):
+                scored = [
+                    _Scored(s.endpoint_id, -1, s.load) if s.endpoint_id in taken else s
+                    for s in scored
+                ]
+        best = min(scored, key=lambda s: (-s.warm_rank, s.load))
         tied = [
-            s.endpoint_id
-            for s in scored
-            if (s.warm_rank, s.backlog) == (best.warm_rank, best.backlog)
+            s.endpoint_id for s in scored if (s.warm_rank, s.load) == (best.warm_rank, best.load)
         ]
-        what = f"warmth {best.warm_rank}, backlog {best.backlog}"
-        if best.warm_rank:
+        unpenalised = min(scored, key=lambda s: (-max(0, s.warm_rank), s.load))
+        if unpenalised.warm_rank < 0:
+            self.stats.evictions_avoided += 1
+        what = f"warmth {best.warm_rank}, load {best.load:.2f} rounds"
+        if best.warm_rank > 0:
             self.stats.warm += 1
         if len(tied) == 1:
             return Choice(tied[0], what)
@@ -249,14 +282,30 @@ class Placement:
             return Choice(tied[0], what)
         return Choice(tie_break(submission.task_id, tied), what + ", tie broken by task id")
 
-    def _backlog(self, endpoint_id: str, status: EndpointStatus) -> int:
-        """The latest heartbeat's backlog plus what this instance routed there since."""
-        return (
-            status.queue_depth
-            + status.workers_busy
-            - status.workers_idle
-            + self._pending_of(endpoint_id, status).routed
+    def _load(self, endpoint_id: str, status: EndpointStatus) -> float:
+        """Rounds of work ahead of a task sent now: the latest heartbeat's queue and busy
+        workers, plus what this instance routed there since, over its workers (at least
+        one); below 1 while a worker is idle."""
+        ahead = (
+            status.queue_depth + status.workers_busy + self._pending_of(endpoint_id, status).routed
         )
+        return ahead / max(1, status.workers_total)
+
+    def _pools_taken(
+        self, endpoint_id: str, status: EndpointStatus, container: str, now: float
+    ) -> bool:
+        """Whether ``container``'s task there releases another image's pool: the endpoint
+        runs at most ``pool_slots`` pools (0: every image's fits) and as many other images
+        run there (its warm advert) or were just routed there."""
+        if status.pool_slots <= 0:
+            return False
+        images = self.signals.warm.containers(endpoint_id)
+        recent = self._recent_images.get(endpoint_id)
+        if recent is not None:
+            while recent and now - next(iter(recent.values())) >= AFFINITY_S:
+                recent.popitem(last=False)
+            images.update(recent)
+        return container not in images and len(images) >= status.pool_slots
 
     def _warm_rank(
         self,
@@ -295,6 +344,12 @@ class Placement:
             self._recent.move_to_end(key)
         while len(self._recent) > MAX_AFFINITIES:
             self._recent.popitem(last=False)
+        if function is not None and function.container is not None:
+            images = self._recent_images.setdefault(endpoint_id, OrderedDict())
+            images[function.container] = now
+            images.move_to_end(function.container)
+            while len(images) > MAX_IMAGES_PER_ENDPOINT:
+                images.popitem(last=False)
 
     def _pending_of(self, endpoint_id: str, status: EndpointStatus) -> _Pending:
         """What this instance routed to ``endpoint_id`` since its latest heartbeat."""

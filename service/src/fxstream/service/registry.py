@@ -121,6 +121,8 @@ class EndpointStatus:
     workers_busy: int = 0
     queue_depth: int = 0
     agent_id: str | None = None
+    # Image pools it runs at once when fewer than its images (0: every pool fits).
+    pool_slots: int = 0
 
 
 BadRecord = Callable[[Message, str], None]
@@ -373,6 +375,7 @@ class RegistryView:
             workers_busy=beat.workers_busy,
             queue_depth=beat.queue_depth,
             agent_id=beat.agent_id,
+            pool_slots=beat.pool_slots,
         )
 
     # --- the follower thread -------------------------------------------------------------

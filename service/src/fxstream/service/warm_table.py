@@ -159,6 +159,14 @@ class WarmTable:
                     container_warm = True
         return Warmth(function_warm, container_warm, idle)
 
+    def containers(self, endpoint_id: str) -> set[str]:
+        """The containers ``endpoint_id``'s workers run (its pools' images), over its managers."""
+        with self._lock:
+            found: set[str] = set()
+            for key in self._by_endpoint.get(endpoint_id, ()):
+                found |= self._entries[key].containers
+            return found
+
     def managers(self, endpoint_id: str) -> list[str]:
         """The keys of ``endpoint_id``'s managers the table holds, sorted."""
         with self._lock:

@@ -571,6 +571,16 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
             "['3.11', '3.12']: a task submitted from another is refused (PythonVersionMismatch)",
         ),
     ] = []
+    pool_slots: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=1_000_000,
+            description="how many image pools the endpoint runs at once when that is fewer "
+            "than its images (a task of another image then releases one: a cold start); 0: "
+            "every image's pool fits",
+        ),
+    ] = 0
 
 
 class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
