@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import math
 import threading
@@ -68,6 +69,7 @@ from fxstream.service.identity_provider import (
     IdentityProviderUnavailable,
     IdentityRejected,
 )
+from fxstream.service.memory_report import MemoryReport, report_interval_s, report_periodically
 from fxstream.service.rate_limit import DEFAULT_LIMITS, RateLimiter, RegistrationLimits
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_query import decode_cursor, encode_cursor, event_log, parse_tag
@@ -1656,9 +1658,20 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s, settings)
         app.state.runtime = runtime
+        # Where its memory is, every few minutes (and the allocator's free heap returned).
+        interval = report_interval_s()
+        reporter = None
+        if interval > 0:
+            report = MemoryReport()
+            report.add_table("view", runtime.view.memory_figures)
+            reporter = asyncio.create_task(report_periodically(report, interval))
         try:
             yield
         finally:
+            if reporter is not None:
+                reporter.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reporter
             await asyncio.to_thread(runtime.close)
 
     app = FastAPI(

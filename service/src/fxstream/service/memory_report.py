@@ -26,6 +26,7 @@ that gave back.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import ctypes.util
 import gc
@@ -46,12 +47,13 @@ __all__ = [
     "malloc_figures",
     "malloc_trim",
     "report_interval_s",
+    "report_periodically",
 ]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_REPORT_S: Final = 300.0
-"""Seconds between two memory lines of a processor, by default."""
+DEFAULT_REPORT_S: Final = 120.0
+"""Seconds between two memory lines (and trims) of a service process, by default."""
 REPORT_S_ENV: Final = "FXSTREAM_MEMORY_REPORT_S"
 MALLOC_TRIM_ENV: Final = "FXSTREAM_MALLOC_TRIM"
 _MB: Final = 1024 * 1024
@@ -135,7 +137,7 @@ class MemoryReport:
 
     def __init__(self, *, trim: bool | None = None) -> None:
         self._tables: dict[str, Callable[[], Mapping[str, int]]] = {}
-        self.trim = os.environ.get(MALLOC_TRIM_ENV, "") == "1" if trim is None else trim
+        self.trim = os.environ.get(MALLOC_TRIM_ENV, "1").strip() != "0" if trim is None else trim
 
     def add_table(self, name: str, figures: Callable[[], Mapping[str, int]]) -> None:
         """Report ``figures()`` (bytes, RocksDB's own account) as ``name`` too."""
@@ -171,3 +173,11 @@ class MemoryReport:
             counted = key in ("py_blocks", "gc_objects") or key.endswith("_files")
             parts.append(f"{key}={value}" if counted else f"{key}={value / _MB:.1f}MB")
         return "memory: " + " ".join(parts)
+
+
+async def report_periodically(report: MemoryReport, interval_s: float) -> None:
+    """Log ``report``'s line every ``interval_s`` seconds until cancelled (for a process
+    without faust's timers: the REST API)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        log.info("%s", await asyncio.to_thread(report.line))

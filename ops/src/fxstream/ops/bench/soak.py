@@ -21,9 +21,9 @@ To tell a leak from memory the allocator keeps, the report also holds the SDK's 
 figures at each sample (``sdk_heap``: Python's allocated blocks, the objects the
 collector tracks, glibc's heap in use and free) and every service's ``memory:`` log
 lines (``memory_lines``, :mod:`fxstream.service.memory_report`; set
-``FXSTREAM_MEMORY_REPORT_S`` for their interval and ``FXSTREAM_MALLOC_TRIM=1`` to have
-each report return the allocator's free heap first: the platform's processes inherit
-both from this one).
+``FXSTREAM_MEMORY_REPORT_S`` for their interval, default 120 s, and
+``FXSTREAM_MALLOC_TRIM=0`` to stop each report returning the allocator's free heap
+first: the platform's processes inherit both from this one).
 """
 
 from __future__ import annotations
