@@ -302,6 +302,7 @@ NEVER_SEEN = {
     "workers_busy": 0,
     "queue_depth": 0,
     "agent_id": None,
+    "pool_slots": 0,
 }
 
 
@@ -414,6 +415,7 @@ def test_endpoint_status_goes_never_seen_online_lost(
         "workers_busy": 1,
         "queue_depth": 2,
         "agent_id": "agent-7",
+        "pool_slots": 0,
     }
     listed = client.get("/v1/endpoints", headers=alice.auth).json()
     assert [e["status"]["state"] for e in listed if e["endpoint_id"] == endpoint_id] == ["online"]
