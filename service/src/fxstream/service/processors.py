@@ -448,7 +448,8 @@ def _add_memory_report(app: faust.App, report: MemoryReport) -> None:
         return
 
     async def report_memory() -> None:
-        log.info("%s", report.line())
+        # Off the event loop, as the API's (the trim and the object count take up to ~90 ms).
+        log.info("%s", await asyncio.to_thread(report.line))
 
     app.timer(interval)(report_memory)
 
