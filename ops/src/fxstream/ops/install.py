@@ -26,6 +26,7 @@ __all__ = [
     "CONTAINER_PACKAGES",
     "MIN_JAVA",
     "InstallError",
+    "apt_install",
     "ensure_container_runtimes",
     "ensure_java",
     "ensure_kafka",
@@ -49,7 +50,9 @@ def _is_root() -> bool:
     return os.geteuid() == 0
 
 
-def _apt_install(package: str, binary: str) -> str:
+def apt_install(package: str, binary: str) -> str:
+    """Install Debian's ``package`` (as root) and return the path of its ``binary``;
+    :class:`InstallError` says what to run when that cannot be done here."""
     if not _is_root():
         raise InstallError(
             f"{binary} is not installed: install the Debian package {package!r} "
@@ -62,8 +65,9 @@ def _apt_install(package: str, binary: str) -> str:
         # A fresh machine has no package lists yet.
         subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True, check=False)
         done = subprocess.run(install, env=env, capture_output=True, text=True)
-    path = shutil.which(binary) or (
-        f"/usr/bin/{binary}" if Path(f"/usr/bin/{binary}").exists() else None
+    path = shutil.which(binary) or next(
+        (f"{d}/{binary}" for d in ("/usr/bin", "/usr/sbin") if Path(f"{d}/{binary}").exists()),
+        None,
     )
     if done.returncode != 0 or path is None:
         raise InstallError(
@@ -112,7 +116,7 @@ def ensure_kafka(config: PlatformConfig) -> Path:
     libs = config.kafka_libs
     if (libs / _COMPLETE).exists():
         return libs
-    mvn = shutil.which("mvn") or _apt_install("maven", "mvn")
+    mvn = shutil.which("mvn") or apt_install("maven", "mvn")
     # Two processes (a test run and `fx up`) may fetch at once: one fetches, the other waits.
     with _locked(libs.parent / ".fetch.lock"):
         if (libs / _COMPLETE).exists():
@@ -151,7 +155,7 @@ def ensure_redis() -> str:
         return found
     if Path("/usr/bin/redis-server").exists():
         return "/usr/bin/redis-server"
-    return _apt_install("redis-server", "redis-server")
+    return apt_install("redis-server", "redis-server")
 
 
 def ensure_container_runtimes() -> dict[str, str]:
@@ -162,7 +166,7 @@ def ensure_container_runtimes() -> dict[str, str]:
         path = shutil.which(binary)
         if path is None and Path(f"/usr/bin/{binary}").exists():
             path = f"/usr/bin/{binary}"
-        found[binary] = path or _apt_install(package, binary)
+        found[binary] = path or apt_install(package, binary)
     return found
 
 
@@ -173,4 +177,12 @@ def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
         "kafka": str(ensure_kafka(config)),
         "redis-server": ensure_redis(),
         **ensure_container_runtimes(),
+        **_ensure_slurm(),
     }
+
+
+def _ensure_slurm() -> dict[str, str]:
+    # slurm imports this module (apt_install): imported here, not at the top.
+    from fxstream.ops.slurm import ensure_slurm
+
+    return ensure_slurm()
