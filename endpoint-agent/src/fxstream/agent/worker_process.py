@@ -80,6 +80,7 @@ __all__ = [
     "Call",
     "Entry",
     "FunctionKey",
+    "ItemRunner",
     "Loader",
     "RunnerSpec",
     "load_pickled",
@@ -215,8 +216,9 @@ def _as_bytes(value: object) -> bytes:
     raise TypeError(f"the runner returned {type(value).__name__}, expected bytes")
 
 
-class _Worker:
-    """The worker's side: a runner, an LRU cache of loaded functions and the shared state."""
+class ItemRunner:
+    """A worker's side: a runner, an LRU cache of loaded functions and the shared state (a
+    batch engine's task runs items through one too: :mod:`fxstream.agent.batch_worker`)."""
 
     def __init__(self, runner: RunnerSpec, state: Any, cache_size: int) -> None:
         self._state = state
@@ -319,7 +321,7 @@ def worker_main(
         os.setsid()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     crash_dump = _enable_crash_dump(crash_path)  # kept open: faulthandler writes to its fd
-    worker = _Worker(runner, state, cache_size)
+    worker = ItemRunner(runner, state, cache_size)
     dumps = pickle.dumps
     protocol = pickle.HIGHEST_PROTOCOL
     try:

@@ -1,0 +1,218 @@
+"""The batch engine's settings: an endpoint YAML's ``batch:`` section, and the Parsl parts
+(provider, launcher, scaling) built from it.
+
+An endpoint with ``engine: htex`` runs its tasks through Parsl's HighThroughputExecutor
+(:mod:`fxstream.agent.batch_engine`), whose *blocks* of workers come from a Parsl
+*provider*: ``local`` (processes on this machine), ``slurm``, ``pbspro``, ``torque``,
+``lsf``, ``condor`` or ``gridengine``. A block is one scheduler job of
+``nodes_per_block`` nodes with ``max_workers_per_node`` workers on each (default: one per
+``cores_per_worker`` cores of the node); the engine keeps between ``min_blocks`` and
+``max_blocks`` of them, ``init_blocks`` at start, growing when tasks wait and releasing
+a block idle for ``max_idletime_s`` (Parsl's ``strategy``: ``simple``,
+``htex_auto_scale``, or ``none`` for a fixed size). ``launcher`` starts the workers on a
+block's nodes (``single`` for one node, ``srun`` under Slurm, ``mpiexec``, ``simple``).
+
+Which options a provider takes: ``partition``, ``qos``, ``constraint``, ``exclusive``
+(slurm); ``queue`` (pbspro, torque, lsf, gridengine); ``account`` (slurm, pbspro,
+torque; ``project`` for lsf and condor); ``walltime`` ("HH:MM:SS") and
+``scheduler_options`` (lines added to the job script's header) for every scheduler.
+An option a provider does not take is refused by :meth:`BatchSettings.validate`, so a
+YAML for one scheduler is not silently half-read by another.
+
+``address`` is where the workers reach the engine's interchange: ``127.0.0.1`` when
+they run on this machine (``local``, or a single-node test cluster), the login node's
+address on the compute nodes' network otherwise. The interchange's traffic is
+encrypted and authenticated with CurveZMQ (Parsl's ``encrypted=True``; always on).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+from parsl.launchers import (
+    MpiExecLauncher,
+    SimpleLauncher,
+    SingleNodeLauncher,
+    SrunLauncher,
+)
+from parsl.launchers.base import Launcher
+from parsl.providers import (
+    CondorProvider,
+    GridEngineProvider,
+    LocalProvider,
+    LSFProvider,
+    PBSProProvider,
+    SlurmProvider,
+    TorqueProvider,
+)
+from parsl.providers.base import ExecutionProvider
+
+__all__ = ["LAUNCHERS", "PROVIDERS", "STRATEGIES", "BatchSettings", "BatchSettingsError"]
+
+PROVIDERS: Final = ("local", "slurm", "pbspro", "torque", "lsf", "condor", "gridengine")
+"""The providers an endpoint may name (Parsl's, by its short names)."""
+
+LAUNCHERS: Final = ("single", "srun", "mpiexec", "simple")
+"""How workers start on a block's nodes."""
+
+STRATEGIES: Final = ("simple", "htex_auto_scale", "none")
+"""Parsl's scaling strategies."""
+
+_WALLTIME = re.compile(r"^\d{1,4}:[0-5]\d:[0-5]\d$")
+
+# Which optional settings each provider takes (the rest apply to all).
+_TAKES: Final[dict[str, frozenset[str]]] = {
+    "local": frozenset(),
+    "slurm": frozenset(
+        {"partition", "account", "qos", "constraint", "exclusive", "walltime", "scheduler_options"}
+    ),
+    "pbspro": frozenset({"queue", "account", "walltime", "scheduler_options"}),
+    "torque": frozenset({"queue", "account", "walltime", "scheduler_options"}),
+    "lsf": frozenset({"queue", "project", "walltime", "scheduler_options"}),
+    "condor": frozenset({"project", "walltime", "scheduler_options"}),
+    "gridengine": frozenset({"queue", "walltime", "scheduler_options"}),
+}
+_OPTIONAL: Final = frozenset(
+    {
+        "partition",
+        "account",
+        "qos",
+        "constraint",
+        "exclusive",
+        "queue",
+        "project",
+        "walltime",
+        "scheduler_options",
+    }
+)
+
+
+class BatchSettingsError(ValueError):
+    """A ``batch:`` setting that cannot work; the message names it and what to write."""
+
+
+@dataclass
+class BatchSettings:
+    """An endpoint's ``batch:`` section (see the module notes)."""
+
+    provider: str = "local"
+    launcher: str = "single"
+    nodes_per_block: int = 1
+    init_blocks: int = 1
+    min_blocks: int = 0
+    max_blocks: int = 1
+    max_workers_per_node: int | None = None
+    cores_per_worker: float = 1.0
+    worker_init: str = ""
+    address: str = "127.0.0.1"
+    strategy: str = "simple"
+    max_idletime_s: float = 120.0
+    strategy_period_s: float = 5.0
+    # Scheduler options (each provider takes some: see _TAKES).
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclusive: bool | None = None
+    queue: str | None = None
+    project: str | None = None
+    walltime: str | None = None
+    scheduler_options: str | None = None
+    cmd_timeout_s: int = 60
+
+    def validate(self) -> None:
+        """Raise :class:`BatchSettingsError` naming the setting when a value cannot work."""
+        if self.provider not in PROVIDERS:
+            raise BatchSettingsError(
+                f"batch.provider {self.provider!r} is not one of {', '.join(PROVIDERS)}"
+            )
+        if self.launcher not in LAUNCHERS:
+            raise BatchSettingsError(
+                f"batch.launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}"
+            )
+        if self.strategy not in STRATEGIES:
+            raise BatchSettingsError(
+                f"batch.strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}"
+            )
+        if self.nodes_per_block < 1:
+            raise BatchSettingsError("batch.nodes_per_block must be at least 1")
+        if not 0 <= self.min_blocks <= self.init_blocks <= self.max_blocks:
+            raise BatchSettingsError(
+                "batch blocks must satisfy 0 <= min_blocks <= init_blocks <= max_blocks "
+                f"(now {self.min_blocks}, {self.init_blocks}, {self.max_blocks})"
+            )
+        if self.max_blocks < 1:
+            raise BatchSettingsError("batch.max_blocks must be at least 1")
+        if self.max_workers_per_node is not None and self.max_workers_per_node < 1:
+            raise BatchSettingsError("batch.max_workers_per_node must be at least 1")
+        if self.cores_per_worker <= 0:
+            raise BatchSettingsError("batch.cores_per_worker must be positive")
+        if self.max_idletime_s < 0 or self.strategy_period_s <= 0:
+            raise BatchSettingsError(
+                "batch.max_idletime_s must be >= 0 and batch.strategy_period_s positive"
+            )
+        if self.cmd_timeout_s < 1:
+            raise BatchSettingsError("batch.cmd_timeout_s must be at least 1")
+        if self.walltime is not None and not _WALLTIME.match(self.walltime):
+            raise BatchSettingsError(
+                f"batch.walltime {self.walltime!r} must be HH:MM:SS (e.g. 01:00:00)"
+            )
+        set_options = {name for name in _OPTIONAL if getattr(self, name) is not None}
+        refused = sorted(set_options - _TAKES[self.provider])
+        if refused:
+            takes = sorted(_TAKES[self.provider]) or ["none of them"]
+            raise BatchSettingsError(
+                f"batch: the {self.provider} provider takes no {', '.join(refused)}; "
+                f"it takes {', '.join(takes)}: remove the others"
+            )
+        if self.launcher == "srun" and self.provider != "slurm":
+            raise BatchSettingsError("batch.launcher srun needs provider slurm")
+
+    def workers_per_block(self, cores_per_node: int) -> int:
+        """How many workers one block runs, its nodes having ``cores_per_node`` cores."""
+        per_node = max(1, int(cores_per_node / self.cores_per_worker))
+        if self.max_workers_per_node is not None:
+            per_node = min(per_node, self.max_workers_per_node)
+        return per_node * self.nodes_per_block
+
+    def build_launcher(self) -> Launcher:
+        """The Parsl launcher ``launcher`` names."""
+        if self.launcher == "srun":
+            return SrunLauncher()
+        if self.launcher == "mpiexec":
+            return MpiExecLauncher()
+        if self.launcher == "simple":
+            return SimpleLauncher()
+        return SingleNodeLauncher()
+
+    def build_provider(self) -> ExecutionProvider:
+        """The Parsl provider ``provider`` names, with this section's settings."""
+        common: dict[str, Any] = {
+            "nodes_per_block": self.nodes_per_block,
+            "init_blocks": self.init_blocks,
+            "min_blocks": self.min_blocks,
+            "max_blocks": self.max_blocks,
+            "worker_init": self.worker_init,
+            "launcher": self.build_launcher(),
+            "cmd_timeout": self.cmd_timeout_s,
+        }
+        chosen = {name: getattr(self, name) for name in _TAKES[self.provider]}
+        options = {name: value for name, value in chosen.items() if value is not None}
+        provider: ExecutionProvider
+        if self.provider == "local":
+            provider = LocalProvider(**common)  # type: ignore[no-untyped-call]
+        elif self.provider == "slurm":
+            provider = SlurmProvider(**common, **options)
+        elif self.provider == "pbspro":
+            provider = PBSProProvider(**common, **options)  # type: ignore[no-untyped-call]
+        elif self.provider == "torque":
+            provider = TorqueProvider(**common, **options)  # type: ignore[no-untyped-call]
+        elif self.provider == "lsf":
+            provider = LSFProvider(**common, **options)  # type: ignore[no-untyped-call]
+        elif self.provider == "condor":
+            provider = CondorProvider(**common, **options)
+        else:
+            provider = GridEngineProvider(**common, **options)
+        return provider
