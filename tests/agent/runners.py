@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from multiprocessing import resource_tracker
 
-__all__ = ["add", "load_behaviour", "load_failing"]
+__all__ = ["add", "load_behaviour", "load_behaviour_with", "load_failing"]
 
 LOADS: Counter[bytes] = Counter()
 
@@ -100,6 +100,15 @@ def _mark_then_sleep(payload: bytes) -> bytes:
     return b"slept"
 
 
+def _mark_then_wait(payload: bytes) -> bytes:
+    """``payload`` is ``b"<path>|<seconds>"``: write this pid to the path, then sleep."""
+    path, _, seconds = payload.decode().partition("|")
+    with open(path, "w") as marker:
+        marker.write(str(os.getpid()))
+    time.sleep(float(seconds))
+    return b"waited"
+
+
 def _child_then_exit(payload: bytes) -> bytes:
     _start_child(payload)
     os._exit(7)
@@ -123,6 +132,7 @@ BEHAVIOURS: dict[bytes, Callable[[bytes], bytes]] = {
     b"child-then-sleep": _child_then_sleep,
     b"child-then-exit": _child_then_exit,
     b"mark-then-sleep": _mark_then_sleep,
+    b"mark-then-wait": _mark_then_wait,
 }
 
 
@@ -142,6 +152,14 @@ def load_behaviour(code: bytes) -> Callable[[bytes], bytes]:
             raise ImportError("the first load of 'flaky' in a process fails")
         return _echo
     return BEHAVIOURS[code]
+
+
+def load_behaviour_with(code: bytes, *, secret: str) -> Callable[[bytes], bytes]:
+    """:func:`load_behaviour`, as a runner that holds a secret (as the agent's runner holds
+    its store's URL): a test checks the secret stays out of what the engine writes."""
+    if not secret:
+        raise ValueError("no secret")
+    return load_behaviour(code)
 
 
 def load_failing(code: bytes) -> Callable[[bytes], bytes]:

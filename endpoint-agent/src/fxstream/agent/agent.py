@@ -195,6 +195,16 @@ class Agent:
                 max_workers=self.config.worker_budget(),
                 interpreters=pythons.interpreters,
             )
+        elif self.config.engine == "htex":
+            # Parsl is imported only by endpoints that use it (a second of start-up).
+            from fxstream.agent.batch_engine import BatchEngine
+
+            engine = BatchEngine(
+                self.config.batch_settings(),
+                self._runner,
+                self.config.directory / "batch",
+                label=f"fxstream-{self.config.name}",
+            )
         else:
             engine = ProcessEngine(self.config.workers, self._runner)
         codes = CodeCache(self.config.service_url, self._credentials.token)

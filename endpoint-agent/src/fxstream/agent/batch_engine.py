@@ -228,17 +228,22 @@ class BatchEngine:
         return self._resolve(task_id, _failure(pending.item, TASK_CANCELLED, message))
 
     def counts(self) -> EngineCounts:
-        """Connected workers, how many hold a task, and the tasks not yet at a worker."""
+        """Connected workers, how many hold a task, the tasks not yet at a worker, and the
+        blocks (:meth:`blocks`)."""
         managers = self._connected()
         total = sum(int(m.get("worker_count", 0)) for m in managers)
         busy = min(total, sum(int(m.get("tasks", 0)) for m in managers))
         with self._lock:
             outstanding = len(self._pending)
+        blocks = self.blocks()
         return EngineCounts(
             workers_total=total,
             workers_idle=total - busy,
             workers_busy=busy,
             queued=max(0, outstanding - busy),
+            blocks_pending=blocks.pending,
+            blocks_running=blocks.running,
+            blocks_idle=blocks.idle,
         )
 
     def blocks(self) -> BlockCounts:

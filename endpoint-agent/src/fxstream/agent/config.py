@@ -20,6 +20,15 @@ container: in its image's own pool of workers where ``images`` allows it; elsewh
 refused before it runs, saying what to add here.
 ``writable_dirs`` are host directories the workers may write besides their own sandbox.
 
+Engines: ``engine: process`` (the default) runs warm worker processes beside the agent;
+``engine: htex`` runs tasks through Parsl's HighThroughputExecutor on blocks a batch
+scheduler (or the local machine) provides, set in the ``batch:`` section
+(:mod:`fxstream.agent.batch_settings`, :mod:`fxstream.agent.batch_engine`). With it,
+``workers`` is how many tasks the agent hands the engine at once besides ``prefetch``:
+set it to the most workers the blocks run (``max_blocks`` x ``nodes_per_block`` x
+workers per node), or fewer tasks wait in the engine than it could run and it does not
+scale out that far.
+
 Python versions (:mod:`fxstream.agent.python_envs`): a task runs only in a worker of the
 Python major.minor its client serialized the function with. The workers of ``image`` and
 ``images`` run the agent's own interpreter; ``interpreters`` lists other Python
@@ -50,6 +59,7 @@ from typing import Any
 import msgspec
 import yaml
 
+from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
 from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
@@ -58,9 +68,12 @@ from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreU
 from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
 from fxstream.topics.connection import write_secret_file
 
-__all__ = ["ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
+__all__ = ["ENGINES", "ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+ENGINES = ("process", "htex")
+"""The engines an endpoint may name."""
 
 
 class ConfigError(ValueError):
@@ -143,6 +156,8 @@ class EndpointConfig:
     # Other Python interpreters the workers may run (absolute paths of virtualenvs'
     # pythons with fxstream-agent installed), for tasks submitted from their versions.
     interpreters: tuple[str, ...] = ()
+    # engine "htex": the batch engine's provider, blocks and scaling (batch_settings).
+    batch: BatchSettings | None = None
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -201,18 +216,39 @@ class EndpointConfig:
             raise ConfigError("allowed_functions must be a list of function ids")
         if self.kafka_credentials is not None:
             self.kafka()  # the file exists, is 0600 and names a usable principal
-        if self.engine != "process":
+        if self.engine not in ENGINES:
             raise ConfigError(
-                f"engine {self.engine!r} is not available: only 'process' (warm local worker "
-                "processes, in the container runtime `runtime` names) is built; "
-                "batch-scheduler engines come later"
+                f"engine {self.engine!r} is not available: 'process' (warm local worker "
+                "processes, in the container runtime `runtime` names) or 'htex' (Parsl's "
+                "HighThroughputExecutor on a batch scheduler's blocks, set in `batch:`)"
             )
+        self._check_batch()
         self.worker_image()
         self._check_runtimes()
         if any(not os.path.isabs(d) for d in self.writable_dirs):
             raise ConfigError("writable_dirs must be absolute paths")
         self._check_interpreters()
         self._check_pools()
+
+    def _check_batch(self) -> None:
+        if self.engine != "htex":
+            if self.batch is not None:
+                raise ConfigError("batch: is read only with engine: htex; remove it or set it")
+            return
+        if self.runtime != "process" or self.images or self.interpreters:
+            raise ConfigError(
+                "engine htex runs its workers on the batch scheduler's blocks without a "
+                "container or another interpreter yet: remove runtime, images and "
+                "interpreters, or use engine: process"
+            )
+        try:
+            self.batch_settings().validate()
+        except BatchSettingsError as exc:
+            raise ConfigError(str(exc)) from None
+
+    def batch_settings(self) -> BatchSettings:
+        """The batch engine's settings (its defaults when ``batch:`` is absent)."""
+        return self.batch if self.batch is not None else BatchSettings()
 
     def _check_interpreters(self) -> None:
         """Absolute, distinct, executable paths, none an image's name (they name pools)."""
@@ -426,6 +462,11 @@ class EndpointConfig:
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{path}: unknown setting(s) {sorted(unknown)}")
+        batch = raw.get("batch")
+        if isinstance(batch, dict):
+            unknown_batch = set(batch) - {f.name for f in fields(BatchSettings)}
+            if unknown_batch:
+                raise ConfigError(f"{path}: unknown batch setting(s) {sorted(unknown_batch)}")
         missing = {f.name for f in fields(cls) if f.name in _REQUIRED} - set(raw)
         if missing:
             raise ConfigError(f"{path}: missing setting(s) {sorted(missing)}")

@@ -124,13 +124,18 @@ class EngineCounts:
 
     ``workers_total`` is the number of workers the engine keeps (started or
     not), ``workers_idle`` and ``workers_busy`` the live ones without and with
-    work, ``queued`` the items submitted and not yet handed to a worker.
+    work, ``queued`` the items submitted and not yet handed to a worker. An engine
+    whose workers come in scheduler jobs (blocks) counts them too: submitted and waiting
+    (``blocks_pending``), running, and running with every worker idle; 0 for the others.
     """
 
     workers_total: int
     workers_idle: int
     workers_busy: int
     queued: int
+    blocks_pending: int = 0
+    blocks_running: int = 0
+    blocks_idle: int = 0
 
 
 @dataclass(frozen=True, slots=True)

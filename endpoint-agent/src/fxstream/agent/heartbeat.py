@@ -83,6 +83,9 @@ class Heartbeats:
             agent_version=AGENT_VERSION,
             python_versions=self.python_versions,
             pool_slots=self._config.pool_slots(),
+            blocks_pending=counts.blocks_pending,
+            blocks_running=counts.blocks_running,
+            blocks_idle=counts.blocks_idle,
         )
         key = self._config.endpoint_id.encode()
         value = encode(beat)

@@ -581,6 +581,26 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
             "every image's pool fits",
         ),
     ] = 0
+    blocks_pending: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=1_000_000,
+            description="a batch engine's blocks submitted to the scheduler and not yet "
+            "running (0 for engines without blocks)",
+        ),
+    ] = 0
+    blocks_running: Annotated[
+        int, Meta(ge=0, le=1_000_000, description="a batch engine's blocks running")
+    ] = 0
+    blocks_idle: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=1_000_000,
+            description="a batch engine's running blocks with no task on any worker",
+        ),
+    ] = 0
 
 
 class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):

@@ -1,0 +1,59 @@
+"""Shared helpers of the batch-engine tests: work items, waiting, and the engine's processes."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from fxstream.agent import WorkItem
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = "tests.agent.runners:load_behaviour"
+# Workers started by a provider import the test runners from the repository.
+WORKER_INIT = f"export PYTHONPATH={REPO}"
+
+
+def item(code: bytes, payload: bytes = b"", *, walltime_s: float | None = None) -> WorkItem:
+    """A work item for the behaviour named ``code`` (tests/agent/runners.py)."""
+    sha = hashlib.sha256(code).hexdigest()
+    return WorkItem(
+        task_id=str(uuid.uuid4()),
+        function_id=f"fn-{sha[:16]}",
+        code_sha256=sha,
+        code=code,
+        payload=payload,
+        walltime_s=walltime_s,
+    )
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``condition`` until it holds; fail saying ``what`` did not happen."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"after {timeout_s:.0f} s: {what}")
+
+
+def engine_processes(run_dir: Path) -> list[psutil.Process]:
+    """The live processes of the engine whose run directory is ``run_dir``: its blocks'
+    worker pools (their command lines name the directory) and its interchange (a child
+    of this process)."""
+    mine = str(run_dir)
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        command = " ".join(proc.info["cmdline"] or ())
+        if "parsl.executors.high_throughput" in command and (
+            mine in command or proc.pid in children
+        ):
+            found.append(proc)
+    return found
