@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
@@ -43,9 +44,12 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 
 def engine_processes(run_dir: Path) -> list[psutil.Process]:
     """The live processes of the engine whose run directory is ``run_dir``: its blocks'
-    worker pools (their command lines name the directory) and its interchange (a child
-    of this process)."""
+    worker pools (their command lines name the directory), their workers (whose
+    environment has the block's job name, ``parsl.<label>.block-N``; the tests' engines
+    are labelled by their run directory's parent, :func:`label_for`), and its
+    interchange (a child of this process)."""
     mine = str(run_dir)
+    job_prefix = f"parsl.{label_for(run_dir)}.block-"
     children = {p.pid for p in psutil.Process().children(recursive=True)}
     found = []
     for proc in psutil.process_iter(["cmdline", "status"]):
@@ -56,4 +60,13 @@ def engine_processes(run_dir: Path) -> list[psutil.Process]:
             mine in command or proc.pid in children
         ):
             found.append(proc)
+        elif "multiprocessing" in command:
+            with contextlib.suppress(psutil.Error):
+                if proc.environ().get("JOBNAME", "").startswith(job_prefix):
+                    found.append(proc)
     return found
+
+
+def label_for(run_dir: Path) -> str:
+    """The executor label a test gives the engine of ``run_dir`` (unique per test)."""
+    return f"fx{abs(hash(str(run_dir))) % 10**8}"

@@ -26,7 +26,7 @@ from fxstream.agent import (
 from fxstream.agent.batch_engine import BatchEngine
 from fxstream.agent.batch_settings import BatchSettings
 from tests.agent import runners
-from tests.hpc.support import RUNNER, WORKER_INIT, engine_processes, item, wait_until
+from tests.hpc.support import RUNNER, WORKER_INIT, engine_processes, item, label_for, wait_until
 
 TIMEOUT = 60.0
 SECRET = "s3cr3t-store-password-for-the-test"
@@ -44,7 +44,7 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BatchEngine]:
         strategy_period_s=1,
     )
     runner = functools.partial(runners.load_behaviour_with, secret=SECRET)
-    engine = BatchEngine(settings, runner, run_dir)
+    engine = BatchEngine(settings, runner, run_dir, label=label_for(run_dir))
     try:
         assert engine.wait_ready(timeout=90), "the block's workers never connected"
         yield engine
@@ -132,7 +132,7 @@ def test_blocks_scale_out_under_a_backlog_and_in_when_idle(tmp_path: Path) -> No
         strategy_period_s=1,
         worker_init=WORKER_INIT,
     )
-    engine = BatchEngine(settings, RUNNER, run_dir)
+    engine = BatchEngine(settings, RUNNER, run_dir, label=label_for(run_dir))
     try:
         assert engine.wait_ready(timeout=1)  # min_blocks 0: nothing need be up
         assert engine.counts().blocks_running + engine.counts().blocks_pending == 0
@@ -169,7 +169,7 @@ def test_close_fails_what_is_left_and_stops_every_process(tmp_path: Path) -> Non
     settings = BatchSettings(
         max_workers_per_node=1, init_blocks=1, min_blocks=1, worker_init=WORKER_INIT
     )
-    engine = BatchEngine(settings, RUNNER, run_dir)
+    engine = BatchEngine(settings, RUNNER, run_dir, label=label_for(run_dir))
     assert engine.wait_ready(timeout=90)
     running = engine.submit(item(b"sleep", b"30"))
     waiting = engine.submit(item(b"sleep", b"30"))

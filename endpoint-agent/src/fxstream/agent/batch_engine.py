@@ -73,6 +73,7 @@ _MANAGERS_TTL_S: Final = 1.0
 _CODE_CACHE: Final = 256
 _WARM_FUNCTIONS: Final = 32
 _WARM_FORGET_S: Final = 600.0
+_LIVE_STATES: Final = frozenset({JobState.PENDING, JobState.RUNNING, JobState.UNKNOWN})
 _INTERCHANGE: Final = "parsl.executors.high_throughput.interchange"
 _WORKER_POOL: Final = "parsl.executors.high_throughput.process_worker_pool"
 
@@ -247,13 +248,26 @@ class BatchEngine:
         )
 
     def blocks(self) -> BlockCounts:
-        """Blocks pending in the scheduler, running, and running with every worker idle."""
-        statuses = self._executor.status_facade
-        pending = sum(1 for s in statuses.values() if s.state == JobState.PENDING)
-        running = sum(1 for s in statuses.values() if s.state == JobState.RUNNING)
-        busy_blocks = {str(m.get("block_id")) for m in self._connected() if m.get("tasks", 0)}
-        running_ids = {bid for bid, s in statuses.items() if s.state == JobState.RUNNING}
-        return BlockCounts(pending, running, len(running_ids - busy_blocks))
+        """Blocks pending, running, and running with every worker idle.
+
+        A block runs once its workers' manager has connected (the interchange says so at
+        once); the provider's own view (``squeue``, polled by Parsl every minute for
+        Slurm) only says which submitted blocks are not over yet: those not connected
+        are pending.
+        """
+        managers = self._connected()
+        connected = {str(m.get("block_id")) for m in managers}
+        busy = {str(m.get("block_id")) for m in managers if m.get("tasks", 0)}
+        live = {
+            block
+            for block, status in self._executor.status_facade.items()
+            if status.state in _LIVE_STATES
+        }
+        return BlockCounts(
+            pending=len(live - connected),
+            running=len(connected),
+            idle=len(connected - busy),
+        )
 
     def warm(self) -> list[WarmState]:
         """Each worker that returned a result lately, with the functions it ran."""

@@ -1,0 +1,124 @@
+"""An endpoint's ``batch:`` section: what is refused (and how it says so), and the Parsl
+provider and launcher built from it, for the documented Slurm and PBS Pro endpoints."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from parsl.launchers import MpiExecLauncher, SrunLauncher
+from parsl.providers import LocalProvider, PBSProProvider, SlurmProvider
+
+from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
+from fxstream.agent.config import ConfigError, EndpointConfig
+from tests.hpc.support import REPO
+
+
+def documented(heading: str) -> dict[str, Any]:
+    section = (REPO / "docs" / "hpc.md").read_text().split(heading, 1)[1]
+    block = re.search(r"```yaml\n(.*?)```", section, re.S)
+    assert block is not None, f"docs/hpc.md lost the example under {heading!r}"
+    loaded: dict[str, Any] = yaml.safe_load(block.group(1))
+    return loaded
+
+
+def load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, raw: dict[str, Any]) -> EndpointConfig:
+    monkeypatch.setenv("FXSTREAM_ENDPOINTS_DIR", str(tmp_path))
+    directory = tmp_path / raw["name"]
+    directory.mkdir(mode=0o700)
+    (directory / "config.yaml").write_text(yaml.safe_dump(raw))
+    return EndpointConfig.load(raw["name"])
+
+
+def test_the_documented_slurm_endpoint_loads_and_builds_a_slurm_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load(tmp_path, monkeypatch, documented("### An endpoint on a Slurm cluster"))
+    assert config.engine == "htex" and config.batch is not None
+    provider = config.batch_settings().build_provider()
+    assert isinstance(provider, SlurmProvider)
+    assert (provider.partition, provider.account) == ("debug", "my-allocation")
+    assert (provider.walltime, provider.exclusive) == ("00:30:00", False)
+    assert (provider.min_blocks, provider.max_blocks, provider.init_blocks) == (0, 2, 0)
+    assert isinstance(provider.launcher, SrunLauncher)
+    assert config.batch_settings().workers_per_block(cores_per_node=64) == 4
+
+
+def test_the_documented_pbs_pro_endpoint_loads_and_builds_a_pbs_provider(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load(tmp_path, monkeypatch, documented("### An endpoint on a PBS Pro cluster"))
+    provider = config.batch_settings().build_provider()
+    assert isinstance(provider, PBSProProvider)
+    assert (provider.queue, provider.account, provider.walltime) == (
+        "debug",
+        "my-allocation",
+        "01:00:00",
+    )
+    assert "filesystems=home:eagle" in provider.scheduler_options
+    assert provider.nodes_per_block == 2 and isinstance(provider.launcher, MpiExecLauncher)
+
+
+def test_a_saved_batch_section_loads_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXSTREAM_ENDPOINTS_DIR", str(tmp_path))
+    config = EndpointConfig(
+        name="hpc",
+        endpoint_id="5f0c1c2e-0000-4000-8000-000000000003",
+        service_url="http://127.0.0.1:1",
+        bootstrap_servers="127.0.0.1:2",
+        engine="htex",
+        batch=BatchSettings(provider="slurm", partition="short", max_blocks=3),
+    )
+    config.save()
+    again = EndpointConfig.load("hpc")
+    assert again.batch == config.batch
+    assert isinstance(BatchSettings().build_provider(), LocalProvider)
+
+
+@pytest.mark.parametrize(
+    ("batch", "says"),
+    [
+        ({"provider": "sge"}, "batch.provider 'sge' is not one of local, slurm"),
+        ({"provider": "pbspro", "partition": "x"}, "takes no partition; it takes account"),
+        ({"provider": "slurm", "queue": "x"}, "takes no queue"),
+        ({"provider": "local", "walltime": "01:00:00"}, "takes none of them"),
+        ({"provider": "slurm", "walltime": "90 minutes"}, "must be HH:MM:SS"),
+        ({"min_blocks": 2, "init_blocks": 1}, "min_blocks <= init_blocks <= max_blocks"),
+        ({"launcher": "srun"}, "srun needs provider slurm"),
+        ({"strategy": "greedy"}, "batch.strategy 'greedy' is not one of"),
+        ({"partiton": "debug"}, "unknown batch setting(s) ['partiton']"),
+    ],
+)
+def test_a_batch_setting_that_cannot_work_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: dict[str, Any], says: str
+) -> None:
+    raw = {
+        "name": "bad",
+        "endpoint_id": "5f0c1c2e-0000-4000-8000-000000000004",
+        "service_url": "http://127.0.0.1:1",
+        "bootstrap_servers": "127.0.0.1:2",
+        "engine": "htex",
+        "batch": batch,
+    }
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(tmp_path, monkeypatch, raw)
+
+
+def test_batch_without_htex_and_htex_with_containers_are_refused() -> None:
+    common: dict[str, Any] = {
+        "name": "x",
+        "endpoint_id": "5f0c1c2e-0000-4000-8000-000000000005",
+        "service_url": "http://127.0.0.1:1",
+        "bootstrap_servers": "127.0.0.1:2",
+    }
+    with pytest.raises(ConfigError, match="batch: is read only with engine: htex"):
+        EndpointConfig(**common, batch=BatchSettings()).validate()
+    with pytest.raises(ConfigError, match="without a container"):
+        EndpointConfig(**common, engine="htex", runtime="bubblewrap", image="x").validate()
+    with pytest.raises(ConfigError, match=r"'process' .* or 'htex'"):
+        EndpointConfig(**common, engine="slurm").validate()
+    with pytest.raises(BatchSettingsError, match="max_workers_per_node"):
+        BatchSettings(max_workers_per_node=0).validate()
