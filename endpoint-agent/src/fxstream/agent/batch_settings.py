@@ -29,25 +29,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
-from parsl.launchers import (
-    MpiExecLauncher,
-    SimpleLauncher,
-    SingleNodeLauncher,
-    SrunLauncher,
-)
-from parsl.launchers.base import Launcher
-from parsl.providers import (
-    CondorProvider,
-    GridEngineProvider,
-    LocalProvider,
-    LSFProvider,
-    PBSProProvider,
-    SlurmProvider,
-    TorqueProvider,
-)
-from parsl.providers.base import ExecutionProvider
+if TYPE_CHECKING:  # Parsl is imported when a provider is built, not with the config
+    from parsl.launchers.base import Launcher
+    from parsl.providers.base import ExecutionProvider
 
 __all__ = ["LAUNCHERS", "PROVIDERS", "STRATEGIES", "BatchSettings", "BatchSettingsError"]
 
@@ -179,6 +165,13 @@ class BatchSettings:
 
     def build_launcher(self) -> Launcher:
         """The Parsl launcher ``launcher`` names."""
+        from parsl.launchers import (
+            MpiExecLauncher,
+            SimpleLauncher,
+            SingleNodeLauncher,
+            SrunLauncher,
+        )
+
         if self.launcher == "srun":
             return SrunLauncher()
         if self.launcher == "mpiexec":
@@ -189,6 +182,16 @@ class BatchSettings:
 
     def build_provider(self) -> ExecutionProvider:
         """The Parsl provider ``provider`` names, with this section's settings."""
+        from parsl.providers import (
+            CondorProvider,
+            GridEngineProvider,
+            LocalProvider,
+            LSFProvider,
+            PBSProProvider,
+            SlurmProvider,
+            TorqueProvider,
+        )
+
         common: dict[str, Any] = {
             "nodes_per_block": self.nodes_per_block,
             "init_blocks": self.init_blocks,

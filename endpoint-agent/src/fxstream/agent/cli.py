@@ -20,11 +20,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import httpx
+import msgspec
 import psutil
 import typer
+import yaml
 from rich.console import Console
 from rich.table import Table
 
+from fxstream.agent.batch_settings import BatchSettings
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
@@ -141,6 +144,26 @@ def _running_pid(name: str) -> int | None:
         if process.create_time() == float(started) and process.is_running():
             return process.pid
     return None
+
+
+def _batch_settings(path: Path) -> BatchSettings:
+    """The batch settings in the YAML file ``path`` (its mapping, or its ``batch:`` key)."""
+    try:
+        raw: Any = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--batch {path}: {exc}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("batch"), dict):
+        raw = raw["batch"]
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--batch {path} must hold a mapping of batch settings")
+    known = {f.name for f in dataclasses.fields(BatchSettings)}
+    unknown = set(raw) - known
+    if unknown:
+        raise ConfigError(f"--batch {path}: unknown batch setting(s) {sorted(unknown)}")
+    try:
+        return msgspec.convert(raw, BatchSettings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--batch {path}: {exc}") from None
 
 
 @app.command()
@@ -269,6 +292,20 @@ def configure(
             "installed (repeat it)."
         ),
     ] = None,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="process (warm workers beside the agent) or htex (Parsl's "
+            "HighThroughputExecutor on a batch scheduler's blocks: see --batch)."
+        ),
+    ] = "process",
+    batch: Annotated[
+        Path | None,
+        typer.Option(
+            help="With --engine htex: a YAML file holding the batch settings (provider, "
+            "partition or queue, walltime, blocks, ...; see docs/hpc.md)."
+        ),
+    ] = None,
 ) -> None:
     """Write the endpoint's YAML config and its 0600 credentials file (registering the
     endpoint with the service if needed). No secret is taken on the command line: the
@@ -298,6 +335,8 @@ def configure(
             "max_workers": max_workers,
             "max_image_wait_s": max_image_wait,
             "interpreters": tuple(interpreter or ()),
+            "engine": engine,
+            "batch": None if batch is None else _batch_settings(batch),
         }
         if credentials is not None:
             path = credentials.expanduser().absolute()

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -179,6 +180,8 @@ class PrivatePlatform:
         image: str | None = None,
         interpreters: Sequence[str] = (),
         max_workers: int | None = None,
+        engine: str = "process",
+        batch: Mapping[str, Any] | None = None,
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
@@ -187,8 +190,9 @@ class PrivatePlatform:
         what it runs (see the endpoint config); ``runtime``, ``images`` (name ->
         ``"runtime:reference"``) and ``image`` the container its workers run in;
         ``interpreters`` other Pythons its workers may run (see the endpoint config);
-        ``max_workers`` the most workers across its image pools. It is
-        stopped by
+        ``max_workers`` the most workers across its image pools; ``engine`` ``"htex"``
+        with ``batch`` (the endpoint YAML's ``batch:`` settings) runs its tasks through
+        Parsl's HighThroughputExecutor (docs/hpc.md). It is stopped by
         :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
         settings = self.settings
@@ -227,6 +231,12 @@ class PrivatePlatform:
             argv += ["--interpreter", interpreter]
         if max_workers is not None:
             argv += ["--max-workers", str(max_workers)]
+        argv += ["--engine", engine]
+        if batch is not None:
+            endpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            batch_file = endpoints_dir / f"{name}.batch.yaml"
+            batch_file.write_text(yaml.safe_dump(dict(batch)))
+            argv += ["--batch", str(batch_file)]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file, with the
