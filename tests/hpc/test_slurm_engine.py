@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from fxstream.agent import WORKER_LOST
+from fxstream.agent import BLOCK_LOST
 from fxstream.agent.batch_engine import BatchEngine
 from fxstream.agent.batch_settings import BatchSettings
 from fxstream.ops.slurm import SlurmCluster, single_node_slurm
@@ -110,7 +110,7 @@ def test_a_job_cancelled_mid_task_fails_it_retryably_and_a_new_block_runs_it(
     assert len(running) == 1, slurm.jobs()
     slurm.cancel(running[0])  # as the scheduler would at the walltime, or an operator
     lost = future.result(TIMEOUT)
-    assert lost.error_type == WORKER_LOST and lost.retryable, lost
+    assert lost.error_type == BLOCK_LOST and lost.retryable, lost
     # The agent retries a retryable loss: the same item again runs on a new block.
     marker.unlink()
     again = engine.submit(item(b"mark-then-wait", f"{marker}|1".encode())).result(TIMEOUT)

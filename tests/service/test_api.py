@@ -303,6 +303,9 @@ NEVER_SEEN = {
     "queue_depth": 0,
     "agent_id": None,
     "pool_slots": 0,
+    "blocks_pending": 0,
+    "blocks_running": 0,
+    "blocks_idle": 0,
 }
 
 
@@ -416,6 +419,9 @@ def test_endpoint_status_goes_never_seen_online_lost(
         "queue_depth": 2,
         "agent_id": "agent-7",
         "pool_slots": 0,
+        "blocks_pending": 0,
+        "blocks_running": 0,
+        "blocks_idle": 0,
     }
     listed = client.get("/v1/endpoints", headers=alice.auth).json()
     assert [e["status"]["state"] for e in listed if e["endpoint_id"] == endpoint_id] == ["online"]

@@ -20,7 +20,10 @@ if TYPE_CHECKING:
     from fxstream.agent.agent import (
         Agent,
     )
+    from fxstream.agent.batch_engine import BatchEngine, BlockCounts
+    from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
     from fxstream.agent.engine import (
+        BLOCK_LOST,
         CODE_HASH_MISMATCH,
         CODE_REQUIRED,
         POOL_CLOSED,
@@ -59,6 +62,11 @@ if TYPE_CHECKING:
 
 _MODULES = {
     "Agent": "fxstream.agent.agent",
+    "BatchEngine": "fxstream.agent.batch_engine",
+    "BlockCounts": "fxstream.agent.batch_engine",
+    "BatchSettings": "fxstream.agent.batch_settings",
+    "BatchSettingsError": "fxstream.agent.batch_settings",
+    "BLOCK_LOST": "fxstream.agent.engine",
     "CODE_HASH_MISMATCH": "fxstream.agent.engine",
     "CODE_REQUIRED": "fxstream.agent.engine",
     "POOL_CLOSED": "fxstream.agent.engine",
@@ -88,6 +96,7 @@ _MODULES = {
 }
 
 __all__ = [
+    "BLOCK_LOST",
     "CODE_HASH_MISMATCH",
     "CODE_REQUIRED",
     "DEFAULT_RUNNER",
@@ -100,6 +109,10 @@ __all__ = [
     "WORKER_START_FAILED",
     "Agent",
     "Answer",
+    "BatchEngine",
+    "BatchSettings",
+    "BatchSettingsError",
+    "BlockCounts",
     "Call",
     "Engine",
     "EngineCounts",

@@ -9,8 +9,9 @@ and Parsl's ``JobStatusPoller`` runs its scaling strategy every
 ``strategy_period_s``: blocks are added while tasks wait beyond the idle workers (up
 to ``max_blocks``) and a block idle for ``max_idletime_s`` is released (down to
 ``min_blocks``). A block the scheduler kills (``scancel``, its walltime) fails its
-running tasks with Parsl's ``ManagerLost``: here a retryable ``WorkerLost`` outcome,
-so the agent's retry machinery runs them again (on a new block the strategy starts).
+running tasks with Parsl's ``ManagerLost``: here a ``BlockLost`` outcome, which the
+agent retries even for a task submitted without ``max_retries`` (never the task's
+doing), on a new block the strategy starts.
 
 What the engine sends Parsl for a task is :func:`fxstream.agent.batch_worker.run_item`
 and bytes: the runner (which may hold the proxy store's password) is in a 0600 file
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from parsl.executors import HighThroughputExecutor
+from parsl.executors.high_throughput.errors import ManagerLost
 from parsl.executors.high_throughput.executor import DEFAULT_LAUNCH_CMD
 from parsl.jobs.job_status_poller import JobStatusPoller
 from parsl.jobs.states import JobState
@@ -51,6 +53,7 @@ from parsl.jobs.states import JobState
 from fxstream.agent.batch_settings import BatchSettings
 from fxstream.agent.batch_worker import WalltimeExceeded, run_item, write_runner_file
 from fxstream.agent.engine import (
+    BLOCK_LOST,
     CODE_REQUIRED,
     POOL_CLOSED,
     RUNNER_UNAVAILABLE,
@@ -358,7 +361,9 @@ class BatchEngine:
                 f"the batch workers cannot load the agent's runner ({_describe(exc)}): the "
                 f"run directory {self._run_dir} must be on a file system the workers share",
             )
-        else:  # a lost manager or worker (a block killed), or the executor failing
+        elif isinstance(exc, ManagerLost):  # its block ended: scancel, walltime, a node
+            outcome = _failure(item, BLOCK_LOST, f"the task's block ended: {_describe(exc)}")
+        else:  # a lost worker process, or the executor failing
             outcome = _failure(item, WORKER_LOST, _describe(exc))
         self._resolve(item.task_id, outcome)
 

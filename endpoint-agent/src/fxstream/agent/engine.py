@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Final, Protocol, runtime_checkable
 
 __all__ = [
+    "BLOCK_LOST",
     "CODE_HASH_MISMATCH",
     "CODE_REQUIRED",
     "POOL_CLOSED",
@@ -57,6 +58,9 @@ __all__ = [
 
 # Error types an engine itself produces (user exceptions keep their own type name).
 WORKER_LOST: Final = "WorkerLost"
+# A batch engine's block (scheduler job) ended under the task; the same name as
+# fxstream.topics.TaskErrorType.BLOCK_LOST.
+BLOCK_LOST: Final = "BlockLost"
 WALLTIME_EXCEEDED: Final = "WalltimeExceeded"
 POOL_CLOSED: Final = "PoolClosed"
 CODE_REQUIRED: Final = "CodeRequired"
@@ -66,7 +70,7 @@ WORKER_START_FAILED: Final = "WorkerStartFailed"
 # The same name as fxstream.topics.TaskErrorType.CANCELLED (engines stay free of topics).
 TASK_CANCELLED: Final = "TaskCancelled"
 
-RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, POOL_CLOSED, WORKER_START_FAILED})
+RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, BLOCK_LOST, POOL_CLOSED, WORKER_START_FAILED})
 """Error types caused by the platform rather than the task: a retry may succeed."""
 
 

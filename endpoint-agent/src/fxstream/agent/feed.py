@@ -9,7 +9,8 @@ warm-first pick's (:mod:`fxstream.agent.pick`): in arrival order, unless the eng
 runs fewer image pools than images, when tasks of images whose pools run go first.
 
 An outcome is final unless a retry may cure it: a platform failure (a lost
-worker, ``retryable``) is retried up to the task's ``max_retries``, its own
+worker, ``retryable``) is retried up to the task's ``max_retries`` (a batch
+engine's lost block, ``BlockLost``, at least :data:`BLOCK_LOSS_RETRIES` times), its own
 exception or walltime only with ``retry_user_errors``, and a cancel, a result
 too large or a refusal never. A retry waits out an exponential backoff
 (``retry_backoff_s`` doubling up to ``retry_backoff_max_s``) while held, its
@@ -29,11 +30,15 @@ from concurrent.futures import Future
 
 from fxstream.agent.answer import Answerer, cancelled_outcome, task_error
 from fxstream.agent.config import EndpointConfig
-from fxstream.agent.engine import Engine, WorkItem, WorkOutcome
+from fxstream.agent.engine import BLOCK_LOST, Engine, WorkItem, WorkOutcome
 from fxstream.agent.held import Held, HeldTasks
 from fxstream.topics import Attempt, TaskErrorType, TaskStateName
 
-__all__ = ["EngineFeed"]
+__all__ = ["BLOCK_LOSS_RETRIES", "EngineFeed"]
+
+BLOCK_LOSS_RETRIES = 3
+"""Attempts after a lost block (a scheduler job ended under the task), whatever the task's
+``max_retries``: a block's end is never the task's doing."""
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +119,10 @@ class EngineFeed:
 
     def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
         submission = held.submission
-        if outcome.ok or len(held.earlier) >= submission.max_retries:
+        limit = submission.max_retries
+        if outcome.error_type == BLOCK_LOST:  # a scheduler job ended: never the task's doing
+            limit = max(limit, BLOCK_LOSS_RETRIES)
+        if outcome.ok or len(held.earlier) >= limit:
             return False
         if outcome.retryable:
             return True

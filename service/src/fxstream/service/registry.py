@@ -123,6 +123,10 @@ class EndpointStatus:
     agent_id: str | None = None
     # Image pools it runs at once when fewer than its images (0: every pool fits).
     pool_slots: int = 0
+    # A batch engine's blocks (scheduler jobs): pending, running, running and idle.
+    blocks_pending: int = 0
+    blocks_running: int = 0
+    blocks_idle: int = 0
 
 
 BadRecord = Callable[[Message, str], None]
@@ -376,6 +380,9 @@ class RegistryView:
             queue_depth=beat.queue_depth,
             agent_id=beat.agent_id,
             pool_slots=beat.pool_slots,
+            blocks_pending=beat.blocks_pending,
+            blocks_running=beat.blocks_running,
+            blocks_idle=beat.blocks_idle,
         )
 
     # --- the follower thread -------------------------------------------------------------

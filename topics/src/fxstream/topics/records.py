@@ -326,6 +326,10 @@ class TaskErrorType(enum.StrEnum):
     REJECTED = "TaskRejected"
     CANCELLED = "TaskCancelled"
     WORKER_LOST = "WorkerLost"
+    BLOCK_LOST = "BlockLost"
+    """A batch engine's block (a scheduler job) ended under the task: cancelled, past its
+    walltime, or its node failed. Retried even without ``max_retries`` (up to the agent's
+    block-loss limit), since it is never the task's doing."""
     WALLTIME_EXCEEDED = "WalltimeExceeded"
     AGENT_LOST = "AgentLost"
     FUNCTION_UNAVAILABLE = "FunctionUnavailable"
