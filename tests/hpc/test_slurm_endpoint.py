@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fxstream.ops.private import ExtraEndpoint
-from fxstream.ops.slurm import SlurmCluster, single_node_slurm
+from fxstream.ops.slurm import SlurmCluster
 from fxstream.sdk import Executor
 from tests.e2e.stack import Stack, added_endpoint
 from tests.hpc.support import WORKER_INIT, wait_until
@@ -49,20 +49,6 @@ def job_and_wait(marker_dir: str, seconds: float) -> str:
 @pytest.fixture(scope="module")
 def stack(shared_platform: Stack) -> Stack:
     return shared_platform
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    with single_node_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
-        previous = os.environ.get("SLURM_CONF")
-        os.environ.update(cluster.env)  # the agent inherits it, for sbatch and squeue
-        try:
-            yield cluster
-        finally:
-            if previous is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = previous
 
 
 @pytest.fixture(scope="module")

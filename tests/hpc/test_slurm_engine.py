@@ -20,7 +20,7 @@ import yaml
 from fxstream.agent import BLOCK_LOST
 from fxstream.agent.batch_engine import BatchEngine
 from fxstream.agent.batch_settings import BatchSettings
-from fxstream.ops.slurm import SlurmCluster, single_node_slurm
+from fxstream.ops.slurm import SlurmCluster
 from tests.hpc.support import (
     REPO,
     RUNNER,
@@ -46,20 +46,6 @@ def documented_slurm_endpoint() -> dict[str, Any]:
     assert block is not None, "docs/hpc.md lost its Slurm example"
     loaded: dict[str, Any] = yaml.safe_load(block.group(1))
     return loaded
-
-
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    with single_node_slurm(tmp_path_factory.mktemp("slurm")) as cluster:
-        previous = os.environ.get("SLURM_CONF")
-        os.environ.update(cluster.env)  # the engine's provider runs sbatch, squeue, scancel
-        try:
-            yield cluster
-        finally:
-            if previous is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = previous
 
 
 @pytest.fixture

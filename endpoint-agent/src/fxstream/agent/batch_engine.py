@@ -194,7 +194,7 @@ class BatchEngine:
         if code is None:
             self._resolve(
                 item.task_id,
-                _failure(
+                WorkOutcome.failure(
                     item,
                     CODE_REQUIRED,
                     "the batch engine was given no code for this function and has none cached",
@@ -213,7 +213,7 @@ class BatchEngine:
                 item.walltime_s,
             )
         except Exception as exc:  # the executor is in a bad state: a platform failure
-            self._resolve(item.task_id, _failure(item, WORKER_LOST, _describe(exc)))
+            self._resolve(item.task_id, WorkOutcome.failure(item, WORKER_LOST, _describe(exc)))
             return future
         inner.add_done_callback(lambda done: self._on_done(item, done))
         return future
@@ -229,7 +229,7 @@ class BatchEngine:
         if pending is None:
             return False
         message = f"cancelled: {reason}" if reason else "cancelled"
-        return self._resolve(task_id, _failure(pending.item, TASK_CANCELLED, message))
+        return self._resolve(task_id, WorkOutcome.failure(pending.item, TASK_CANCELLED, message))
 
     def counts(self) -> EngineCounts:
         """Connected workers, how many hold a task, the tasks not yet at a worker, and the
@@ -299,7 +299,9 @@ class BatchEngine:
         for pending in left:
             self._resolve(
                 pending.item.task_id,
-                _failure(pending.item, POOL_CLOSED, "the endpoint's batch engine was closed"),
+                WorkOutcome.failure(
+                    pending.item, POOL_CLOSED, "the endpoint's batch engine was closed"
+                ),
             )
         try:
             self._poller.close(timeout)  # scales every block in (scancel, kill)
@@ -352,19 +354,21 @@ class BatchEngine:
                 finished_at=finished,
             )
         elif isinstance(exc, WalltimeExceeded):  # fired between the function and its reply
-            outcome = _failure(item, WALLTIME_EXCEEDED, "the task ran past its walltime")
+            outcome = WorkOutcome.failure(item, WALLTIME_EXCEEDED, "the task ran past its walltime")
         elif isinstance(exc, OSError | EOFError | ValueError) and not _is_parsl(exc):
             # run_item could not read the runner file: every task would fail the same way.
-            outcome = _failure(
+            outcome = WorkOutcome.failure(
                 item,
                 RUNNER_UNAVAILABLE,
                 f"the batch workers cannot load the agent's runner ({_describe(exc)}): the "
                 f"run directory {self._run_dir} must be on a file system the workers share",
             )
         elif isinstance(exc, ManagerLost):  # its block ended: scancel, walltime, a node
-            outcome = _failure(item, BLOCK_LOST, f"the task's block ended: {_describe(exc)}")
+            outcome = WorkOutcome.failure(
+                item, BLOCK_LOST, f"the task's block ended: {_describe(exc)}"
+            )
         else:  # a lost worker process, or the executor failing
-            outcome = _failure(item, WORKER_LOST, _describe(exc))
+            outcome = WorkOutcome.failure(item, WORKER_LOST, _describe(exc))
         self._resolve(item.task_id, outcome)
 
     def _note_warm(self, worker: str, function_id: str) -> None:
@@ -397,17 +401,3 @@ def _is_parsl(exc: BaseException) -> bool:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
-
-
-def _failure(item: WorkItem, error_type: str, message: str) -> WorkOutcome:
-    return WorkOutcome(
-        task_id=item.task_id,
-        ok=False,
-        value=None,
-        error_type=error_type,
-        error_message=message,
-        traceback="",
-        worker="",
-        started_at=None,
-        finished_at=time.time(),
-    )

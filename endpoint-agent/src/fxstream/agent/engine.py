@@ -32,6 +32,7 @@ type name. :data:`TASK_CANCELLED` is the same name as
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -120,6 +121,21 @@ class WorkOutcome:
     def retryable(self) -> bool:
         """Whether the failure came from the platform (a lost worker, say), not the task."""
         return self.error_type in RETRYABLE_ERRORS
+
+    @classmethod
+    def failure(cls, item: WorkItem, error_type: str, message: str) -> WorkOutcome:
+        """``item`` failed now with ``error_type`` before a worker ran it (no traceback)."""
+        return cls(
+            task_id=item.task_id,
+            ok=False,
+            value=None,
+            error_type=error_type,
+            error_message=message,
+            traceback="",
+            worker="",
+            started_at=None,
+            finished_at=time.time(),
+        )
 
 
 @dataclass(frozen=True, slots=True)

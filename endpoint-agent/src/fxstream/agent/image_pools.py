@@ -340,7 +340,7 @@ class ImagePools:
                         message = f"task {task_id} was cancelled" + (
                             f": {reason}" if reason else ""
                         )
-                        outcome = _outcome(waiting.item, TASK_CANCELLED, message)
+                        outcome = WorkOutcome.failure(waiting.item, TASK_CANCELLED, message)
                         self._deferred.append((waiting.future, outcome))
                         self._cond.notify_all()
                         return True
@@ -357,7 +357,7 @@ class ImagePools:
                 for waiting in queue:
                     message = "the engine was closed before the task's image pool started"
                     resolutions.append(
-                        (waiting.future, _outcome(waiting.item, POOL_CLOSED, message))
+                        (waiting.future, WorkOutcome.failure(waiting.item, POOL_CLOSED, message))
                     )
             self._waiting.clear()
             self._cond.notify_all()
@@ -390,7 +390,7 @@ class ImagePools:
                 self._waiting.clear()
                 self._closed = True
             message = "the image pools' keeper failed (see the agent's log)"
-            _resolve((w.future, _outcome(w.item, POOL_CLOSED, message)) for w in waiting)
+            _resolve((w.future, WorkOutcome.failure(w.item, POOL_CLOSED, message)) for w in waiting)
 
     def _keep_going(self) -> None:
         """Release idle pools, start pools for waiting tasks, resolve what was cancelled."""
@@ -471,7 +471,10 @@ class ImagePools:
                 failed = self._waiting.pop(name, deque())
                 self._cond.notify_all()
             message = f"cannot start workers in image {name!r}: {exc}"
-            _resolve((w.future, _outcome(w.item, WORKER_START_FAILED, message)) for w in failed)
+            _resolve(
+                (w.future, WorkOutcome.failure(w.item, WORKER_START_FAILED, message))
+                for w in failed
+            )
             return
         with self._cond:
             self._starting.discard(name)
@@ -493,7 +496,9 @@ class ImagePools:
             inner = pool.engine.submit(waiting.item)
         except (RuntimeError, ValueError) as exc:
             self._answered(pool)
-            outcome = _outcome(waiting.item, POOL_CLOSED, f"the image's pool refused it: {exc}")
+            outcome = WorkOutcome.failure(
+                waiting.item, POOL_CLOSED, f"the image's pool refused it: {exc}"
+            )
             self._deferred.append((waiting.future, outcome))
             return
         inner.add_done_callback(functools.partial(self._relay, pool, waiting.future))
@@ -520,17 +525,3 @@ def _close_all(engines: Sequence[ProcessEngine], timeout: float) -> None:
         thread.start()
     for thread in closing:
         thread.join()
-
-
-def _outcome(item: WorkItem, error_type: str, message: str) -> WorkOutcome:
-    return WorkOutcome(
-        task_id=item.task_id,
-        ok=False,
-        value=None,
-        error_type=error_type,
-        error_message=message,
-        traceback="",
-        worker="",
-        started_at=None,
-        finished_at=time.time(),
-    )
