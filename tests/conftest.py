@@ -26,7 +26,7 @@ from fxstream.topics import KafkaConnection, write_secret_file
 pytest_plugins = ["tests.cpu_report", "tests.log_report"]
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
-_SLOW_MARKS = ("platform", "faults", "cluster")
+_SLOW_MARKS = ("platform", "faults", "cluster", "hpc")
 _SHARED_PLATFORM_FIXTURE = "shared_platform"
 _PLATFORM_FIXTURES = ("kafka_platform", _SHARED_PLATFORM_FIXTURE)
 

@@ -28,6 +28,8 @@ from fxstream.agent.batch_settings import BatchSettings
 from tests.agent import runners
 from tests.hpc.support import RUNNER, WORKER_INIT, engine_processes, item, label_for, wait_until
 
+pytestmark = pytest.mark.hpc
+
 TIMEOUT = 60.0
 SECRET = "s3cr3t-store-password-for-the-test"
 

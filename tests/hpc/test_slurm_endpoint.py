@@ -26,6 +26,7 @@ from tests.hpc.test_slurm_engine import documented_slurm_endpoint
 
 pytestmark = [
     pytest.mark.platform,
+    pytest.mark.hpc,
     pytest.mark.skipif(
         os.geteuid() != 0, reason="a single-node Slurm cluster needs root (slurmd runs jobs)"
     ),

@@ -31,9 +31,12 @@ from tests.hpc.support import (
     wait_until,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0, reason="a single-node Slurm cluster needs root (slurmd runs jobs)"
-)
+pytestmark = [
+    pytest.mark.hpc,
+    pytest.mark.skipif(
+        os.geteuid() != 0, reason="a single-node Slurm cluster needs root (slurmd runs jobs)"
+    ),
+]
 
 TIMEOUT = 120.0
 
