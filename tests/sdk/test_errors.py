@@ -10,6 +10,7 @@ import pytest
 
 from fxstream.sdk import (
     AuthenticationError,
+    BlockLost,
     Client,
     FxstreamError,
     InvalidRequest,
@@ -112,5 +113,7 @@ def test_task_failures_pick_their_class_and_survive_pickling() -> None:
     assert type(task_failure("t", TaskError(type="TaskRejected", message="no"))) is TaskRejected
     lost = task_failure("t", TaskError(type="fxstream.agent.WorkerLost", message="pid 9 died"))
     assert type(lost) is WorkerLost
+    block = task_failure("t", TaskError(type="BlockLost", message="the task's block ended"))
+    assert type(block) is BlockLost and isinstance(block, WorkerLost)
     plain = task_failure("t", TaskError(type="SystemExit", message="1"))
     assert type(plain) is TaskExecutionFailed  # not an Exception subclass: never mixed in

@@ -18,6 +18,7 @@ from fxstream.sdk.batch import Batch
 from fxstream.sdk.client import Client, IssuedToken, RegisteredUser, TaskPage
 from fxstream.sdk.errors import (
     AuthenticationError,
+    BlockLost,
     ConfigurationError,
     FxstreamError,
     InvalidRequest,
@@ -56,6 +57,7 @@ __all__ = [
     "TIMING_KEYS",
     "AuthenticationError",
     "Batch",
+    "BlockLost",
     "Client",
     "ClientSettings",
     "ConfigurationError",

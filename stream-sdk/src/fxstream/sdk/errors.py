@@ -18,6 +18,7 @@ from fxstream.topics import Attempt, TaskError
 
 __all__ = [
     "AuthenticationError",
+    "BlockLost",
     "ConfigurationError",
     "FxstreamError",
     "InvalidRequest",
@@ -252,6 +253,11 @@ class WorkerLost(TaskExecutionFailed):
     """The worker running the task died (killed, crashed, out of memory)."""
 
 
+class BlockLost(WorkerLost):
+    """The batch scheduler's job (block) running the task ended under it (cancelled, past
+    its walltime, a node failed), on every attempt the agent made (docs/hpc.md)."""
+
+
 class WalltimeExceeded(TaskExecutionFailed):
     """The task ran past its walltime and its worker was killed."""
 
@@ -259,6 +265,7 @@ class WalltimeExceeded(TaskExecutionFailed):
 _PLATFORM_ERRORS: dict[str, type[TaskExecutionFailed]] = {
     "TaskRejected": TaskRejected,
     "WorkerLost": WorkerLost,
+    "BlockLost": BlockLost,
     "WalltimeExceeded": WalltimeExceeded,
 }
 
