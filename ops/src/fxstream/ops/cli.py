@@ -619,6 +619,45 @@ def bench_coldstart(
         raise typer.Exit(1) from exc
 
 
+@bench_app.command("scaling")
+def bench_scaling(
+    workers: Annotated[
+        str, typer.Option(help="Comma-separated worker counts (one block of each).")
+    ] = "8,16,32,64,128,256",
+    tasks_per_worker: Annotated[
+        int, typer.Option(min=1, help="Weak scaling: sleep tasks per worker.")
+    ] = 10,
+    task_s: Annotated[float, typer.Option(min=0.0, help="Each task's sleep, seconds.")] = 1.0,
+    strong_tasks: Annotated[
+        int, typer.Option(min=1, help="Strong scaling: the fixed batch of sleep tasks.")
+    ] = 512,
+    slurm: Annotated[
+        bool, typer.Option(help="Also run the smallest size as a job of a real Slurm (root).")
+    ] = False,
+) -> None:
+    """funcX's weak and strong scaling through the batch engine (Parsl HTEX blocks)."""
+    from fxstream.ops.bench.scaling import run_scaling_bench
+
+    try:
+        if not all(w.isdigit() for w in _labels(workers)):
+            raise ValueError(f"--workers takes whole numbers separated by commas, not {workers!r}")
+        sizes = [int(w) for w in _labels(workers)]
+        run_scaling_bench(
+            console=console,
+            workers=sizes,
+            tasks_per_worker=tasks_per_worker,
+            task_s=task_s,
+            strong_tasks=strong_tasks,
+            slurm=slurm,
+        )
+    except ValueError as exc:
+        err.print(f"[red]bench scaling:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    except RuntimeError as exc:
+        err.print(f"[red]bench scaling failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+
+
 @bench_app.command("routing")
 def bench_routing(
     tasks: Annotated[
