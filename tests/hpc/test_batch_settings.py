@@ -45,6 +45,9 @@ def test_the_documented_slurm_endpoint_loads_and_builds_a_slurm_provider(
     assert (provider.min_blocks, provider.max_blocks, provider.init_blocks) == (0, 2, 0)
     assert isinstance(provider.launcher, SrunLauncher)
     assert config.batch_settings().workers_per_block(cores_per_node=64) == 4
+    assert provider.status_polling_interval == 60  # Parsl's default for Slurm
+    quicker = BatchSettings(provider="slurm", status_period_s=5).build_provider()
+    assert isinstance(quicker, SlurmProvider) and quicker.status_polling_interval == 5
 
 
 def test_the_documented_pbs_pro_endpoint_loads_and_builds_a_pbs_provider(
@@ -90,6 +93,7 @@ def test_a_saved_batch_section_loads_back(tmp_path: Path, monkeypatch: pytest.Mo
         ({"launcher": "srun"}, "srun needs provider slurm"),
         ({"strategy": "greedy"}, "batch.strategy 'greedy' is not one of"),
         ({"partiton": "debug"}, "unknown batch setting(s) ['partiton']"),
+        ({"status_period_s": 0.5}, "status_period_s must be at least 1 second"),
     ],
 )
 def test_a_batch_setting_that_cannot_work_is_refused_by_name(

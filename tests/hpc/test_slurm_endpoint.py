@@ -64,6 +64,7 @@ def endpoint(stack: Stack, slurm: SlurmCluster) -> Iterator[ExtraEndpoint]:
         max_blocks=1,
         max_idletime_s=30,
         strategy_period_s=1,
+        status_period_s=2,
     )
     batch = {key: value for key, value in batch.items() if value is not None}
     with added_endpoint(

@@ -62,6 +62,7 @@ def engine(slurm: SlurmCluster, tmp_path: Path) -> Iterator[BatchEngine]:
         max_workers_per_node=1,
         max_idletime_s=5,
         strategy_period_s=1,
+        status_period_s=2,
     )
     run_dir = tmp_path / "run"
     engine = BatchEngine(BatchSettings(**batch), RUNNER, run_dir, label=label_for(run_dir))

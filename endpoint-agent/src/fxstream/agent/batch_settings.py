@@ -107,6 +107,10 @@ class BatchSettings:
     walltime: str | None = None
     scheduler_options: str | None = None
     cmd_timeout_s: int = 60
+    # How often the provider asks the scheduler about its blocks (None: Parsl's default,
+    # 60 s for Slurm, PBS Pro and the others; 5 s for local): how soon a block the
+    # scheduler ended is seen as gone, and replaced.
+    status_period_s: float | None = None
 
     def validate(self) -> None:
         """Raise :class:`BatchSettingsError` naming the setting when a value cannot work."""
@@ -139,6 +143,8 @@ class BatchSettings:
             raise BatchSettingsError(
                 "batch.max_idletime_s must be >= 0 and batch.strategy_period_s positive"
             )
+        if self.status_period_s is not None and self.status_period_s < 1:
+            raise BatchSettingsError("batch.status_period_s must be at least 1 second")
         if self.cmd_timeout_s < 1:
             raise BatchSettingsError("batch.cmd_timeout_s must be at least 1")
         if self.walltime is not None and not _WALLTIME.match(self.walltime):
@@ -218,4 +224,19 @@ class BatchSettings:
             provider = CondorProvider(**common, **options)
         else:
             provider = GridEngineProvider(**common, **options)
+        if self.status_period_s is not None:
+            _poll_every(provider, self.status_period_s)
         return provider
+
+
+def _poll_every(provider: ExecutionProvider, seconds: float) -> None:
+    """Make ``provider`` ask its scheduler every ``seconds``: Parsl's providers fix their
+    ``status_polling_interval`` as a read-only property of the class, so the instance gets
+    a subclass of its own class that answers ``seconds`` (nothing else changes)."""
+    base = type(provider)
+    polled = type(
+        base.__name__,
+        (base,),
+        {"status_polling_interval": property(lambda _self: seconds), "__module__": __name__},
+    )
+    provider.__class__ = polled

@@ -117,12 +117,16 @@ class EngineFeed:
             self._answers.publish(held, outcome)
         self.feed()
 
-    def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
-        submission = held.submission
-        limit = submission.max_retries
+    @staticmethod
+    def _retry_limit(held: Held, outcome: WorkOutcome) -> int:
+        limit = held.submission.max_retries
         if outcome.error_type == BLOCK_LOST:  # a scheduler job ended: never the task's doing
             limit = max(limit, BLOCK_LOSS_RETRIES)
-        if outcome.ok or len(held.earlier) >= limit:
+        return limit
+
+    def _should_retry(self, held: Held, outcome: WorkOutcome) -> bool:
+        submission = held.submission
+        if outcome.ok or len(held.earlier) >= self._retry_limit(held, outcome):
             return False
         if outcome.retryable:
             return True
@@ -161,7 +165,7 @@ class EngineFeed:
             held.attempt,
             outcome.error_type,
             len(retry.earlier),
-            held.submission.max_retries,
+            self._retry_limit(held, outcome),
             delay,
         )
         self._answers.announce(retry, TaskStateName.RETRYING, failed, f"retry in {delay:.1f} s")

@@ -193,9 +193,10 @@ class SlurmCluster:
                     # A node that was down (the previous run's) comes back by itself.
                     "ReturnToService=2",
                     "MpiDefault=none",
-                    # Jobs are small here: find new ones and free ended ones quickly.
+                    # Jobs are small here: find new ones quickly. An ended job stays listed
+                    # (squeue) for MinJobAge's default 300 s: without accounting, that is
+                    # how Parsl's SlurmProvider learns a block was cancelled.
                     "SchedulerParameters=sched_interval=2",
-                    "MinJobAge=30",
                     "KillWait=5",
                     f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} "
                     f"RealMemory={self.memory_mb} State=UNKNOWN",
