@@ -8,10 +8,11 @@ the time from the first submit to the last result, and the efficiency the ideal 
 (``tasks_per_worker`` x ``task_s``) over it. *Strong scaling*: a fixed batch of
 ``strong_tasks`` sleeps over the same worker counts (speed-up against the smallest).
 
-The block is started, and all its workers connected, before the clock starts: the
-figures are of scheduling and running, not of starting processes (that is the cold
-start, ``bench coldstart``). With ``--slurm`` the smallest size is run again with its
-block as a job of a real single-node Slurm (``fxstream.ops.slurm``; root only).
+The block is started, all its workers connected and each warmed by a round of short
+sleeps before the clock starts: the figures are of scheduling and running, not of
+starting processes (that is the cold start, ``bench coldstart``). With ``--slurm`` the
+smallest size is run again with its block as a job of a real single-node Slurm
+(``fxstream.ops.slurm``; root only).
 Workers are processes: 256 of them use several GB of memory and, on 2 cores, take
 minutes to start.
 """
@@ -64,6 +65,9 @@ def _item(task_s: float) -> WorkItem:
 def _engine(workers: int, run_dir: Path, provider: dict[str, Any]) -> Iterator[BatchEngine]:
     settings = BatchSettings(
         max_workers_per_node=workers,
+        # Sleeping tasks: as many workers as asked, whatever the cores (Parsl's manager
+        # otherwise starts one per cores_per_worker cores: 2 here).
+        cores_per_worker=0.001,
         init_blocks=1,
         min_blocks=1,
         max_blocks=1,
@@ -118,6 +122,7 @@ def run_scaling_bench(
         for size in sizes:
             console.print(f"{size} workers: starting a block ...")
             with _engine(size, Path(scratch) / f"w{size}", {"provider": "local"}) as engine:
+                _run(engine, 2 * size, 0.1)  # every worker started and warm: not timed
                 weak_s.append(round(_run(engine, tasks_per_worker * size, task_s), 3))
                 strong_s.append(round(_run(engine, strong_tasks, task_s), 3))
             console.print(f"  weak {weak_s[-1]:.2f} s, strong {strong_s[-1]:.2f} s")
@@ -160,6 +165,7 @@ def _slurm_run(
         try:
             provider = {"provider": "slurm", "partition": cluster.partition, "exclusive": False}
             with _engine(size, scratch / "slurm-run", provider) as engine:
+                _run(engine, 2 * size, 0.1)
                 elapsed = round(_run(engine, tasks_per_worker * size, task_s), 3)
         finally:
             if previous is None:
