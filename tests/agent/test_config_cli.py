@@ -97,7 +97,7 @@ def test_bad_files_name_the_problem(endpoints_dir: Path, text: str, message: str
     ("changes", "message"),
     [
         ({"workers": 0}, "workers"),
-        ({"engine": "slurm"}, "'process' (warm local worker"),
+        ({"engine": "slurm"}, "is not available: 'process'"),
         ({"name": "bad name"}, "not usable"),
     ],
 )
