@@ -37,6 +37,14 @@ so nothing downstream knows groups exist. A cancel of a grouped task is sent by 
 SDK once per candidate (no state lookup here): the agents that do not hold the task
 ignore it.
 
+A submission with parents whose results it does not carry
+(:meth:`TaskSubmission.unresolved`, issue 15's task DAGs) is authorised the same way,
+but held instead of dispatched: the router writes a :class:`HeldTask` (the submission's
+bytes, its parents) to ``held-tasks`` and a ``waiting-for-parents`` state, in the same
+transaction. The dependencies processor (:mod:`fxstream.service.dependencies`) releases
+it to the submitter's own topic with the parents' results once they have all
+succeeded; the router then authorises and routes it like any other submission.
+
 Every record is keyed by task id, so Kafka's default partitioner puts all of a
 task's records on the same partition number of each topic. :meth:`Router.plan`
 does no writing: the faust agent in :mod:`fxstream.service.processors` sends
@@ -61,6 +69,7 @@ from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
     FunctionRecord,
+    HeldTask,
     RawRecord,
     RecordDecodeError,
     TaskCancel,
@@ -105,6 +114,7 @@ class RouterStats:
     """Counts since start, logged at shutdown."""
 
     routed: int = 0
+    held: int = 0
     rejected: int = 0
     dead_lettered: int = 0
     catch_ups: int = 0
@@ -323,7 +333,9 @@ class Router:
     def _plan_one(
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
     ) -> None:
-        if decision.refusal is None:
+        if decision.refusal is None and decision.submission.unresolved():
+            self._plan_held(plan, decision.record, decision.submission, now)
+        elif decision.refusal is None:
             self._plan_routed(plan, decision.record, decision.submission, decision.endpoint, now)
         else:
             self._plan_refused(plan, decision, now, results_present)
@@ -456,6 +468,36 @@ class Router:
             )
         )
         self.stats.routed += 1
+
+    def _plan_held(
+        self, plan: RoutePlan, record: RawRecord, submission: TaskSubmission, now: float
+    ) -> None:
+        """Hold an authorised task until its parents succeed (the dependencies processor
+        releases or fails it): its held record and its ``waiting-for-parents`` state."""
+        key = submission.task_id.encode()
+        held = HeldTask(
+            task_id=submission.task_id,
+            user_id=submission.user_id,
+            depends_on=list(submission.depends_on),
+            held_at=now,
+            submission=record.value or b"",
+        )
+        state = _state(
+            submission,
+            TaskStateName.WAITING_FOR_PARENTS,
+            now,
+            TaskTimings(submitted_at=submission.submitted_at),
+        )
+        plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
+        plan.first.append(
+            Outgoing(
+                self._catalogue.held_tasks,
+                key,
+                encode(held),
+                _forwarded_headers(record.headers),
+            )
+        )
+        self.stats.held += 1
 
     def _plan_refused(
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
