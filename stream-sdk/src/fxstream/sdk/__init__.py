@@ -22,6 +22,9 @@ from fxstream.sdk.errors import (
     FxstreamError,
     InvalidRequest,
     NotFound,
+    ParentFailed,
+    ParentResultUnavailable,
+    ParentUnknown,
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
@@ -50,6 +53,7 @@ from fxstream.sdk.streams import (
     stream_consumer,
     stream_producer,
 )
+from fxstream.topics import ParentResult
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",
@@ -68,6 +72,10 @@ __all__ = [
     "KafkaStreamProducer",
     "KafkaSubscriber",
     "NotFound",
+    "ParentFailed",
+    "ParentResult",
+    "ParentResultUnavailable",
+    "ParentUnknown",
     "PayloadTooLarge",
     "PermissionDenied",
     "RateLimited",
