@@ -186,8 +186,8 @@ def test_a_future_inside_an_argument_is_refused_and_its_advice_works(stack: Stac
             with pytest.raises(SerializationError, match=r"as a top-level argument"):
                 executor.submit(total, nested)  # type: ignore[arg-type]
         # The advice, either way: the future itself as a top-level argument ...
-        assert executor.submit(add_one, first).result(timeout=WAIT_S) == 3
-        assert executor.submit(add_one, x=first).result(timeout=WAIT_S) == 3
+        assert executor.submit(add_one, first).result(timeout=WAIT_S) == 3  # type: ignore[arg-type]
+        assert executor.submit(add_one, x=first).result(timeout=WAIT_S) == 3  # type: ignore[arg-type]
         # ... or its value, inside the container.
         assert executor.submit(total, [first.result(timeout=WAIT_S), 1]).result(timeout=WAIT_S) == 3
 

@@ -111,10 +111,10 @@ def test_parents_are_bounded_and_made_of_ids() -> None:
 
 
 def test_the_vocabulary_has_the_dag_failures_and_state() -> None:
-    assert TaskErrorType.PARENT_FAILED == "ParentFailed"
-    assert TaskErrorType.PARENT_UNKNOWN == "ParentUnknown"
-    assert TaskErrorType.PARENT_RESULT_UNAVAILABLE == "ParentResultUnavailable"
-    assert TaskStateName.WAITING_FOR_PARENTS == "waiting-for-parents"
+    assert str(TaskErrorType.PARENT_FAILED) == "ParentFailed"
+    assert str(TaskErrorType.PARENT_UNKNOWN) == "ParentUnknown"
+    assert str(TaskErrorType.PARENT_RESULT_UNAVAILABLE) == "ParentResultUnavailable"
+    assert str(TaskStateName.WAITING_FOR_PARENTS) == "waiting-for-parents"
 
 
 def test_a_held_task_keeps_the_submission_s_bytes() -> None:
