@@ -159,7 +159,10 @@ def test_an_undecodable_held_submission_is_dead_lettered() -> None:
     broken = HeldEntry(
         HeldTask(task_id="child-1", user_id="alice", depends_on=["a"], held_at=NOW, submission=b"x")
     )
-    decision = _planner({}).decide(broken)
+    # Read only once its parents decide it: a waiting task is not decoded every sweep.
+    assert _planner({}).decide(broken) is None
+    states = {"a": _state("a", TaskStateName.SUCCEEDED, value=b"x")}
+    decision = _planner(states).decide(broken)
     assert decision is not None and decision.outcome == "dead-lettered"
     assert decision.records[0].topic == CATALOGUE.dead_letter
 

@@ -161,51 +161,47 @@ class DependencyPlanner:
         written there; else as a ``failed`` state only).
         """
         held = entry.held
-        try:
-            submission = decode(held.submission, TaskSubmission)
-        except RecordDecodeError as exc:
-            return self.dead_letter(entry, f"the held submission does not decode: {exc.reason}")
         waiting = False
         values: dict[str, bytes] = {}
-        for parent in submission.depends_on:
+        failure: tuple[TaskErrorType, str] | None = None
+        # Only the held record's parents are read here (every sweep looks at every held
+        # task); the submission is decoded once a decision is reached.
+        for parent in held.depends_on:
             state = self._lookup(parent)
-            if state is None or state.user_id != submission.user_id:
+            if state is None or state.user_id != held.user_id:
                 if state is None and self._clock() - held.held_at < self._grace_s:
                     waiting = True
                     continue
-                return self.fail(
-                    entry,
-                    submission,
+                failure = (
                     TaskErrorType.PARENT_UNKNOWN,
-                    f"parent task {parent} is not a task of user {submission.user_id}: no "
-                    "such task was submitted by that user (a parent is named by the id of "
-                    "one of your own tasks, submitted before or with this one)",
-                    results_present=results_present,
+                    f"parent task {parent} is not a task of user {held.user_id}: no such "
+                    "task was submitted by that user (a parent is named by the id of one of "
+                    "your own tasks, submitted before or with this one)",
                 )
+                break
             if state.state in _FAILED:
-                return self.fail(
-                    entry,
-                    submission,
-                    TaskErrorType.PARENT_FAILED,
-                    _parent_failed(parent, state),
-                    results_present=results_present,
-                )
+                failure = (TaskErrorType.PARENT_FAILED, _parent_failed(parent, state))
+                break
             if state.state is not TaskStateName.SUCCEEDED:
                 waiting = True
                 continue
             if state.value is None:
-                return self.fail(
-                    entry,
-                    submission,
+                failure = (
                     TaskErrorType.PARENT_RESULT_UNAVAILABLE,
                     f"parent task {parent} succeeded, but task-state does not keep its result "
                     "(too large to keep there): configure the parent's endpoint with a proxy "
                     "store (store_url) so large results travel by reference",
-                    results_present=results_present,
                 )
+                break
             values[parent] = state.value
-        if waiting:
+        if failure is None and waiting:
             return None
+        try:
+            submission = decode(held.submission, TaskSubmission)
+        except RecordDecodeError as exc:
+            return self.dead_letter(entry, f"the held submission does not decode: {exc.reason}")
+        if failure is not None:
+            return self.fail(entry, submission, *failure, results_present=results_present)
         return self._release(entry, submission, values, results_present=results_present)
 
     def _release(
@@ -401,25 +397,14 @@ class DependencyLoop(StoppableLoop):
                 )
             await self._producer.start()
             await self._consumer.start()
-            partitions = [
-                TopicPartition(self._catalogue.held_tasks, p)
-                for p in sorted(
-                    self._consumer.partitions_for_topic(self._catalogue.held_tasks) or ()
-                )
-            ]
-            if not partitions:
-                await self._consumer.force_metadata_update()
-                partitions = [
-                    TopicPartition(self._catalogue.held_tasks, p)
-                    for p in sorted(
-                        self._consumer.partitions_for_topic(self._catalogue.held_tasks) or ()
-                    )
-                ]
-            if not partitions:
+            # Where held-tasks ends now: what the table must be read to before deciding.
+            ends = await self._directory.end_offsets([self._catalogue.held_tasks])
+            if not ends:
                 raise RuntimeError(
                     f"topic {self._catalogue.held_tasks} is missing: run ./fx up first"
                 )
-            self._consumer.assign(partitions)
+            partitions = {TopicPartition(topic, p): end for (topic, p), end in ends.items()}
+            self._consumer.assign(list(partitions))
             await self._consumer.seek_to_beginning(*partitions)
             await self._load(partitions)
             log.info("dependencies: %d task(s) held at start", len(self.table))
@@ -446,9 +431,9 @@ class DependencyLoop(StoppableLoop):
             await asyncio.to_thread(self._view.close)
             self._done.set()
 
-    async def _load(self, partitions: list[Any]) -> None:
-        """Read ``held-tasks`` to the end it had at start (the table as it stands)."""
-        ends = await self._consumer.end_offsets(partitions)
+    async def _load(self, ends: dict[Any, int]) -> None:
+        """Read ``held-tasks`` to ``ends``, where it ended at start (the table as it stands)."""
+        partitions = list(ends)
         started = time.monotonic()
         warned = started
         while not self._stopping.is_set():
