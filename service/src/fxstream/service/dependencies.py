@@ -56,6 +56,7 @@ from typing import Any, Final, Literal, NoReturn
 
 import msgspec
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition  # type: ignore[import-untyped]
+from aiokafka.errors import ProducerFenced  # type: ignore[import-untyped]
 
 from fxstream.service.batch_loop import StoppableLoop
 from fxstream.service.held_table import HeldEntry, HeldTable
@@ -544,6 +545,10 @@ class DependencyLoop(StoppableLoop):
                 await self._transact(decisions)
                 self.stats.transactions += 1
                 return
+            except ProducerFenced:
+                # Another dependencies processor with this transactional id started (or the
+                # coordinator timed the transaction out): it, or the restarted one, decides.
+                self._exit("dependencies: fenced by another producer with this id")
             except Exception as exc:
                 if refuses_record(exc):
                     await self._restart_producer()
