@@ -102,7 +102,7 @@ log = logging.getLogger(__name__)
 COMPONENT = "dependencies"
 UNKNOWN_PARENT_GRACE_S: Final = 60.0
 """How long a held task waits for a parent of which task-state has no state yet."""
-SWEEP_S: Final = 1.0
+SWEEP_S: Final = 2.0
 """How often every held task is looked at again (the grace above expires here)."""
 # A parent's error message is quoted up to this many bytes in its children's.
 PARENT_MESSAGE_MAX_BYTES: Final = 4_096
