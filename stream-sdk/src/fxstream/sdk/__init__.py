@@ -5,6 +5,10 @@
 - :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
   ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
 - :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- Task DAGs: a :class:`TaskFuture` (or a :class:`ParentResult` naming a task by id) passed
+  as a top-level argument makes that task a parent: the service runs the task once its
+  parents succeeded, with their results (by reference); a failed parent fails it with
+  :class:`ParentFailed`.
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
   Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
