@@ -9,12 +9,22 @@ from collections.abc import Iterator
 
 import pytest
 
-from fxstream.sdk import Client, ParentResult, TaskFuture
+from fxstream.sdk import (
+    Client,
+    ParentFailed,
+    ParentResult,
+    ParentResultUnavailable,
+    ParentUnknown,
+    TaskExecutionFailed,
+    TaskFuture,
+)
+from fxstream.sdk.errors import task_failure
 from fxstream.topics import (
     MAX_PARENTS,
     KafkaConnection,
     SerializationError,
     Serializer,
+    TaskError,
     TaskSubmission,
     decode,
 )
@@ -86,3 +96,20 @@ def test_too_many_parents_are_refused(client: Client) -> None:
     parents = tuple(_future(f"p-{i}") for i in range(MAX_PARENTS + 1))
     with pytest.raises(ValueError, match=f"at most {MAX_PARENTS} tasks"):
         client.prepare_task("ep-1", "fn-1", parents)
+
+
+@pytest.mark.parametrize(
+    ("error_type", "cls"),
+    [
+        ("ParentFailed", ParentFailed),
+        ("ParentUnknown", ParentUnknown),
+        ("ParentResultUnavailable", ParentResultUnavailable),
+    ],
+)
+def test_the_dag_failures_raise_their_own_classes_naming_the_parent(
+    error_type: str, cls: type[TaskExecutionFailed]
+) -> None:
+    error = TaskError(type=error_type, message="parent task p-7 failed: ValueError: no")
+    failure = task_failure("c-1", error)
+    assert type(failure) is cls and isinstance(failure, TaskExecutionFailed)
+    assert failure.parent_id == "p-7"  # type: ignore[attr-defined]
