@@ -22,6 +22,7 @@ from confluent_kafka import Message
 
 from fxstream.topics import (
     HeldTask,
+    TaskCancel,
     TaskDispatch,
     TaskError,
     TaskResult,
@@ -221,6 +222,41 @@ def test_parents_already_ended_or_not_the_users_are_decided_at_once(running: Run
     unknown = error_result_of(dep.reader(dep.catalogue.results(USER)), foreign.task_id)
     assert unknown.error is not None and unknown.error.type == "ParentUnknown"
     assert f"parent task {theirs} is not a task of user {USER}" in unknown.error.message
+
+
+def test_a_held_task_is_cancelled_by_its_submitters_cancel(running: Running) -> None:
+    dep = running.dep
+    parent = new_task_id()
+    task = child(parent)
+    submit(dep, task)
+    states = dep.reader(dep.catalogue.task_state)
+    states.wait_for(in_state(task.task_id, TaskStateName.WAITING_FOR_PARENTS))
+    cancel = TaskCancel(
+        task_id=task.task_id,
+        user_id=USER,
+        endpoint_id=ENDPOINT,
+        requested_at=time.time(),
+        reason="not needed",
+        kill=False,
+    )
+    dep.produce(dep.catalogue.from_user(USER), task.task_id, encode(cancel))
+    result = error_result_of(dep.reader(dep.catalogue.results(USER)), task.task_id)
+    assert result.error is not None and result.error.type == "TaskCancelled"
+    assert result.error.message == "cancelled while waiting for its parents: not needed"
+    states.wait_for(in_state(task.task_id, TaskStateName.CANCELLED))
+    held = dep.reader(dep.catalogue.held_tasks)
+    held.wait_for(tombstone_of(task.task_id), WAIT_S)
+    # Its parent succeeding later releases nothing: it is no longer held.
+    finish(dep, parent, value=b"fxpk\nlate")
+    states.wait_for(in_state(parent, TaskStateName.SUCCEEDED))
+    queue = dep.reader(dep.catalogue.endpoint_queue(ENDPOINT))
+    quiet(queue)
+    assert [decode(m.value(), TaskCancel).task_id for m in queue.keyed(task.task_id)] == [
+        task.task_id
+    ]  # only the forwarded cancel, never a dispatch
+    quiet(held)
+    # The held record, the cancel's copy, and tombstones: nothing is left held.
+    assert held.keyed(task.task_id)[-1].value() is None
 
 
 def test_a_held_task_is_decided_exactly_once_across_a_sigkill(running: Running) -> None:

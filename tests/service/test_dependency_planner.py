@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from fxstream.service.dependencies import DependencyPlanner
@@ -15,6 +16,7 @@ from fxstream.topics import (
     Catalogue,
     ClientInfo,
     HeldTask,
+    TaskCancel,
     TaskError,
     TaskErrorType,
     TaskResult,
@@ -178,3 +180,22 @@ def test_the_held_table_finds_children_by_parent_and_forgets_them() -> None:
     table.put(_child("b", task_id="c-2"))  # the same id again: replaced
     assert table.children_of("a") == [] and table.children_of("b") == ["c-2"]
     assert [e.task_id for e in table] == ["c-2"] and "c-2" in table
+
+
+def test_a_held_task_cancelled_by_its_submitter_ends_cancelled_by_another_not() -> None:
+    entry = _child("a")
+    mine = TaskCancel(
+        task_id="child-1", user_id="alice", endpoint_id="ep-1", requested_at=NOW, reason="enough"
+    )
+    decision = _planner({}).cancel(entry, mine)
+    assert decision.outcome == "cancelled"
+    (record,) = decision.records
+    result = decode(record.value, TaskResult)
+    assert result.error is not None and result.error.type == TaskErrorType.CANCELLED
+    assert result.error.message == "cancelled while waiting for its parents: enough"
+    without_results = _planner({}).cancel(entry, mine, results_present=False)
+    state = decode(without_results.records[0].value, TaskState)
+    assert state.state is TaskStateName.CANCELLED
+    theirs = msgspec.structs.replace(mine, user_id="mallory")
+    ignored = _planner({}).cancel(entry, theirs)
+    assert ignored.outcome == "cleared" and ignored.records == ()

@@ -23,6 +23,10 @@ processor decides each held task:
 - a parent that succeeded but whose state keeps no value (too large for task-state), or
   parents whose results would make the task too large to route:
   ``ParentResultUnavailable``.
+- a cancel by its submitter (the router copies every authorised cancel to
+  ``held-tasks`` under the task's key, after its held record): ``cancelled`` (an error
+  result ``TaskCancelled``); the cancel of a task not held (any other) is cleared with a
+  tombstone.
 
 A failure is an error :class:`~fxstream.topics.TaskResult` on ``results.<user>`` (the
 submitter's future fails with it; the task-state processor folds it into ``failed``).
@@ -70,6 +74,7 @@ from fxstream.topics import (
     HeldTask,
     KafkaConnection,
     RecordDecodeError,
+    TaskCancel,
     TaskError,
     TaskErrorType,
     TaskResult,
@@ -84,6 +89,7 @@ from fxstream.topics import (
     encode,
     max_submission_bytes,
     normalise_headers,
+    record_kind,
     truncate_utf8,
 )
 
@@ -124,6 +130,8 @@ class DependencyStats:
     held_read: int = 0
     released: int = 0
     failed: int = 0
+    cancelled: int = 0
+    cancels_cleared: int = 0
     dead_lettered: int = 0
     transactions: int = 0
 
@@ -133,7 +141,7 @@ class Decision:
     """What to write for one held task: ``records``, then its tombstone on ``held-tasks``."""
 
     task_id: str
-    outcome: Literal["released", "failed", "dead-lettered"]
+    outcome: Literal["released", "failed", "cancelled", "cleared", "dead-lettered"]
     records: tuple[Outgoing, ...]
     error: TaskError | None = None
 
@@ -243,7 +251,8 @@ class DependencyPlanner:
         *,
         results_present: bool = True,
     ) -> Decision:
-        """Fail a held task: its error result (or, without a results topic, its state)."""
+        """Fail a held task: its error result (or, without a results topic, its state;
+        ``cancelled`` for a ``TaskCancelled`` error)."""
         key = submission.task_id.encode()
         error = TaskError(type=str(error_type), message=message)
         timings = TaskTimings(submitted_at=submission.submitted_at)
@@ -261,20 +270,45 @@ class DependencyPlanner:
             )
             record = Outgoing(self._catalogue.results(submission.user_id), key, encode(result))
         else:
+            cancelled = error_type is TaskErrorType.CANCELLED
             state = TaskState(
                 task_id=submission.task_id,
                 user_id=submission.user_id,
                 function_id=submission.function_id,
                 endpoint_id=submission.endpoint_id,
                 task_group_id=submission.task_group_id,
-                state=TaskStateName.FAILED,
+                state=TaskStateName.CANCELLED if cancelled else TaskStateName.FAILED,
                 updated_at=self._clock(),
                 timings=timings,
                 error=error,
                 tags=submission.tags,
             )
             record = Outgoing(self._catalogue.task_state, key, encode(state))
-        return Decision(submission.task_id, "failed", (record,), error)
+        outcome: Literal["failed", "cancelled"] = (
+            "cancelled" if error_type is TaskErrorType.CANCELLED else "failed"
+        )
+        return Decision(submission.task_id, outcome, (record,), error)
+
+    def cancel(
+        self, entry: HeldEntry, cancel: TaskCancel, *, results_present: bool = True
+    ) -> Decision:
+        """A cancel of a held task: by its submitter, the task ends ``cancelled`` (it never
+        ran); by anyone else, nothing happens (the cancel is cleared, as the agent
+        ignores another user's cancel)."""
+        if cancel.user_id != entry.held.user_id:
+            return Decision(entry.task_id, "cleared", ())
+        try:
+            submission = decode(entry.held.submission, TaskSubmission)
+        except RecordDecodeError as exc:
+            return self.dead_letter(entry, f"the held submission does not decode: {exc.reason}")
+        why = f": {cancel.reason}" if cancel.reason else ""
+        return self.fail(
+            entry,
+            submission,
+            TaskErrorType.CANCELLED,
+            f"cancelled while waiting for its parents{why}",
+            results_present=results_present,
+        )
 
     def dead_letter(self, entry: HeldEntry, reason: str) -> Decision:
         """Give up on a held record that cannot be decided (it does not decode)."""
@@ -343,6 +377,8 @@ class DependencyLoop(StoppableLoop):
         self._ended: set[str] = set()
         self._due: set[str] = set()
         self._bad: list[Decision] = []
+        # Cancels read from held-tasks and not yet acted on, by task id.
+        self._cancels: dict[str, TaskCancel] = {}
         self._producer: Any = None
         largest = max(spec.max_message_bytes for spec in catalogue.specs)
         self._consumer_settings: dict[str, Any] = {
@@ -410,6 +446,7 @@ class DependencyLoop(StoppableLoop):
             await self._load(partitions)
             log.info("dependencies: %d task(s) held at start", len(self.table))
             self._due.update(entry.task_id for entry in self.table)
+            self._due.update(self._cancels)
             swept = time.monotonic()
             while not self._stopping.is_set():
                 fetched = await self._consumer.getmany(timeout_ms=20, max_records=self._batch_size)
@@ -456,8 +493,22 @@ class DependencyLoop(StoppableLoop):
             for record in records:
                 key = (record.key or b"").decode(errors="replace")
                 if record.value is None:
+                    # Decided (or its cancel cleared): nothing of the key is left to act on.
+                    # A cancel read before this tombstone was acted on, or came too late.
                     self.table.remove(key)
+                    self._cancels.pop(key, None)
                     self._due.discard(key)
+                    continue
+                if record_kind(record.value) == "cancel":
+                    # The router's copy of a cancel (every task's): after the task's held
+                    # record, if it was held (same key, same partition).
+                    try:
+                        self._cancels[key] = decode(record.value, TaskCancel)
+                    except RecordDecodeError as exc:
+                        self._bad_record(record, key, exc.reason)
+                        continue
+                    if not load:
+                        self._due.add(key)
                     continue
                 headers = tuple(
                     (name, value)
@@ -501,15 +552,24 @@ class DependencyLoop(StoppableLoop):
 
     async def _decide(self) -> None:
         due, self._due = self._due, set()
+        decisions = list(self._bad)
+        cancels = {t: self._cancels.pop(t) for t in sorted(due) if t in self._cancels}
+        for task_id in cancels:
+            if task_id not in self.table:  # released, decided, or never held: nothing to do
+                decisions.append(Decision(task_id, "cleared", ()))
         entries = [e for e in (self.table.get(t) for t in sorted(due)) if e is not None]
         users = {e.held.user_id for e in entries}
         present = await self._directory.present(self._catalogue.results(u) for u in users)
-        decisions = list(self._bad)
         for entry in entries:
+            results_present = self._catalogue.results(entry.held.user_id) in present
+            cancel = cancels.get(entry.task_id)
             try:
-                decision = self.planner.decide(
-                    entry, results_present=self._catalogue.results(entry.held.user_id) in present
-                )
+                if cancel is not None:
+                    decision: Decision | None = self.planner.cancel(
+                        entry, cancel, results_present=results_present
+                    )
+                else:
+                    decision = self.planner.decide(entry, results_present=results_present)
             except Exception as exc:  # a bug here must cost one task, not the processor
                 log.exception("dependencies: cannot decide task %s", entry.task_id)
                 decision = self.planner.dead_letter(entry, f"dependencies failed: {exc!r}")
@@ -526,6 +586,11 @@ class DependencyLoop(StoppableLoop):
                 self.stats.released += 1
             elif decision.outcome == "failed":
                 self.stats.failed += 1
+            elif decision.outcome == "cancelled":
+                self.stats.cancelled += 1
+            elif decision.outcome == "cleared":
+                self.stats.cancels_cleared += 1
+                continue  # every cancel of a task never held comes here: not worth a line
             else:
                 self.stats.dead_lettered += 1
             log.info(

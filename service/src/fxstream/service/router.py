@@ -22,9 +22,10 @@ code's digest (``FunctionChanged`` otherwise). What it writes:
 ``from.user.<user>`` also carries :class:`TaskCancel` records, keyed by task id
 like the submission they follow. An authorised cancel (the topic's user, an
 endpoint the user may use) is forwarded, bytes untouched, to
-``tasks.ep.<endpoint>`` after the batch's dispatches; a refused one is
-dead-lettered (``CancelRefused``) and changes nothing else. Same key, same
-partition number: the cancel reaches the endpoint queue after its task's
+``tasks.ep.<endpoint>`` after the batch's dispatches, and to ``held-tasks`` (under the
+task's key: a task held for its parents is cancelled there by the dependencies
+processor); a refused one is dead-lettered (``CancelRefused``) and changes nothing else.
+Same key, same partition number: the cancel reaches the endpoint queue after its task's
 dispatch, so the agent holding the task reads the task first and its cancel
 next, without any lookup of task state here (see docs/architecture.md).
 
@@ -327,6 +328,12 @@ class Router:
                     record.value or b"",
                     _forwarded_headers(record.headers),
                 )
+            )
+            # And to held-tasks, under the task's key (so after its held record, if it is
+            # held): the dependencies processor cancels a held task, and clears the cancel
+            # of any other (issue 15). The router does not know which tasks are held.
+            plan.dispatches.append(
+                Outgoing(self._catalogue.held_tasks, cancel.task_id.encode(), record.value or b"")
             )
             self.stats.cancels_forwarded += 1
 
