@@ -227,8 +227,10 @@ HELD_TASKS = TopicSpec(
     summary="Tasks held until their parents succeed (task DAGs): the submission as the router "
     "read it, its parents and when it was held; the dependencies processor releases it to its "
     "submitter's topic with the parents' results, or fails it, and writes a tombstone in the "
-    "same transaction, so holding survives restarts.",
-    written_by="router (holds), dependencies processor (tombstones)",
+    "same transaction, so holding survives restarts. The router also copies every authorised "
+    "cancel here (a TaskCancel under the task's key): a held task's cancels it; any other is "
+    "cleared with a tombstone.",
+    written_by="router (holds, copies of cancels), dependencies processor (tombstones)",
     read_by="dependencies processor",
     cleanup_policy=CleanupPolicy.COMPACT,
     partitions=4,

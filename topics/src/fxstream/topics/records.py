@@ -342,6 +342,10 @@ class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     ``concurrent.futures`` contract never stops an executing call) a task that
     has started runs on and is answered as usual: only a task not yet started
     is skipped.
+
+    A task held for its parents (issue 15) is on no endpoint's queue yet: the router
+    copies each authorised cancel to ``held-tasks`` too, where the dependencies processor
+    cancels the task if it holds it (kill or not: it has not started).
     """
 
     v: SchemaVersion = 2
