@@ -7,6 +7,8 @@ children, and theirs, with ParentFailed naming the parent; the children never ru
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,13 @@ import pytest
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.ops.private import ExtraEndpoint
 from fxstream.sdk import Client, Executor, ParentFailed, ParentResult, ParentUnknown
-from fxstream.topics import TaskErrorType, TaskSubmission, decode, payload_references
+from fxstream.topics import (
+    TaskErrorType,
+    TaskSubmission,
+    decode,
+    payload_references,
+    record_kind,
+)
 from tests.e2e.stack import (
     Stack,
     added_endpoint,
@@ -92,7 +100,9 @@ def _released(stack: Stack, client: Client, task_id: str) -> list[TaskSubmission
     """The submissions of ``task_id`` on its user's topic: as sent, then as released."""
     topic = stack.catalogue.from_user(client.user_id)
     return [
-        decode(m.value(), TaskSubmission) for m in committed_records(stack.kafka, topic, task_id)
+        decode(m.value(), TaskSubmission)
+        for m in committed_records(stack.kafka, topic, task_id)
+        if record_kind(m.value()) == "submission"  # not its cancels
     ]
 
 
@@ -164,6 +174,24 @@ def test_a_failed_parent_fails_its_children_and_theirs_naming_it(
         assert task["error"]["type"] == "ParentFailed"
         assert len(_released(stack, client, child.task_id)) == 1  # never released
     assert not ran.exists(), "a child of a failed parent ran"
+
+
+def test_a_held_task_cancelled_never_runs(
+    stack: Stack, endpoint: ExtraEndpoint, client: Client, tmp_path: Path
+) -> None:
+    ran = tmp_path / "cancelled-child-ran"
+    with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
+        a = executor.submit(slow_array, 10, 3.0)
+        b = executor.submit(marks, str(ran), a)
+        wait_for_state(client, b.task_id, "waiting-for-parents", timeout_s=WAIT_S)
+        client.cancel(b.task_id, reason="changed my mind")
+        with pytest.raises(concurrent.futures.CancelledError):
+            b.result(timeout=WAIT_S)
+        assert len(a.result(timeout=WAIT_S)) == 10
+    wait_for_state(client, b.task_id, "cancelled", timeout_s=WAIT_S)
+    time.sleep(1.0)  # the parent's end releases nothing: the child is no longer held
+    assert not ran.exists(), "a cancelled held task ran"
+    assert len(_released(stack, client, b.task_id)) == 1
 
 
 def test_a_child_of_a_parent_already_ended_is_decided_at_once(
