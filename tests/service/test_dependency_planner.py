@@ -198,4 +198,9 @@ def test_a_held_task_cancelled_by_its_submitter_ends_cancelled_by_another_not() 
     assert state.state is TaskStateName.CANCELLED
     theirs = msgspec.structs.replace(mine, user_id="mallory")
     ignored = _planner({}).cancel(entry, theirs)
-    assert ignored.outcome == "cleared" and ignored.records == ()
+    # Still held: its held record written again (compaction keeps it, not the cancel's copy).
+    assert ignored.outcome == "cleared" and not ignored.tombstone
+    (again,) = ignored.records
+    assert again.topic == CATALOGUE.held_tasks and again.key == b"child-1"
+    assert decode(again.value, HeldTask) == entry.held
+    assert again.headers == [("traceparent", b"00-abc")]

@@ -144,6 +144,8 @@ class Decision:
     outcome: Literal["released", "failed", "cancelled", "cleared", "dead-lettered"]
     records: tuple[Outgoing, ...]
     error: TaskError | None = None
+    tombstone: bool = True
+    """False when the task stays held (``records`` then write its held record again)."""
 
 
 class DependencyPlanner:
@@ -296,7 +298,15 @@ class DependencyPlanner:
         ran); by anyone else, nothing happens (the cancel is cleared, as the agent
         ignores another user's cancel)."""
         if cancel.user_id != entry.held.user_id:
-            return Decision(entry.task_id, "cleared", ())
+            # The task stays held; its held record is written again, so that record, not
+            # the cancel's copy, is what compaction keeps under its key.
+            again = Outgoing(
+                self._catalogue.held_tasks,
+                entry.task_id.encode(),
+                encode(entry.held),
+                list(entry.headers) or None,
+            )
+            return Decision(entry.task_id, "cleared", (again,), tombstone=False)
         try:
             submission = decode(entry.held.submission, TaskSubmission)
         except RecordDecodeError as exc:
@@ -581,7 +591,8 @@ class DependencyLoop(StoppableLoop):
         await self._commit(decisions)
         self._bad = []
         for decision in decisions:
-            self.table.remove(decision.task_id)
+            if decision.tombstone:
+                self.table.remove(decision.task_id)
             if decision.outcome == "released":
                 self.stats.released += 1
             elif decision.outcome == "failed":
@@ -648,8 +659,11 @@ class DependencyLoop(StoppableLoop):
                 self._exit(f"dependencies: Kafka refuses even a tombstone of {decision.task_id}")
 
     def _fallbacks(self, decision: Decision) -> Iterable[Decision]:
-        """``decision``, then a failure saying Kafka refused it, then the tombstone alone."""
+        """``decision``, then a failure saying Kafka refused it, then the tombstone alone
+        (for a task that stays held: ``decision`` only)."""
         yield decision
+        if not decision.tombstone:
+            return
         entry = self.table.get(decision.task_id)
         if decision.outcome == "released" and entry is not None:
             try:
@@ -679,6 +693,7 @@ class DependencyLoop(StoppableLoop):
             sent += [
                 await self._producer.send(self._catalogue.held_tasks, None, key=d.task_id.encode())
                 for d in decisions
+                if d.tombstone
             ]
             await asyncio.gather(*sent)
 
