@@ -26,7 +26,8 @@ processor decides each held task:
 - a cancel by its submitter (the router copies every authorised cancel to
   ``held-tasks`` under the task's key, after its held record): ``cancelled`` (an error
   result ``TaskCancelled``); the cancel of a task not held (any other) is cleared with a
-  tombstone.
+  tombstone; another user's cancel of a held task leaves it held (its held record is
+  written again, so compaction keeps it rather than the cancel's copy).
 
 A failure is an error :class:`~fxstream.topics.TaskResult` on ``results.<user>`` (the
 submitter's future fails with it; the task-state processor folds it into ``failed``).
