@@ -114,7 +114,7 @@ def test_a_three_level_dag_passes_data_by_reference(
     stack: Stack, endpoint: ExtraEndpoint, client: Client
 ) -> None:
     with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
-        a = executor.submit(slow_array, N, 3.0)
+        a = executor.submit(slow_array, N, 5.0)
         b1 = executor.submit(scaled, a, 2.0)
         b2 = executor.submit(scaled, a, factor=3.0)
         c = executor.submit(combined, b1, b2, offset=0.5)
