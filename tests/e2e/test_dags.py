@@ -181,7 +181,7 @@ def test_a_held_task_cancelled_never_runs(
 ) -> None:
     ran = tmp_path / "cancelled-child-ran"
     with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
-        a = executor.submit(slow_array, 10, 3.0)
+        a = executor.submit(slow_array, 10, 5.0)
         b = executor.submit(marks, str(ran), a)
         wait_for_state(client, b.task_id, "waiting-for-parents", timeout_s=WAIT_S)
         client.cancel(b.task_id, reason="changed my mind")
