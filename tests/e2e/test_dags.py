@@ -97,11 +97,13 @@ def client(stack: Stack) -> Iterator[Client]:
 
 
 def _released(stack: Stack, client: Client, task_id: str) -> list[TaskSubmission]:
-    """The submissions of ``task_id`` on its user's topic: as sent, then as released."""
+    """The submissions of ``task_id`` on its user's topic: as sent, then as released (in
+    time order: the SDK's and the service's producers partition by key differently)."""
     topic = stack.catalogue.from_user(client.user_id)
+    found = sorted(committed_records(stack.kafka, topic, task_id), key=lambda m: m.timestamp()[1])
     return [
         decode(m.value(), TaskSubmission)
-        for m in committed_records(stack.kafka, topic, task_id)
+        for m in found
         if record_kind(m.value()) == "submission"  # not its cancels
     ]
 
