@@ -173,12 +173,23 @@ def test_a_pickle_clients_refusal_advises_a_strategy_that_works(stack: Stack) ->
     assert tripled(5) == 15
 
 
-def test_a_future_as_an_argument_is_refused_and_its_advice_works(stack: Stack) -> None:
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
+def test_a_future_inside_an_argument_is_refused_and_its_advice_works(stack: Stack) -> None:
+    """A future as a top-level argument is a dependency (tests/e2e/test_dags.py); inside a
+    container nothing would replace it, so it is refused, saying what to do instead."""
     with stack.executor() as executor:
         first = executor.submit(add_one, 1)
-        with pytest.raises(SerializationError, match=r"future\.result\(\)"):
-            executor.submit(add_one, first)
-        assert executor.submit(add_one, first.result(timeout=WAIT_S)).result(timeout=WAIT_S) == 3
+        for nested in ([first, 1], {"x": first}):
+            with pytest.raises(SerializationError, match=r"as a top-level argument"):
+                executor.submit(total, nested)  # type: ignore[arg-type]
+        # The advice, either way: the future itself as a top-level argument ...
+        assert executor.submit(add_one, first).result(timeout=WAIT_S) == 3  # type: ignore[arg-type]
+        assert executor.submit(add_one, x=first).result(timeout=WAIT_S) == 3  # type: ignore[arg-type]
+        # ... or its value, inside the container.
+        assert executor.submit(total, [first.result(timeout=WAIT_S), 1]).result(timeout=WAIT_S) == 3
 
 
 # --- exit ------------------------------------------------------------------------------------

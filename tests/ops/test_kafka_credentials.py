@@ -28,7 +28,7 @@ def test_service_processes_are_named_their_credentials_file_not_given_the_secret
         for child in services.supervisor_spec().children
     }
     # The processors act as fxstream-service; the API manages accounts, as the admin.
-    for role in ("router", "task-state", "liveness", "ingress", "trigger"):
+    for role in ("router", "task-state", "liveness", "ingress", "trigger", "dependencies"):
         assert named[role] == str(services.service_credentials_file)
     assert named["api"] == str(services.api_credentials_file)
     text = json.dumps([(c.argv, c.env) for c in services.supervisor_spec().children])

@@ -21,6 +21,7 @@ from fxstream.topics import (
     EventPredicate,
     FunctionRecord,
     Heartbeat,
+    HeldTask,
     Record,
     RecordDecodeError,
     TaskCancel,
@@ -112,6 +113,13 @@ SAMPLES: list[Record] = [
         updated_at=NOW,
         attempts=[Attempt(attempt=1, worker="h:1", error=ERROR)],
         error=ERROR,
+    ),
+    HeldTask(
+        task_id="t-3",
+        user_id="alice",
+        depends_on=["t-1", "t-2"],
+        held_at=NOW,
+        submission=encode(SUBMISSION),
     ),
     TaskEvent(
         task_id="t-1",
@@ -242,10 +250,11 @@ def test_records_that_lost_the_token_are_version_2(kind: str) -> None:
     assert SCHEMA_VERSIONS[kind] == 2
 
 
-def test_the_submission_with_an_endpoint_group_is_version_3() -> None:
-    # Issue 13 took its token (v2); issue 14 added its endpoint group (v3): a v2 reader
-    # refuses it ("upgrade fxstream") instead of ignoring the group.
-    assert SCHEMA_VERSIONS["submission"] == 3
+def test_the_submission_with_parents_is_version_4() -> None:
+    # Issue 13 took its token (v2); issue 14 added its endpoint group (v3); issue 15 its
+    # parents (v4): an older reader refuses it ("upgrade fxstream") instead of routing a
+    # dependent task at once or calling a function with the placeholders.
+    assert SCHEMA_VERSIONS["submission"] == 4
 
 
 def test_a_submission_s_candidates_are_its_endpoint_and_group_sorted_once_each() -> None:

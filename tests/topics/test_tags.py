@@ -63,6 +63,7 @@ def test_tags_round_trip_in_submissions_results_and_states() -> None:
 def test_a_record_written_before_tags_reads_with_none() -> None:
     old = msgspec.msgpack.decode(encode(SUBMISSION))
     del old["tags"]
+    old["v"] = 3
     record = decode(msgspec.msgpack.encode(old), TaskSubmission)
     assert record.tags == {} and record.v == 3
 

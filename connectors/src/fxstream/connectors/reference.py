@@ -184,6 +184,9 @@ class Packed:
 
     payload: bytes
     stored: list[StoredObject] = field(default_factory=list)
+    parents: tuple[str, ...] = ()
+    """The tasks whose results the payload's :class:`~fxstream.topics.ParentResult`
+    placeholders stand for (the task's ``depends_on``); set by the SDK."""
 
     @property
     def references(self) -> list[ObjectReference]:

@@ -110,20 +110,28 @@ class TaskPolicy:
         if not self.serializers:
             return None
         allowed = ", ".join(f"{get_strategy(i).name} ({i})" for i in sorted(self.serializers))
-        try:
-            strategy = strategy_of(submission.payload)
-        except DeserializationError as exc:
+        # The arguments, and each parent's result a dependent task receives (issue 15).
+        payloads = [("this task's arguments", submission.payload)]
+        payloads += [
+            (f"the result of parent task {parent}", value)
+            for parent, value in submission.parent_results.items()
+        ]
+        for what, payload in payloads:
+            try:
+                strategy = strategy_of(payload)
+            except DeserializationError as exc:
+                return (
+                    f"{self.endpoint} accepts arguments serialized with {allowed} only, and "
+                    f"{what} do not say which serializer wrote them ({exc})"
+                )
+            if strategy.id in self.serializers:
+                continue
+            first = sorted(self.serializers)[0]
             return (
-                f"{self.endpoint} accepts arguments serialized with {allowed} only, and this "
-                f"task's arguments do not say which serializer wrote them ({exc})"
+                f"{self.endpoint} accepts arguments serialized with {allowed} only; {what} "
+                f"are {strategy.name} ({strategy.id}), refused unread. Submit with "
+                f"Client(serializer=fxstream.topics.Serializer(data={first!r})), or ask the "
+                f"endpoint's owner to add {strategy.id!r} to allowed_serializers in the "
+                "endpoint's config.yaml and restart the endpoint"
             )
-        if strategy.id in self.serializers:
-            return None
-        first = sorted(self.serializers)[0]
-        return (
-            f"{self.endpoint} accepts arguments serialized with {allowed} only; this task's "
-            f"arguments are {strategy.name} ({strategy.id}), refused unread. Submit with "
-            f"Client(serializer=fxstream.topics.Serializer(data={first!r})), or ask the "
-            f"endpoint's owner to add {strategy.id!r} to allowed_serializers in the "
-            "endpoint's config.yaml and restart the endpoint"
-        )
+        return None

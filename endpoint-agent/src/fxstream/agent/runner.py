@@ -13,6 +13,14 @@ values, fetched as the payload loads), and with the endpoint's ``store_url``
 set a result above ``proxy_threshold`` is written to that store here and only
 its reference goes back to the agent (:mod:`fxstream.connectors.reference`).
 
+A task with parents (issue 15's task DAGs) carries each parent's serialized result
+(``TaskSubmission.parent_results``, inline or the by-reference envelope of an object in
+the proxy store): each is loaded here, fetched from the store with the same digest check
+as any by-reference argument, and put in its :class:`~fxstream.topics.ParentResult`
+placeholder's place before the function is called. A result that cannot be loaded fails
+the task with ``ParentResultUnavailable`` naming the parent (an integrity error stays
+itself).
+
 A result is written with the data strategy of the task's arguments, the one the
 client chose (``Client(serializer=...)``), so the client reads it as it asked;
 an argument proxy inside a result is written as its value
@@ -39,8 +47,10 @@ from fxstream.topics import (
     ClientInfo,
     DeserializationError,
     IntegrityError,
+    ParentResultUnavailable,
     Serializer,
     TaskSubmission,
+    bind_parents,
     decode,
     strategy_of,
 )
@@ -132,6 +142,8 @@ def load_function(
             args, kwargs = _serializer.unpack_arguments(
                 submission.payload, submitted_by=submission.client
             )
+            if submission.depends_on:
+                args, kwargs = bind_parents(args, kwargs, _parent_values(submission))
         except IntegrityError as exc:
             # A substituted by-reference argument (fetched as the payload loads): the
             # client gets the integrity error itself, as for one found inside the function.
@@ -155,6 +167,32 @@ def load_function(
         return by_reference.pack_value(value).payload
 
     return call
+
+
+def _parent_values(submission: TaskSubmission) -> dict[str, Any]:
+    """Each parent's result, loaded (fetched from the store if it went by reference)."""
+    values: dict[str, Any] = {}
+    for parent in submission.depends_on:
+        payload = submission.parent_results.get(parent)
+        if payload is None:
+            raise ParentResultUnavailable(
+                f"the result of parent task {parent} did not come with this task (it must be "
+                "released by the service's dependencies processor, which adds it)"
+            )
+        try:
+            values[parent] = _serializer.deserialize(payload)
+        except IntegrityError:
+            raise
+        except Exception as exc:  # a store miss (evicted, unreachable), a bad payload
+            cause = _integrity_cause(exc)
+            if cause is not None:
+                raise cause from None
+            raise ParentResultUnavailable(
+                f"the result of parent task {parent} cannot be read on this endpoint: "
+                f"{type(exc).__name__}: {exc} (a result passed by reference lives in the proxy "
+                "store until it expires or is evicted, and this endpoint must reach that store)"
+            ) from exc
+    return values
 
 
 def _integrity_cause(exc: BaseException) -> IntegrityError | None:

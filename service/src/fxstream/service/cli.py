@@ -413,6 +413,7 @@ class Processor(StrEnum):
     TASK_STATE = "task-state"
     LIVENESS = "liveness"
     TRIGGER = "trigger"
+    DEPENDENCIES = "dependencies"
 
 
 @app.command()

@@ -63,6 +63,7 @@ from fxstream.topics import (
     RecordDecodeError,
     TaskEvent,
     TaskResult,
+    TaskState,
     TaskStateName,
     WarmAdvert,
     dead_letter_for,
@@ -78,7 +79,9 @@ log = logging.getLogger(__name__)
 
 COMPONENT = "ingress"
 # A task in these states was never dispatched: no endpoint may answer it.
-_NOT_DISPATCHED = frozenset({TaskStateName.SUBMITTED, TaskStateName.REJECTED})
+_NOT_DISPATCHED = frozenset(
+    {TaskStateName.SUBMITTED, TaskStateName.REJECTED, TaskStateName.WAITING_FOR_PARENTS}
+)
 
 
 @dataclass
@@ -143,8 +146,10 @@ class Ingress:
                 decoded.append((record, endpoint, decode_any(record.value)))
             except RecordDecodeError as exc:
                 self._refuse(plan, record, str(exc), DeadLetterReason.DECODE_ERROR)
+        # A task held for its parents (issue 15) is routed later, by a state the view may
+        # not have read yet: like a task it does not know, it makes the view catch up.
         unknown = any(
-            isinstance(r, TaskResult | TaskEvent) and self._states.task(r.task_id) is None
+            isinstance(r, TaskResult | TaskEvent) and _not_yet_routed(self._states.task(r.task_id))
             for _, _, r in decoded
         )
         if unknown:
@@ -314,3 +319,8 @@ class Ingress:
         """Wait until the task-state view has read what the topic holds now."""
         self.stats.catch_ups += 1
         await self._follower.catch_up()
+
+
+def _not_yet_routed(state: TaskState | None) -> bool:
+    """True for a task the view holds no routed (or later) state of yet."""
+    return state is None or state.state is TaskStateName.WAITING_FOR_PARENTS

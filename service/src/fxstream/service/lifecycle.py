@@ -3,8 +3,10 @@
 ::
 
     submitted --> rejected                                   (router)
-        |
-        v
+        |    \
+        |     waiting-for-parents --> failed | cancelled      (router holds; dependencies)
+        |          |
+        v          v (released: the router routes it)
       routed --+--> running <--> retrying                    (liveness, agent)
                |       ^  \\        |
                |       |   v        v
@@ -14,8 +16,12 @@
 
 From ``routed``, ``running``, ``retrying`` and ``waiting-for-endpoint`` a task
 may go to any of those four or to a terminal state; ``succeeded``, ``failed``,
-``rejected`` and ``cancelled`` are terminal. The router writes ``routed`` and
-``rejected`` itself (in the transaction that dispatches or refuses the task),
+``rejected`` and ``cancelled`` are terminal. A task with parents (issue 15) the router
+holds in ``waiting-for-parents`` until the dependencies processor releases it (the
+router then routes it: ``routed``, or ``rejected``) or fails it (a ``ParentFailed``,
+``ParentUnknown`` or ``ParentResultUnavailable`` result: ``failed``). The router writes
+``routed``, ``waiting-for-parents`` and
+``rejected`` itself (in the transaction that dispatches, holds or refuses the task),
 so the task-state processor sees a task first through a later step and takes
 an unknown task to be ``routed``.
 
@@ -82,7 +88,17 @@ EVENT_STATES: Final = frozenset(
 """The states a task event may announce; results end a task, the router starts it."""
 
 _NEXT: Final[dict[TaskStateName, frozenset[TaskStateName]]] = {
-    TaskStateName.SUBMITTED: frozenset({TaskStateName.ROUTED, TaskStateName.REJECTED}),
+    TaskStateName.SUBMITTED: frozenset(
+        {TaskStateName.ROUTED, TaskStateName.REJECTED, TaskStateName.WAITING_FOR_PARENTS}
+    ),
+    TaskStateName.WAITING_FOR_PARENTS: frozenset(
+        {
+            TaskStateName.ROUTED,
+            TaskStateName.REJECTED,
+            TaskStateName.FAILED,
+            TaskStateName.CANCELLED,
+        }
+    ),
     **{
         active: (ACTIVE_STATES - {TaskStateName.ROUTED})
         | (TERMINAL_STATES - {TaskStateName.REJECTED})

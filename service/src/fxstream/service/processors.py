@@ -22,6 +22,11 @@
   owner's ``from.user.<owner>`` (which the router authorises like any other), each
   batch in one transaction with its input offsets; per-rule limits hold events on
   their topic (:mod:`fxstream.service.trigger_processor`).
+- The *dependencies* processor reads ``held-tasks`` (tasks the router holds until their
+  parents succeed) and follows ``task-state``: it releases a held task, with its parents'
+  results, to its submitter's ``from.user.<user>`` (the router then routes it), or fails
+  it with ``ParentFailed``, ``ParentUnknown`` or ``ParentResultUnavailable``, each with
+  the held record's tombstone in one transaction (:mod:`fxstream.service.dependencies`).
 
 ``--only ROLE`` runs one of them in its own process (what ``./fx up`` does,
 under its supervisor, so one cannot take the others down); without it all
@@ -72,6 +77,7 @@ from typing import Any, Protocol, cast
 import faust
 from faust.types import StreamT
 
+from fxstream.service.dependencies import DependencyLoop
 from fxstream.service.ingress import COMPONENT as INGRESS
 from fxstream.service.ingress import Ingress
 from fxstream.service.lifecycle import TaskMemory
@@ -116,7 +122,7 @@ KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # Names the router's placement policy when --placement does not (what ./fx up passes on).
 PLACEMENT_ENV = "FXSTREAM_PLACEMENT"
 # What --only can choose; all of them run in one process without it.
-ROLES = ("router", "ingress", "task-state", "liveness", "trigger")
+ROLES = ("router", "ingress", "task-state", "liveness", "trigger", "dependencies")
 BATCH_SIZE = 500
 # How often endpoints whose heartbeats stopped are looked for.
 LIVENESS_CHECK_S = 1.0
@@ -230,6 +236,8 @@ def build_app(
         _add_liveness(app, catalogue, batch_size)
     if "trigger" in roles:
         _add_trigger(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
+    if "dependencies" in roles:
+        _add_dependencies(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
     _add_memory_report(app, report)
 
     async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
@@ -375,6 +383,27 @@ def _add_trigger(
         log.info("trigger: %s", planner.stats)
 
     _run_in_app(app, stoppers, loop, closed)
+
+
+def _add_dependencies(
+    app: faust.App,
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    app_id: str,
+    batch_size: int,
+    instance: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+    report: MemoryReport,
+) -> None:
+    # Its own view of task-state (the parents' states), created by the loop.
+    loop = DependencyLoop(
+        kafka,
+        catalogue,
+        transactional_id=f"{app_id}-dependencies-{instance}",
+        batch_size=batch_size,
+    )
+    report.add_table("view", loop.view_memory_figures)
+    _run_in_app(app, stoppers, loop, lambda: log.info("dependencies: %s", loop.stats))
 
 
 def _add_task_state(

@@ -153,12 +153,15 @@ class RegistryView:
         component: str | None = "registry view",
         fetch_wait_max_ms: int = 500,
         index_tasks: bool = False,
+        on_task_state: Callable[[str, TaskState], None] | None = None,
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
         dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
         is how long the broker may hold a fetch that finds nothing new (a write ends the
         wait at once). ``index_tasks``: keep the task-state table's query index (the
-        API's view, for :meth:`query_tasks`; the processors' views need none)."""
+        API's view, for :meth:`query_tasks`; the processors' views need none).
+        ``on_task_state`` is called, from the view's thread, with each task state once it
+        is in the table (so a lookup from the callback, or after it, finds it)."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -187,6 +190,7 @@ class RegistryView:
         self._changed = threading.Condition()
         self._stop = threading.Event()
         self._on_bad_record = on_bad_record
+        self._on_task_state = on_task_state
         self._component = component
         self._kafka = kafka
         self._dead_letters: Producer | None = None
@@ -472,6 +476,11 @@ class RegistryView:
         if isinstance(record, TaskState):
             if self._task_table is not None and value is not None:
                 self._task_table.put(key, record, value)
+                if self._on_task_state is not None:
+                    try:
+                        self._on_task_state(key, record)
+                    except Exception:  # the follower thread must outlive a listener's bug
+                        log.exception("registry view: a task-state listener failed")
             return
         self._remove(followed, key)
         table[key] = record

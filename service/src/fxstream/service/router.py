@@ -22,9 +22,10 @@ code's digest (``FunctionChanged`` otherwise). What it writes:
 ``from.user.<user>`` also carries :class:`TaskCancel` records, keyed by task id
 like the submission they follow. An authorised cancel (the topic's user, an
 endpoint the user may use) is forwarded, bytes untouched, to
-``tasks.ep.<endpoint>`` after the batch's dispatches; a refused one is
-dead-lettered (``CancelRefused``) and changes nothing else. Same key, same
-partition number: the cancel reaches the endpoint queue after its task's
+``tasks.ep.<endpoint>`` after the batch's dispatches, and to ``held-tasks`` (under the
+task's key: a task held for its parents is cancelled there by the dependencies
+processor); a refused one is dead-lettered (``CancelRefused``) and changes nothing else.
+Same key, same partition number: the cancel reaches the endpoint queue after its task's
 dispatch, so the agent holding the task reads the task first and its cancel
 next, without any lookup of task state here (see docs/architecture.md).
 
@@ -36,6 +37,14 @@ and the chosen endpoint is the dispatch's and the ``routed`` state's ``endpoint_
 so nothing downstream knows groups exist. A cancel of a grouped task is sent by the
 SDK once per candidate (no state lookup here): the agents that do not hold the task
 ignore it.
+
+A submission with parents whose results it does not carry
+(:meth:`TaskSubmission.unresolved`, issue 15's task DAGs) is authorised the same way,
+but held instead of dispatched: the router writes a :class:`HeldTask` (the submission's
+bytes, its parents) to ``held-tasks`` and a ``waiting-for-parents`` state, in the same
+transaction. The dependencies processor (:mod:`fxstream.service.dependencies`) releases
+it to the submitter's own topic with the parents' results once they have all
+succeeded; the router then authorises and routes it like any other submission.
 
 Every record is keyed by task id, so Kafka's default partitioner puts all of a
 task's records on the same partition number of each topic. :meth:`Router.plan`
@@ -61,6 +70,7 @@ from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
     FunctionRecord,
+    HeldTask,
     RawRecord,
     RecordDecodeError,
     TaskCancel,
@@ -105,6 +115,7 @@ class RouterStats:
     """Counts since start, logged at shutdown."""
 
     routed: int = 0
+    held: int = 0
     rejected: int = 0
     dead_lettered: int = 0
     catch_ups: int = 0
@@ -318,12 +329,20 @@ class Router:
                     _forwarded_headers(record.headers),
                 )
             )
+            # And to held-tasks, under the task's key (so after its held record, if it is
+            # held): the dependencies processor cancels a held task, and clears the cancel
+            # of any other (issue 15). The router does not know which tasks are held.
+            plan.dispatches.append(
+                Outgoing(self._catalogue.held_tasks, cancel.task_id.encode(), record.value or b"")
+            )
             self.stats.cancels_forwarded += 1
 
     def _plan_one(
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]
     ) -> None:
-        if decision.refusal is None:
+        if decision.refusal is None and decision.submission.unresolved():
+            self._plan_held(plan, decision.record, decision.submission, now)
+        elif decision.refusal is None:
             self._plan_routed(plan, decision.record, decision.submission, decision.endpoint, now)
         else:
             self._plan_refused(plan, decision, now, results_present)
@@ -456,6 +475,36 @@ class Router:
             )
         )
         self.stats.routed += 1
+
+    def _plan_held(
+        self, plan: RoutePlan, record: RawRecord, submission: TaskSubmission, now: float
+    ) -> None:
+        """Hold an authorised task until its parents succeed (the dependencies processor
+        releases or fails it): its held record and its ``waiting-for-parents`` state."""
+        key = submission.task_id.encode()
+        held = HeldTask(
+            task_id=submission.task_id,
+            user_id=submission.user_id,
+            depends_on=list(submission.depends_on),
+            held_at=now,
+            submission=record.value or b"",
+        )
+        state = _state(
+            submission,
+            TaskStateName.WAITING_FOR_PARENTS,
+            now,
+            TaskTimings(submitted_at=submission.submitted_at),
+        )
+        plan.first.append(Outgoing(self._catalogue.task_state, key, encode(state)))
+        plan.first.append(
+            Outgoing(
+                self._catalogue.held_tasks,
+                key,
+                encode(held),
+                _forwarded_headers(record.headers),
+            )
+        )
+        self.stats.held += 1
 
     def _plan_refused(
         self, plan: RoutePlan, decision: _Decision, now: float, results_present: set[str]

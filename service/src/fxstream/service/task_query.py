@@ -117,6 +117,7 @@ def event_log(state: TaskState) -> list[dict[str, Any]]:
         events.append(_event("finished", finished, where, attempt.attempt))
     events.append(_event("result-published", timings.result_published_at, endpoint))
     if state.state is not TaskStateName.ROUTED:
-        recorded_by = "router" if state.state is TaskStateName.REJECTED else "task-state"
+        by_router = (TaskStateName.REJECTED, TaskStateName.WAITING_FOR_PARENTS)
+        recorded_by = "router" if state.state in by_router else "task-state"
         events.append(_event(str(state.state), state.updated_at, recorded_by))
     return [event for event in events if event["at"] is not None]

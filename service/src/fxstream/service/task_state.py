@@ -287,6 +287,10 @@ class TaskStatePlanner:
             return
         known = self.memory.get(event.task_id)
         current = known.state if known else TaskStateName.ROUTED
+        if current is TaskStateName.WAITING_FOR_PARENTS:
+            # Only a dispatched task has events: it was released and routed since, by a
+            # state this processor's view has not read yet (issue 15's task DAGs).
+            current = TaskStateName.ROUTED
         number = event.attempt.attempt if event.attempt else (known.attempt if known else 1)
         if current in TERMINAL_STATES:
             if event.source == LIVENESS or (known is not None and number < known.attempt):

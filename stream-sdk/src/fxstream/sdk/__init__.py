@@ -5,6 +5,10 @@
 - :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
   ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
 - :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- Task DAGs: a :class:`TaskFuture` (or a :class:`ParentResult` naming a task by id) passed
+  as a top-level argument makes that task a parent: the service runs the task once its
+  parents succeeded, with their results (by reference); a failed parent fails it with
+  :class:`ParentFailed`.
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
   Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
@@ -23,6 +27,9 @@ from fxstream.sdk.errors import (
     FxstreamError,
     InvalidRequest,
     NotFound,
+    ParentFailed,
+    ParentResultUnavailable,
+    ParentUnknown,
     PayloadTooLarge,
     PermissionDenied,
     RateLimited,
@@ -51,6 +58,7 @@ from fxstream.sdk.streams import (
     stream_consumer,
     stream_producer,
 )
+from fxstream.topics import ParentResult
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",
@@ -70,6 +78,10 @@ __all__ = [
     "KafkaStreamProducer",
     "KafkaSubscriber",
     "NotFound",
+    "ParentFailed",
+    "ParentResult",
+    "ParentResultUnavailable",
+    "ParentUnknown",
     "PayloadTooLarge",
     "PermissionDenied",
     "RateLimited",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import dataclasses
 import logging
 import re
 import threading
@@ -60,14 +61,17 @@ from fxstream.sdk.submit import (
     pack_arguments,
 )
 from fxstream.topics import (
+    MAX_PARENTS,
     Attempt,
     Catalogue,
     KafkaConnection,
+    ParentResult,
     Serializer,
     TaskError,
     TaskTimings,
     budget,
     client_info,
+    parents_in,
     producer_message_max_bytes,
 )
 from fxstream.topics.acls import user_group_prefix
@@ -583,10 +587,27 @@ class Client:
     ) -> Packed:
         """Serialize one task's arguments, large ones by reference (see the class docs).
 
+        A :class:`~fxstream.sdk.futures.TaskFuture` given as a top-level argument (or
+        keyword argument) makes the task depend on that task (issue 15's task DAGs): the
+        service holds it until that task has succeeded and the worker passes its result
+        in the future's place, fetched by reference from the proxy store when it went
+        there (it never comes through this client). A future this client already holds
+        the value of (done, succeeded) passes that value instead. A
+        :class:`~fxstream.topics.ParentResult` names a parent by task id the same way.
+        A future inside a container (a list, a dict) is refused, saying to pass it as a
+        top-level argument.
+
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` when what stays
         inline exceeds ``max_inline_bytes``.
         """
-        return pack_arguments(
+        args, kwargs = _placeholders_for_futures(tuple(args), dict(kwargs or {}))
+        parents = parents_in(args, kwargs)
+        if len(parents) > MAX_PARENTS:
+            raise ValueError(
+                f"a task may depend on at most {MAX_PARENTS} tasks, not {len(parents)}: "
+                "gather their results in one task first and depend on that one"
+            )
+        packed = pack_arguments(
             self.serializer,
             function_id,
             args,
@@ -594,6 +615,7 @@ class Client:
             max_inline_bytes=self.max_inline_bytes,
             by_reference=self._by_reference,
         )
+        return dataclasses.replace(packed, parents=tuple(parents)) if parents else packed
 
     def prepare_task(
         self,
@@ -1341,6 +1363,27 @@ class Client:
 
 
 # --- status answers ----------------------------------------------------------------------
+
+
+def _placeholders_for_futures(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments with each top-level :class:`TaskFuture` replaced by a
+    :class:`~fxstream.topics.ParentResult` (its task becomes a parent), or by its value
+    when this client already holds it (done and succeeded)."""
+
+    def placeholder(value: Any) -> Any:
+        # type(), never isinstance: a lazy proxy among the arguments would resolve.
+        if not issubclass(type(value), TaskFuture):
+            return value
+        future: TaskFuture = value
+        # Before looking at done(): a result that arrives from now on stays in the store.
+        future._keep_result = True
+        if future.done() and not future.cancelled() and future.exception() is None:
+            return future.result()
+        return ParentResult(future.task_id)
+
+    return tuple(placeholder(v) for v in args), {k: placeholder(v) for k, v in kwargs.items()}
 
 
 def _predicate(predicate: Predicate) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import builtins
 import functools
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +24,9 @@ __all__ = [
     "FxstreamError",
     "InvalidRequest",
     "NotFound",
+    "ParentFailed",
+    "ParentResultUnavailable",
+    "ParentUnknown",
     "PayloadTooLarge",
     "PermissionDenied",
     "RateLimited",
@@ -262,11 +266,38 @@ class WalltimeExceeded(TaskExecutionFailed):
     """The task ran past its walltime and its worker was killed."""
 
 
+class _ParentError(TaskExecutionFailed):
+    """A dependent task's failure about one of its parents; ``parent_id`` names it."""
+
+    @property
+    def parent_id(self) -> str | None:
+        """The parent task the error is about (its message names it), or None."""
+        found = re.search(r"parent task ([A-Za-z0-9][A-Za-z0-9-]{0,127})", self.remote_message)
+        return found.group(1) if found else None
+
+
+class ParentFailed(_ParentError):
+    """A parent of the task failed, was rejected or was cancelled, so the task never ran;
+    the message names the parent (``parent_id``) and its error."""
+
+
+class ParentUnknown(_ParentError):
+    """A parent of the task is not one of your tasks (no such task, or another user's)."""
+
+
+class ParentResultUnavailable(_ParentError):
+    """A parent succeeded but its result could not be given to the task (not kept, too
+    large to pass on, or gone from the proxy store)."""
+
+
 _PLATFORM_ERRORS: dict[str, type[TaskExecutionFailed]] = {
     "TaskRejected": TaskRejected,
     "WorkerLost": WorkerLost,
     "BlockLost": BlockLost,
     "WalltimeExceeded": WalltimeExceeded,
+    "ParentFailed": ParentFailed,
+    "ParentUnknown": ParentUnknown,
+    "ParentResultUnavailable": ParentResultUnavailable,
 }
 
 

@@ -238,6 +238,11 @@ class Executor(concurrent.futures.Executor):
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> TaskFuture:
         """Run ``fn(*args, **kwargs)`` on the endpoint; ``fn`` is registered once.
 
+        A :class:`TaskFuture` among ``args`` or ``kwargs`` (top level) makes this task
+        depend on its task: the service runs it once that task succeeded, with that
+        task's result in the future's place (by reference; see ``Client.pack``), and fails
+        it with :class:`~fxstream.sdk.errors.ParentFailed` if that task fails.
+
         Raises ``RuntimeError`` after :meth:`shutdown` and once the interpreter
         has begun to exit (e.g. from an ``atexit`` handler), as the standard
         executors do: a task is either accepted and sent, or refused.

@@ -129,6 +129,10 @@ class TaskFuture(Future[Any]):
         self._sent_lock = threading.Lock()
         # Objects its arguments put in the proxy store: released once its result is consumed.
         self._stored: list[Any] = []
+        # Set once another task depends on this one (a TaskFuture passed as an argument):
+        # a result passed by reference then stays in the store for the child to read,
+        # instead of being evicted once this client has read it.
+        self._keep_result = False
 
     def cancel(self) -> bool:
         """Cancel the future unless it is done or running; True if it is now cancelled.

@@ -425,8 +425,9 @@ class ResultListener:
         try:
             finish = self._settle(future, result, received, fetched)
         finally:
-            # Before the future resolves: its waiter may close the Client at once.
-            self._release_objects(future._stored, fetched)
+            # Before the future resolves: its waiter may close the Client at once. A
+            # result some child task reads by reference stays in the store (issue 15).
+            self._release_objects(future._stored, [] if future._keep_result else fetched)
             future._stored = []
         finish()
 

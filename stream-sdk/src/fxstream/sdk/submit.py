@@ -155,6 +155,9 @@ def build_task(
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
+    A ``payload`` packed with parents (``Packed.parents``, the SDK's TaskFutures passed
+    as arguments) makes them the task's ``depends_on``.
+
     ``endpoint_group``: further endpoints the router may run it on instead of
     ``endpoint_id`` (it chooses by liveness, warm workers, backlog and data locality;
     the user must be allowed on every one, or the task is refused). ``tags``: the
@@ -226,6 +229,7 @@ def _build_task(
         retry_user_errors=retry_user_errors,
         endpoint_group=group,
         tags=checked_tags,
+        depends_on=list(packed.parents),
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")

@@ -7,6 +7,7 @@
 - :mod:`~fxstream.topics.deadletter`: the one dead-letter builder and its reasons.
 - :mod:`~fxstream.topics.provision`: idempotent topic creation with drift reports.
 - :mod:`~fxstream.topics.serialize`: how code, arguments and results are encoded in payloads.
+- :mod:`~fxstream.topics.parents`: task DAGs: the placeholder for a parent task's result.
 """
 
 from fxstream.topics.budget import (
@@ -38,6 +39,13 @@ from fxstream.topics.deadletter import (
     dead_letter_for,
     normalise_headers,
 )
+from fxstream.topics.parents import (
+    MAX_PARENTS,
+    ParentResult,
+    ParentResultUnavailable,
+    bind_parents,
+    parents_in,
+)
 from fxstream.topics.provision import Drift, ProvisionError, ProvisionReport, ensure_topics
 from fxstream.topics.records import (
     MAX_ENDPOINT_GROUP,
@@ -52,6 +60,7 @@ from fxstream.topics.records import (
     EventPredicate,
     FunctionRecord,
     Heartbeat,
+    HeldTask,
     ObjectReference,
     Record,
     RecordDecodeError,
@@ -107,6 +116,7 @@ from fxstream.topics.serialize import (
 
 __all__ = [
     "MAX_ENDPOINT_GROUP",
+    "MAX_PARENTS",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",
@@ -128,11 +138,14 @@ __all__ = [
     "EventPredicate",
     "FunctionRecord",
     "Heartbeat",
+    "HeldTask",
     "IntegrityError",
     "InvalidTopicName",
     "JsonData",
     "KafkaConnection",
     "ObjectReference",
+    "ParentResult",
+    "ParentResultUnavailable",
     "PayloadError",
     "PickleData",
     "ProvisionError",
@@ -167,6 +180,7 @@ __all__ = [
     "WarmWorker",
     "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
+    "bind_parents",
     "bounded_error",
     "client_info",
     "code_sha256",
@@ -184,6 +198,7 @@ __all__ = [
     "get_strategy",
     "max_submission_bytes",
     "normalise_headers",
+    "parents_in",
     "payload_references",
     "producer_message_max_bytes",
     "read_secret_json",

@@ -217,8 +217,11 @@ TABLE: tuple[Rule, ...] = (
         _PRE,
         "from.user.{user_id}",
         _W,
-        "trigger processor: a rule's firings, as its owner (the router authorises them)",
+        "trigger processor: a rule's firings, as its owner (the router authorises them); "
+        "dependencies processor: a held task released with its parents' results",
     ),
+    Rule(_S, _T, _LIT, "held-tasks", _R, "dependencies processor: the held tasks"),
+    Rule(_S, _T, _LIT, "held-tasks", _W, "router holds tasks; dependencies tombstones them"),
     Rule(
         _S, _T, _PRE, ALL_TOPICS, Operation.DESCRIBE_CONFIGS, "start-up check: topics as specified"
     ),

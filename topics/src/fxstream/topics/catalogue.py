@@ -221,6 +221,23 @@ TRIGGERS = TopicSpec(
     partitions=1,
     retention_ms=-1,
 )
+HELD_TASKS = TopicSpec(
+    name="held-tasks",
+    key="task id",
+    summary="Tasks held until their parents succeed (task DAGs): the submission as the router "
+    "read it, its parents and when it was held; the dependencies processor releases it to its "
+    "submitter's topic with the parents' results, or fails it, and writes a tombstone in the "
+    "same transaction, so holding survives restarts. The router also copies every authorised "
+    "cancel here (a TaskCancel under the task's key): a held task's cancels it; any other is "
+    "cleared with a tombstone.",
+    written_by="router (holds, copies of cancels), dependencies processor (tombstones)",
+    read_by="dependencies processor",
+    cleanup_policy=CleanupPolicy.COMPACT,
+    partitions=4,
+    retention_ms=-1,
+    # A held record wraps a whole submission (up to from.user's limit) and its routing facts.
+    max_message_bytes=2 * 1_048_576,
+)
 STREAMS = TopicSpec(
     name="streams.{stream}",
     key="stream name (or the producer's chosen key)",
@@ -279,6 +296,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     TASK_EVENTS,
     EVENTS,
     TRIGGERS,
+    HELD_TASKS,
     STREAMS,
     FROM_ENDPOINT,
     DEAD_LETTER,
@@ -405,6 +423,11 @@ class Catalogue:
     def triggers(self) -> str:
         """The compacted trigger rules."""
         return self.topic(TRIGGERS)
+
+    @property
+    def held_tasks(self) -> str:
+        """The compacted table of tasks waiting for their parents."""
+        return self.topic(HELD_TASKS)
 
     @property
     def events_pattern(self) -> str:

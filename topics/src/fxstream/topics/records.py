@@ -23,6 +23,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
+from fxstream.topics.parents import MAX_PARENTS
+
 __all__ = [
     "LATEST_TIMESTAMP",
     "MAX_ENDPOINT_GROUP",
@@ -42,6 +44,7 @@ __all__ = [
     "EventPredicate",
     "FunctionRecord",
     "Heartbeat",
+    "HeldTask",
     "ObjectReference",
     "Record",
     "RecordDecodeError",
@@ -187,11 +190,24 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
 
     ``tags`` (issue 15) are the submitter's labels, at most ``MAX_TASK_TAGS`` short
     ``key: value`` strings, copied by the router into the task's state (and by the agent
-    into its result) so the API can filter on them. The version stays 3: a reader that
-    ignores them only leaves a task untagged, which changes no routing or running.
+    into its result) so the API can filter on them. A reader that ignores them only leaves
+    a task untagged, which changes no routing or running.
+
+    ``depends_on`` (issue 15, version 4) names the task's parents
+    (:mod:`fxstream.topics.parents`): the router holds a submission with a parent whose
+    result is not in ``parent_results`` (on ``held-tasks``, state ``waiting-for-parents``)
+    instead of routing it, and the dependencies processor releases it, to the submitter's
+    own topic, with ``parent_results`` set once every parent has succeeded (or fails it
+    with ``ParentFailed``, ``ParentUnknown`` or ``ParentResultUnavailable``).
+    ``parent_results`` maps each parent's id to its serialized result exactly as the
+    parent's result record carried it (inline, or the by-reference envelope of an object
+    in the proxy store): the worker puts each in its :class:`~fxstream.topics.parents.ParentResult`
+    placeholder's place. The version moved to 4: a version-3 router would route a
+    dependent task at once, and a version-3 worker would call the function with the
+    placeholders; with the bump both say "upgrade fxstream" instead.
     """
 
-    v: SchemaVersion = 3
+    v: SchemaVersion = 4
     task_id: Id
     function_id: Id
     endpoint_id: Annotated[
@@ -246,12 +262,46 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
             "event, so event -> rule -> task -> result can be followed"
         ),
     ] = None
+    depends_on: Annotated[
+        list[Id],
+        Meta(
+            max_length=MAX_PARENTS,
+            description="the task's parents (issue 15): it is held until each has succeeded, "
+            "and its ParentResult placeholders then receive their results; each once, never "
+            "the task itself",
+        ),
+    ] = []
+    parent_results: Annotated[
+        dict[Id, bytes],
+        Meta(
+            max_length=MAX_PARENTS,
+            description="set by the dependencies processor when it releases the task: each "
+            "parent's serialized result as its result record carried it (inline, or the "
+            "by-reference envelope of an object in the proxy store)",
+        ),
+    ] = {}
+
+    def __post_init__(self) -> None:
+        if len(set(self.depends_on)) != len(self.depends_on):
+            raise ValueError("depends_on names a parent more than once")
+        if self.task_id in self.depends_on:
+            raise ValueError(f"task {self.task_id} cannot depend on itself")
+        stray = set(self.parent_results) - set(self.depends_on)
+        if stray:
+            raise ValueError(
+                f"parent_results holds results of tasks that are not in depends_on: {sorted(stray)}"
+            )
 
     def candidates(self) -> tuple[str, ...]:
         """The endpoints this task may run on: ``endpoint_id`` and its group, sorted, once each."""
         if not self.endpoint_group:
             return (self.endpoint_id,)
         return tuple(sorted({self.endpoint_id, *self.endpoint_group}))
+
+    def unresolved(self) -> list[str]:
+        """The parents whose results this submission does not carry yet (the router holds
+        it while any is left)."""
+        return [p for p in self.depends_on if p not in self.parent_results]
 
 
 class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
@@ -292,6 +342,10 @@ class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
     ``concurrent.futures`` contract never stops an executing call) a task that
     has started runs on and is answered as usual: only a task not yet started
     is skipped.
+
+    A task held for its parents (issue 15) is on no endpoint's queue yet: the router
+    copies each authorised cancel to ``held-tasks`` too, where the dependencies processor
+    cancels the task if it holds it (kill or not: it has not started).
     """
 
     v: SchemaVersion = 2
@@ -344,6 +398,15 @@ class TaskErrorType(enum.StrEnum):
     PYTHON_MISMATCH = "PythonVersionMismatch"
     """No worker environment of the endpoint runs the Python major.minor that serialized the
     function (the submission's ``client.python_version``); refused before it ran."""
+    PARENT_FAILED = "ParentFailed"
+    """A parent of the task (``depends_on``) failed, was rejected or was cancelled: the
+    message names the parent and its error; the task never ran."""
+    PARENT_UNKNOWN = "ParentUnknown"
+    """A parent of the task is not a task of its submitter (no such task, or another user's);
+    the task never ran."""
+    PARENT_RESULT_UNAVAILABLE = "ParentResultUnavailable"
+    """A parent succeeded, but its result can no longer be read (not kept in task-state, too
+    large to pass on, or gone from the proxy store): the message names the parent."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
@@ -403,6 +466,7 @@ class TaskStateName(enum.StrEnum):
 
     SUBMITTED = "submitted"
     REJECTED = "rejected"
+    WAITING_FOR_PARENTS = "waiting-for-parents"
     ROUTED = "routed"
     WAITING_FOR_ENDPOINT = "waiting-for-endpoint"
     RUNNING = "running"
@@ -456,6 +520,24 @@ class TaskEvent(Record, tag="task-event", kw_only=True, frozen=True):
         Attempt | None, Meta(description="the attempt this step ends or starts, with its error")
     ] = None
     reason: Text = ""
+
+
+class HeldTask(Record, tag="held-task", kw_only=True, frozen=True):
+    """A task held until its parents succeed (topic ``held-tasks``, compacted, key: task id).
+
+    Written by the router, in the transaction that would otherwise have routed the task,
+    for a submission with parents whose results it does not carry
+    (:meth:`TaskSubmission.unresolved`); the dependencies processor releases or fails it
+    and writes a tombstone under its key in the same transaction, so a task is held
+    (and decided) exactly once, across restarts of either. ``submission`` holds the
+    submission record's bytes exactly as the router read them.
+    """
+
+    task_id: Id
+    user_id: Annotated[Id, Meta(description="the submitter (the user of the topic it came on)")]
+    depends_on: Annotated[list[Id], Meta(max_length=MAX_PARENTS)]
+    held_at: Timestamp
+    submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
 
 
 # --- registry ------------------------------------------------------------------------------
@@ -946,6 +1028,7 @@ AnyRecord = (
     | TaskResult
     | TaskState
     | TaskEvent
+    | HeldTask
     | FunctionRecord
     | EndpointRecord
     | Heartbeat
@@ -964,6 +1047,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     TaskResult,
     TaskState,
     TaskEvent,
+    HeldTask,
     FunctionRecord,
     EndpointRecord,
     Heartbeat,
@@ -976,8 +1060,8 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
 
 # The newest schema version this code reads and writes, per record kind.
 # A kind's version is its ``v`` default: 2 for the records issue 13 changed (no token,
-# pinned code digest, the router-stamped submitter), 3 for the submission (its endpoint
-# group, issue 14), 1 for the rest.
+# pinned code digest, the router-stamped submitter), 4 for the submission (its endpoint
+# group, issue 14, then its parents, issue 15), 1 for the rest.
 SCHEMA_VERSIONS: Final[dict[str, int]] = {
     str(msgspec.inspect.type_info(t).tag): int(  # type: ignore[attr-defined]
         next(f.default for f in msgspec.structs.fields(t) if f.name == "v")

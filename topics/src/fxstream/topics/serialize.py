@@ -343,9 +343,11 @@ class _NeedsDill(Exception):
 
 def _future_refusal(obj: Any) -> SerializationError:
     return SerializationError(
-        f"{_type_name(obj)} is a future, and a future cannot travel: no strategy "
-        "serializes it. Pass its value instead, future.result() (it waits for that task), "
-        "once the task it stands for has run",
+        f"{_type_name(obj)} is a future, and a future cannot travel inside a value: no "
+        "strategy serializes it. Pass a task's future as a top-level argument of submit "
+        "(submit(fn, future) or submit(fn, x=future)): the task then depends on that task "
+        "and receives its result, by reference, once it has succeeded; or pass its value, "
+        "future.result() (it waits for that task)",
         strategy=None,
     )
 
