@@ -5,13 +5,16 @@
 - :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
   ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
 - :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- :meth:`Client.subscribe`: a trigger rule's or a task group's results as a stream
+  (:class:`ResultSubscription` of :class:`SubscribedResult`).
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
   Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
-listener thread), ``history`` (results read back for replay), ``submit``
-(records and the producer), ``rest``, ``settings``, ``shell``, ``errors``, ``streams``.
+listener thread), ``history`` (results read back for replay), ``subscription`` (result
+subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
+``errors``, ``streams``.
 """
 
 from fxstream.sdk.batch import Batch
@@ -51,6 +54,7 @@ from fxstream.sdk.streams import (
     stream_consumer,
     stream_producer,
 )
+from fxstream.sdk.subscription import ResultSubscription, SubscribedResult, SubscriptionClosed
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",
@@ -74,6 +78,7 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "RegisteredUser",
+    "ResultSubscription",
     "ResultsTopicMissing",
     "ServiceError",
     "ServiceUnavailable",
@@ -83,6 +88,8 @@ __all__ = [
     "StreamError",
     "StreamTimeout",
     "SubmissionFailed",
+    "SubscribedResult",
+    "SubscriptionClosed",
     "TaskExecutionFailed",
     "TaskFuture",
     "TaskPage",
