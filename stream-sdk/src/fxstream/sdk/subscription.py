@@ -413,11 +413,13 @@ class ResultSubscription:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._queue:
+            while True:
                 if self._stop.is_set():
                     raise SubscriptionClosed(
                         f"the subscription to task group {self.task_group_id} is closed"
                     )
+                if self._queue:
+                    break
                 if self._failure is not None:
                     raise FxstreamError(
                         f"the subscription to task group {self.task_group_id} stopped: "
@@ -446,8 +448,8 @@ class ResultSubscription:
     def close(self, timeout: float = 10.0) -> None:
         """Stop the consumer thread and close the consumer; iteration ends (idempotent).
 
-        Results buffered but not yet handed over are dropped (``positions`` still names
-        them, so a subscription from those positions gets them).
+        Results buffered but not yet handed over are never handed over (``positions``
+        still names them, so a subscription from those positions gets them).
         """
         with self._cond:
             if self._stop.is_set() and self._consumer is None:

@@ -265,6 +265,7 @@ def _measure(console: Console, platform: PrivatePlatform, settings: TriggerSetti
     ensure_event_topic(platform.kafka, platform.catalogue, source)
     directory = platform.home / "bench-trigger" / "files"
     directory.mkdir(parents=True)
+    directory = directory.resolve()  # as the watcher names the files (symlinks resolved)
     block = os.urandom(max(0, settings.file_bytes - 64))
     ledger = _Ledger()
     watcher = _start_watcher(platform, directory, source)
