@@ -10,9 +10,9 @@ mechanism: a filter on ``task_group_id``.
 **What it reads.** The user's own results topic ``results.<user_id>``, with its own
 consumer (``isolation.level=read_committed``: a result of an aborted transaction is never
 seen), *assigned* every partition (no consumer group is joined, no offset is committed;
-librdkafka's required group id is one under the user's prefix). Only the platform's
-ingress may write that topic (its ACLs), and it writes there only results of tasks routed
-for this user, so a record on it is as authenticated as the SDK's own results
+librdkafka's required group id is one under the user's prefix). Only the platform may
+write that topic (its ACLs: the ingress, results of tasks routed for this user; the router,
+this user's rejected tasks), so a record on it is as authenticated as the SDK's own results
 (docs/security.md, "Why per-principal topics, not signatures").
 
 **Nothing is deserialized before it is known to be wanted.** Each record is decoded as a
