@@ -89,7 +89,7 @@ class TransactionalWriter:
             self._producer.commit_transaction(30)
 
 
-def drain(subscription: Any, quiet_s: float = 1.5) -> list[SubscribedResult]:
+def drain(subscription: Any, quiet_s: float = 3.0) -> list[SubscribedResult]:
     """Every result the subscription hands over until none comes for ``quiet_s`` seconds."""
     got: list[SubscribedResult] = []
     while (result := subscription.get(timeout=quiet_s)) is not None:
