@@ -695,6 +695,39 @@ def bench_routing(
     _run_task_bench("routing", settings, run_routing_bench)
 
 
+@bench_app.command("trigger")
+def bench_trigger(
+    steady_files: Annotated[
+        int, typer.Option(min=0, help="Files written at the steady rate (measured).")
+    ] = 300,
+    rate: Annotated[float, typer.Option(help="Files per second in the steady phase.")] = 20.0,
+    burst_files: Annotated[int, typer.Option(min=0, help="Files of the burst.")] = 1_000,
+    burst_seconds: Annotated[
+        float, typer.Option(help="Seconds the burst's files are spread over.")
+    ] = 1.0,
+    file_bytes: Annotated[int, typer.Option(help="Bytes per file.")] = 65_536,
+    warmup_files: Annotated[
+        int, typer.Option(help="Files awaited before measuring (not counted).")
+    ] = 5,
+    idle_timeout: Annotated[
+        float, typer.Option(help="Seconds without a result before the missing count as lost.")
+    ] = 60.0,
+) -> None:
+    """File close -> analysis result at a subscriber, through a file watcher and a rule."""
+    from fxstream.ops.bench.trigger import TriggerSettings, run_trigger_bench
+
+    settings = TriggerSettings(
+        steady_files=steady_files,
+        rate=rate,
+        burst_files=burst_files,
+        burst_s=burst_seconds,
+        file_bytes=file_bytes,
+        warmup_files=warmup_files,
+        idle_timeout_s=idle_timeout,
+    )
+    _run_task_bench("trigger", settings, run_trigger_bench)
+
+
 @user_app.command("add")
 def user_add(
     name: Annotated[str, typer.Argument(help="the user's display name")],

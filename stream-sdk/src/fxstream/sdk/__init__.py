@@ -9,13 +9,16 @@
   as a top-level argument makes that task a parent: the service runs the task once its
   parents succeeded, with their results (by reference); a failed parent fails it with
   :class:`ParentFailed`.
+- :meth:`Client.subscribe`: a trigger rule's or a task group's results as a stream
+  (:class:`ResultSubscription` of :class:`SubscribedResult`).
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
   Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
-listener thread), ``history`` (results read back for replay), ``submit``
-(records and the producer), ``rest``, ``settings``, ``shell``, ``errors``, ``streams``.
+listener thread), ``history`` (results read back for replay), ``subscription`` (result
+subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
+``errors``, ``streams``.
 """
 
 from fxstream.sdk.batch import Batch
@@ -59,6 +62,7 @@ from fxstream.sdk.streams import (
     stream_producer,
 )
 from fxstream.topics import ParentResult
+from fxstream.sdk.subscription import ResultSubscription, SubscribedResult, SubscriptionClosed
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",
@@ -86,6 +90,7 @@ __all__ = [
     "PermissionDenied",
     "RateLimited",
     "RegisteredUser",
+    "ResultSubscription",
     "ResultsTopicMissing",
     "ServiceError",
     "ServiceUnavailable",
@@ -95,6 +100,8 @@ __all__ = [
     "StreamError",
     "StreamTimeout",
     "SubmissionFailed",
+    "SubscribedResult",
+    "SubscriptionClosed",
     "TaskExecutionFailed",
     "TaskFuture",
     "TaskPage",

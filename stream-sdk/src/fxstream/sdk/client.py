@@ -60,6 +60,13 @@ from fxstream.sdk.submit import (
     build_task,
     pack_arguments,
 )
+from fxstream.sdk.subscription import (
+    DEFAULT_BUFFER,
+    ResultSubscription,
+    Since,
+    since_timestamp,
+    subscription_group,
+)
 from fxstream.topics import (
     MAX_PARENTS,
     Attempt,
@@ -223,6 +230,8 @@ class Client:
         self._futures: dict[str, TaskFuture] = {}
         # Function id -> the SHA-256 of its registered code, which each task pins.
         self._digests: dict[str, str] = {}
+        # Open subscriptions: closed with the client.
+        self._subscriptions: weakref.WeakSet[ResultSubscription] = weakref.WeakSet()
         self._closed = False
 
     # --- construction ------------------------------------------------------------------
@@ -1096,6 +1105,74 @@ class Client:
             else:
                 future._resolve_result(value)
 
+    # --- result subscriptions ----------------------------------------------------------
+
+    def subscribe(
+        self,
+        *,
+        rule_id: str | None = None,
+        task_group_id: str | None = None,
+        since: Since = "now",
+        from_offsets: Mapping[int, int] | None = None,
+        buffer: int = DEFAULT_BUFFER,
+        timeout: float = 30.0,
+    ) -> ResultSubscription:
+        """A stream of the results of one of your trigger rules (``rule_id``) or task groups
+        (``task_group_id``), whoever submitted the tasks; give exactly one.
+
+        Iterate the returned :class:`~fxstream.sdk.subscription.ResultSubscription` (or
+        call its ``get(timeout)``) for one
+        :class:`~fxstream.sdk.subscription.SubscribedResult` per task, as results arrive;
+        close it (``with`` or ``close()``; closing the client closes it too). It reads your
+        ``results.<user_id>`` with ``read_committed`` and loads only the values of the
+        group's results (docs/triggers.md, "Result subscriptions").
+
+        Where it starts: ``since="now"`` (the default: every result committed after this
+        call returns), a time (seconds since the epoch, or a ``datetime``: replay the
+        results written since then, then live), ``"created"`` (a rule's every result still
+        on the topic); ``from_offsets`` (an earlier subscription's ``positions``) resumes
+        exactly there. A ``rule_id`` must be one of your rules
+        (:class:`~fxstream.sdk.errors.NotFound` otherwise); its results are its task
+        group's. Raises :class:`~fxstream.sdk.errors.ResultsTopicMissing` when your results
+        topic does not exist.
+        """
+        if (rule_id is None) == (task_group_id is None):
+            raise ValueError("give exactly one of rule_id= and task_group_id=")
+        created_at: float | None = None
+        if rule_id is not None:
+            rule = self.get_trigger(rule_id)
+            created_at = float(rule["created_at"])
+            group = rule_id
+        else:
+            assert task_group_id is not None
+            group = task_group_id
+        _check_group_id(group)
+        start = since_timestamp(since, created_at)
+        with self._lock:
+            if self._closed:
+                raise FxstreamError("this Client is closed")
+        subscription = ResultSubscription(
+            self.kafka,
+            self.catalogue.results(self.user_id),
+            self.serializer,
+            user_id=self.user_id,
+            task_group_id=group,
+            group_id=subscription_group(user_group_prefix(self.user_id)),
+            since=start,
+            from_offsets=from_offsets,
+            buffer=buffer,
+            kafka_config=self._kafka_config,
+            start_timeout=timeout,
+        )
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._subscriptions.add(subscription)
+        if closed:
+            subscription.close()
+            raise FxstreamError("this Client is closed")
+        return subscription
+
     # --- results and status ------------------------------------------------------------
 
     def future(self, task_id: str) -> TaskFuture:
@@ -1341,12 +1418,15 @@ class Client:
                 return
             self._closed = True
             producer, listener = self._producer, self._listener
+            subscriptions = list(self._subscriptions)
             # Dropped so librdkafka's threads end with the objects.
             self._producer = self._listener = None
         if producer is not None:
             producer.close(timeout)
         if listener is not None:
             listener.close()
+        for subscription in subscriptions:
+            subscription.close()
         self._rest.close()
 
     def __enter__(self) -> Client:

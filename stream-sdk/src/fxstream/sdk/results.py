@@ -56,7 +56,7 @@ from fxstream.topics import (
     payload_references,
 )
 
-__all__ = ["ResultListener", "unreadable_result"]
+__all__ = ["ResultListener", "end_assignment", "load_outcome", "unreadable_result"]
 
 log = logging.getLogger(__name__)
 
@@ -194,41 +194,7 @@ class ResultListener:
             self._thread.start()
 
     def _end_offsets(self, consumer: Consumer, timeout: float) -> list[TopicPartition]:
-        try:
-            metadata = consumer.list_topics(self.topic, timeout=timeout)
-        except KafkaException as exc:
-            raise FxstreamError(
-                f"cannot read the metadata of {self.topic!r} from Kafka ({exc}); is the broker "
-                "up, and is FXSTREAM_BOOTSTRAP (bootstrap) right?"
-            ) from exc
-        topic = metadata.topics.get(self.topic)
-        if topic is None or topic.error is not None or not topic.partitions:
-            raise ResultsTopicMissing(
-                f"the results topic {self.topic!r} does not exist, so no result could arrive: "
-                "it is created when the user registers (Client.register_user, POST /v1/users); "
-                "check the user id and the topic prefix (FXSTREAM_USER_ID, FXSTREAM_TOPIC_PREFIX)"
-            )
-        deadline = time.monotonic() + timeout
-        assignment = []
-        for partition in sorted(topic.partitions):
-            tp = TopicPartition(self.topic, partition)
-            while True:
-                try:
-                    _low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
-                    break
-                except KafkaException as exc:
-                    # A topic created a moment ago may not have elected its leaders yet.
-                    error = exc.args[0] if exc.args else None
-                    retriable = isinstance(error, KafkaError) and (
-                        error.retriable() or error.code() in _TRANSIENT
-                    )
-                    if not retriable or time.monotonic() > deadline:
-                        raise FxstreamError(
-                            f"cannot read the end offset of {self.topic} [{partition}] ({exc})"
-                        ) from exc
-                    time.sleep(0.1)
-            assignment.append(TopicPartition(self.topic, partition, high))
-        return assignment
+        return end_assignment(consumer, self.topic, timeout)
 
     def track(self, future: TaskFuture) -> None:
         """Resolve ``future`` when its task's result arrives (call before producing the task)."""
@@ -450,54 +416,11 @@ class ResultListener:
             # Cancelled from elsewhere (Client.cancel): the future ends as a cancelled
             # concurrent.futures.Future does, so result() raises CancelledError.
             return lambda: self._count(future._resolve_cancelled_remotely())
-        outcome: BaseException | None = None
-        value: Any = None
-        if result.outcome == "success":
-            if result.value is None:
-                outcome = FxstreamError(
-                    f"task {result.task_id} succeeded but its result record carries no value "
-                    "(the agent must set TaskResult.value)"
-                )
-            else:
-                try:
-                    with collect_references() as found:
-                        try:
-                            value = self._serializer.deserialize(result.value)
-                        finally:
-                            fetched.extend(found)
-                except Exception as exc:  # DeserializationError, a user __setstate__, a fetch
-                    outcome = unreadable_result(result.task_id, exc, result.value)
-        elif result.error is not None:
-            outcome = task_failure(
-                result.task_id,
-                result.error,
-                endpoint_id=result.endpoint_id,
-                attempt=result.attempt,
-                earlier_attempts=result.earlier_attempts,
-                exception=self._remote_exception(result),
-            )
-        else:
-            outcome = FxstreamError(
-                f"task {result.task_id} failed but its result record carries no error "
-                "(the agent must set TaskResult.error)"
-            )
+        value, outcome = load_outcome(self._serializer, result, fetched)
         if outcome is None:
             return lambda: self._count(future._resolve_result(value))
         failure = outcome
         return lambda: self._count(future._resolve_exception(failure))
-
-    def _remote_exception(self, result: TaskResult) -> BaseException | None:
-        """The exception the function raised, as the worker serialized it beside its text;
-        None when it was not sent or does not load here (its type not importable)."""
-        payload = result.value
-        if payload is None or _by_reference(payload):
-            return None
-        try:
-            exception = self._serializer.deserialize(payload)
-        except Exception as exc:  # its class is not importable here: the text still says it
-            log.debug("task %s: its exception does not load here: %s", result.task_id, exc)
-            return None
-        return exception if isinstance(exception, BaseException) else None
 
     def _count(self, delivered: bool) -> None:
         if delivered:
@@ -526,6 +449,106 @@ class ResultListener:
             consumer.close()
             self._consumer = None
         self._fetcher.shutdown(wait=True, cancel_futures=False)
+
+
+def load_outcome(
+    serializer: Serializer, result: TaskResult, fetched: list[Any]
+) -> tuple[Any, BaseException | None]:
+    """A result record's value, or the exception it stands for: ``(value, None)`` for a
+    success, ``(None, error)`` otherwise.
+
+    A success's payload is deserialized (fetched from its store first when it went by
+    reference; the store checks its digest); a payload that does not load becomes the error
+    (:func:`unreadable_result`). A failure becomes :func:`~fxstream.sdk.errors.task_failure`,
+    with the remote exception object when the worker sent it inline and it loads here. The
+    stored objects read are appended to ``fetched`` (for the caller to evict or keep). Call
+    it only for a record of the user's own results topic, which only the platform writes.
+    """
+    if result.outcome == "success":
+        if result.value is None:
+            return None, FxstreamError(
+                f"task {result.task_id} succeeded but its result record carries no value "
+                "(the agent must set TaskResult.value)"
+            )
+        try:
+            with collect_references() as found:
+                try:
+                    return serializer.deserialize(result.value), None
+                finally:
+                    fetched.extend(found)
+        except Exception as exc:  # DeserializationError, a user __setstate__, a fetch
+            return None, unreadable_result(result.task_id, exc, result.value)
+    if result.error is not None:
+        return None, task_failure(
+            result.task_id,
+            result.error,
+            endpoint_id=result.endpoint_id,
+            attempt=result.attempt,
+            earlier_attempts=result.earlier_attempts,
+            exception=_remote_exception(serializer, result),
+        )
+    return None, FxstreamError(
+        f"task {result.task_id} failed but its result record carries no error "
+        "(the agent must set TaskResult.error)"
+    )
+
+
+def _remote_exception(serializer: Serializer, result: TaskResult) -> BaseException | None:
+    """The exception the function raised, as the worker serialized it beside its text;
+    None when it was not sent or does not load here (its type not importable)."""
+    payload = result.value
+    if payload is None or _by_reference(payload):
+        return None
+    try:
+        exception = serializer.deserialize(payload)
+    except Exception as exc:  # its class is not importable here: the text still says it
+        log.debug("task %s: its exception does not load here: %s", result.task_id, exc)
+        return None
+    return exception if isinstance(exception, BaseException) else None
+
+
+def end_assignment(consumer: Consumer, topic_name: str, timeout: float) -> list[TopicPartition]:
+    """Every partition of the results topic ``topic_name`` at its current end offset, read
+    synchronously (so a record committed after this returns is at or after it).
+
+    Raises :class:`ResultsTopicMissing` when the topic does not exist and
+    :class:`FxstreamError` when the broker does not answer within ``timeout`` seconds.
+    """
+    try:
+        metadata = consumer.list_topics(topic_name, timeout=timeout)
+    except KafkaException as exc:
+        raise FxstreamError(
+            f"cannot read the metadata of {topic_name!r} from Kafka ({exc}); is the broker "
+            "up, and is FXSTREAM_BOOTSTRAP (bootstrap) right?"
+        ) from exc
+    topic = metadata.topics.get(topic_name)
+    if topic is None or topic.error is not None or not topic.partitions:
+        raise ResultsTopicMissing(
+            f"the results topic {topic_name!r} does not exist, so no result could arrive: "
+            "it is created when the user registers (Client.register_user, POST /v1/users); "
+            "check the user id and the topic prefix (FXSTREAM_USER_ID, FXSTREAM_TOPIC_PREFIX)"
+        )
+    deadline = time.monotonic() + timeout
+    assignment = []
+    for partition in sorted(topic.partitions):
+        tp = TopicPartition(topic_name, partition)
+        while True:
+            try:
+                _low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+                break
+            except KafkaException as exc:
+                # A topic created a moment ago may not have elected its leaders yet.
+                error = exc.args[0] if exc.args else None
+                retriable = isinstance(error, KafkaError) and (
+                    error.retriable() or error.code() in _TRANSIENT
+                )
+                if not retriable or time.monotonic() > deadline:
+                    raise FxstreamError(
+                        f"cannot read the end offset of {topic_name} [{partition}] ({exc})"
+                    ) from exc
+                time.sleep(0.1)
+        assignment.append(TopicPartition(topic_name, partition, high))
+    return assignment
 
 
 def _by_reference(payload: bytes) -> bool:

@@ -12,6 +12,8 @@
   HTEX; and the inline vs by-reference sweep around the proxy threshold.
 - :mod:`~fxstream.ops.bench.coldstart`: a worker's cold start (container, interpreter,
   function load) and a warm task's round trip, per container runtime.
+- :mod:`~fxstream.ops.bench.trigger`: a file watcher, a trigger rule and a result
+  subscription: each file's close to its analysis result, steady and in a burst.
 - :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
   no-op task).
 
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     from fxstream.ops.bench.latency import run_latency_bench
     from fxstream.ops.bench.payload import run_payload_bench
     from fxstream.ops.bench.throughput import run_throughput_bench
+    from fxstream.ops.bench.trigger import run_trigger_bench
 
 _MODULES = {
     "run_coldstart_bench": "fxstream.ops.bench.coldstart",
@@ -35,6 +38,7 @@ _MODULES = {
     "run_latency_bench": "fxstream.ops.bench.latency",
     "run_payload_bench": "fxstream.ops.bench.payload",
     "run_throughput_bench": "fxstream.ops.bench.throughput",
+    "run_trigger_bench": "fxstream.ops.bench.trigger",
 }
 
 __all__ = [
@@ -43,6 +47,7 @@ __all__ = [
     "run_latency_bench",
     "run_payload_bench",
     "run_throughput_bench",
+    "run_trigger_bench",
 ]
 
 
