@@ -20,6 +20,7 @@ DESIGN_TOPICS = {
     "task-events": CleanupPolicy.DELETE,
     "events.{source}": CleanupPolicy.DELETE,
     "triggers": CleanupPolicy.COMPACT,
+    "analytics": CleanupPolicy.DELETE,
     "streams.{stream}": CleanupPolicy.DELETE,
     "from.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "dead-letter": CleanupPolicy.DELETE,
@@ -36,7 +37,7 @@ def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     assert "prod.task-state" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 10
+    assert len(topics) == 11
 
 
 def test_templates_fill_ids() -> None:

@@ -40,7 +40,9 @@ from fxstream.topics.deadletter import (
 )
 from fxstream.topics.provision import Drift, ProvisionError, ProvisionReport, ensure_topics
 from fxstream.topics.records import (
+    LATENCY_BUCKETS,
     MAX_ENDPOINT_GROUP,
+    OTHER_KEY,
     SCHEMA_VERSIONS,
     Attempt,
     ClientInfo,
@@ -73,9 +75,12 @@ from fxstream.topics.records import (
     UserRecord,
     WarmAdvert,
     WarmWorker,
+    WindowAggregate,
     decode,
     decode_any,
     encode,
+    latency_bucket,
+    latency_bucket_upper_s,
     record_kind,
 )
 from fxstream.topics.serialize import (
@@ -106,7 +111,9 @@ from fxstream.topics.serialize import (
 )
 
 __all__ = [
+    "LATENCY_BUCKETS",
     "MAX_ENDPOINT_GROUP",
+    "OTHER_KEY",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",
@@ -165,6 +172,7 @@ __all__ = [
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
+    "WindowAggregate",
     "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
     "bounded_error",

@@ -221,6 +221,19 @@ TRIGGERS = TopicSpec(
     partitions=1,
     retention_ms=-1,
 )
+ANALYTICS = TopicSpec(
+    name="analytics",
+    key="window|size|step|dimension|user|key|start (WindowAggregate.topic_key)",
+    summary="Windowed aggregates of task states per user, function, endpoint and trigger "
+    "rule (tumbling and hopping windows): counts, outcomes, state changes and a bounded "
+    "latency histogram; the latest record per key is the window's current figure.",
+    written_by="analytics processor",
+    read_by="the API's analytics view; operators",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    max_message_bytes=262_144,
+)
 STREAMS = TopicSpec(
     name="streams.{stream}",
     key="stream name (or the producer's chosen key)",
@@ -279,6 +292,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     TASK_EVENTS,
     EVENTS,
     TRIGGERS,
+    ANALYTICS,
     STREAMS,
     FROM_ENDPOINT,
     DEAD_LETTER,
@@ -405,6 +419,11 @@ class Catalogue:
     def triggers(self) -> str:
         """The compacted trigger rules."""
         return self.topic(TRIGGERS)
+
+    @property
+    def analytics(self) -> str:
+        """The windowed aggregates of the analytics processor (time-retained)."""
+        return self.topic(ANALYTICS)
 
     @property
     def events_pattern(self) -> str:
