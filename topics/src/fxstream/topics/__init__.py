@@ -190,6 +190,8 @@ __all__ = [
     "fit_state",
     "fits",
     "get_strategy",
+    "latency_bucket",
+    "latency_bucket_upper_s",
     "max_submission_bytes",
     "normalise_headers",
     "payload_references",
