@@ -35,6 +35,7 @@ INSTANCE_SETTINGS = {
     "task-state": "task_state_instances",
     "liveness": "liveness_instances",
     "trigger": "trigger_instances",
+    "analytics": "analytics_instances",
 }
 # More processes than a role's input partitions (4 per topic) would only stand by.
 MAX_INSTANCES = 8
@@ -108,6 +109,9 @@ class PlatformConfig:
     # The trigger processor counts a rule's tasks in flight and its rate per process: run
     # one (docs/triggers.md).
     trigger_instances: int = 1
+    # The analytics processor reads every partition of task-state itself: exactly one
+    # (docs/triggers.md, "Windowed analytics").
+    analytics_instances: int = 1
     # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
     # --insecure). Secure is the default everywhere.
     insecure: bool = False
@@ -134,6 +138,7 @@ class PlatformConfig:
         "task_state_instances": "FXSTREAM_TASK_STATE_INSTANCES",
         "liveness_instances": "FXSTREAM_LIVENESS_INSTANCES",
         "trigger_instances": "FXSTREAM_TRIGGER_INSTANCES",
+        "analytics_instances": "FXSTREAM_ANALYTICS_INSTANCES",
         "insecure": "FXSTREAM_INSECURE",
     }
 
@@ -215,6 +220,11 @@ class PlatformConfig:
                     f"{name} ({self.ENV_VARS[name]}) must be 1 to {MAX_INSTANCES} "
                     f"(processes of that stream processor): {getattr(self, name)}"
                 )
+        if self.analytics_instances != 1:
+            raise ConfigError(
+                "analytics_instances (FXSTREAM_ANALYTICS_INSTANCES) must be 1: the analytics "
+                f"processor reads every partition of task-state itself: {self.analytics_instances}"
+            )
         if self.kafka_heap_mb < 256:
             raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")
 

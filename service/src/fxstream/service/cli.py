@@ -413,6 +413,7 @@ class Processor(StrEnum):
     TASK_STATE = "task-state"
     LIVENESS = "liveness"
     TRIGGER = "trigger"
+    ANALYTICS = "analytics"
 
 
 @app.command()
@@ -448,8 +449,8 @@ def worker(
         ),
     ] = 0,
 ) -> None:
-    """Run the stream processors (router, ingress, task state, liveness, trigger) until
-    stopped."""
+    """Run the stream processors (router, ingress, task state, liveness, trigger, analytics)
+    until stopped."""
     try:
         target = target_from(
             bootstrap,

@@ -223,7 +223,7 @@ TRIGGERS = TopicSpec(
 )
 ANALYTICS = TopicSpec(
     name="analytics",
-    key="window|size|step|dimension|user|key|start (WindowAggregate.topic_key)",
+    key="window, size, step, dimension, user, key and start (WindowAggregate.topic_key)",
     summary="Windowed aggregates of task states per user, function, endpoint and trigger "
     "rule (tumbling and hopping windows): counts, outcomes, state changes and a bounded "
     "latency histogram; the latest record per key is the window's current figure.",
