@@ -10,13 +10,8 @@ import time
 
 import pytest
 
-from fxstream.service.analytics import (
-    WindowedAggregates,
-    WindowSpec,
-    merge,
-    percentile_s,
-    summarize,
-)
+from fxstream.service.analytics import WindowedAggregates, WindowSpec
+from fxstream.service.analytics_view import merge, percentile_s, summarize
 from fxstream.topics import (
     OTHER_KEY,
     TaskState,
