@@ -163,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
             if worker.poll() is None:
                 worker.kill()
                 worker.wait()
-        faust_rate = json.loads(out.strip().splitlines()[-1])["faust_states_per_s"]
+        found = [line for line in out.splitlines() if line.startswith('{"faust_states_per_s"')]
+        if not found:
+            raise SystemExit(f"the faust worker did not finish (exit {worker.returncode})")
+        faust_rate = json.loads(found[-1])["faust_states_per_s"]
     aggregates = WindowedAggregates()
     began = time.perf_counter()
     for raw in encoded:
