@@ -71,6 +71,7 @@ from fxstream.service.batch_loop import StoppableLoop
 from fxstream.service.lifecycle import TERMINAL_STATES
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.registry import RegistryView
+from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     OTHER_KEY,
     Catalogue,
@@ -423,6 +424,7 @@ class AnalyticsLoop(StoppableLoop):
         self.catalogue = catalogue
         self._send = send
         self._rules = rules
+        self._directory = TopicDirectory(kafka)
         self._remembered_rules: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._clock = clock
         self._flush_s = flush_s
@@ -486,14 +488,17 @@ class AnalyticsLoop(StoppableLoop):
 
     async def _seek_to_horizon(self) -> None:
         topic = self.catalogue.task_state
-        partitions = self._consumer.partitions_for_topic(topic)
         deadline = time.monotonic() + 60
+        partitions: set[int] = set()
         while not partitions:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"analytics: topic {topic} is missing: run ./fx up first")
-            await self._consumer.topics()  # refreshes the metadata
-            partitions = self._consumer.partitions_for_topic(topic)
+            try:
+                ends = await self._directory.end_offsets([topic])
+                partitions = {p for (t, p) in ends if t == topic}
+            except Exception as exc:  # the broker is away or the topic is not there yet
+                log.warning("analytics: cannot describe %s yet (%r)", topic, exc)
             if not partitions:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"analytics: topic {topic} is missing: run ./fx up first")
                 await asyncio.sleep(0.5)
         tps = [AioTopicPartition(topic, p) for p in sorted(partitions)]
         self._consumer.assign(tps)
