@@ -192,6 +192,7 @@ def test_a_user_sees_only_its_own_windows_and_the_admin_sees_all(
     stack: PrivatePlatform, client: Client, ran: dict[str, Any]
 ) -> None:
     mine = wait_for_windows(lambda: client.get_analytics("function", key=ran["ok_id"]), N_OK)
+    assert sum(w["finished"] for w in mine if w["window"] == "tumbling") == N_OK
     other = other_user_client(stack, f"analytics-{uuid.uuid4().hex[:6]}")
     try:
         assert other.get_analytics("function", key=ran["ok_id"]) == []
