@@ -38,6 +38,7 @@ ROUTES: tuple[tuple[str, str], ...] = (
     ("POST", "/v1/triggers/{id}/pause"),
     ("POST", "/v1/triggers/{id}/resume"),
     ("DELETE", "/v1/triggers/{id}"),
+    ("GET", "/v1/analytics"),
     ("GET", "/v1/health"),
 )
 

@@ -49,6 +49,7 @@ def test_explicit_config_file_and_overrides(tmp_path: Path) -> None:
         ({"FXSTREAM_ROUTER_INSTANCES": "0"}, r"router_instances \(FXSTREAM_ROUTER_INSTANCES\)"),
         ({"FXSTREAM_TASK_STATE_INSTANCES": "9"}, "must be 1 to 8"),
         ({"FXSTREAM_DEPENDENCIES_INSTANCES": "2"}, r"dependencies_instances .* must be 1"),
+        ({"FXSTREAM_ANALYTICS_INSTANCES": "2"}, r"analytics_instances .* must be 1"),
     ],
 )
 def test_bad_values_name_the_setting(tmp_path: Path, env: dict[str, str], message: str) -> None:

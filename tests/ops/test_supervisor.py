@@ -229,7 +229,9 @@ def test_each_instance_of_a_scaled_out_processor_is_its_own_supervised_process(
     assert len({c.log_file for c in children.values()}) == len(children)
     assert [p.name for p in services.instances["router"]] == ["router", "router-1"]
     assert services.router is services.instances["router"][0]
-    assert len(services.processors()) == 2 + 1 + 3 + 1 + 1 + 1  # ... trigger, dependencies
+    assert (
+        len(services.processors()) == 2 + 1 + 3 + 1 + 1 + 1 + 1
+    )  # ... trigger, dependencies, analytics
     services.state_dir.mkdir(parents=True)
     services.credentials_file.write_text("{}")
     names = [c.name for c in services.status(expected=True)]

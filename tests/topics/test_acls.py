@@ -122,6 +122,12 @@ def test_the_service_writes_the_registry_and_dispatches_but_not_agents_topics() 
     assert not is_allowed(grants, Resource.TOPIC, CATALOGUE.endpoint_queue("e"), Operation.READ)
     # Another deployment's topics (another prefix) are not the service's.
     assert not is_allowed(grants, Resource.TOPIC, "t2.users", Operation.READ)
+    # The analytics processor writes the windows, the API's view reads them; a user reads
+    # them only through the API (which shows it its own).
+    assert is_allowed(grants, Resource.TOPIC, CATALOGUE.analytics, Operation.WRITE)
+    assert is_allowed(grants, Resource.TOPIC, CATALOGUE.analytics, Operation.READ)
+    user = grants_for(Role.USER, CATALOGUE, "u")
+    assert not is_allowed(user, Resource.TOPIC, CATALOGUE.analytics, Operation.READ)
 
 
 def test_bindings_are_allows_for_the_principal() -> None:

@@ -19,6 +19,7 @@ from fxstream.topics import (
     TaskResult,
     TaskState,
     TaskStateName,
+    WindowAggregate,
     dead_letter,
     decode,
     encode,
@@ -32,6 +33,7 @@ from fxstream.topics import (
     utf8_len,
 )
 from fxstream.topics.budget import ERROR_MESSAGE_MAX_BYTES, TRACEBACK_MAX_BYTES
+from fxstream.topics.records import LATENCY_BUCKETS
 
 CATALOGUE = Catalogue()
 RESULTS = CATALOGUE.spec("results.{user_id}")
@@ -266,3 +268,35 @@ def test_a_dead_letter_reason_outside_the_vocabulary_is_refused() -> None:
             error_type="Whatever",  # type: ignore[arg-type]
             component="c",
         )
+
+
+def test_the_largest_window_aggregate_fits_the_analytics_topic_many_times_over() -> None:
+    """Every field of a window's aggregate is bounded: the longest keys, every state and
+    every histogram bucket at the largest counts still fit (with room for a batch)."""
+    big = 2**63 - 1
+    longest = "a" * 128
+    aggregate = WindowAggregate(
+        window="tumbling",
+        size_s=86_400,
+        step_s=86_400,
+        start=1e11,
+        end=1e11 + 86_400,
+        dimension="function",
+        key=longest,
+        user_id=longest,
+        finished=big,
+        succeeded=big,
+        failed=big,
+        cancelled=big,
+        rejected=big,
+        states=dict.fromkeys(TaskStateName, big),
+        latency_histogram=dict.fromkeys(range(LATENCY_BUCKETS), big),
+        latency_sum_s=1e15,
+        latency_max_s=1e9,
+        final=True,
+        updated_at=1e11,
+    )
+    key = aggregate.topic_key().encode()
+    value = encode(aggregate)
+    assert decode(value, WindowAggregate) == aggregate
+    assert record_bytes(key, value) * 50 < CATALOGUE.spec("analytics").max_message_bytes

@@ -21,6 +21,7 @@ DESIGN_TOPICS = {
     "events.{source}": CleanupPolicy.DELETE,
     "triggers": CleanupPolicy.COMPACT,
     "held-tasks": CleanupPolicy.COMPACT,
+    "analytics": CleanupPolicy.DELETE,
     "streams.{stream}": CleanupPolicy.DELETE,
     "from.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "dead-letter": CleanupPolicy.DELETE,

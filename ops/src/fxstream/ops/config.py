@@ -36,6 +36,7 @@ INSTANCE_SETTINGS = {
     "liveness": "liveness_instances",
     "trigger": "trigger_instances",
     "dependencies": "dependencies_instances",
+    "analytics": "analytics_instances",
 }
 # More processes than a role's input partitions (4 per topic) would only stand by.
 MAX_INSTANCES = 8
@@ -112,6 +113,9 @@ class PlatformConfig:
     # The dependencies processor holds tasks until their parents succeed; two would decide
     # the same tasks twice: run one (docs/triggers.md, "Task DAGs").
     dependencies_instances: int = 1
+    # The analytics processor reads every partition of task-state itself: exactly one
+    # (docs/triggers.md, "Windowed analytics").
+    analytics_instances: int = 1
     # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
     # --insecure). Secure is the default everywhere.
     insecure: bool = False
@@ -139,6 +143,7 @@ class PlatformConfig:
         "liveness_instances": "FXSTREAM_LIVENESS_INSTANCES",
         "trigger_instances": "FXSTREAM_TRIGGER_INSTANCES",
         "dependencies_instances": "FXSTREAM_DEPENDENCIES_INSTANCES",
+        "analytics_instances": "FXSTREAM_ANALYTICS_INSTANCES",
         "insecure": "FXSTREAM_INSECURE",
     }
 
@@ -225,6 +230,11 @@ class PlatformConfig:
                 "dependencies_instances (FXSTREAM_DEPENDENCIES_INSTANCES) must be 1: the "
                 "dependencies processor decides every held task, and two would decide them "
                 f"twice: {self.dependencies_instances}"
+            )
+        if self.analytics_instances != 1:
+            raise ConfigError(
+                "analytics_instances (FXSTREAM_ANALYTICS_INSTANCES) must be 1: the analytics "
+                f"processor reads every partition of task-state itself: {self.analytics_instances}"
             )
         if self.kafka_heap_mb < 256:
             raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")

@@ -2,8 +2,8 @@
 
 Each runs as its own process under the platform's supervisor
 (:mod:`fxstream.ops.supervisor`): the API, the router, the ingress, the task-state
-processor, the liveness processor, the trigger processor, the dependencies processor and
-the local endpoint. Each
+processor, the liveness processor, the trigger processor, the dependencies processor,
+the analytics processor and the local endpoint. Each
 stream processor runs as many processes as the config says (``router_instances`` and the
 like, 1 by default),
 numbered from 0: the first is named for its role (``router``), the others ``router-1``,
@@ -242,6 +242,7 @@ class ServiceSet:
         self.liveness = self.instances["liveness"][0]
         self.trigger = self.instances["trigger"][0]
         self.dependencies = self.instances["dependencies"][0]
+        self.analytics = self.instances["analytics"][0]
 
     def _running_specs(self) -> list[ChildSpec] | None:
         """The children of the running supervisor's saved spec; None if none runs."""
@@ -285,8 +286,8 @@ class ServiceSet:
         return [self.api, *self.processors(), self.endpoint]
 
     def processors(self) -> list[SupervisedProcess]:
-        """The stream processors: every router, ingress, task-state, liveness, trigger and
-        dependencies process."""
+        """The stream processors: every router, ingress, task-state, liveness, trigger,
+        dependencies and analytics process."""
         return [process for role in INSTANCE_SETTINGS for process in self.instances[role]]
 
     def supervisor_spec(self) -> SupervisorSpec:

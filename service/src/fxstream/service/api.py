@@ -51,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxstream.service.accounts import AccountError, AccountManager
 from fxstream.service.accounts import Principal as KafkaPrincipal
+from fxstream.service.analytics_view import AnalyticsView, summarize
 from fxstream.service.auth import (
     DEFAULT_TOKEN_LIFETIME_S,
     MAX_ROTATION_GRACE_S,
@@ -555,11 +556,15 @@ class Runtime:
     kafka_secure: bool = True
     # Pausing and resuming a rule read, modify and write it: one at a time in this process.
     trigger_lock: threading.Lock = field(default_factory=threading.Lock)
+    # The analytics processor's windows (GET /v1/analytics).
+    analytics: AnalyticsView | None = None
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
         self.writer.close()
         self.view.close()
+        if self.analytics is not None:
+            self.analytics.close()
 
 
 def _start_runtime(
@@ -575,6 +580,13 @@ def _start_runtime(
     except BaseException:
         view.close()
         raise
+    analytics = AnalyticsView(kafka, catalogue)
+    try:
+        analytics.start()
+    except BaseException:
+        analytics.close()
+        view.close()
+        raise
     writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)
     writer.start()
     admin = AdminClient({**kafka.confluent(), "log_level": 2})
@@ -587,6 +599,7 @@ def _start_runtime(
         accounts=accounts,
         limiter=RateLimiter(accounts.limits),
         kafka_secure=kafka.secure,
+        analytics=analytics,
     )
 
 
@@ -1561,6 +1574,89 @@ def _source_lag(runtime: Runtime, topic: str) -> int | None:
         start = position if position >= 0 else earliest.get(partition, 0)
         lag += max(0, end - max(start, earliest.get(partition, 0)))
     return lag
+
+
+MAX_ANALYTICS_PAGE = 1000
+AGGREGATE_KEY_PATTERN = r"^(?:[A-Za-z0-9][A-Za-z0-9-]{0,127}|~other)$"
+
+
+@router.get("/analytics", tags=["analytics"])
+def read_analytics(
+    principal: PrincipalDep,
+    runtime: RuntimeDep,
+    dimension: Annotated[
+        Literal["user", "function", "endpoint", "rule"],
+        Query(
+            description="what the windows are per: the user, or the user's functions, "
+            "endpoints or trigger rules"
+        ),
+    ] = "user",
+    key: Annotated[
+        str | None,
+        Query(
+            pattern=AGGREGATE_KEY_PATTERN,
+            description="one user, function, endpoint or rule id ('~other': the ids past "
+            "the processor's bound); all of them by default",
+        ),
+    ] = None,
+    window: Annotated[
+        Literal["tumbling", "hopping"] | None, Query(description="one window family")
+    ] = None,
+    user_id: Annotated[
+        str | None,
+        Query(
+            pattern=ID_PATTERN,
+            description="the admin: one user's windows (default: every user's, summed)",
+        ),
+    ] = None,
+    since: Annotated[
+        float | None,
+        Query(ge=0, le=LATEST_TIMESTAMP, description="windows ending after (epoch seconds)"),
+    ] = None,
+    until: Annotated[
+        float | None,
+        Query(ge=0, le=LATEST_TIMESTAMP, description="windows starting at or before"),
+    ] = None,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_ANALYTICS_PAGE, description="the newest windows to return")
+    ] = 100,
+) -> dict[str, Any]:
+    """Windowed aggregates of task states (the analytics processor's ``analytics`` topic),
+    oldest first: per window, the finished tasks and their outcomes, errors and the error
+    rate, finished tasks per second, state changes by state, and latency (submission to
+    result) percentiles from a bounded histogram.
+
+    A user sees the windows of its own tasks only (``user_id`` naming another user finds
+    nothing); the platform admin sees every user's, summed per window and key unless
+    ``user_id`` names one. An endpoint's token is refused.
+    """
+    if principal.kind == "endpoint":
+        raise _wrong_principal(principal)
+    if runtime.analytics is None:
+        raise ApiError(503, "unavailable", "the API was started without its analytics view")
+    combine = False
+    owner = user_id
+    if principal.user is not None:
+        if user_id not in (None, principal.user.user_id):
+            return {"windows": [], "truncated": False}
+        owner = principal.user.user_id
+    else:
+        combine = user_id is None
+    found = runtime.analytics.query(
+        user_id=owner,
+        window=window,
+        dimension=dimension,
+        key=key,
+        since=since,
+        until=until,
+        combine_users=combine,
+    )
+    truncated = len(found) > limit
+    windows = [summarize(aggregate) for aggregate in found[-limit:]]
+    if combine:
+        for item in windows:
+            item["user_id"] = None
+    return {"windows": windows, "truncated": truncated}
 
 
 @router.get("/health", tags=["health"])

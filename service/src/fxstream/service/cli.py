@@ -414,6 +414,7 @@ class Processor(StrEnum):
     LIVENESS = "liveness"
     TRIGGER = "trigger"
     DEPENDENCIES = "dependencies"
+    ANALYTICS = "analytics"
 
 
 @app.command()
@@ -449,8 +450,8 @@ def worker(
         ),
     ] = 0,
 ) -> None:
-    """Run the stream processors (router, ingress, task state, liveness, trigger) until
-    stopped."""
+    """Run the stream processors (router, ingress, task state, liveness, trigger, analytics)
+    until stopped."""
     try:
         target = target_from(
             bootstrap,

@@ -27,6 +27,9 @@
   results, to its submitter's ``from.user.<user>`` (the router then routes it), or fails
   it with ``ParentFailed``, ``ParentUnknown`` or ``ParentResultUnavailable``, each with
   the held record's tombstone in one transaction (:mod:`fxstream.service.dependencies`).
+- The *analytics* processor reads ``task-state`` (every partition, from its horizon on,
+  no consumer group: one per platform) and writes windowed aggregates per user,
+  function, endpoint and rule to ``analytics`` (:mod:`fxstream.service.analytics`).
 
 ``--only ROLE`` runs one of them in its own process (what ``./fx up`` does,
 under its supervisor, so one cannot take the others down); without it all
@@ -47,7 +50,7 @@ agents share ``heartbeats`` through faust's own group, each forgetting the agent
 partitions it gives up.
 
 Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
---prefix fx. [--only router|ingress|task-state|liveness]`` (``FILE``: the service
+--prefix fx. [--only router|ingress|task-state|liveness|trigger|analytics]`` (``FILE``: the service
 principal's 0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure
 development platform); SIGTERM or SIGINT stops it
 cleanly (the batch in hand is finished and committed). An input whose output
@@ -77,6 +80,8 @@ from typing import Any, Protocol, cast
 import faust
 from faust.types import StreamT
 
+from fxstream.service.analytics import COMPONENT as ANALYTICS
+from fxstream.service.analytics import AnalyticsLoop
 from fxstream.service.dependencies import DependencyLoop
 from fxstream.service.ingress import COMPONENT as INGRESS
 from fxstream.service.ingress import Ingress
@@ -122,7 +127,7 @@ KAFKA_CREDENTIALS_ENV = "FXSTREAM_KAFKA_CREDENTIALS"
 # Names the router's placement policy when --placement does not (what ./fx up passes on).
 PLACEMENT_ENV = "FXSTREAM_PLACEMENT"
 # What --only can choose; all of them run in one process without it.
-ROLES = ("router", "ingress", "task-state", "liveness", "trigger", "dependencies")
+ROLES = ("router", "ingress", "task-state", "liveness", "trigger", "dependencies", "analytics")
 BATCH_SIZE = 500
 # How often endpoints whose heartbeats stopped are looked for.
 LIVENESS_CHECK_S = 1.0
@@ -238,6 +243,10 @@ def build_app(
         _add_trigger(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
     if "dependencies" in roles:
         _add_dependencies(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
+    if "analytics" in roles:
+        if instance != 0:
+            raise ValueError("one analytics processor runs per platform (instance 0)")
+        _add_analytics(app, kafka, catalogue, batch_size, stoppers)
     _add_memory_report(app, report)
 
     async def stop(sender: Any, /, *_: Any, signal: Any, **__: Any) -> None:
@@ -404,6 +413,35 @@ def _add_dependencies(
     )
     report.add_table("view", loop.view_memory_figures)
     _run_in_app(app, stoppers, loop, lambda: log.info("dependencies: %s", loop.stats))
+
+
+def _add_analytics(
+    app: faust.App,
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    batch_size: int,
+    stoppers: list[Callable[[], Awaitable[None]]],
+) -> None:
+    # The rules, for the rule dimension (a task group id that is a rule of its user).
+    rules = RegistryView(
+        kafka, catalogue, follow=("triggers",), component="analytics processor's view"
+    )
+
+    async def write(records: Sequence[Outgoing]) -> None:
+        await _write_or_exit(app, catalogue, ANALYTICS, records, ())
+
+    loop = AnalyticsLoop(kafka, catalogue, write, rules=rules, batch_size=batch_size)
+
+    def closed() -> None:
+        aggregates = loop.aggregates
+        log.info(
+            "analytics: %s; %d panes, %d series in memory",
+            aggregates.stats,
+            aggregates.pane_count,
+            aggregates.series_count,
+        )
+
+    _run_in_app(app, stoppers, loop, closed)
 
 
 def _add_task_state(

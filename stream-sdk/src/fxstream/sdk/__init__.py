@@ -61,8 +61,8 @@ from fxstream.sdk.streams import (
     stream_consumer,
     stream_producer,
 )
-from fxstream.topics import ParentResult
 from fxstream.sdk.subscription import ResultSubscription, SubscribedResult, SubscriptionClosed
+from fxstream.topics import ParentResult
 
 __all__ = [
     "DEFAULT_MAX_INLINE_BYTES",

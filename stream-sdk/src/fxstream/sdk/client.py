@@ -586,6 +586,37 @@ class Client:
         """Delete one of your rules (its tasks stay)."""
         self._rest.delete(f"/triggers/{rule_id}")
 
+    # --- analytics -----------------------------------------------------------------------
+
+    def get_analytics(
+        self,
+        dimension: str = "user",
+        *,
+        key: str | None = None,
+        window: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 100,
+    ) -> list[dict[str, Any]]:
+        """Windowed aggregates of your tasks (``GET /v1/analytics``), oldest window first.
+
+        ``dimension``: ``user`` (all your tasks), ``function``, ``endpoint`` or ``rule``
+        (per id; ``key`` picks one); ``window``: ``tumbling`` or ``hopping`` (both by
+        default). Each window holds ``finished``, ``succeeded``, ``failed``,
+        ``cancelled``, ``rejected``, ``errors``, ``error_rate``, ``finished_per_s``,
+        ``states`` and ``latency_s`` (``p50``, ``p90``, ``p99``, ``max``, ``mean``).
+        """
+        params: list[tuple[str, str]] = [("dimension", dimension), ("limit", str(limit))]
+        for name, value in (("key", key), ("window", window)):
+            if value is not None:
+                params.append((name, value))
+        for name, moment in (("since", since), ("until", until)):
+            if moment is not None:
+                params.append((name, repr(float(moment))))
+        page: dict[str, Any] = self._rest.get(f"/analytics?{urlencode(params)}")
+        windows: list[dict[str, Any]] = page.get("windows", [])
+        return windows
+
     # --- submitting --------------------------------------------------------------------
 
     def pack(

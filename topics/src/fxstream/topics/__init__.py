@@ -48,7 +48,9 @@ from fxstream.topics.parents import (
 )
 from fxstream.topics.provision import Drift, ProvisionError, ProvisionReport, ensure_topics
 from fxstream.topics.records import (
+    LATENCY_BUCKETS,
     MAX_ENDPOINT_GROUP,
+    OTHER_KEY,
     SCHEMA_VERSIONS,
     Attempt,
     ClientInfo,
@@ -82,9 +84,12 @@ from fxstream.topics.records import (
     UserRecord,
     WarmAdvert,
     WarmWorker,
+    WindowAggregate,
     decode,
     decode_any,
     encode,
+    latency_bucket,
+    latency_bucket_upper_s,
     record_kind,
 )
 from fxstream.topics.serialize import (
@@ -115,8 +120,10 @@ from fxstream.topics.serialize import (
 )
 
 __all__ = [
+    "LATENCY_BUCKETS",
     "MAX_ENDPOINT_GROUP",
     "MAX_PARENTS",
+    "OTHER_KEY",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",
@@ -178,6 +185,7 @@ __all__ = [
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
+    "WindowAggregate",
     "aiokafka_max_batch_size",
     "aiokafka_max_request_size",
     "bind_parents",
@@ -196,6 +204,8 @@ __all__ = [
     "fit_state",
     "fits",
     "get_strategy",
+    "latency_bucket",
+    "latency_bucket_upper_s",
     "max_submission_bytes",
     "normalise_headers",
     "parents_in",

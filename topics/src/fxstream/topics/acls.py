@@ -211,6 +211,8 @@ TABLE: tuple[Rule, ...] = (
     ),
     Rule(_S, _T, _LIT, "triggers", _R, "trigger processor, registry views"),
     Rule(_S, _T, _LIT, "triggers", _W, "the registry is written by the service only"),
+    Rule(_S, _T, _LIT, "analytics", _W, "analytics processor: windowed aggregates"),
+    Rule(_S, _T, _LIT, "analytics", _R, "the API's analytics view"),
     Rule(
         _S,
         _T,

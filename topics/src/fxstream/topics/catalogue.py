@@ -238,6 +238,20 @@ HELD_TASKS = TopicSpec(
     # A held record wraps a whole submission (up to from.user's limit) and its routing facts.
     max_message_bytes=2 * 1_048_576,
 )
+
+ANALYTICS = TopicSpec(
+    name="analytics",
+    key="window, size, step, dimension, user, key and start (WindowAggregate.topic_key)",
+    summary="Windowed aggregates of task states per user, function, endpoint and trigger "
+    "rule (tumbling and hopping windows): counts, outcomes, state changes and a bounded "
+    "latency histogram; the latest record per key is the window's current figure.",
+    written_by="analytics processor",
+    read_by="the API's analytics view; operators",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=7 * DAY_MS,
+    max_message_bytes=262_144,
+)
 STREAMS = TopicSpec(
     name="streams.{stream}",
     key="stream name (or the producer's chosen key)",
@@ -297,6 +311,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     EVENTS,
     TRIGGERS,
     HELD_TASKS,
+    ANALYTICS,
     STREAMS,
     FROM_ENDPOINT,
     DEAD_LETTER,
@@ -428,6 +443,11 @@ class Catalogue:
     def held_tasks(self) -> str:
         """The compacted table of tasks waiting for their parents."""
         return self.topic(HELD_TASKS)
+
+    @property
+    def analytics(self) -> str:
+        """The windowed aggregates of the analytics processor (time-retained)."""
+        return self.topic(ANALYTICS)
 
     @property
     def events_pattern(self) -> str:

@@ -26,11 +26,15 @@ from msgspec import Meta
 from fxstream.topics.parents import MAX_PARENTS
 
 __all__ = [
+    "LATENCY_BUCKETS",
+    "LATENCY_BUCKET_BASE_S",
+    "LATENCY_BUCKET_GROWTH",
     "LATEST_TIMESTAMP",
     "MAX_ENDPOINT_GROUP",
     "MAX_TAG_KEY_CHARS",
     "MAX_TAG_VALUE_CHARS",
     "MAX_TASK_TAGS",
+    "OTHER_KEY",
     "SCHEMA_VERSIONS",
     "TAG_KEY_PATTERN",
     "TAG_VALUE_PATTERN",
@@ -67,9 +71,12 @@ __all__ = [
     "UserRecord",
     "WarmAdvert",
     "WarmWorker",
+    "WindowAggregate",
     "decode",
     "decode_any",
     "encode",
+    "latency_bucket",
+    "latency_bucket_upper_s",
     "record_kind",
 ]
 
@@ -1020,6 +1027,85 @@ class DeadLetter(Record, tag="dead-letter", kw_only=True, frozen=True):
     ] = 0
 
 
+# --- streaming analytics ----------------------------------------------------------------
+
+LATENCY_BUCKETS: Final = 100
+"""How many buckets a :class:`WindowAggregate`'s latency histogram has (its bound)."""
+LATENCY_BUCKET_BASE_S: Final = 0.001
+"""The upper bound of bucket 0: latencies of at most 1 ms."""
+LATENCY_BUCKET_GROWTH: Final = 2**0.25
+"""Each bucket's upper bound is this factor (about 1.19) times the previous one's, so a
+percentile read as its bucket's upper bound is at most 19 % above the true value."""
+OTHER_KEY: Final = "~other"
+"""A window's key for one user's series past the per-dimension bound (never an id)."""
+
+
+def latency_bucket(seconds: float) -> int:
+    """The histogram bucket of a latency: 0 for <= 1 ms, ``i`` for <= 1 ms x 2^(i/4), and
+    the last bucket (:data:`LATENCY_BUCKETS` - 1) for everything above 1 ms x 2^(98/4)
+    (about 6.6 hours)."""
+    if not seconds > LATENCY_BUCKET_BASE_S:  # also NaN and negative clock skew
+        return 0
+    index = math.ceil(math.log(seconds / LATENCY_BUCKET_BASE_S, LATENCY_BUCKET_GROWTH) - 1e-9)
+    return min(max(index, 0), LATENCY_BUCKETS - 1)
+
+
+def latency_bucket_upper_s(index: int) -> float:
+    """The upper bound of bucket ``index`` in seconds (infinity for the last bucket)."""
+    if index >= LATENCY_BUCKETS - 1:
+        return math.inf
+    return float(LATENCY_BUCKET_BASE_S * LATENCY_BUCKET_GROWTH**index)
+
+
+class WindowAggregate(Record, tag="window-aggregate", kw_only=True, frozen=True):
+    """One window's aggregate of one user's tasks by one dimension (topic ``analytics``,
+    key: :meth:`topic_key`; the latest record per key is the window's current figure).
+
+    A task counts in the window holding the time its state was recorded
+    (``TaskState.updated_at``): ``finished`` and the outcome counts once per task, at its
+    terminal state; ``states`` once per state change seen (``routed``, ``running``, ...).
+    ``latency_histogram`` holds, per bucket (:func:`latency_bucket`), the finished tasks
+    whose time from ``submitted_at`` to their result took that long. ``final`` is set
+    once the window has closed and its grace passed (a late state can still update it).
+    """
+
+    window: Literal["tumbling", "hopping"]
+    size_s: Annotated[int, Meta(ge=1, le=86_400)]
+    step_s: Annotated[int, Meta(ge=1, le=86_400)]
+    start: Timestamp
+    end: Timestamp
+    dimension: Literal["user", "function", "endpoint", "rule"]
+    key: Annotated[
+        str,
+        Meta(
+            pattern=r"^(?:[A-Za-z0-9][A-Za-z0-9-]{0,127}|~other)$",
+            description="the user, function, endpoint or rule id ('~other' past the bound)",
+        ),
+    ]
+    user_id: Id
+    finished: Count = 0
+    succeeded: Count = 0
+    failed: Count = 0
+    cancelled: Count = 0
+    rejected: Count = 0
+    states: Annotated[dict[TaskStateName, Count], Meta(max_length=16)] = {}
+    latency_histogram: Annotated[
+        dict[Annotated[int, Meta(ge=0, lt=LATENCY_BUCKETS)], Count],
+        Meta(max_length=LATENCY_BUCKETS, description="bucket index -> finished tasks"),
+    ] = {}
+    latency_sum_s: Annotated[float, Meta(ge=0, le=1e15)] = 0.0
+    latency_max_s: Annotated[float, Meta(ge=0, le=LONGEST_DURATION_S)] = 0.0
+    final: bool = False
+    updated_at: Timestamp
+
+    def topic_key(self) -> str:
+        """The record's key on ``analytics``: one per window, series and user."""
+        return (
+            f"{self.window}|{self.size_s}|{self.step_s}|{self.dimension}|{self.user_id}|"
+            f"{self.key}|{int(self.start)}"
+        )
+
+
 AnyRecord = (
     UserRecord
     | TaskSubmission
@@ -1037,6 +1123,7 @@ AnyRecord = (
     | Event
     | TriggerRule
     | DeadLetter
+    | WindowAggregate
 )
 
 RECORD_TYPES: Final[tuple[type[Record], ...]] = (
@@ -1056,6 +1143,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     Event,
     TriggerRule,
     DeadLetter,
+    WindowAggregate,
 )
 
 # The newest schema version this code reads and writes, per record kind.
