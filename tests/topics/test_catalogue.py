@@ -38,7 +38,7 @@ def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     assert "prod.task-state" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 11
+    assert len(topics) == 12
 
 
 def test_templates_fill_ids() -> None:
