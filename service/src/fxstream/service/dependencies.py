@@ -667,11 +667,12 @@ class DependencyLoop(StoppableLoop):
             return
         entry = self.table.get(decision.task_id)
         if decision.outcome == "released" and entry is not None:
+            submission: TaskSubmission | None
             try:
                 submission = decode(entry.held.submission, TaskSubmission)
-            except RecordDecodeError:
-                pass
-            else:
+            except RecordDecodeError:  # an undecodable held record: only the dead letter
+                submission = None
+            if submission is not None:
                 yield self.planner.fail(
                     entry,
                     submission,
