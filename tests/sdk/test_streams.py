@@ -131,6 +131,31 @@ def committed_offset(env: StreamEnv, stream: str, group: str) -> int:
     return used[0] if used else -1
 
 
+def describe_stream(env: StreamEnv, stream: str, group: str) -> str:
+    """The stream topic's watermarks, the group's committed offsets and each record's events.
+
+    Put in an assertion's message, so an unexpected start point explains itself
+    (a start past offset 0, a commit nobody made, records that are not the items).
+    """
+    topic = env.catalogue.stream(stream)
+    reader = Consumer({**env.kafka.confluent(), "group.id": f"describe-{uuid.uuid4().hex}"})
+    try:
+        partitions = reader.list_topics(topic, timeout=30).topics[topic].partitions
+        lines = [f"topic {topic}, group {stream_group_id(env.catalogue, stream, group)}:"]
+        for partition in partitions:
+            low, high = reader.get_watermark_offsets(TopicPartition(topic, partition), timeout=30)
+            lines.append(f"  partition {partition}: offsets {low}..{high}")
+            reader.assign([TopicPartition(topic, partition, low)])
+            for message in reader.consume(max(high - low, 0), timeout=10):
+                if message.error() is None:
+                    value = message.value() or b""
+                    lines.append(f"    @{message.offset()}: {len(value)} bytes {value[:80]!r}")
+        lines.append(f"  committed: {committed_offset(env, stream, group)}")
+        return "\n".join(lines)
+    finally:
+        reader.close()
+
+
 # --- data through the store, in order ------------------------------------------------------
 
 
@@ -258,7 +283,7 @@ def test_consumer_stopped_in_process_resumes_where_it_was(
                 if stop == "by-exception":
                     raise Stop
                 break
-    assert first == list(range(taken))
+    assert first == list(range(taken)), describe_stream(env, stream, "g")
 
     with consumer_for(env, stream, "g") as consumer:
         rest = [check_array(item) for item in consumer]
