@@ -87,6 +87,33 @@ def read_from(
         consumer.close()
 
 
+def read_to_end(kafka: KafkaConnection, topic: str, start: dict[int, int]) -> list[Message]:
+    """Every committed record of ``topic`` from the ``start`` offsets to its end offsets now.
+
+    For "exactly these and no more" checks: once the writer has flushed (its records are
+    acknowledged), the end offsets taken here bound everything it wrote, so nothing is
+    awaited past them.
+    """
+    end = end_offsets(kafka, topic)
+    wanted = {p: o for p, o in end.items() if o > start.get(p, 0)}
+    consumer = _consumer(kafka)
+    try:
+        consumer.assign([TopicPartition(topic, p, start.get(p, 0)) for p in wanted])
+        found: list[Message] = []
+        deadline = time.monotonic() + 30
+        while wanted:
+            assert time.monotonic() < deadline, f"{topic} not read to {end} in 30 s"
+            for message in consumer.consume(num_messages=100, timeout=0.2):
+                if message.error() is None:
+                    found.append(message)
+            for tp in consumer.position([TopicPartition(topic, p) for p in list(wanted)]):
+                if tp.offset >= wanted[tp.partition]:
+                    del wanted[tp.partition]
+        return found
+    finally:
+        consumer.close()
+
+
 class ResultWriter:
     """Produces records to a topic and waits for each to be acknowledged."""
 

@@ -21,16 +21,17 @@ from fxstream.topics import (
     record_kind,
 )
 from tests.sdk.conftest import SdkTopics
-from tests.sdk.streams import ResultWriter, end_offsets, failure, read_from, success
+from tests.sdk.streams import ResultWriter, end_offsets, failure, read_from, read_to_end, success
 
 ENDPOINT = "ep-cancel"
 FUNCTION = "f-cancel"
 
 
-def cancels_after(sdk_topics: SdkTopics, start: dict[int, int], count: int) -> list[TaskCancel]:
-    """The cancel records among the first ``count`` records after ``start`` (waits up to 20 s)."""
+def cancels_after(sdk_topics: SdkTopics, start: dict[int, int]) -> list[TaskCancel]:
+    """The cancel records among the records written after ``start`` (call it once the
+    client's records are acknowledged: it reads to the end offsets of now, no further)."""
     topic = sdk_topics.submissions
-    messages = read_from(sdk_topics.kafka, topic, start, count=count)
+    messages = read_to_end(sdk_topics.kafka, topic, start)
     found = []
     for message in messages:
         if record_kind(message.value()) == "cancel":
@@ -51,7 +52,7 @@ def test_cancelling_a_sent_tasks_future_sends_one_remote_cancel(
     assert future.cancel()  # twice: still one remote cancel
     assert future.cancelled() and not future.cancelled_remotely
     client.close()  # flushes what was produced
-    [cancel] = cancels_after(sdk_topics, start, count=3)
+    [cancel] = cancels_after(sdk_topics, start)
     assert (cancel.task_id, cancel.user_id, cancel.endpoint_id) == (
         task_id,
         sdk_topics.user_id,
@@ -69,7 +70,7 @@ def test_client_cancel_returns_once_acknowledged_and_cancels_the_future(
     client.cancel(task_id, reason="changed my mind")
     assert client.future(task_id).cancelled()
     # Acknowledged: readable at once, without closing (flushing) the client.
-    [cancel] = cancels_after(sdk_topics, start, count=2)
+    [cancel] = cancels_after(sdk_topics, start)
     assert (cancel.task_id, cancel.reason) == (task_id, "changed my mind")
 
 
@@ -79,7 +80,7 @@ def test_client_cancel_of_another_sessions_task_needs_its_endpoint(
     start = end_offsets(sdk_topics.kafka, sdk_topics.submissions)
     elsewhere = "5d1e9a8c-0f4e-4bde-9c55-3f2a1b7c9d10"
     client.cancel(elsewhere, endpoint_id=ENDPOINT)
-    [cancel] = cancels_after(sdk_topics, start, count=1)
+    [cancel] = cancels_after(sdk_topics, start)
     assert (cancel.task_id, cancel.endpoint_id) == (elsewhere, ENDPOINT)
     with pytest.raises(ValueError, match="endpoint_id"):
         client.cancel(elsewhere, endpoint_id="not an id")
@@ -107,7 +108,7 @@ def test_a_task_cancelled_elsewhere_ends_its_future_cancelled(
     executor.shutdown(wait=True)
     client.close()
     # Its task was cancelled already: this client sent no cancel of its own.
-    assert cancels_after(sdk_topics, start, count=3) == []
+    assert cancels_after(sdk_topics, start) == []
 
 
 def test_shutdown_with_cancel_futures_cancels_sent_tasks_remotely(
@@ -121,5 +122,5 @@ def test_shutdown_with_cancel_futures_cancels_sent_tasks_remotely(
     executor.shutdown(wait=True, cancel_futures=True)
     assert all(f.cancelled() for f in futures)
     client.close()
-    cancels = cancels_after(sdk_topics, start, count=10)
+    cancels = cancels_after(sdk_topics, start)
     assert sorted(c.task_id for c in cancels) == sorted(f.task_id for f in futures)
