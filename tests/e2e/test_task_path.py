@@ -20,8 +20,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 from confluent_kafka import Consumer, Producer
 
+from fxstream.ops.services import LOCAL_ENDPOINT
 from fxstream.sdk import (
     Client,
     Executor,
@@ -263,6 +265,13 @@ def test_tasks_wait_for_a_stopped_endpoint_and_survive_an_agent_kill(stack: Stac
     try:
         function_id = client.register_function(double)
         assert services.endpoint.stop(timeout_s=60)
+        # Kafka's shortest lease (its smallest session timeout), as the fault tests use: the
+        # killed agent's partitions come back to its successor after 6 s, not the default 30.
+        # This module's own platform keeps the setting for its later tests; none depends on it.
+        config_file = services.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
+        config = yaml.safe_load(config_file.read_text())
+        config.update(lease_timeout_s=6.0, heartbeat_period_s=1.0)
+        config_file.write_text(yaml.safe_dump(config, sort_keys=False))
         task_ids = [
             client.run(i, endpoint_id=stack.endpoint_id, function_id=function_id)
             for i in range(200)
