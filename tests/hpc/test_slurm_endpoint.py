@@ -62,7 +62,8 @@ def endpoint(stack: Stack, slurm: SlurmCluster) -> Iterator[ExtraEndpoint]:
         worker_init=WORKER_INIT,
         max_workers_per_node=2,
         max_blocks=1,
-        max_idletime_s=30,
+        # Short: the module's teardown waits for the idle block's job to end.
+        max_idletime_s=10,
         strategy_period_s=1,
         status_period_s=2,
     )
@@ -86,7 +87,7 @@ def test_tasks_run_in_slurm_jobs_and_a_cancelled_block_loses_none(
             first_job = warm[0].result(timeout=RESULT_S)
             assert first_job, "the task ran outside a Slurm job"
             futures = [
-                executor.submit_to_registered_function(function, (str(markers), 20.0))
+                executor.submit_to_registered_function(function, (str(markers), 8.0))
                 for _ in range(2)
             ]
             wait_until(lambda: len(list(markers.iterdir())) >= 3, RESULT_S, "both tasks to start")
