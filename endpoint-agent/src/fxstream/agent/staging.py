@@ -469,7 +469,7 @@ class Stager:
                     raise StagingError(
                         f"{item.url}: no such object of user {user_id} in the store (never "
                         "written, deleted, or its lease ended). What to do: write it first "
-                        "(fxstream.sdk.put_object(client, name, data)) and resubmit"
+                        "(client.put_object(name, data)) and resubmit"
                     )
                 target = _inside(directory, item.path)
                 target.parent.mkdir(parents=True, exist_ok=True)

@@ -17,7 +17,7 @@ URLs (:func:`parse_stage_url`; every other scheme is refused):
     A named object in the platform's Redis store (the endpoint's ``store_url``), in the
     submitting user's own namespace: ``NAME`` is 1-256 characters of letters, digits,
     ``.``, ``_``, ``-`` and ``/`` (no empty, ``.`` or ``..`` segment). The SDK writes and
-    reads them (``fxstream.sdk.put_object``, ``get_object``).
+    reads them (``Client.put_object``, ``Client.get_object``).
 ``globus://COLLECTION/ABSOLUTE/PATH``
     A file on a Globus collection (its UUID), moved with one Globus transfer per
     collection and direction (the endpoint's config names its own collection).
