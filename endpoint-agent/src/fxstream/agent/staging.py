@@ -385,6 +385,7 @@ class Stager:
         ran: WorkOutcome,
         outer: Future[WorkOutcome],
     ) -> None:
+        outcome = ran
         try:
             began = time.monotonic()
             self._stage_out_files(submission, user_id, directory)
@@ -396,15 +397,14 @@ class Stager:
             )
         except StagingError as exc:
             log.warning("task %s: staging out failed: %s", submission.task_id, exc)
-            self._resolve(outer, _failure(item, exc, ran=ran, when="out"))
-        except Exception as exc:
+            outcome = _failure(item, exc, ran=ran, when="out")
+        except Exception as exc:  # a bug or an OS error we did not foresee: still an answer
             log.exception("task %s: staging out failed", submission.task_id)
             failed = StagingError(f"{type(exc).__name__}: {exc}")
-            self._resolve(outer, _failure(item, failed, ran=ran, when="out"))
-        else:
-            self._resolve(outer, ran)
-        finally:
-            self._cleanup(directory)
+            outcome = _failure(item, failed, ran=ran, when="out")
+        # The directory goes before the answer: once answered, nothing of the task is left.
+        self._cleanup(directory)
+        self._resolve(outer, outcome)
 
     # --- directories -------------------------------------------------------------------
 
