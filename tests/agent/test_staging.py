@@ -14,6 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,10 @@ def where() -> str:
     return os.getcwd()
 
 
+def touch(path: str) -> None:
+    Path(path).touch()
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ProcessEngine, Path]]:
     """One warm worker running the agent's runner, its staged tasks under ``work``."""
@@ -86,6 +91,20 @@ def run(
     stage_out: Sequence[tuple[str, str]] = (),
 ) -> WorkOutcome:
     """Stage, run and stage out one task of ``fn``; its outcome."""
+    _, future = start(stager, engine, fn, args, stage_in=stage_in, stage_out=stage_out)
+    return future.result(timeout=WAIT_S)
+
+
+def start(
+    stager: Stager,
+    engine: ProcessEngine,
+    fn: Any,
+    args: tuple[Any, ...] = (),
+    *,
+    stage_in: Sequence[tuple[str, str]] = (),
+    stage_out: Sequence[tuple[str, str]] = (),
+) -> tuple[str, Future[WorkOutcome]]:
+    """Start one task of ``fn`` through the stager; its id and future."""
     task_id = str(uuid.uuid4())
     code = SERIALIZER.serialize_function(fn)
     sha = hashlib.sha256(code).hexdigest()
@@ -102,7 +121,7 @@ def run(
         stage_out=[StageItem(url=url, path=path) for path, url in stage_out],
     )
     item = WorkItem(task_id, submission.function_id, sha, code, encode(submission))
-    return stager.run(submission, "alice", item, engine, lambda: None).result(timeout=WAIT_S)
+    return task_id, stager.run(submission, "alice", item, engine, lambda: None)
 
 
 def test_files_are_staged_in_the_function_runs_in_its_directory_and_outputs_go_out(
@@ -309,3 +328,26 @@ def test_globus_failures_are_clear_task_errors(
     assert slow.error_type == "StagingUnavailable" and slow.retryable
     assert "it was cancelled" in slow.error_message
     assert time.monotonic() - began < 15
+
+
+def test_a_task_cancelled_while_its_files_stage_in_never_runs(
+    engine: tuple[ProcessEngine, Path],
+    globus: tuple[GlobusTransferStub, Path, Stager],
+    tmp_path: Path,
+) -> None:
+    pool, _ = engine
+    stub, remote, stager = globus
+    (remote / "big.dat").write_bytes(b"x")
+    marker = tmp_path / "ran"
+    stub.task_latency_s = 1.0
+    task_id, future = start(
+        stager, pool, touch, (str(marker),), stage_in=[(f"globus://{REMOTE}/big.dat", "b")]
+    )
+    deadline = time.monotonic() + 5
+    while not stub.requests_to("POST", "/v0.10/transfer") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert stager.cancel(task_id, "not wanted")
+    outcome = future.result(timeout=WAIT_S)
+    assert outcome.error_type == "TaskCancelled" and "not wanted" in outcome.error_message
+    assert not marker.exists()
+    assert not stager.cancel(outcome.task_id, "too late")  # answered: not staging any more

@@ -229,6 +229,7 @@ class Agent:
             held=self._held,
             answers=self._answers,
             pythons=pythons,
+            stager=self._stager,
         )
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.

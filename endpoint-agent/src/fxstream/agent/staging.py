@@ -26,7 +26,8 @@ the site and what to do) or ``StagingUnavailable`` (a site unreachable or a tran
 ``timeout_s``: retryable, and retried by the agent up to the task's ``max_retries``, which
 stages in and runs again). Every Globus wait is bounded by ``timeout_s`` (the task is then
 cancelled on Globus). A task cancelled while staging in is answered cancelled before it
-runs; an agent that stops answers the tasks still staging ``PoolClosed`` (retryable:
+runs (:meth:`Stager.cancel`, skip-only cancels too: it has not started); an agent that
+stops answers the tasks still staging ``PoolClosed`` (retryable:
 handed back, uncommitted, to the next agent).
 
 Hostile input: a ``file://`` path is resolved (symbolic links followed) and must lie in a
@@ -233,6 +234,8 @@ class Stager:
         self._lock = threading.Lock()
         self._closed = False
         self._pending: dict[str, Future[WorkOutcome]] = {}
+        # Tasks staging in (not yet given to the engine) -> a cancel's reason, if one came.
+        self._staging_in: dict[str, str | None] = {}
 
     @staticmethod
     def wanted(submission: TaskSubmission) -> bool:
@@ -260,6 +263,7 @@ class Stager:
                 outer.set_result(WorkOutcome.failure(item, POOL_CLOSED, "the agent is stopping"))
                 return outer
             self._pending[item.task_id] = outer
+            self._staging_in[item.task_id] = None
         outer.add_done_callback(lambda _: self._forget(item.task_id))
         try:
             self._pool.submit(
@@ -268,6 +272,15 @@ class Stager:
         except RuntimeError:  # shut down between the check and here
             self._resolve(outer, WorkOutcome.failure(item, POOL_CLOSED, "the agent is stopping"))
         return outer
+
+    def cancel(self, task_id: str, reason: str) -> bool:
+        """Cancel a task still staging in (it is answered cancelled and never runs); False
+        when it is not staging in (not here, or already given to the engine)."""
+        with self._lock:
+            if task_id not in self._staging_in:
+                return False
+            self._staging_in[task_id] = reason
+            return True
 
     def close(self) -> None:
         """Stop taking tasks; those still staging resolve ``PoolClosed`` (handed back)."""
@@ -295,6 +308,7 @@ class Stager:
     def _forget(self, task_id: str) -> None:
         with self._lock:
             self._pending.pop(task_id, None)
+            self._staging_in.pop(task_id, None)
 
     @staticmethod
     def _resolve(future: Future[WorkOutcome], outcome: WorkOutcome) -> None:
@@ -332,7 +346,9 @@ class Stager:
             failed = StagingError(f"{type(exc).__name__}: {exc}")
             self._resolve(outer, _failure(item, failed, when="in"))
             return
-        reason = cancelled()
+        with self._lock:
+            reason = self._staging_in.pop(item.task_id, None)
+        reason = reason if reason is not None else cancelled()
         if reason is not None:
             self._cleanup(directory)
             self._resolve(
@@ -351,6 +367,9 @@ class Stager:
             self._cleanup(directory)
             self._resolve(outer, WorkOutcome.failure(item, POOL_CLOSED, str(exc)))
             return
+        reason = cancelled()
+        if reason is not None:  # a cancel that came while it was being submitted
+            engine.cancel(item.task_id, reason)
         inner.add_done_callback(
             lambda done: self._after_run(submission, user_id, item, directory, done, outer)
         )
@@ -364,17 +383,14 @@ class Stager:
         done: Future[WorkOutcome],
         outer: Future[WorkOutcome],
     ) -> None:
-        # On the engine's thread: hand the stage-out to a slot.
+        # On the engine's thread (callbacks must be short): the rest goes to a slot.
         outcome = done.result()
-        if not outcome.ok or not submission.stage_out:
-            self._cleanup(directory)
-            self._resolve(outer, outcome)
-            return
         try:
             self._pool.submit(self._stage_out, submission, user_id, item, directory, outcome, outer)
-        except RuntimeError:
-            self._cleanup(directory)
-            self._resolve(outer, WorkOutcome.failure(item, POOL_CLOSED, "the agent is stopping"))
+        except RuntimeError:  # the agent is stopping: nothing more is staged
+            if outcome.ok and submission.stage_out:
+                outcome = WorkOutcome.failure(item, POOL_CLOSED, "the agent is stopping")
+            self._resolve(outer, outcome)
 
     def _stage_out(
         self,
@@ -386,6 +402,11 @@ class Stager:
         outer: Future[WorkOutcome],
     ) -> None:
         outcome = ran
+        if not ran.ok or not submission.stage_out:
+            # Failed (nothing is staged out), or nothing to stage out: only the clean-up.
+            self._cleanup(directory)
+            self._resolve(outer, outcome)
+            return
         try:
             began = time.monotonic()
             self._stage_out_files(submission, user_id, directory)
