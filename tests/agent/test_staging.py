@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
+from fxstream.agent.config import ConfigError, EndpointConfig
 from fxstream.agent.engine import WorkItem, WorkOutcome
 from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.runner import runner_for
@@ -351,3 +353,51 @@ def test_a_task_cancelled_while_its_files_stage_in_never_runs(
     assert outcome.error_type == "TaskCancelled" and "not wanted" in outcome.error_message
     assert not marker.exists()
     assert not stager.cancel(outcome.task_id, "too late")  # answered: not staging any more
+
+
+def test_the_staging_settings_are_checked_and_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FXSTREAM_ENDPOINTS_DIR", str(tmp_path / "endpoints"))
+
+    def config(staging: StagingSettings) -> EndpointConfig:
+        return EndpointConfig(
+            name="stager",
+            endpoint_id="ep-1",
+            service_url="http://127.0.0.1:1",
+            bootstrap_servers="127.0.0.1:1",
+            staging=staging,
+        )
+
+    for bad, says in [
+        (StagingSettings(roots=("data",)), "staging.roots must be absolute"),
+        (StagingSettings(roots=("/",)), "may not be /"),
+        (StagingSettings(work_dir="tasks"), "staging.work_dir must be an absolute path"),
+        (StagingSettings(slots=0), "staging.slots"),
+        (StagingSettings(globus=GlobusStaging(collection=LOCAL)), "staging.globus.auth"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            config(bad).validate()
+    good = config(
+        StagingSettings(
+            roots=(str(tmp_path),),
+            globus=GlobusStaging(
+                collection=LOCAL,
+                allowed_collections=(REMOTE,),
+                auth={"access_token_file": str(tmp_path / "token")},
+            ),
+        )
+    )
+    path = good.save()
+    assert EndpointConfig.load("stager") == good
+    # The tasks' directories default to the endpoint's own, and the workers may write there.
+    assert good.staging_root() == good.directory / "tasks"
+    assert str(good.directory / "tasks") in good.worker_paths()[1]
+    raw = yaml.safe_load(path.read_text())
+    raw["staging"]["rootz"] = []
+    raw["staging"]["globus"]["token"] = "secret"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(
+        ConfigError, match=r"unknown staging setting\(s\) \['globus.token', 'rootz'\]"
+    ):
+        EndpointConfig.load("stager")
