@@ -401,3 +401,22 @@ def test_the_staging_settings_are_checked_and_round_trip(
         ConfigError, match=r"unknown staging setting\(s\) \['globus.token', 'rootz'\]"
     ):
         EndpointConfig.load("stager")
+
+
+def test_an_unreachable_store_is_a_retryable_staging_error(
+    engine: tuple[ProcessEngine, Path], tmp_path: Path
+) -> None:
+    pool, work = engine
+    # Nothing listens on port 1: the store cannot be reached (no Redis is started here).
+    stager = Stager(
+        StagingSettings(work_dir=str(work)),
+        endpoint_dir=work.parent,
+        store_url="redis://fxstream:secret@127.0.0.1:1/0",
+    )
+    try:
+        outcome = run(stager, pool, where, stage_in=[("store://run/in.dat", "in.dat")])
+        assert outcome.error_type == "StagingUnavailable" and outcome.retryable
+        assert "cannot be reached" in outcome.error_message
+        assert "secret" not in outcome.error_message  # the store's password never shows
+    finally:
+        stager.close()
