@@ -44,6 +44,7 @@ TOKEN = "stand-in-transfer-token"
 def transform(name: str) -> dict[str, Any]:
     """Reads ``name`` and ``blob.bin`` in its working directory; writes ``out/upper.txt``
     and ``blob.rev`` there."""
+    found = sorted(os.listdir("."))
     data = Path(name).read_bytes()
     blob = Path("blob.bin").read_bytes()
     os.makedirs("out", exist_ok=True)
@@ -52,7 +53,7 @@ def transform(name: str) -> dict[str, Any]:
     return {
         "cwd": os.getcwd(),
         "env": os.environ.get("FXSTREAM_TASK_DIR"),
-        "listing": sorted(os.listdir(".")),
+        "listing": found,
     }
 
 
