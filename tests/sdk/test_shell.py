@@ -64,6 +64,21 @@ def test_each_call_runs_in_a_fresh_sandbox_that_is_removed() -> None:
     assert first.stdout != second.stdout
 
 
+def test_a_staged_task_runs_in_its_working_directory_which_is_left_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The endpoint sets FXSTREAM_TASK_DIR for a task with staged files (docs/hpc.md).
+    (tmp_path / "in.txt").write_text("staged input\n")
+    monkeypatch.setenv("FXSTREAM_TASK_DIR", str(tmp_path))
+    result = ShellFunction("tr a-z A-Z < in.txt > out.txt; pwd")()
+    assert result.returncode == 0 and result.stdout == f"{tmp_path}\n"
+    assert (tmp_path / "out.txt").read_text() == "STAGED INPUT\n"
+    assert (tmp_path / "in.txt").exists()
+    # A variable naming no directory: the usual fresh sandbox.
+    monkeypatch.setenv("FXSTREAM_TASK_DIR", str(tmp_path / "absent"))
+    assert ShellFunction("pwd")().stdout.strip() != str(tmp_path / "absent")
+
+
 def test_arguments_are_keywords_only() -> None:
     with pytest.raises(TypeError):
         ShellFunction("echo {0}")("positional")  # type: ignore[call-arg]

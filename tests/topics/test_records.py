@@ -269,11 +269,11 @@ def test_records_that_lost_the_token_are_version_2(kind: str) -> None:
     assert SCHEMA_VERSIONS[kind] == 2
 
 
-def test_the_submission_with_parents_is_version_4() -> None:
+def test_the_submission_with_staged_files_is_version_5() -> None:
     # Issue 13 took its token (v2); issue 14 added its endpoint group (v3); issue 15 its
-    # parents (v4): an older reader refuses it ("upgrade fxstream") instead of routing a
-    # dependent task at once or calling a function with the placeholders.
-    assert SCHEMA_VERSIONS["submission"] == 4
+    # parents (v4); issue 16 its staged files (v5): an older reader refuses it ("upgrade
+    # fxstream") instead of running a task without its inputs or dropping its outputs.
+    assert SCHEMA_VERSIONS["submission"] == 5
 
 
 def test_a_submission_s_candidates_are_its_endpoint_and_group_sorted_once_each() -> None:

@@ -6,6 +6,8 @@
 - :mod:`~fxstream.connectors.reference`: automatic pass-by-reference of large values.
 - :mod:`~fxstream.connectors.locations`: the ``data-locations`` publisher.
 - :mod:`~fxstream.connectors.globus`: Globus transfers between sites (helper and connector).
+- :mod:`~fxstream.connectors.named_objects`: a user's named objects in the Redis store
+  (``store://NAME`` staged files).
 - :mod:`~fxstream.connectors.adios`: a ProxyStore connector on ADIOS2 BP5 files.
 - :mod:`~fxstream.connectors.adios_stream`: producer -> consumer array streams over
   ADIOS2 (SST over TCP, or BP5 read while written).
@@ -47,6 +49,11 @@ from fxstream.connectors.globus import (
 from fxstream.connectors.integrity import StoreIntegrityError
 from fxstream.connectors.liveness import StreamAborted
 from fxstream.connectors.locations import LocationPublisher, location_of
+from fxstream.connectors.named_objects import (
+    MAX_NAMED_OBJECT_BYTES,
+    NamedObjects,
+    NamedObjectTooLarge,
+)
 from fxstream.connectors.redis import RedisConnector, RedisObjectKey, redact_url
 from fxstream.connectors.reference import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
@@ -91,6 +98,7 @@ _LAZY_NAMES = {
 __all__ = [
     "DEFAULT_LEASE_S",
     "DEFAULT_PROXY_THRESHOLD_BYTES",
+    "MAX_NAMED_OBJECT_BYTES",
     "Adios2Connector",
     "Adios2Key",
     "Adios2StepSource",
@@ -111,6 +119,8 @@ __all__ = [
     "GlobusTransferError",
     "GlobusTransferHelper",
     "LocationPublisher",
+    "NamedObjectTooLarge",
+    "NamedObjects",
     "ObjectDescription",
     "ObjectOnOtherNode",
     "Packed",

@@ -16,6 +16,8 @@ stop):
   :mod:`fxstream.agent.process_engine`, whose workers run
   :mod:`fxstream.agent.worker_process`): the engine is fed from the local queue
   and its outcomes retried or answered by :mod:`fxstream.agent.feed`;
+* **staging** (:mod:`fxstream.agent.staging`): the files a task declares, staged into its
+  working directory before the engine runs it and out after it succeeded;
 * **answer** (:mod:`fxstream.agent.answer`): results, dead letters, task events
   and data locations, through the transactional publisher
   (:mod:`fxstream.agent.publisher`);
@@ -77,6 +79,7 @@ from fxstream.agent.publisher import TransactionalPublisher
 from fxstream.agent.pull import Intake
 from fxstream.agent.python_envs import probe_environments
 from fxstream.agent.runner import runner_for
+from fxstream.agent.staging import Stager
 from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, StoreSpec
 from fxstream.topics import Catalogue, producer_message_max_bytes
@@ -122,12 +125,20 @@ class Agent:
         self.queue_topic = self.catalogue.endpoint_queue(config.endpoint_id)
         # The one topic this endpoint writes (the ingress checks and forwards it).
         self.out_topic = self.catalogue.from_endpoint(config.endpoint_id)
+        staging_root = config.staging_root()
         self._runner: RunnerSpec = (
             runner
             if runner is not None
             else runner_for(
-                config.store_url, proxy_threshold=config.proxy_threshold, site=config.endpoint_id
+                config.store_url,
+                proxy_threshold=config.proxy_threshold,
+                site=config.endpoint_id,
+                task_root=None if staging_root is None else str(staging_root),
             )
+        )
+        # Staged files (fxstream.agent.staging): in and out of each task's directory.
+        self._stager = Stager(
+            config.staging, endpoint_dir=config.directory, store_url=config.store_url
         )
         self._stop = threading.Event()
         self._tracker = OffsetTracker()
@@ -218,6 +229,7 @@ class Agent:
             held=self._held,
             answers=self._answers,
             pythons=pythons,
+            stager=self._stager,
         )
         self._start_lease_sweeper()
         # Heartbeats and warm adverts: outside the transactions, never delayed by them.
@@ -271,6 +283,7 @@ class Agent:
             answers=self._answers,
             stopping=self._stop,
             hostname=self._hostname,
+            stager=self._stager,
         )
         self._answers.open(publisher, producer)
         try:
@@ -402,6 +415,8 @@ class Agent:
             # Commits what is queued; the group must still be joined for its offsets.
             self._publisher.close(STOP_CLOSE_S)
         consumer.close()
-        # Tasks still running are killed; uncommitted, they run again on the next agent.
+        # Tasks still staging are handed back (PoolClosed), then those still running are
+        # killed; uncommitted, they run again on the next agent.
+        self._stager.close()
         engine.close(timeout=STOP_CLOSE_S)
         codes.close()

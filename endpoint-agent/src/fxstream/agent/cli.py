@@ -34,6 +34,7 @@ from fxstream.agent.environment import protect_memory, reexec_without_secrets, s
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
 from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
 from fxstream.agent.python_envs import PythonEnvironmentError
+from fxstream.agent.staging import GlobusStaging, StagingSettings
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES
 from fxstream.topics.connection import CredentialFileError, KafkaConnection
 
@@ -164,6 +165,29 @@ def _batch_settings(path: Path) -> BatchSettings:
         return msgspec.convert(raw, BatchSettings)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"--batch {path}: {exc}") from None
+
+
+def _staging_settings(path: Path) -> StagingSettings:
+    """The staging settings in the YAML file ``path`` (its mapping, or its ``staging:`` key)."""
+    try:
+        raw: Any = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"--staging {path}: {exc}") from None
+    if isinstance(raw, dict) and isinstance(raw.get("staging"), dict):
+        raw = raw["staging"]
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--staging {path} must hold a mapping of staging settings")
+    unknown = set(raw) - {f.name for f in dataclasses.fields(StagingSettings)}
+    globus = raw.get("globus")
+    if isinstance(globus, dict):
+        known = {f.name for f in dataclasses.fields(GlobusStaging)}
+        unknown |= {f"globus.{name}" for name in set(globus) - known}
+    if unknown:
+        raise ConfigError(f"--staging {path}: unknown staging setting(s) {sorted(unknown)}")
+    try:
+        return msgspec.convert(raw, StagingSettings)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--staging {path}: {exc}") from None
 
 
 @app.command()
@@ -306,6 +330,14 @@ def configure(
             "partition or queue, walltime, blocks, ...; see docs/hpc.md)."
         ),
     ] = None,
+    staging: Annotated[
+        Path | None,
+        typer.Option(
+            help="A YAML file holding the staging settings (work_dir, roots, slots, "
+            "timeout_s, globus; see docs/hpc.md, 'Staging'): the endpoint then stages the "
+            "files tasks declare (stage_in, stage_out)."
+        ),
+    ] = None,
 ) -> None:
     """Write the endpoint's YAML config and its 0600 credentials file (registering the
     endpoint with the service if needed). No secret is taken on the command line: the
@@ -337,6 +369,7 @@ def configure(
             "interpreters": tuple(interpreter or ()),
             "engine": engine,
             "batch": None if batch is None else _batch_settings(batch),
+            "staging": None if staging is None else _staging_settings(staging),
         }
         if credentials is not None:
             path = credentials.expanduser().absolute()

@@ -46,6 +46,12 @@ idle pool when the budget is spent, or waits until one goes idle. With fewer poo
 images the agent hands its engine tasks of images whose pools run first
 (:mod:`fxstream.agent.pick`); an image passed over ``max_image_wait_s`` seconds gets
 its turn (a pool released for it).
+
+Staging (:mod:`fxstream.agent.staging`): with a ``staging:`` section the endpoint stages
+the files tasks declare (``stage_in``, ``stage_out``) into and out of a working directory
+per task under ``staging.work_dir``: ``file://`` URLs inside ``staging.roots`` only,
+``store://`` objects through ``store_url``, ``globus://`` files through the collection
+``staging.globus`` names. Without it, a task that declares files fails ``StagingFailed``.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_f
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
 from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
+from fxstream.agent.staging import GlobusStaging, StagingSettings
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
 from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
 from fxstream.topics.connection import write_secret_file
@@ -158,6 +165,9 @@ class EndpointConfig:
     interpreters: tuple[str, ...] = ()
     # engine "htex": the batch engine's provider, blocks and scaling (batch_settings).
     batch: BatchSettings | None = None
+    # Staged files (fxstream.agent.staging): the tasks' working directories, the roots
+    # file:// URLs may use, the transfer slots and the Globus collection. None: no staging.
+    staging: StagingSettings | None = None
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -229,6 +239,14 @@ class EndpointConfig:
             raise ConfigError("writable_dirs must be absolute paths")
         self._check_interpreters()
         self._check_pools()
+        if self.staging is not None:
+            problems = self.staging.problems()
+            if problems:
+                raise ConfigError("; ".join(problems))
+
+    def staging_root(self) -> Path | None:
+        """Where staged tasks' working directories are (None: the endpoint stages nothing)."""
+        return None if self.staging is None else self.staging.task_root(self.directory)
 
     def _check_batch(self) -> None:
         if self.engine != "htex":
@@ -365,6 +383,11 @@ class EndpointConfig:
         directory store's directory."""
         readonly: list[str] = []
         writable = list(self.writable_dirs)
+        staging_root = self.staging_root()
+        if staging_root is not None:
+            # The workers run staged tasks in their directories there.
+            staging_root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            writable.append(str(staging_root))
         if self.store_url is not None:
             options = StoreSpec.parse(self.store_url).options
             if "store_dir" in options:
@@ -432,6 +455,12 @@ class EndpointConfig:
         settings["allowed_serializers"] = list(self.allowed_serializers)
         settings["writable_dirs"] = list(self.writable_dirs)
         settings["interpreters"] = list(self.interpreters)
+        staging = settings.get("staging")
+        if staging is not None:
+            staging["roots"] = list(staging["roots"])
+            if staging.get("globus") is not None:
+                globus = staging["globus"]
+                globus["allowed_collections"] = list(globus["allowed_collections"])
         write_secret_file(self.path, yaml.safe_dump(settings, sort_keys=False).encode())
         return self.path
 
@@ -462,6 +491,17 @@ class EndpointConfig:
         unknown = set(raw) - known
         if unknown:
             raise ConfigError(f"{path}: unknown setting(s) {sorted(unknown)}")
+        staging = raw.get("staging")
+        if isinstance(staging, dict):
+            unknown_staging = set(staging) - {f.name for f in fields(StagingSettings)}
+            globus = staging.get("globus")
+            if isinstance(globus, dict):
+                unknown_staging |= {
+                    f"globus.{name}"
+                    for name in set(globus) - {f.name for f in fields(GlobusStaging)}
+                }
+            if unknown_staging:
+                raise ConfigError(f"{path}: unknown staging setting(s) {sorted(unknown_staging)}")
         batch = raw.get("batch")
         if isinstance(batch, dict):
             unknown_batch = set(batch) - {f.name for f in fields(BatchSettings)}

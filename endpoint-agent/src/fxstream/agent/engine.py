@@ -45,6 +45,8 @@ __all__ = [
     "POOL_CLOSED",
     "RETRYABLE_ERRORS",
     "RUNNER_UNAVAILABLE",
+    "STAGING_FAILED",
+    "STAGING_UNAVAILABLE",
     "TASK_CANCELLED",
     "WALLTIME_EXCEEDED",
     "WORKER_LOST",
@@ -70,8 +72,14 @@ RUNNER_UNAVAILABLE: Final = "RunnerUnavailable"
 WORKER_START_FAILED: Final = "WorkerStartFailed"
 # The same name as fxstream.topics.TaskErrorType.CANCELLED (engines stay free of topics).
 TASK_CANCELLED: Final = "TaskCancelled"
+# A staged file failed (fxstream.agent.staging): for good, or for now (a site unreachable);
+# the same names as fxstream.topics.TaskErrorType.STAGING_FAILED and STAGING_UNAVAILABLE.
+STAGING_FAILED: Final = "StagingFailed"
+STAGING_UNAVAILABLE: Final = "StagingUnavailable"
 
-RETRYABLE_ERRORS: Final = frozenset({WORKER_LOST, BLOCK_LOST, POOL_CLOSED, WORKER_START_FAILED})
+RETRYABLE_ERRORS: Final = frozenset(
+    {WORKER_LOST, BLOCK_LOST, POOL_CLOSED, WORKER_START_FAILED, STAGING_UNAVAILABLE}
+)
 """Error types caused by the platform rather than the task: a retry may succeed."""
 
 

@@ -17,6 +17,11 @@ too large or a refusal never. A retry waits out an exponential backoff
 offset uncommitted and its lease renewed, so a crash meanwhile hands it to the
 next agent; stopping hands it back at once. A cancel asked while a task ran
 wins over whatever its worker's death looked like.
+
+A task that declares staged files goes through the agent's
+:class:`~fxstream.agent.staging.Stager` instead of straight to the engine: staged in, run,
+staged out, in the stager's transfer slots; it holds its engine slot meanwhile. A
+``StagingUnavailable`` failure is retried like a lost worker, ``StagingFailed`` never.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fxstream.agent.answer import Answerer, cancelled_outcome, task_error
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.engine import BLOCK_LOST, Engine, WorkItem, WorkOutcome
 from fxstream.agent.held import Held, HeldTasks
+from fxstream.agent.staging import Stager
 from fxstream.topics import Attempt, TaskErrorType, TaskStateName
 
 __all__ = ["BLOCK_LOSS_RETRIES", "EngineFeed"]
@@ -48,6 +54,7 @@ _NEVER_RETRIED = frozenset(
         str(TaskErrorType.CANCELLED),
         str(TaskErrorType.RESULT_TOO_LARGE),
         str(TaskErrorType.NOT_ALLOWED),
+        str(TaskErrorType.STAGING_FAILED),
     }
 )
 
@@ -64,6 +71,7 @@ class EngineFeed:
         answers: Answerer,
         stopping: threading.Event,
         hostname: str,
+        stager: Stager | None = None,
     ) -> None:
         self._config = config
         self._engine = engine
@@ -71,6 +79,7 @@ class EngineFeed:
         self._answers = answers
         self._stop = stopping
         self._hostname = hostname
+        self._stager = stager
         self.retries_scheduled = 0
         """Retries scheduled so far."""
 
@@ -103,7 +112,16 @@ class EngineFeed:
                 walltime_s=submission.walltime_s,
                 image=held.image,
             )
-            future = engine.submit(item)
+            if self._stager is not None and Stager.wanted(submission):
+                future = self._stager.run(
+                    submission,
+                    held.dispatch.user_id,
+                    item,
+                    engine,
+                    functools.partial(self._held.cancel_reason, submission.task_id),
+                )
+            else:
+                future = engine.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
             reason = self._held.cancel_reason(submission.task_id)
             if reason is not None:  # cancelled between the local queue and the engine

@@ -59,6 +59,7 @@ from fxstream.agent.held import Held, HeldTasks
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.python_envs import PythonEnvironments
+from fxstream.agent.staging import Stager
 from fxstream.topics import (
     Catalogue,
     DeadLetterReason,
@@ -98,8 +99,11 @@ class Intake:
         held: HeldTasks,
         answers: Answerer,
         pythons: PythonEnvironments | None = None,
+        stager: Stager | None = None,
     ) -> None:
         self._config = config
+        # Tasks staging their inputs in are cancelled there (they have not started).
+        self._stager = stager
         # The workers' Python environments (None: every task goes to the default one).
         self._pythons = pythons
         self._queue_topic = catalogue.endpoint_queue(config.endpoint_id)
@@ -352,6 +356,9 @@ class Intake:
             )
             return
         engine = self._engine
+        if self._stager is not None and self._stager.cancel(task_id, reason):
+            log.info("cancel of task %s: stopped while its files were staging in", task_id)
+            return
         if not cancel.kill:
             # Skip-only (future.cancel()): dropped if the engine has not started it, else
             # it runs on and is answered as usual.

@@ -28,13 +28,20 @@ an argument proxy inside a result is written as its value
 raises is serialized the same way, when it fits in ``EXCEPTION_MAX_BYTES``, and
 travels beside its text, so the client can raise it with its own type and
 ``args`` (:data:`EXCEPTION_ATTRIBUTE`).
+
+A task that declares staged files (``stage_in``, ``stage_out``; :mod:`fxstream.agent.staging`)
+runs in its working directory, ``<task_root>/<task id>``, where the agent staged its
+inputs: the function's current directory is that directory while it runs, and
+``FXSTREAM_TASK_DIR`` (and Globus Compute's ``GC_TASK_SANDBOX_DIR``) name it; both are
+restored after the call, so the warm worker's next task starts where it was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 from fxstream.connectors import (
@@ -55,7 +62,14 @@ from fxstream.topics import (
     strategy_of,
 )
 
-__all__ = ["EXCEPTION_ATTRIBUTE", "EXCEPTION_MAX_BYTES", "RUNNER", "load_function", "runner_for"]
+__all__ = [
+    "EXCEPTION_ATTRIBUTE",
+    "EXCEPTION_MAX_BYTES",
+    "RUNNER",
+    "in_task_dir",
+    "load_function",
+    "runner_for",
+]
 
 EXCEPTION_ATTRIBUTE: Final = "__fxstream_exception__"
 """Where the runner leaves a raised exception's serialized form for the worker pool."""
@@ -67,6 +81,10 @@ RUNNER = "fxstream.agent.runner:load_function"
 """The runner spec the agent gives its :class:`~fxstream.agent.WorkerPool` (no proxy store)."""
 
 _serializer = Serializer()
+
+# fxstream.agent.staging's TASK_DIR_ENV and TASK_DIR_ENV_GC (that module is not imported in
+# the workers).
+_TASK_DIR_VARIABLES: Final = ("FXSTREAM_TASK_DIR", "GC_TASK_SANDBOX_DIR")
 
 
 @functools.cache
@@ -102,14 +120,52 @@ def _result_strategy(payload: bytes) -> str:
 
 
 def runner_for(
-    store_url: str | None, *, proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES, site: str = ""
+    store_url: str | None,
+    *,
+    proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES,
+    site: str = "",
+    task_root: str | None = None,
 ) -> Callable[[bytes], Callable[[bytes], bytes]] | str:
-    """The runner spec for an endpoint: results by reference through ``store_url`` if set."""
-    if store_url is None:
+    """The runner spec for an endpoint: results by reference through ``store_url`` if set,
+    staged tasks run in their directories under ``task_root`` if set."""
+    if store_url is None and task_root is None:
         return RUNNER
     return functools.partial(
-        load_function, store_url=store_url, proxy_threshold=proxy_threshold, site=site
+        load_function,
+        store_url=store_url,
+        proxy_threshold=proxy_threshold,
+        site=site,
+        task_root=task_root,
     )
+
+
+@contextlib.contextmanager
+def in_task_dir(task_root: str | None, submission: TaskSubmission) -> Iterator[None]:
+    """Run the block in the task's working directory when it declares staged files."""
+    if task_root is None or not (submission.stage_in or submission.stage_out):
+        yield
+        return
+    directory = os.path.join(task_root, submission.task_id)
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(
+            f"the task's working directory {directory} is not on this worker's file system: "
+            "the endpoint's staging.work_dir must be on a file system its workers share "
+            "with the agent (a batch engine's compute nodes too)"
+        )
+    previous_dir = os.getcwd()
+    previous_env = {name: os.environ.get(name) for name in _TASK_DIR_VARIABLES}
+    os.chdir(directory)
+    for name in _TASK_DIR_VARIABLES:
+        os.environ[name] = directory
+    try:
+        yield
+    finally:
+        os.chdir(previous_dir)
+        for name, value in previous_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def load_function(
@@ -118,11 +174,13 @@ def load_function(
     store_url: str | None = None,
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES,
     site: str = "",
+    task_root: str | None = None,
 ) -> Callable[[bytes], bytes]:
     """Loader for the worker pool: ``code`` is a serialized function (any code strategy).
 
     The function itself is deserialized at the first call, where the
-    submitter's versions are known for the error message; it is kept after that.
+    submitter's versions are known for the error message; it is kept after that. A task
+    with staged files runs in ``<task_root>/<task id>`` (:func:`in_task_dir`).
     """
     loaded: list[Callable[..., Any]] = []
     if store_url is not None:
@@ -151,7 +209,8 @@ def load_function(
             raise
         strategy_id = _result_strategy(submission.payload)
         try:
-            value = function(*args, **kwargs)
+            with in_task_dir(task_root, submission):
+                value = function(*args, **kwargs)
         except Exception as exc:
             integrity = _integrity_cause(exc)
             if integrity is not None:

@@ -182,6 +182,7 @@ class PrivatePlatform:
         max_workers: int | None = None,
         engine: str = "process",
         batch: Mapping[str, Any] | None = None,
+        staging: Mapping[str, Any] | None = None,
     ) -> ExtraEndpoint:
         """Register, configure and start another endpoint agent; wait until it is online.
 
@@ -192,7 +193,8 @@ class PrivatePlatform:
         ``interpreters`` other Pythons its workers may run (see the endpoint config);
         ``max_workers`` the most workers across its image pools; ``engine`` ``"htex"``
         with ``batch`` (the endpoint YAML's ``batch:`` settings) runs its tasks through
-        Parsl's HighThroughputExecutor (docs/hpc.md). It is stopped by
+        Parsl's HighThroughputExecutor (docs/hpc.md); ``staging`` (the endpoint YAML's
+        ``staging:`` settings) makes it stage the files tasks declare. It is stopped by
         :meth:`stop_extra_endpoints` (and by :func:`private_platform` at the end).
         """
         settings = self.settings
@@ -237,6 +239,11 @@ class PrivatePlatform:
             batch_file = endpoints_dir / f"{name}.batch.yaml"
             batch_file.write_text(yaml.safe_dump(dict(batch)))
             argv += ["--batch", str(batch_file)]
+        if staging is not None:
+            endpoints_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            staging_file = endpoints_dir / f"{name}.staging.yaml"
+            staging_file.write_text(yaml.safe_dump(dict(staging)))
+            argv += ["--staging", str(staging_file)]
         store = settings.store_url if store_url == "platform" else store_url
         # The owner's token registers the endpoint: through the environment of this one
         # command, never a command line; the agent gets its own credential file, with the

@@ -13,12 +13,16 @@
   (:class:`ResultSubscription` of :class:`SubscribedResult`).
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
   Kafka (:mod:`~fxstream.sdk.streams`), bulk objects in a store.
+- Staged files: :class:`StagingSpec` with :meth:`Executor.submit_staged` (or
+  ``Client.run(..., staging=...)``): inputs copied into the task's working directory before
+  it runs, outputs out after (``file://``, ``store://`` through :meth:`Client.put_object` /
+  :meth:`Client.get_object`, ``globus://``); a failed transfer raises :class:`StagingFailed`.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
 listener thread), ``history`` (results read back for replay), ``subscription`` (result
 subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
-``errors``, ``streams``.
+``staging``, ``errors``, ``streams``.
 """
 
 from fxstream.sdk.batch import Batch
@@ -39,6 +43,8 @@ from fxstream.sdk.errors import (
     ResultsTopicMissing,
     ServiceError,
     ServiceUnavailable,
+    StagingFailed,
+    StagingUnavailable,
     StreamDeliveryFailed,
     StreamError,
     StreamTimeout,
@@ -53,6 +59,7 @@ from fxstream.sdk.executor import Executor
 from fxstream.sdk.futures import TIMING_KEYS, TaskFuture
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, ClientSettings
 from fxstream.sdk.shell import ShellFunction, ShellResult
+from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.streams import (
     KafkaPublisher,
     KafkaStreamConsumer,
@@ -96,6 +103,9 @@ __all__ = [
     "ServiceUnavailable",
     "ShellFunction",
     "ShellResult",
+    "StagingFailed",
+    "StagingSpec",
+    "StagingUnavailable",
     "StreamDeliveryFailed",
     "StreamError",
     "StreamTimeout",

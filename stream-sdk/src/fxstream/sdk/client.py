@@ -31,7 +31,7 @@ from urllib.parse import urlencode
 
 from proxystore.store.base import Store
 
-from fxstream.connectors import ByReference, Packed, evict_objects, open_store
+from fxstream.connectors import ByReference, NamedObjects, Packed, evict_objects, open_store
 from fxstream.sdk.batch import Batch
 from fxstream.sdk.errors import (
     ConfigurationError,
@@ -51,8 +51,10 @@ from fxstream.sdk.settings import (
     DEFAULT_MAX_INLINE_BYTES,
     DEFAULT_PROXY_THRESHOLD,
     DEFAULT_TOPIC_PREFIX,
+    ENV_VARIABLES,
     ClientSettings,
 )
+from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.submit import (
     PreparedTask,
     TaskProducer,
@@ -213,6 +215,8 @@ class Client:
         self.serializer = serializer if serializer is not None else Serializer()
         self.max_inline_bytes = max_inline_bytes
         self.store: Store[Any] | None = open_store(store) if isinstance(store, str) else store
+        # Kept for store:// objects (put_object); it may hold a password: never shown.
+        self._store_url = store if isinstance(store, str) else None
         self._by_reference = (
             None
             if self.store is None
@@ -672,6 +676,7 @@ class Client:
         function_sha256: str | None = None,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
+        staging: StagingSpec | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
 
@@ -686,6 +691,9 @@ class Client:
         ``function_sha256`` pins the code to run (default: :meth:`function_sha256`).
         ``tags`` label the task for :meth:`get_tasks` (``{"run": "42"}``: at most 8 tags,
         keys of 1-32 letters, digits, '_', '.' or '-', string values of 1-64 characters).
+        ``staging`` names files the endpoint stages into the task's working directory
+        before it runs and out of it after it succeeded
+        (:class:`~fxstream.sdk.staging.StagingSpec`; docs/api.md, "Staged files").
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
@@ -709,7 +717,51 @@ class Client:
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
             tags=tags,
+            staging=staging,
         )
+
+    # --- store objects (staged files) --------------------------------------------------
+
+    def _named_objects(self) -> NamedObjects:
+        if self._store_url is None:
+            raise ConfigurationError(
+                "store:// objects live in the platform's Redis store, and this client has no "
+                f"store URL: set store_url ({ENV_VARIABLES['store_url']}; the credentials "
+                "`./fx up` writes name it) or pass Client(store='redis://...')"
+            )
+        try:
+            return NamedObjects(self._store_url)
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+
+    def put_object(self, name: str, data: bytes | bytearray | memoryview) -> int:
+        """Write ``data`` as your store object ``name`` (``store://NAME`` in a staging URL),
+        replacing it; returns its size. It lives for the store's lease unless deleted.
+
+        Raises ``ValueError`` for a name that is not accepted (1-256 letters, digits, '.',
+        '_', '-' and '/') and :class:`~fxstream.sdk.errors.ConfigurationError` without a
+        Redis store."""
+        objects = self._named_objects()
+        try:
+            return objects.put(self.user_id, name, data)
+        finally:
+            objects.close()
+
+    def get_object(self, name: str) -> bytes | None:
+        """Your store object ``name`` (e.g. a task's ``store://`` output), or None."""
+        objects = self._named_objects()
+        try:
+            return objects.get(self.user_id, name)
+        finally:
+            objects.close()
+
+    def delete_object(self, name: str) -> bool:
+        """Delete your store object ``name``; False when there was none."""
+        objects = self._named_objects()
+        try:
+            return objects.delete(self.user_id, name)
+        finally:
+            objects.close()
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:
         listener = self._started_listener()
@@ -843,14 +895,16 @@ class Client:
         function_id: str,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
+        staging: StagingSpec | None = None,
         **kwargs: Any,
     ) -> str:
         """Run ``function_id(*args, **kwargs)`` on ``endpoint_id`` (or, with
         ``endpoint_group``, on the one of them the service chooses: see
         :meth:`prepare_task`); returns the task id.
 
-        ``tags`` label the task for :meth:`get_tasks` (see :meth:`prepare_task`); like
-        ``endpoint_group`` it is taken by ``run`` itself, so a function's own keyword
+        ``tags`` label the task for :meth:`get_tasks` (see :meth:`prepare_task`), and
+        ``staging`` names its staged files; like ``endpoint_group`` they are taken by
+        ``run`` itself, so a function's own keyword
         argument of that name goes through :meth:`create_batch` / :meth:`batch_run` or the
         Executor instead.
 
@@ -858,7 +912,13 @@ class Client:
         outcome with :meth:`get_result` or :meth:`future`.
         """
         task = self.prepare_task(
-            endpoint_id, function_id, args, kwargs, endpoint_group=endpoint_group, tags=tags
+            endpoint_id,
+            function_id,
+            args,
+            kwargs,
+            endpoint_group=endpoint_group,
+            tags=tags,
+            staging=staging,
         )
         return self._run_tasks([task])[0]
 

@@ -33,6 +33,8 @@ __all__ = [
     "ResultsTopicMissing",
     "ServiceError",
     "ServiceUnavailable",
+    "StagingFailed",
+    "StagingUnavailable",
     "StreamDeliveryFailed",
     "StreamError",
     "StreamTimeout",
@@ -290,6 +292,18 @@ class ParentResultUnavailable(_ParentError):
     large to pass on, or gone from the proxy store)."""
 
 
+class StagingFailed(TaskExecutionFailed):
+    """A file the task declared (``stage_in`` or ``stage_out``) could not be staged: the
+    message names the file, the site and what to do. Staging in, the function did not
+    run; staging out, it ran but its result is not kept. Not retryable as it is."""
+
+
+class StagingUnavailable(StagingFailed):
+    """A staging site (a Globus collection, the store) could not be reached or a transfer
+    ran past the endpoint's timeout; retryable (``retryable`` is true), and retried by the
+    endpoint up to the task's ``max_retries``."""
+
+
 _PLATFORM_ERRORS: dict[str, type[TaskExecutionFailed]] = {
     "TaskRejected": TaskRejected,
     "WorkerLost": WorkerLost,
@@ -298,6 +312,8 @@ _PLATFORM_ERRORS: dict[str, type[TaskExecutionFailed]] = {
     "ParentFailed": ParentFailed,
     "ParentUnknown": ParentUnknown,
     "ParentResultUnavailable": ParentResultUnavailable,
+    "StagingFailed": StagingFailed,
+    "StagingUnavailable": StagingUnavailable,
 }
 
 

@@ -42,6 +42,7 @@ from typing import Any, Final, ParamSpec, TypeVar
 from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
 from fxstream.sdk.futures import TaskFuture
+from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.submit import PreparedTask
 from fxstream.topics import budget
 
@@ -252,13 +253,30 @@ class Executor(concurrent.futures.Executor):
         function_id = self.register_function(fn)
         return self.submit_to_registered_function(function_id, args, kwargs)
 
+    def submit_staged(
+        self, staging: StagingSpec, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+    ) -> TaskFuture:
+        """:meth:`submit` with staged files: the endpoint copies ``staging.stage_in`` into
+        the task's working directory, runs ``fn(*args, **kwargs)`` there (its current
+        directory, also ``$FXSTREAM_TASK_DIR``), then copies ``staging.stage_out`` out of
+        it once ``fn`` succeeded (:class:`~fxstream.sdk.staging.StagingSpec`). A transfer
+        that fails fails the task with :class:`~fxstream.sdk.errors.StagingFailed` (or
+        :class:`~fxstream.sdk.errors.StagingUnavailable`, retryable)."""
+        self._check_open()
+        self._check_endpoint()
+        function_id = self.register_function(fn)
+        return self.submit_to_registered_function(function_id, args, kwargs, staging=staging)
+
     def submit_to_registered_function(
         self,
         function_id: str,
         args: Iterable[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        staging: StagingSpec | None = None,
     ) -> TaskFuture:
-        """Run the registered function ``function_id`` with ``args`` and ``kwargs``.
+        """Run the registered function ``function_id`` with ``args`` and ``kwargs`` (and
+        ``staging``'s files, see :meth:`submit_staged`).
 
         Raises at once (nothing sent) for arguments that are too large
         (:class:`~fxstream.sdk.errors.PayloadTooLarge`) or not serializable.
@@ -276,6 +294,7 @@ class Executor(concurrent.futures.Executor):
             walltime_s=self.walltime_s,
             retry_user_errors=self.retry_user_errors,
             tags=self._tags,
+            staging=staging,
         )
         future = self.client.track(task)
         with _live_lock, self._lock:

@@ -26,7 +26,10 @@ import tempfile
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-__all__ = ["WALLTIME_RETURNCODE", "ShellFunction", "ShellResult"]
+__all__ = ["TASK_DIR_VARIABLE", "WALLTIME_RETURNCODE", "ShellFunction", "ShellResult"]
+
+TASK_DIR_VARIABLE: Final = "FXSTREAM_TASK_DIR"
+"""Names a staged task's working directory (set by the endpoint's worker, docs/hpc.md)."""
 
 WALLTIME_RETURNCODE: Final = 124
 """The return code of a command killed at its walltime (as GNU ``timeout`` gives)."""
@@ -63,7 +66,10 @@ class ShellFunction:
 
     ``cmd`` is formatted with the call's keyword arguments (``str.format``),
     then run with ``/bin/sh`` in a new, empty directory made for this call and
-    removed after it; the command runs in its own process group. ``walltime``
+    removed after it; a task with staged files (``$FXSTREAM_TASK_DIR`` set by the
+    endpoint, docs/hpc.md "Staging") runs it in the task's working directory instead,
+    where its inputs are and its outputs are staged out from (left in place). The
+    command runs in its own process group. ``walltime``
     (seconds) kills the whole process group when exceeded and gives return
     code 124. ``snippet_lines`` is how many trailing lines of stdout and stderr
     the result keeps. Output is spooled to temporary files, not memory.
@@ -93,7 +99,9 @@ class ShellFunction:
     def __call__(self, **kwargs: Any) -> ShellResult:
         """Format the command with ``kwargs``, run it in a sandbox, and return the result."""
         cmd = self.cmd.format(**kwargs)
-        sandbox = tempfile.mkdtemp(prefix="fxstream-shell-")
+        task_dir = os.environ.get(TASK_DIR_VARIABLE)
+        staged = bool(task_dir) and os.path.isdir(task_dir or "")
+        sandbox = task_dir if staged and task_dir else tempfile.mkdtemp(prefix="fxstream-shell-")
         try:
             with (
                 tempfile.TemporaryFile() as out,
@@ -103,7 +111,8 @@ class ShellFunction:
                 stdout = _tail(out, self.snippet_lines)
                 stderr = _tail(err, self.snippet_lines)
         finally:
-            shutil.rmtree(sandbox, ignore_errors=True)
+            if not staged:
+                shutil.rmtree(sandbox, ignore_errors=True)
         if timed_out:
             note = f"fxstream: walltime of {self.walltime} s exceeded; the command was killed\n"
             if stderr and not stderr.endswith("\n"):

@@ -32,6 +32,7 @@ from confluent_kafka import KafkaError, Message, Producer
 from fxstream.connectors import ByReference, Packed, StoredObject, evict_objects
 from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
+from fxstream.sdk.staging import StagingSpec
 from fxstream.topics import (
     MAX_ENDPOINT_GROUP,
     Catalogue,
@@ -152,6 +153,7 @@ def build_task(
     retry_user_errors: bool = False,
     endpoint_group: Sequence[str] | None = None,
     tags: Mapping[str, str] | None = None,
+    staging: StagingSpec | None = None,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
@@ -162,6 +164,8 @@ def build_task(
     ``endpoint_id`` (it chooses by liveness, warm workers, backlog and data locality;
     the user must be allowed on every one, or the task is refused). ``tags``: the
     task's labels for filtered queries (:func:`fxstream.topics.budget.check_tags`).
+    ``staging``: the files staged into the task's working directory before it runs and
+    out after it succeeded (:class:`~fxstream.sdk.staging.StagingSpec`).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -183,6 +187,7 @@ def build_task(
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
             tags=tags,
+            staging=staging,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -203,6 +208,7 @@ def _build_task(
     retry_user_errors: bool,
     endpoint_group: Sequence[str] | None,
     tags: Mapping[str, str] | None,
+    staging: StagingSpec | None,
 ) -> PreparedTask:
     payload = packed.payload
     checked_tags = budget.check_tags(tags)
@@ -230,6 +236,8 @@ def _build_task(
         endpoint_group=group,
         tags=checked_tags,
         depends_on=list(packed.parents),
+        stage_in=list(staging.stage_in) if staging is not None else [],
+        stage_out=list(staging.stage_out) if staging is not None else [],
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")

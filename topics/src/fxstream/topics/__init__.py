@@ -8,6 +8,7 @@
 - :mod:`~fxstream.topics.provision`: idempotent topic creation with drift reports.
 - :mod:`~fxstream.topics.serialize`: how code, arguments and results are encoded in payloads.
 - :mod:`~fxstream.topics.parents`: task DAGs: the placeholder for a parent task's result.
+- :mod:`~fxstream.topics.staging`: staged files (``stage_in``, ``stage_out``): URLs and bounds.
 """
 
 from fxstream.topics.budget import (
@@ -118,15 +119,25 @@ from fxstream.topics.serialize import (
     strategy_of,
     wrap_references,
 )
+from fxstream.topics.staging import (
+    MAX_STAGE_ITEMS,
+    STAGE_SCHEMES,
+    StageItem,
+    StageURL,
+    check_local_path,
+    parse_stage_url,
+)
 
 __all__ = [
     "LATENCY_BUCKETS",
     "MAX_ENDPOINT_GROUP",
     "MAX_PARENTS",
+    "MAX_STAGE_ITEMS",
     "OTHER_KEY",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "SCHEMA_VERSIONS",
+    "STAGE_SCHEMES",
     "Attempt",
     "Catalogue",
     "CleanupPolicy",
@@ -163,6 +174,8 @@ __all__ = [
     "RecordTooLarge",
     "SerializationError",
     "Serializer",
+    "StageItem",
+    "StageURL",
     "StorageTier",
     "Strategy",
     "StrategyKind",
@@ -190,6 +203,7 @@ __all__ = [
     "aiokafka_max_request_size",
     "bind_parents",
     "bounded_error",
+    "check_local_path",
     "client_info",
     "code_sha256",
     "dead_letter",
@@ -209,6 +223,7 @@ __all__ = [
     "max_submission_bytes",
     "normalise_headers",
     "parents_in",
+    "parse_stage_url",
     "payload_references",
     "producer_message_max_bytes",
     "read_secret_json",

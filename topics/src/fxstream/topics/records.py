@@ -24,6 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from fxstream.topics.parents import MAX_PARENTS
+from fxstream.topics.staging import MAX_STAGE_ITEMS, StageItem
 
 __all__ = [
     "LATENCY_BUCKETS",
@@ -212,9 +213,15 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     placeholder's place. The version moved to 4: a version-3 router would route a
     dependent task at once, and a version-3 worker would call the function with the
     placeholders; with the bump both say "upgrade fxstream" instead.
+
+    ``stage_in`` and ``stage_out`` (issue 16, version 5) name files the agent copies into
+    the task's working directory before the function runs, and out of it after the
+    function succeeded (:mod:`fxstream.topics.staging`: ``file://``, ``store://`` and
+    ``globus://`` URLs, bounded and checked here). The version moved to 5: a version-4
+    agent would run the task without its inputs and drop its outputs.
     """
 
-    v: SchemaVersion = 4
+    v: SchemaVersion = 5
     task_id: Id
     function_id: Id
     endpoint_id: Annotated[
@@ -287,8 +294,31 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
             "by-reference envelope of an object in the proxy store)",
         ),
     ] = {}
+    stage_in: Annotated[
+        list[StageItem],
+        Meta(
+            max_length=MAX_STAGE_ITEMS,
+            description="files copied into the task's working directory before it runs "
+            "(issue 16): each a URL and a path in that directory, each path once",
+        ),
+    ] = []
+    stage_out: Annotated[
+        list[StageItem],
+        Meta(
+            max_length=MAX_STAGE_ITEMS,
+            description="files copied out of the task's working directory after it "
+            "succeeded (issue 16): each a path in that directory and the URL it goes to, "
+            "each URL once",
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
+        stage_paths = [item.path for item in self.stage_in]
+        if len(set(stage_paths)) != len(stage_paths):
+            raise ValueError("stage_in names a local path more than once")
+        stage_urls = [item.url for item in self.stage_out]
+        if len(set(stage_urls)) != len(stage_urls):
+            raise ValueError("stage_out names a destination URL more than once")
         if len(set(self.depends_on)) != len(self.depends_on):
             raise ValueError("depends_on names a parent more than once")
         if self.task_id in self.depends_on:
@@ -414,6 +444,16 @@ class TaskErrorType(enum.StrEnum):
     PARENT_RESULT_UNAVAILABLE = "ParentResultUnavailable"
     """A parent succeeded, but its result can no longer be read (not kept in task-state, too
     large to pass on, or gone from the proxy store): the message names the parent."""
+    STAGING_FAILED = "StagingFailed"
+    """A file of the task's ``stage_in`` or ``stage_out`` could not be staged for a reason a
+    retry does not cure (a source that does not exist, a URL outside the endpoint's staging
+    roots, a permission refused, an output the function did not write): the message names
+    the file, the site and what to do. Not retryable. Staged in, the task never ran; staged
+    out, it ran and its result is not kept."""
+    STAGING_UNAVAILABLE = "StagingUnavailable"
+    """A staging site (a Globus collection or the Transfer API, the store) could not be
+    reached or a transfer ran past its timeout: retryable, and retried by the agent up to
+    the task's ``max_retries`` (staging in again, running again)."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
@@ -1149,7 +1189,8 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
 # The newest schema version this code reads and writes, per record kind.
 # A kind's version is its ``v`` default: 2 for the records issue 13 changed (no token,
 # pinned code digest, the router-stamped submitter), 4 for the submission (its endpoint
-# group, issue 14, then its parents, issue 15), 1 for the rest.
+# group, issue 14, then its parents, issue 15; 5: its staged files, issue 16), 1 for the
+# rest.
 SCHEMA_VERSIONS: Final[dict[str, int]] = {
     str(msgspec.inspect.type_info(t).tag): int(  # type: ignore[attr-defined]
         next(f.default for f in msgspec.structs.fields(t) if f.name == "v")
