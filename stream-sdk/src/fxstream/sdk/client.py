@@ -672,6 +672,7 @@ class Client:
         function_sha256: str | None = None,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
+        resource_specification: Mapping[str, int] | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
 
@@ -686,6 +687,9 @@ class Client:
         ``function_sha256`` pins the code to run (default: :meth:`function_sha256`).
         ``tags`` label the task for :meth:`get_tasks` (``{"run": "42"}``: at most 8 tags,
         keys of 1-32 letters, digits, '_', '.' or '-', string values of 1-64 characters).
+        ``resource_specification`` is what an MPI task needs (``{"num_nodes": 2,
+        "ranks_per_node": 4}``; ``num_ranks`` is computed, or checked when given): only an
+        endpoint with an MPI engine runs it (docs/hpc.md).
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
@@ -709,6 +713,7 @@ class Client:
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
             tags=tags,
+            resource_specification=resource_specification,
         )
 
     def _streams(self) -> tuple[TaskProducer, ResultListener]:
@@ -862,10 +867,15 @@ class Client:
         )
         return self._run_tasks([task])[0]
 
-    def create_batch(self, task_group_id: str | None = None) -> Batch:
+    def create_batch(
+        self,
+        task_group_id: str | None = None,
+        resource_specification: Mapping[str, int] | None = None,
+    ) -> Batch:
         """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
-        :meth:`batch_run`."""
-        return Batch(self.pack, task_group_id)
+        :meth:`batch_run`; ``resource_specification`` (MPI tasks) applies to each of its
+        tasks, as in Globus Compute."""
+        return Batch(self.pack, task_group_id, resource_specification=resource_specification)
 
     def batch_run(
         self,
@@ -890,6 +900,7 @@ class Client:
                 task_group_id=batch.task_group_id,
                 endpoint_group=endpoint_group,
                 tags={**shared, **own} if own else shared,
+                resource_specification=batch.resource_specification,
             )
             for function_id, payload, own in batch.entries()
         ]

@@ -37,6 +37,7 @@ from fxstream.topics import (
     Catalogue,
     KafkaConnection,
     RecordDecodeError,
+    ResourceSpecification,
     Serializer,
     TaskCancel,
     TaskSubmission,
@@ -152,6 +153,7 @@ def build_task(
     retry_user_errors: bool = False,
     endpoint_group: Sequence[str] | None = None,
     tags: Mapping[str, str] | None = None,
+    resource_specification: Mapping[str, int] | ResourceSpecification | None = None,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
@@ -162,6 +164,9 @@ def build_task(
     ``endpoint_id`` (it chooses by liveness, warm workers, backlog and data locality;
     the user must be allowed on every one, or the task is refused). ``tags``: the
     task's labels for filtered queries (:func:`fxstream.topics.budget.check_tags`).
+    ``resource_specification``: what an MPI task needs (Globus Compute's dict of
+    ``num_nodes``, ``ranks_per_node``, ``num_ranks``; completed and checked by
+    :meth:`~fxstream.topics.ResourceSpecification.from_mapping`).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -183,6 +188,7 @@ def build_task(
             retry_user_errors=retry_user_errors,
             endpoint_group=endpoint_group,
             tags=tags,
+            resource_specification=resource_specification,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -203,9 +209,19 @@ def _build_task(
     retry_user_errors: bool,
     endpoint_group: Sequence[str] | None,
     tags: Mapping[str, str] | None,
+    resource_specification: Mapping[str, int] | ResourceSpecification | None,
 ) -> PreparedTask:
     payload = packed.payload
     checked_tags = budget.check_tags(tags)
+    resources = (
+        None
+        if resource_specification is None
+        else ResourceSpecification.from_mapping(
+            resource_specification
+            if isinstance(resource_specification, ResourceSpecification)
+            else dict(resource_specification)
+        )
+    )
     group = sorted(set(endpoint_group or ()) - {endpoint_id}) or None
     if group is not None and len(group) > MAX_ENDPOINT_GROUP:
         raise ValueError(
@@ -230,6 +246,7 @@ def _build_task(
         endpoint_group=group,
         tags=checked_tags,
         depends_on=list(packed.parents),
+        resource_specification=resources,
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")
