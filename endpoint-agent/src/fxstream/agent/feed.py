@@ -48,6 +48,7 @@ _NEVER_RETRIED = frozenset(
         str(TaskErrorType.CANCELLED),
         str(TaskErrorType.RESULT_TOO_LARGE),
         str(TaskErrorType.NOT_ALLOWED),
+        str(TaskErrorType.RESOURCES_UNAVAILABLE),
     }
 )
 
@@ -102,6 +103,11 @@ class EngineFeed:
                 payload=held.dispatch.submission,
                 walltime_s=submission.walltime_s,
                 image=held.image,
+                resources=(
+                    None
+                    if submission.resource_specification is None
+                    else submission.resource_specification.as_dict()
+                ),
             )
             future = engine.submit(item)
             future.add_done_callback(functools.partial(self._finished, held))
