@@ -25,10 +25,10 @@ from confluent_kafka import Consumer, Producer
 from fxstream.sdk import (
     Client,
     Executor,
+    MPIFunction,
     NotFound,
     PayloadTooLarge,
     PermissionDenied,
-    MPIFunction,
     ShellFunction,
     TaskExecutionFailed,
     TaskRejected,
@@ -103,7 +103,7 @@ def test_an_mpi_function_on_an_endpoint_without_mpi_is_refused_saying_what_to_do
     with stack.executor() as executor:
         executor.resource_specification = {"num_nodes": 1, "ranks_per_node": 2}
         refused = executor.submit(MPIFunction("hostname"))
-        with pytest.raises(TaskExecutionFailed, match="engine: htex and batch.mpi") as info:
+        with pytest.raises(TaskExecutionFailed, match=r"engine: htex and batch\.mpi") as info:
             refused.result(timeout=60)
         assert info.value.remote_type == "ResourcesUnavailable" and not info.value.retryable
         executor.resource_specification = None
