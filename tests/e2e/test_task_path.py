@@ -27,6 +27,7 @@ from fxstream.ops.services import LOCAL_ENDPOINT
 from fxstream.sdk import (
     Client,
     Executor,
+    MPIFunction,
     NotFound,
     PayloadTooLarge,
     PermissionDenied,
@@ -94,6 +95,21 @@ def test_a_shell_function_returns_output_and_walltime_gives_124(stack: Stack) ->
         assert result.returncode == 0
         assert "hello fxstream" in result.stdout
         assert slow.result(timeout=60).returncode == 124
+
+
+def test_an_mpi_function_on_an_endpoint_without_mpi_is_refused_saying_what_to_do(
+    stack: Stack,
+) -> None:
+    # The stack's endpoint runs the process engine: the agent refuses the task before
+    # fetching its code (never retried); the task with no specification still runs there.
+    with stack.executor() as executor:
+        executor.resource_specification = {"num_nodes": 1, "ranks_per_node": 2}
+        refused = executor.submit(MPIFunction("hostname"))
+        with pytest.raises(TaskExecutionFailed, match=r"engine: htex and batch\.mpi") as info:
+            refused.result(timeout=60)
+        assert info.value.remote_type == "ResourcesUnavailable" and not info.value.retryable
+        executor.resource_specification = None
+        assert executor.submit(double, 4).result(timeout=60) == 8
 
 
 def test_a_worker_that_dies_fails_only_its_task(stack: Stack) -> None:

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import yaml
-from parsl.launchers import MpiExecLauncher, SrunLauncher
+from parsl.launchers import MpiExecLauncher, SimpleLauncher, SrunLauncher
 from parsl.providers import LocalProvider, PBSProProvider, SlurmProvider
 
 from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
 from fxstream.agent.config import ConfigError, EndpointConfig
+from fxstream.topics import ResourceSpecification
 from tests.hpc.support import REPO
 
 
@@ -126,3 +127,77 @@ def test_batch_without_htex_and_htex_with_containers_are_refused() -> None:
         EndpointConfig(**common, engine="slurm").validate()
     with pytest.raises(BatchSettingsError, match="max_workers_per_node"):
         BatchSettings(max_workers_per_node=0).validate()
+
+
+def test_the_documented_mpi_endpoint_loads_in_parsl_s_mpi_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = load(tmp_path, monkeypatch, documented("### An MPI endpoint on a Slurm cluster"))
+    settings = config.batch_settings()
+    assert settings.mpi is not None and settings.mpi.launcher == "mpiexec"
+    assert settings.mpi_tasks_per_block == 2 == settings.workers_per_block(cores_per_node=64)
+    provider = settings.build_provider()
+    assert isinstance(provider, SlurmProvider) and isinstance(provider.launcher, SimpleLauncher)
+    assert provider.nodes_per_block == 2
+    # What the agent refuses before fetching any code, saying what to do instead.
+    spec = ResourceSpecification.from_mapping
+    assert config.resource_refusal(spec({"num_nodes": 2, "ranks_per_node": 8})) is None
+    too_many = config.resource_refusal(spec({"num_nodes": 3}))
+    assert too_many is not None and "ask for at most 2" in too_many
+    plain = config.resource_refusal(None)
+    assert plain is not None and '{"num_nodes": 1, "ranks_per_node": 1}' in plain
+    # Saved and loaded back, the mpi section survives.
+    config.save()
+    assert EndpointConfig.load(config.name).batch_settings().mpi == settings.mpi
+
+
+def test_an_endpoint_without_mpi_refuses_a_task_with_a_resource_specification() -> None:
+    common: dict[str, Any] = {
+        "name": "x",
+        "endpoint_id": "5f0c1c2e-0000-4000-8000-000000000006",
+        "service_url": "http://127.0.0.1:1",
+        "bootstrap_servers": "127.0.0.1:2",
+    }
+    spec = ResourceSpecification.from_mapping({"num_nodes": 1, "ranks_per_node": 2})
+    process = EndpointConfig(**common)
+    assert process.resource_refusal(None) is None
+    refusal = process.resource_refusal(spec)
+    assert refusal is not None and "engine: htex and batch.mpi" in refusal
+    htex = EndpointConfig(**common, engine="htex", batch=BatchSettings(provider="slurm"))
+    assert htex.resource_refusal(None) is None
+    refusal = htex.resource_refusal(spec)
+    assert refusal is not None and "has no MPI mode" in refusal
+
+
+MPI_SLURM: dict[str, Any] = {"provider": "slurm", "launcher": "simple", "nodes_per_block": 2}
+
+
+@pytest.mark.parametrize(
+    ("batch", "says"),
+    [
+        ({**MPI_SLURM, "mpi": {"launcher": "mpirun"}}, "batch.mpi.launcher 'mpirun' is not one"),
+        ({**MPI_SLURM, "mpi": {"launchr": "srun"}}, "unknown batch.mpi setting(s) ['launchr']"),
+        ({**MPI_SLURM, "mpi": "mpiexec"}, "batch.mpi must be a mapping"),
+        ({**MPI_SLURM, "launcher": "single", "mpi": {}}, "batch.mpi needs batch.launcher: simple"),
+        ({"launcher": "simple", "mpi": {}}, "a provider whose jobs list their nodes"),
+        ({**MPI_SLURM, "mpi": {"max_tasks_per_block": 3}}, "between 1 and nodes_per_block (2)"),
+        ({**MPI_SLURM, "max_workers_per_node": 2, "mpi": {}}, "set batch.mpi.max_tasks_per_block"),
+        (
+            {"provider": "pbspro", "launcher": "simple", "mpi": {"launcher": "srun"}},
+            "srun needs provider slurm",
+        ),
+    ],
+)
+def test_an_mpi_setting_that_cannot_work_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: dict[str, Any], says: str
+) -> None:
+    raw = {
+        "name": "badmpi",
+        "endpoint_id": "5f0c1c2e-0000-4000-8000-000000000007",
+        "service_url": "http://127.0.0.1:1",
+        "bootstrap_servers": "127.0.0.1:2",
+        "engine": "htex",
+        "batch": batch,
+    }
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        load(tmp_path, monkeypatch, raw)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from fxstream.ops import InstallError, PlatformConfig
-from fxstream.ops.install import ensure_java, ensure_kafka, ensure_redis
+from fxstream.ops import InstallError, PlatformConfig, install
+from fxstream.ops.install import MPI_PACKAGES, ensure_java, ensure_kafka, ensure_mpi, ensure_redis
 
 
 def _fake_java(directory: Path, version_line: str) -> None:
@@ -50,3 +51,18 @@ def test_kafka_fetch_is_cached_and_complete() -> None:
 
 def test_redis_server_is_found() -> None:
     assert Path(ensure_redis()).name == "redis-server"
+
+
+def test_mpich_is_ensured_and_a_second_ensure_installs_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The first call installs what is missing (here MPICH is installed already, by hand or
+    # by an earlier run); every later one finds both binaries and never calls apt-get.
+    first = ensure_mpi()
+    assert set(first) == set(MPI_PACKAGES) == {"mpiexec", "mpicc"}
+    calls: list[str] = []
+    monkeypatch.setattr(install, "apt_install", lambda package, binary: calls.append(package))
+    assert ensure_mpi() == first
+    assert calls == []
+    version = subprocess.run([first["mpiexec"], "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and "HYDRA" in version.stdout

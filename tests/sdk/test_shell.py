@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from fxstream.sdk import ShellFunction, ShellResult
+from fxstream.sdk import MPIFunction, ShellFunction, ShellResult
 from fxstream.topics import Serializer
 
 
@@ -126,3 +126,32 @@ def test_it_serializes_with_the_code_strategy_and_its_class_by_reference() -> No
     )
     assert blocked.stdout.startswith(b"refused:")
     assert b"fxstream.sdk" in blocked.stdout
+
+
+def test_an_mpi_function_runs_under_the_launcher_prefix_of_its_task(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The prefix Parsl's MPI mode would set for a 1-node, 3-rank task on this host; the
+    # real mpiexec (MPICH) starts 3 ranks, each with its PMI_RANK.
+    monkeypatch.setenv("PARSL_MPI_PREFIX", "mpiexec -n 3 -ppn 3 -hosts localhost")
+    result = MPIFunction("sh -c 'echo rank=$PMI_RANK of $PMI_SIZE; echo {word} >&2'")(word="hi")
+    assert result.returncode == 0, result
+    assert sorted(result.stdout.splitlines()) == [f"rank={r} of 3" for r in range(3)]
+    assert result.stderr == "hi\nhi\nhi\n"
+    assert result.cmd.startswith("$PARSL_MPI_PREFIX sh -c")
+    failing = MPIFunction("sh -c 'exit 7'")()
+    assert failing.returncode == 7
+
+
+def test_an_mpi_function_without_an_mpi_engine_says_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("PARSL_MPI_PREFIX", raising=False)
+    with pytest.raises(RuntimeError, match=r"engine: htex and batch\.mpi"):
+        MPIFunction("hostname")()
+    fn = MPIFunction("./hello {n}", walltime=5)
+    assert fn.name == fn.__name__ == "MPIFunction"
+    assert isinstance(fn, ShellFunction)
+    assert "MPIFunction('./hello {n}'" in repr(fn)
+    restored = Serializer().deserialize_function(Serializer().serialize_function(fn))
+    assert isinstance(restored, MPIFunction) and restored.cmd == fn.cmd

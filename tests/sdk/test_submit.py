@@ -10,8 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from fxstream.sdk import Client, ConfigurationError, Executor, PayloadTooLarge
-from fxstream.topics import SerializationError, Serializer, client_info, encode
+from fxstream.sdk import Client, ConfigurationError, Executor, MPIFunction, PayloadTooLarge
+from fxstream.topics import (
+    ResourceSpecification,
+    SerializationError,
+    Serializer,
+    client_info,
+    encode,
+)
 from tests.conftest import write_kafka_credentials
 from tests.sdk.conftest import CODE_DIGEST, OfflineClient, SdkTopics
 from tests.sdk.streams import end_offsets, read_from, submissions
@@ -81,6 +87,51 @@ def test_executor_submissions_carry_the_task_group_and_future_ids(
         record = found[future.task_id]
         assert record.task_group_id == ex.task_group_id
         assert Serializer().unpack_arguments(record.payload) == ((i,), {})
+
+
+def test_a_resource_specification_of_the_executor_or_the_batch_travels_completed(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.submissions
+    start = end_offsets(sdk_topics.kafka, topic)
+    ex = Executor(
+        endpoint_id=ENDPOINT, client=client, resource_specification={"num_nodes": 2, "num_ranks": 4}
+    )
+    assert ex.resource_specification == {"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4}
+    first = ex.submit_to_registered_function("fn-mpi", (1,))
+    ex.resource_specification = None
+    plain = ex.submit_to_registered_function("fn-mpi", (2,))
+    batch = client.create_batch(resource_specification={"num_nodes": 1, "ranks_per_node": 3})
+    batch.add("fn-mpi", args=(3,))
+    [batched] = client.batch_run(ENDPOINT, batch)
+    found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=3)))
+    ex.shutdown(wait=False, cancel_futures=True)
+    assert found[first.task_id].resource_specification == ResourceSpecification(
+        num_nodes=2, ranks_per_node=2, num_ranks=4
+    )
+    assert found[plain.task_id].resource_specification is None
+    assert found[batched].resource_specification == ResourceSpecification(
+        num_nodes=1, ranks_per_node=3, num_ranks=3
+    )
+
+
+def test_a_bad_resource_specification_or_an_mpi_function_without_one_is_refused(
+    client: Client,
+) -> None:
+    with pytest.raises(ValueError, match="num_nodes x ranks_per_node"):
+        Executor(
+            endpoint_id=ENDPOINT,
+            client=client,
+            resource_specification={"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 3},
+        )
+    ex = Executor(endpoint_id=ENDPOINT, client=client)
+    with pytest.raises(ValueError, match="unknown key"):
+        ex.resource_specification = {"nodes": 2}
+    with pytest.raises(ValueError, match="MPIFunction needs a resource_specification"):
+        ex.submit(MPIFunction("hostname"))
+    with pytest.raises(ValueError, match="positive integer"):
+        client.create_batch(resource_specification={"num_nodes": -1})
+    ex.shutdown(wait=False, cancel_futures=True)
 
 
 def test_arguments_above_the_inline_limit_are_refused_before_sending(

@@ -24,6 +24,7 @@ from fxstream.topics import (
     HeldTask,
     Record,
     RecordDecodeError,
+    ResourceSpecification,
     TaskCancel,
     TaskDispatch,
     TaskError,
@@ -269,11 +270,66 @@ def test_records_that_lost_the_token_are_version_2(kind: str) -> None:
     assert SCHEMA_VERSIONS[kind] == 2
 
 
-def test_the_submission_with_staged_files_is_version_5() -> None:
+def test_the_submission_with_staged_files_and_resources_is_version_5() -> None:
     # Issue 13 took its token (v2); issue 14 added its endpoint group (v3); issue 15 its
-    # parents (v4); issue 16 its staged files (v5): an older reader refuses it ("upgrade
-    # fxstream") instead of running a task without its inputs or dropping its outputs.
+    # parents (v4); issue 16 its staged files and MPI resource specification (v5): an older
+    # reader refuses it ("upgrade fxstream") instead of running a task without its inputs,
+    # dropping its outputs, or running an MPI command without its nodes.
     assert SCHEMA_VERSIONS["submission"] == 5
+
+
+def test_a_resource_specification_travels_and_is_checked_on_decode() -> None:
+    spec = ResourceSpecification.from_mapping({"num_nodes": 2, "ranks_per_node": 2})
+    assert spec.as_dict() == {"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4}
+    mpi = msgspec.structs.replace(SUBMISSION, resource_specification=spec)
+    assert decode(encode(mpi), TaskSubmission).resource_specification == spec
+    raw = msgspec.msgpack.decode(encode(mpi))
+    raw["resource_specification"]["num_ranks"] = 5
+    with pytest.raises(RecordDecodeError, match="num_ranks"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+    raw["resource_specification"] = {"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4, "x": 1}
+    with pytest.raises(RecordDecodeError, match="x"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+    raw["resource_specification"] = {"num_nodes": 10**6, "ranks_per_node": 1, "num_ranks": 10**6}
+    with pytest.raises(RecordDecodeError, match="num_nodes"):
+        decode(msgspec.msgpack.encode(raw), TaskSubmission)
+
+
+@pytest.mark.parametrize(
+    ("given", "complete"),
+    [
+        ({"num_nodes": 2, "ranks_per_node": 3}, (2, 3, 6)),
+        ({"num_nodes": 2, "num_ranks": 4}, (2, 2, 4)),
+        ({"num_ranks": 4}, (1, 4, 4)),
+        ({"num_nodes": 3}, (3, 1, 3)),
+        ({"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 4}, (2, 2, 4)),
+    ],
+)
+def test_a_partial_resource_specification_is_completed(
+    given: dict[str, int], complete: tuple[int, int, int]
+) -> None:
+    spec = ResourceSpecification.from_mapping(given)
+    assert (spec.num_nodes, spec.ranks_per_node, spec.num_ranks) == complete
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 5}, "num_nodes x ranks_per_node"),
+        ({"num_nodes": 2, "num_ranks": 3}, "divide evenly"),
+        ({"num_nodes": 0}, "positive integer"),
+        ({"num_nodes": "2"}, "positive integer"),
+        ({"nodes": 2}, "unknown key"),
+        ({"launcher_options": "--bind-to core"}, "launcher_options is not supported"),
+        ({"num_nodes": 5000}, "4096"),
+        ([("num_nodes", 2)], "must be a dict"),
+    ],
+)
+def test_a_bad_resource_specification_is_refused_saying_what_to_change(
+    given: object, says: str
+) -> None:
+    with pytest.raises(ValueError, match=says):
+        ResourceSpecification.from_mapping(given)
 
 
 def test_a_submission_s_candidates_are_its_endpoint_and_group_sorted_once_each() -> None:

@@ -18,6 +18,19 @@ and bytes: the runner (which may hold the proxy store's password) is in a 0600 f
 of the run directory, read by the workers (so that directory must be on a file
 system the compute nodes share, as Parsl's own run directory must).
 
+**MPI mode** (``batch.mpi``, :class:`~fxstream.agent.batch_settings.MpiSettings`): the
+executor is Parsl's HighThroughputExecutor set up as Parsl's own ``MPIExecutor`` sets it
+(``enable_mpi_mode``, its ``mpi_launcher``, one worker per concurrent MPI task and the
+``SimpleLauncher``; that class itself is not used since it takes the interchange's
+command as one string). Each item's ``resources`` (``num_nodes``, ``ranks_per_node``,
+``num_ranks``) is its Parsl ``resource_specification``: the block's worker pool
+(Parsl's ``MPITaskScheduler``) gives the task that many of the block's nodes, holds it
+back until they are free, and sets ``$PARSL_MPI_PREFIX`` (``mpiexec -n .. -ppn ..
+-hosts ..`` or ``srun ...``) in the worker before the function runs, which an
+``MPIFunction`` puts before its command. An item that asks for more nodes than a block
+has, or none, resolves at once as ``ResourcesUnavailable`` (the agent refuses those
+before: :meth:`fxstream.agent.config.EndpointConfig.resource_refusal`).
+
 Not the process engine's equal yet (written down in docs/architecture.md):
 
 * **cancel** of a task a worker already runs resolves its future at once, but the
@@ -47,6 +60,7 @@ from typing import Any, Final
 from parsl.executors import HighThroughputExecutor
 from parsl.executors.high_throughput.errors import ManagerLost
 from parsl.executors.high_throughput.executor import DEFAULT_LAUNCH_CMD
+from parsl.executors.high_throughput.mpi_prefix_composer import validate_resource_spec
 from parsl.jobs.job_status_poller import JobStatusPoller
 from parsl.jobs.states import JobState
 
@@ -56,6 +70,7 @@ from fxstream.agent.engine import (
     BLOCK_LOST,
     CODE_REQUIRED,
     POOL_CLOSED,
+    RESOURCES_UNAVAILABLE,
     RUNNER_UNAVAILABLE,
     TASK_CANCELLED,
     WALLTIME_EXCEEDED,
@@ -91,6 +106,15 @@ class BlockCounts:
     idle: int
 
 
+class _MpiHighThroughputExecutor(HighThroughputExecutor):
+    """HTEX in Parsl's MPI mode: what ``parsl.executors.MPIExecutor`` configures, with
+    its resource specifications checked by Parsl's own MPI validator."""
+
+    def validate_resource_spec(self, resource_specification: dict[str, Any]) -> None:
+        """Parsl's MPI check: known keys only, and a specification is required."""
+        validate_resource_spec(resource_specification)
+
+
 @dataclass
 class _Pending:
     item: WorkItem
@@ -119,12 +143,18 @@ class BatchEngine:
         scripts = run_dir / "submit_scripts"
         scripts.mkdir(exist_ok=True, mode=0o700)
         provider.script_dir = str(scripts)
-        self._executor = HighThroughputExecutor(
+        mpi = settings.mpi
+        executor_class = HighThroughputExecutor if mpi is None else _MpiHighThroughputExecutor
+        self._executor = executor_class(
             label=label,
             provider=provider,
             address=settings.address,
-            max_workers_per_node=settings.max_workers_per_node,
-            cores_per_worker=settings.cores_per_worker,
+            # MPI mode: one worker per concurrent MPI task on the block's first node, as
+            # MPIExecutor sets it (cores_per_worker tiny, so the cap is what counts).
+            max_workers_per_node=(
+                settings.max_workers_per_node if mpi is None else settings.mpi_tasks_per_block
+            ),
+            cores_per_worker=settings.cores_per_worker if mpi is None else 1e-9,
             encrypted=True,
             worker_logdir_root=str(run_dir / "workers"),
             # Workers and interchange notice a lost peer in seconds, not Parsl's 2 minutes.
@@ -138,6 +168,9 @@ class BatchEngine:
             ),
         )
         self._executor.run_dir = str(run_dir)
+        if mpi is not None:  # read when the executor starts (its workers' launch command)
+            self._executor.enable_mpi_mode = True
+            self._executor.mpi_launcher = mpi.launcher
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
         self._codes: OrderedDict[tuple[str, str], bytes] = OrderedDict()
@@ -201,10 +234,15 @@ class BatchEngine:
                 ),
             )
             return future
+        num_nodes = None if item.resources is None else item.resources.get("num_nodes")
+        refusal = self._settings.resource_refusal(num_nodes)
+        if refusal is not None:
+            self._resolve(item.task_id, WorkOutcome.failure(item, RESOURCES_UNAVAILABLE, refusal))
+            return future
         try:
             inner = self._executor.submit(
                 run_item,
-                {},
+                dict(item.resources or {}),
                 str(self._runner_file),
                 item.function_id,
                 item.code_sha256,

@@ -19,6 +19,14 @@ torque; ``project`` for lsf and condor); ``walltime`` ("HH:MM:SS") and
 An option a provider does not take is refused by :meth:`BatchSettings.validate`, so a
 YAML for one scheduler is not silently half-read by another.
 
+``mpi`` (a mapping: ``launcher``, ``max_tasks_per_block``) turns on Parsl's MPI mode
+(:class:`MpiSettings`): a block runs one worker pool on its first node (``launcher:
+simple``) whose workers each run one MPI task at a time; Parsl's ``MPITaskScheduler``
+gives each task ``num_nodes`` of the block's nodes (from ``SLURM_NODELIST`` or
+``PBS_NODEFILE``: the ``slurm``, ``pbspro`` and ``torque`` providers), holds back a
+task until that many are free, and sets ``$PARSL_MPI_PREFIX`` to the ``mpiexec``,
+``srun`` or ``aprun`` command for those nodes and the task's ranks.
+
 ``address`` is where the workers reach the engine's interchange: ``127.0.0.1`` when
 they run on this machine (``local``, or a single-node test cluster), the login node's
 address on the compute nodes' network otherwise. The interchange's traffic is
@@ -35,7 +43,16 @@ if TYPE_CHECKING:  # Parsl is imported when a provider is built, not with the co
     from parsl.launchers.base import Launcher
     from parsl.providers.base import ExecutionProvider
 
-__all__ = ["LAUNCHERS", "PROVIDERS", "STRATEGIES", "BatchSettings", "BatchSettingsError"]
+__all__ = [
+    "LAUNCHERS",
+    "MPI_LAUNCHERS",
+    "MPI_PROVIDERS",
+    "PROVIDERS",
+    "STRATEGIES",
+    "BatchSettings",
+    "BatchSettingsError",
+    "MpiSettings",
+]
 
 PROVIDERS: Final = ("local", "slurm", "pbspro", "torque", "lsf", "condor", "gridengine")
 """The providers an endpoint may name (Parsl's, by its short names)."""
@@ -45,6 +62,13 @@ LAUNCHERS: Final = ("single", "srun", "mpiexec", "simple")
 
 STRATEGIES: Final = ("simple", "htex_auto_scale", "none")
 """Parsl's scaling strategies."""
+
+MPI_LAUNCHERS: Final = ("mpiexec", "srun", "aprun")
+"""How an MPI task's ranks start on its nodes (Parsl's ``VALID_LAUNCHERS``)."""
+
+MPI_PROVIDERS: Final = ("slurm", "pbspro", "torque")
+"""The providers whose jobs tell Parsl's MPI mode their nodes (``SLURM_NODELIST``,
+``PBS_NODEFILE``); a ``local`` block has no node list."""
 
 _WALLTIME = re.compile(r"^\d{1,4}:[0-5]\d:[0-5]\d$")
 
@@ -80,6 +104,48 @@ class BatchSettingsError(ValueError):
 
 
 @dataclass
+class MpiSettings:
+    """``batch.mpi``: Parsl's MPI mode (see the module notes).
+
+    ``launcher`` starts each task's ranks on its nodes: ``mpiexec`` (MPICH's Hydra, or
+    Open MPI's), ``srun`` (Slurm only) or ``aprun``. ``max_tasks_per_block`` is how many
+    MPI tasks one block runs at once (default: ``nodes_per_block``, one per node; a task
+    takes whole nodes, so more than the block's nodes would only wait).
+    """
+
+    launcher: str = "mpiexec"
+    max_tasks_per_block: int | None = None
+
+    @classmethod
+    def from_mapping(cls, raw: Any) -> MpiSettings:
+        """``batch.mpi`` as the YAML gives it; unknown keys refused, naming them."""
+        if isinstance(raw, MpiSettings):
+            return raw
+        if not isinstance(raw, dict):
+            raise BatchSettingsError(
+                "batch.mpi must be a mapping such as {launcher: mpiexec, max_tasks_per_block: 2}"
+            )
+        known = {"launcher", "max_tasks_per_block"}
+        unknown = sorted(str(key) for key in set(raw) - known)
+        if unknown:
+            raise BatchSettingsError(
+                f"unknown batch.mpi setting(s) {unknown}: it takes launcher and max_tasks_per_block"
+            )
+        settings = cls(**raw)
+        if not isinstance(settings.launcher, str) or (
+            settings.max_tasks_per_block is not None
+            and (
+                isinstance(settings.max_tasks_per_block, bool)
+                or not isinstance(settings.max_tasks_per_block, int)
+            )
+        ):
+            raise BatchSettingsError(
+                "batch.mpi.launcher must be a name and batch.mpi.max_tasks_per_block a number"
+            )
+        return settings
+
+
+@dataclass
 class BatchSettings:
     """An endpoint's ``batch:`` section (see the module notes)."""
 
@@ -111,6 +177,44 @@ class BatchSettings:
     # 60 s for Slurm, PBS Pro and the others; 5 s for local): how soon a block the
     # scheduler ended is seen as gone, and replaced.
     status_period_s: float | None = None
+    # Parsl's MPI mode (MpiSettings); None: every task is one Python call on one worker.
+    mpi: MpiSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.mpi is not None:
+            self.mpi = MpiSettings.from_mapping(self.mpi)
+
+    @property
+    def mpi_tasks_per_block(self) -> int:
+        """How many MPI tasks one block runs at once (0 without ``mpi``)."""
+        if self.mpi is None:
+            return 0
+        return self.mpi.max_tasks_per_block or self.nodes_per_block
+
+    def resource_refusal(self, num_nodes: int | None) -> str | None:
+        """Why a task asking for ``num_nodes`` nodes (``None``: no resource
+        specification) cannot run on these blocks, or ``None`` when it can."""
+        if self.mpi is None:
+            if num_nodes is None:
+                return None
+            return (
+                "this endpoint's batch engine has no MPI mode, so it cannot run a task with a "
+                "resource_specification: submit it to an endpoint whose batch: has mpi:, or "
+                "submit it without resource_specification"
+            )
+        if num_nodes is None:
+            return (
+                "this endpoint runs MPI tasks only (batch.mpi): submit with a "
+                'resource_specification, e.g. {"num_nodes": 1, "ranks_per_node": 1} for a '
+                "plain function"
+            )
+        if num_nodes > self.nodes_per_block:
+            return (
+                f"the task asks for {num_nodes} nodes and this endpoint's blocks have "
+                f"{self.nodes_per_block} (batch.nodes_per_block): ask for at most "
+                f"{self.nodes_per_block}, or raise nodes_per_block"
+            )
+        return None
 
     def validate(self) -> None:
         """Raise :class:`BatchSettingsError` naming the setting when a value cannot work."""
@@ -161,9 +265,44 @@ class BatchSettings:
             )
         if self.launcher == "srun" and self.provider != "slurm":
             raise BatchSettingsError("batch.launcher srun needs provider slurm")
+        if self.mpi is not None:
+            self._validate_mpi(self.mpi)
+
+    def _validate_mpi(self, mpi: MpiSettings) -> None:
+        if mpi.launcher not in MPI_LAUNCHERS:
+            raise BatchSettingsError(
+                f"batch.mpi.launcher {mpi.launcher!r} is not one of {', '.join(MPI_LAUNCHERS)}"
+            )
+        if mpi.launcher == "srun" and self.provider != "slurm":
+            raise BatchSettingsError("batch.mpi.launcher srun needs provider slurm")
+        if self.provider not in MPI_PROVIDERS:
+            raise BatchSettingsError(
+                f"batch.mpi needs a provider whose jobs list their nodes "
+                f"({', '.join(MPI_PROVIDERS)}), not {self.provider}: Parsl's MPI mode reads "
+                "a block's nodes from SLURM_NODELIST or PBS_NODEFILE"
+            )
+        if self.launcher != "simple":
+            raise BatchSettingsError(
+                "batch.mpi needs batch.launcher: simple (one worker pool on each block's "
+                "first node; each task's ranks are started by batch.mpi.launcher)"
+            )
+        if self.max_workers_per_node is not None:
+            raise BatchSettingsError(
+                "batch.max_workers_per_node does not apply with batch.mpi: set "
+                "batch.mpi.max_tasks_per_block (MPI tasks one block runs at once)"
+            )
+        per_block = mpi.max_tasks_per_block
+        if per_block is not None and not 1 <= per_block <= self.nodes_per_block:
+            raise BatchSettingsError(
+                f"batch.mpi.max_tasks_per_block must be between 1 and nodes_per_block "
+                f"({self.nodes_per_block}), not {per_block}: each MPI task takes whole nodes"
+            )
 
     def workers_per_block(self, cores_per_node: int) -> int:
-        """How many workers one block runs, its nodes having ``cores_per_node`` cores."""
+        """How many workers one block runs, its nodes having ``cores_per_node`` cores (with
+        ``mpi``: how many MPI tasks it runs at once)."""
+        if self.mpi is not None:
+            return self.mpi_tasks_per_block
         per_node = max(1, int(cores_per_node / self.cores_per_worker))
         if self.max_workers_per_node is not None:
             per_node = min(per_node, self.max_workers_per_node)

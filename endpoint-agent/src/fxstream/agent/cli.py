@@ -27,7 +27,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.agent.batch_settings import BatchSettings
+from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError, MpiSettings
 from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, endpoints_root
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
@@ -161,6 +161,11 @@ def _batch_settings(path: Path) -> BatchSettings:
     unknown = set(raw) - known
     if unknown:
         raise ConfigError(f"--batch {path}: unknown batch setting(s) {sorted(unknown)}")
+    try:
+        if raw.get("mpi") is not None:  # msgspec would drop its unknown keys silently
+            MpiSettings.from_mapping(raw["mpi"])
+    except (BatchSettingsError, TypeError) as exc:
+        raise ConfigError(f"--batch {path}: {exc}") from None
     try:
         return msgspec.convert(raw, BatchSettings)
     except msgspec.ValidationError as exc:

@@ -65,14 +65,19 @@ from typing import Any
 import msgspec
 import yaml
 
-from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
+from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError, MpiSettings
 from fxstream.agent.containers import RUNTIMES, ContainerError, Image, runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
 from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
 from fxstream.agent.staging import GlobusStaging, StagingSettings
 from fxstream.connectors import DEFAULT_PROXY_THRESHOLD_BYTES, StoreSpec, StoreURLError
-from fxstream.topics import CredentialFileError, KafkaConnection, registered_strategies
+from fxstream.topics import (
+    CredentialFileError,
+    KafkaConnection,
+    ResourceSpecification,
+    registered_strategies,
+)
 from fxstream.topics.connection import write_secret_file
 
 __all__ = ["ENGINES", "ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
@@ -263,6 +268,22 @@ class EndpointConfig:
             self.batch_settings().validate()
         except BatchSettingsError as exc:
             raise ConfigError(str(exc)) from None
+
+    def resource_refusal(self, resources: ResourceSpecification | None) -> str | None:
+        """Why this endpoint cannot run a task with ``resources`` (its
+        ``resource_specification``), or ``None``: only an ``htex`` engine with ``batch.mpi``
+        runs MPI tasks, and it runs nothing else."""
+        num_nodes = None if resources is None else resources.num_nodes
+        if self.engine != "htex":
+            if num_nodes is None:
+                return None
+            return (
+                f"endpoint {self.name!r} runs engine {self.engine!r}, which has no MPI mode, so "
+                "it cannot run a task with a resource_specification (an MPIFunction): submit "
+                "it to an endpoint with engine: htex and batch.mpi, or without "
+                "resource_specification"
+            )
+        return self.batch_settings().resource_refusal(num_nodes)
 
     def batch_settings(self) -> BatchSettings:
         """The batch engine's settings (its defaults when ``batch:`` is absent)."""
@@ -507,6 +528,11 @@ class EndpointConfig:
             unknown_batch = set(batch) - {f.name for f in fields(BatchSettings)}
             if unknown_batch:
                 raise ConfigError(f"{path}: unknown batch setting(s) {sorted(unknown_batch)}")
+            if batch.get("mpi") is not None:
+                try:  # msgspec would drop unknown keys of the nested mapping silently
+                    MpiSettings.from_mapping(batch["mpi"])
+                except (BatchSettingsError, TypeError) as exc:
+                    raise ConfigError(f"{path}: {exc}") from None
         missing = {f.name for f in fields(cls) if f.name in _REQUIRED} - set(raw)
         if missing:
             raise ConfigError(f"{path}: missing setting(s) {sorted(missing)}")

@@ -43,6 +43,7 @@ __all__ = [
     "CODE_HASH_MISMATCH",
     "CODE_REQUIRED",
     "POOL_CLOSED",
+    "RESOURCES_UNAVAILABLE",
     "RETRYABLE_ERRORS",
     "RUNNER_UNAVAILABLE",
     "STAGING_FAILED",
@@ -76,6 +77,9 @@ TASK_CANCELLED: Final = "TaskCancelled"
 # the same names as fxstream.topics.TaskErrorType.STAGING_FAILED and STAGING_UNAVAILABLE.
 STAGING_FAILED: Final = "StagingFailed"
 STAGING_UNAVAILABLE: Final = "StagingUnavailable"
+# The same name as fxstream.topics.TaskErrorType.RESOURCES_UNAVAILABLE: the item's
+# resources (an MPI task's nodes) cannot be had from this engine.
+RESOURCES_UNAVAILABLE: Final = "ResourcesUnavailable"
 
 RETRYABLE_ERRORS: Final = frozenset(
     {WORKER_LOST, BLOCK_LOST, POOL_CLOSED, WORKER_START_FAILED, STAGING_UNAVAILABLE}
@@ -92,6 +96,8 @@ class WorkItem:
     plus run time; ``image`` names the container image the item must run in (its
     function's container; ``None``: the engine's default), or the pool of the
     interpreter of its Python version (:mod:`fxstream.agent.python_envs`: its path).
+    ``resources`` is an MPI task's ``num_nodes``, ``ranks_per_node`` and ``num_ranks``
+    (its submission's ``resource_specification``), for an engine with an MPI mode.
     """
 
     task_id: str
@@ -101,6 +107,7 @@ class WorkItem:
     payload: bytes
     walltime_s: float | None = None
     image: str | None = None
+    resources: dict[str, int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

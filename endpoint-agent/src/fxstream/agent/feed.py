@@ -55,6 +55,7 @@ _NEVER_RETRIED = frozenset(
         str(TaskErrorType.RESULT_TOO_LARGE),
         str(TaskErrorType.NOT_ALLOWED),
         str(TaskErrorType.STAGING_FAILED),
+        str(TaskErrorType.RESOURCES_UNAVAILABLE),
     }
 )
 
@@ -111,6 +112,11 @@ class EngineFeed:
                 payload=held.dispatch.submission,
                 walltime_s=submission.walltime_s,
                 image=held.image,
+                resources=(
+                    None
+                    if submission.resource_specification is None
+                    else submission.resource_specification.as_dict()
+                ),
             )
             if self._stager is not None and Stager.wanted(submission):
                 future = self._stager.run(

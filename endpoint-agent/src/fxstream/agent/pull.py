@@ -229,6 +229,16 @@ class Intake:
                 held, failed_outcome(submission, TaskErrorType.NOT_ALLOWED, ValueError(refusal))
             )
             return
+        refusal = self._config.resource_refusal(submission.resource_specification)
+        if refusal is not None:  # an MPI task here without MPI, or the other way round
+            log.warning("task %s refused: %s", submission.task_id, refusal)
+            self._answers.publish(
+                held,
+                failed_outcome(
+                    submission, TaskErrorType.RESOURCES_UNAVAILABLE, ValueError(refusal)
+                ),
+            )
+            return
         try:
             # Fetched here, on the poll thread, so the engine's thread never waits on HTTP.
             sha, code = verified_code(self._codes, dispatch, submission.function_id)

@@ -233,7 +233,7 @@ def test(ctx: typer.Context) -> None:
     _run("mypy", [python, "-m", "mypy", *sources])
     if fast:
         _pytest(args)
-    console.rule("[bold]requirements (Java, Apache Kafka, Redis, container runtimes, Slurm)")
+    console.rule("[bold]requirements (Java, Apache Kafka, Redis, container runtimes, Slurm, MPICH)")
     try:
         for name, where in ensure_requirements(_config()).items():
             console.print(f"{name}: {where}")

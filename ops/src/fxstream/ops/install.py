@@ -6,7 +6,9 @@ into a cache outside the repo; Redis comes from Debian's ``redis-server``
 package; the container runtimes an endpoint may use come from Debian's
 ``bubblewrap``, ``podman`` and ``runc`` packages (:data:`CONTAINER_PACKAGES`;
 Apptainer is not packaged for Debian 12 and Docker needs a daemon: neither is
-installed here). Each step is idempotent and cheap when there is nothing to do.
+installed here); MPICH (``mpiexec`` and ``mpicc``, for MPI functions on the batch
+engine) from Debian's ``mpich`` and ``libmpich-dev`` (:data:`MPI_PACKAGES`). Each step is
+idempotent and cheap when there is nothing to do.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from fxstream.ops.config import PlatformConfig
 __all__ = [
     "CONTAINER_PACKAGES",
     "MIN_JAVA",
+    "MPI_PACKAGES",
     "InstallError",
     "apt_install",
     "ensure_container_runtimes",
     "ensure_java",
     "ensure_kafka",
+    "ensure_mpi",
     "ensure_redis",
     "ensure_requirements",
 ]
@@ -39,6 +43,10 @@ MIN_JAVA = 17
 CONTAINER_PACKAGES: dict[str, str] = {"bwrap": "bubblewrap", "runc": "runc", "podman": "podman"}
 """The container runtimes' binaries and the Debian packages that provide them (podman runs
 its containers with runc here: crun refuses these machines' hybrid cgroup layout)."""
+MPI_PACKAGES: dict[str, str] = {"mpiexec": "mpich", "mpicc": "libmpich-dev"}
+"""MPICH's launcher and compiler wrapper and the Debian packages that provide them (the
+MPI engine's tests start real ranks with ``mpiexec`` and build an MPI program with
+``mpicc``)."""
 _COMPLETE = ".complete"
 
 
@@ -170,6 +178,18 @@ def ensure_container_runtimes() -> dict[str, str]:
     return found
 
 
+def ensure_mpi() -> dict[str, str]:
+    """Return MPICH's ``mpiexec`` and ``mpicc``, installing Debian's packages for those
+    missing (as root); nothing is installed when both are there."""
+    found: dict[str, str] = {}
+    for binary, package in MPI_PACKAGES.items():
+        path = shutil.which(binary)
+        if path is None and Path(f"/usr/bin/{binary}").exists():
+            path = f"/usr/bin/{binary}"
+        found[binary] = path or apt_install(package, binary)
+    return found
+
+
 def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
     """Everything the platform needs, installed; returns what was found where."""
     return {
@@ -178,6 +198,7 @@ def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
         "redis-server": ensure_redis(),
         **ensure_container_runtimes(),
         **_ensure_slurm(),
+        **ensure_mpi(),
     }
 
 

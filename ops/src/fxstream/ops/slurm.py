@@ -8,6 +8,13 @@ stays in its directory; its ports are free ones picked at start, so it never tou
 site's Slurm or another test's. Clients (``sbatch``, ``squeue``, Parsl's
 ``SlurmProvider``) find it through the ``SLURM_CONF`` variable in :attr:`SlurmCluster.env`.
 
+``extra_nodes`` adds more nodes on the same machine (one more ``slurmd`` each, with its
+own port, spool directory, PID and log file): ``SlurmCluster(d, extra_nodes=("localhost",))``
+is a two-node cluster of ``vm`` and ``localhost``, where ``sbatch -N 2`` gets both and
+MPICH's ``mpiexec -hosts localhost,vm`` starts ranks "on" each (through ``srun``, as on a
+real cluster), for the MPI engine's tests. The nodes share this machine's cores: what is
+tested is how work is placed, not how fast it runs.
+
 The configuration is the one that runs on these machines: slurmctld and slurmd as root,
 ``ProctrackType=proctrack/linuxproc``, ``TaskPlugin=task/none`` and a ``cgroup.conf``
 with every ``Constrain*`` off (22.05 has no ``disabled`` cgroup plugin). The node
@@ -85,7 +92,8 @@ def ensure_slurm() -> dict[str, str]:
 
 @dataclass
 class SlurmCluster:
-    """One Slurm controller and one node on this machine, living in ``directory``."""
+    """One Slurm controller and one node (or more: ``extra_nodes``) on this machine, living
+    in ``directory``."""
 
     directory: Path
     cluster_name: str = "fxstream"
@@ -93,7 +101,8 @@ class SlurmCluster:
     cpus: int = field(default_factory=lambda: os.cpu_count() or 1)
     memory_mb: int = 4096
     node: str = field(default_factory=lambda: socket.gethostname().split(".")[0])
-    _ports: tuple[int, int] | None = None
+    extra_nodes: tuple[str, ...] = ()
+    _ports: tuple[int, ...] | None = None
     _binaries: dict[str, str] | None = None
 
     @property
@@ -110,6 +119,11 @@ class SlurmCluster:
     def log_dir(self) -> Path:
         """Where the daemons log."""
         return self.directory / "log"
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        """Every node's name: :attr:`node` first, then :attr:`extra_nodes`."""
+        return (self.node, *self.extra_nodes)
 
     def _munge_socket(self) -> Path:
         return self.directory / "munge" / "socket"
@@ -144,20 +158,24 @@ class SlurmCluster:
                 log_file=self.log_dir / "slurmctld.out",
                 env=env,
             ),
-            ManagedProcess(
-                name="slurmd",
-                argv=[binaries["slurmd"], "-D", "-f", str(self.conf_file), "-N", self.node],
-                pid_file=self.directory / "slurmd.managed.pid",
-                log_file=self.log_dir / "slurmd.out",
-                env=env,
+            *(
+                ManagedProcess(
+                    name="slurmd" if node == self.node else f"slurmd-{node}",
+                    argv=[binaries["slurmd"], "-D", "-f", str(self.conf_file), "-N", node],
+                    pid_file=self.directory
+                    / ("slurmd.managed.pid" if node == self.node else f"slurmd-{node}.managed.pid"),
+                    log_file=self.log_dir
+                    / ("slurmd.out" if node == self.node else f"slurmd-{node}.out"),
+                    env=env,
+                )
+                for node in self.nodes
             ),
         ]
 
     def _write_config(self) -> None:
         if self._ports is None:
-            first, second = free_ports(2)
-            self._ports = (first, second)
-        controller_port, node_port = self._ports
+            self._ports = tuple(free_ports(1 + len(self.nodes)))
+        controller_port, node_port, *extra_ports = self._ports
         for sub in ("munge", "state", "spool", "log", "jobs"):
             (self.directory / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
         # munged wants its key owner-only, and refuses a world-writable key directory.
@@ -166,6 +184,9 @@ class SlurmCluster:
             key.write_bytes(secrets.token_bytes(1024))
             key.chmod(0o400)
         d = self.directory
+        many = bool(self.extra_nodes)
+        for node in self.nodes if many else ():
+            (d / "spool" / node).mkdir(parents=True, exist_ok=True, mode=0o700)
         self.conf_file.write_text(
             "\n".join(
                 [
@@ -177,11 +198,12 @@ class SlurmCluster:
                     "CredType=cred/munge",
                     f"AuthInfo=socket={self._munge_socket()}",
                     f"StateSaveLocation={d / 'state'}",
-                    f"SlurmdSpoolDir={d / 'spool'}",
+                    # Several slurmd on one machine: each its own spool, PID and log (%n).
+                    f"SlurmdSpoolDir={d / 'spool' / '%n' if many else d / 'spool'}",
                     f"SlurmctldPidFile={d / 'slurmctld.pid'}",
-                    f"SlurmdPidFile={d / 'slurmd.pid'}",
+                    f"SlurmdPidFile={d / ('slurmd-%n.pid' if many else 'slurmd.pid')}",
                     f"SlurmctldLogFile={self.log_dir / 'slurmctld.log'}",
-                    f"SlurmdLogFile={self.log_dir / 'slurmd.log'}",
+                    f"SlurmdLogFile={self.log_dir / ('slurmd-%n.log' if many else 'slurmd.log')}",
                     "SlurmUser=root",
                     "SlurmdUser=root",
                     "ProctrackType=proctrack/linuxproc",
@@ -200,6 +222,11 @@ class SlurmCluster:
                     "KillWait=5",
                     f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} "
                     f"RealMemory={self.memory_mb} State=UNKNOWN",
+                    *(
+                        f"NodeName={node} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} "
+                        f"RealMemory={self.memory_mb} State=UNKNOWN"
+                        for node, port in zip(self.extra_nodes, extra_ports, strict=True)
+                    ),
                     f"PartitionName={self.partition} Nodes=ALL Default=YES MaxTime=INFINITE "
                     "State=UP OverSubscribe=FORCE:4",
                     "",
@@ -263,8 +290,15 @@ class SlurmCluster:
         )
 
     def _node_ready(self) -> bool:
-        done = self._client("sinfo", "--noheader", "--format=%T", "--nodes", self.node)
-        return done.returncode == 0 and done.stdout.strip().rstrip("*") in {"idle", "mixed"}
+        done = self._client(
+            "sinfo", "--noheader", "--Node", "--format=%T", "--nodes", ",".join(self.nodes)
+        )
+        states = [line.strip().rstrip("*") for line in done.stdout.splitlines() if line.strip()]
+        return (
+            done.returncode == 0
+            and len(states) == len(self.nodes)
+            and all(state in {"idle", "mixed"} for state in states)
+        )
 
     def jobs(self) -> dict[str, str]:
         """Job id -> state (``PENDING``, ``RUNNING``, ...) of every job the controller holds."""
@@ -287,7 +321,10 @@ class SlurmCluster:
     def logs(self, lines: int = 15) -> str:
         """The tail of every daemon's log, for error messages."""
         parts = []
-        for name in ("munged.out", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out"):
+        names = ["munged.out", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out"]
+        names += [f"slurmd-{node}.log" for node in self.nodes]
+        names += [f"slurmd-{node}.out" for node in self.extra_nodes]
+        for name in names:
             path = self.log_dir / name
             if path.exists():
                 parts.append(f"--- {path}\n{tail(path, lines)}")

@@ -5,6 +5,8 @@
 - :class:`Executor`: a ``concurrent.futures.Executor`` bound to an endpoint;
   ``submit``, ``map`` and :class:`TaskFuture` s resolved by push.
 - :class:`ShellFunction`: a shell command as a function (:class:`ShellResult`).
+- :class:`MPIFunction`: an MPI program as a function, run under the launcher of the
+  endpoint's MPI engine for the task's ``resource_specification``.
 - Task DAGs: a :class:`TaskFuture` (or a :class:`ParentResult` naming a task by id) passed
   as a top-level argument makes that task a parent: the service runs the task once its
   parents succeeded, with their results (by reference); a failed parent fails it with
@@ -58,7 +60,7 @@ from fxstream.sdk.errors import (
 from fxstream.sdk.executor import Executor
 from fxstream.sdk.futures import TIMING_KEYS, TaskFuture
 from fxstream.sdk.settings import DEFAULT_MAX_INLINE_BYTES, ClientSettings
-from fxstream.sdk.shell import ShellFunction, ShellResult
+from fxstream.sdk.shell import MPIFunction, ShellFunction, ShellResult
 from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.streams import (
     KafkaPublisher,
@@ -88,6 +90,7 @@ __all__ = [
     "KafkaStreamConsumer",
     "KafkaStreamProducer",
     "KafkaSubscriber",
+    "MPIFunction",
     "NotFound",
     "ParentFailed",
     "ParentResult",

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from fxstream.connectors import Packed
-from fxstream.topics import budget
+from fxstream.topics import ResourceSpecification, budget
 
 __all__ = ["Batch", "Packer"]
 
@@ -20,11 +20,19 @@ class Batch:
     Arguments are serialized and size-checked in :meth:`add`, so a bad
     argument raises there, not at ``batch_run``; the endpoint is chosen at
     ``batch_run``. Iterating gives ``(function_id, packed payload)`` pairs;
-    :meth:`entries` gives each task's tags too.
+    :meth:`entries` gives each task's tags too. ``resource_specification`` (an MPI
+    task's nodes and ranks, checked when set) is written in each of its tasks.
     """
 
-    def __init__(self, pack: Packer, task_group_id: str | None = None) -> None:
+    def __init__(
+        self,
+        pack: Packer,
+        task_group_id: str | None = None,
+        *,
+        resource_specification: Mapping[str, int] | None = None,
+    ) -> None:
         self.task_group_id = task_group_id
+        self.resource_specification = resource_specification
         self._pack = pack
         self._tasks: list[tuple[str, Packed]] = []
         self._tags: list[dict[str, str]] = []
@@ -61,3 +69,13 @@ class Batch:
 
     def __repr__(self) -> str:
         return f"Batch({len(self._tasks)} tasks, task_group_id={self.task_group_id!r})"
+
+    @property
+    def resource_specification(self) -> dict[str, int] | None:
+        """What each MPI task of the batch needs (completed: all three keys), or ``None``."""
+        spec = self._resources
+        return None if spec is None else spec.as_dict()
+
+    @resource_specification.setter
+    def resource_specification(self, spec: Mapping[str, int] | None) -> None:
+        self._resources = None if spec is None else ResourceSpecification.from_mapping(dict(spec))

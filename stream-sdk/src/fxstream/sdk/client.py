@@ -677,6 +677,7 @@ class Client:
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
         staging: StagingSpec | None = None,
+        resource_specification: Mapping[str, int] | None = None,
     ) -> PreparedTask:
         """Build one task's record without sending it (what ``run`` and the Executor use).
 
@@ -694,6 +695,9 @@ class Client:
         ``staging`` names files the endpoint stages into the task's working directory
         before it runs and out of it after it succeeded
         (:class:`~fxstream.sdk.staging.StagingSpec`; docs/api.md, "Staged files").
+        ``resource_specification`` is what an MPI task needs (``{"num_nodes": 2,
+        "ranks_per_node": 4}``; ``num_ranks`` is computed, or checked when given): only an
+        endpoint with an MPI engine runs it (docs/hpc.md).
 
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge`,
         :class:`~fxstream.topics.SerializationError` or ``ValueError`` (an
@@ -718,6 +722,7 @@ class Client:
             endpoint_group=endpoint_group,
             tags=tags,
             staging=staging,
+            resource_specification=resource_specification,
         )
 
     # --- store objects (staged files) --------------------------------------------------
@@ -922,10 +927,15 @@ class Client:
         )
         return self._run_tasks([task])[0]
 
-    def create_batch(self, task_group_id: str | None = None) -> Batch:
+    def create_batch(
+        self,
+        task_group_id: str | None = None,
+        resource_specification: Mapping[str, int] | None = None,
+    ) -> Batch:
         """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
-        :meth:`batch_run`."""
-        return Batch(self.pack, task_group_id)
+        :meth:`batch_run`; ``resource_specification`` (MPI tasks) applies to each of its
+        tasks, as in Globus Compute."""
+        return Batch(self.pack, task_group_id, resource_specification=resource_specification)
 
     def batch_run(
         self,
@@ -950,6 +960,7 @@ class Client:
                 task_group_id=batch.task_group_id,
                 endpoint_group=endpoint_group,
                 tags={**shared, **own} if own else shared,
+                resource_specification=batch.resource_specification,
             )
             for function_id, payload, own in batch.entries()
         ]

@@ -42,9 +42,10 @@ from typing import Any, Final, ParamSpec, TypeVar
 from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
 from fxstream.sdk.futures import TaskFuture
+from fxstream.sdk.shell import MPIFunction
 from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.submit import PreparedTask
-from fxstream.topics import budget
+from fxstream.topics import ResourceSpecification, budget
 
 __all__ = ["Executor"]
 
@@ -104,7 +105,9 @@ class Executor(concurrent.futures.Executor):
     per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
     to every task submitted (see :meth:`Client.prepare_task`), and so do ``tags``
     (``Executor(tags={"run": "42"})``; set ``executor.tags`` to label later tasks
-    otherwise), which ``Client.get_tasks(tags=...)`` filters on.
+    otherwise), which ``Client.get_tasks(tags=...)`` filters on. ``resource_specification``
+    (MPI tasks: nodes and ranks, see the property) is written in every task too; an
+    :class:`~fxstream.sdk.shell.MPIFunction` is refused without one.
 
     Replay: ``Executor(task_group_id=...).reload_tasks()`` in a new process
     rebuilds a future for every task of that group sent by an earlier one
@@ -130,6 +133,7 @@ class Executor(concurrent.futures.Executor):
         retry_user_errors: bool = False,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
+        resource_specification: Mapping[str, int] | None = None,
     ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -141,6 +145,7 @@ class Executor(concurrent.futures.Executor):
         self.walltime_s = walltime_s
         self.retry_user_errors = retry_user_errors
         self._tags = budget.check_tags(tags)
+        self.resource_specification = resource_specification
         self.endpoint_id = endpoint_id
         self.endpoint_group: list[str] | None = (
             list(endpoint_group) if endpoint_group is not None else None
@@ -178,6 +183,23 @@ class Executor(concurrent.futures.Executor):
     @tags.setter
     def tags(self, tags: Mapping[str, str] | None) -> None:
         self._tags = budget.check_tags(tags)
+
+    @property
+    def resource_specification(self) -> dict[str, int] | None:
+        """What each task submitted from now on needs as an MPI task (Globus Compute's
+        ``num_nodes``, ``ranks_per_node``, ``num_ranks``; completed, a copy), or ``None``.
+
+        Set it (or pass ``Executor(resource_specification=...)``) to a dict of
+        ``num_nodes`` and ``ranks_per_node`` or ``num_ranks``; a spec that cannot be met
+        (``num_ranks`` not ``num_nodes x ranks_per_node``, an unknown key) raises
+        ``ValueError`` here. Only an endpoint with an MPI engine runs such tasks.
+        """
+        spec = self._resources
+        return None if spec is None else spec.as_dict()
+
+    @resource_specification.setter
+    def resource_specification(self, spec: Mapping[str, int] | None) -> None:
+        self._resources = None if spec is None else ResourceSpecification.from_mapping(dict(spec))
 
     # --- functions ---------------------------------------------------------------------
 
@@ -250,6 +272,12 @@ class Executor(concurrent.futures.Executor):
         """
         self._check_open()
         self._check_endpoint()
+        if isinstance(fn, MPIFunction) and self._resources is None:
+            raise ValueError(
+                "an MPIFunction needs a resource_specification (how many nodes and ranks): "
+                'set executor.resource_specification = {"num_nodes": 1, "ranks_per_node": 2} '
+                "(or pass it to Executor) before submitting it"
+            )
         function_id = self.register_function(fn)
         return self.submit_to_registered_function(function_id, args, kwargs)
 
@@ -295,6 +323,7 @@ class Executor(concurrent.futures.Executor):
             retry_user_errors=self.retry_user_errors,
             tags=self._tags,
             staging=staging,
+            resource_specification=self.resource_specification,
         )
         future = self.client.track(task)
         with _live_lock, self._lock:

@@ -1,4 +1,5 @@
-"""Shell commands as functions: Globus Compute's ``ShellFunction`` and ``ShellResult``.
+"""Shell commands as functions: Globus Compute's ``ShellFunction``, ``MPIFunction`` and
+``ShellResult``.
 
 ``ShellFunction("wc -l {path}")`` is a callable: calling it with keyword
 arguments formats the command with them and runs it through the shell in a
@@ -12,6 +13,14 @@ needs ``fxstream.sdk`` installed to load one; endpoints that run from this
 workspace (``uv sync``) have it. Loading it where ``fxstream.sdk`` is missing
 fails with a :class:`~fxstream.topics.DeserializationError` naming the
 missing module (tested).
+
+``MPIFunction("./hello")`` is a ``ShellFunction`` whose command runs under the MPI
+launcher the endpoint's MPI engine chose for the task: ``$PARSL_MPI_PREFIX ./hello``,
+where Parsl's MPI mode sets ``PARSL_MPI_PREFIX`` (``mpiexec -n 4 -ppn 2 -hosts a,b``
+or ``srun --ntasks 4 ...``) from the task's ``resource_specification`` and the nodes
+it was given. Submit it with a ``resource_specification`` (``Executor(...,
+resource_specification={"num_nodes": 2, "ranks_per_node": 2})``) to an endpoint whose
+``batch:`` has ``mpi:`` (docs/hpc.md).
 """
 
 from __future__ import annotations
@@ -26,13 +35,22 @@ import tempfile
 from dataclasses import dataclass
 from typing import IO, Any, Final
 
-__all__ = ["TASK_DIR_VARIABLE", "WALLTIME_RETURNCODE", "ShellFunction", "ShellResult"]
+__all__ = [
+    "MPI_PREFIX_VARIABLE",
+    "TASK_DIR_VARIABLE",
+    "WALLTIME_RETURNCODE",
+    "MPIFunction",
+    "ShellFunction",
+    "ShellResult",
+]
 
 TASK_DIR_VARIABLE: Final = "FXSTREAM_TASK_DIR"
 """Names a staged task's working directory (set by the endpoint's worker, docs/hpc.md)."""
 
 WALLTIME_RETURNCODE: Final = 124
 """The return code of a command killed at its walltime (as GNU ``timeout`` gives)."""
+MPI_PREFIX_VARIABLE: Final = "PARSL_MPI_PREFIX"
+"""The environment variable holding a task's MPI launcher command (set by Parsl's MPI mode)."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +116,9 @@ class ShellFunction:
 
     def __call__(self, **kwargs: Any) -> ShellResult:
         """Format the command with ``kwargs``, run it in a sandbox, and return the result."""
-        cmd = self.cmd.format(**kwargs)
+        return self._execute(self.cmd.format(**kwargs))
+
+    def _execute(self, cmd: str) -> ShellResult:
         task_dir = os.environ.get(TASK_DIR_VARIABLE)
         staged = bool(task_dir) and os.path.isdir(task_dir or "")
         sandbox = task_dir if staged and task_dir else tempfile.mkdtemp(prefix="fxstream-shell-")
@@ -148,5 +168,45 @@ class ShellFunction:
     def __repr__(self) -> str:
         return (
             f"ShellFunction({self.cmd!r}, walltime={self.walltime!r}, "
+            f"snippet_lines={self.snippet_lines!r}, name={self.name!r})"
+        )
+
+
+class MPIFunction(ShellFunction):
+    """An MPI program run as a task: ``MPIFunction("./hello {n}")(n=3)`` runs
+    ``$PARSL_MPI_PREFIX ./hello 3`` (Globus Compute's ``MPIFunction``).
+
+    Everything else is :class:`ShellFunction`'s (sandbox, walltime, the result's return
+    code and output tails). The launcher prefix comes from the endpoint's MPI engine,
+    which sets it for the nodes and ranks of the task's ``resource_specification``;
+    called where no MPI engine set it, it raises ``RuntimeError`` saying so rather than
+    run the program as one process.
+    """
+
+    def __init__(
+        self,
+        cmd: str,
+        *,
+        walltime: float | None = None,
+        snippet_lines: int = 1000,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            cmd, walltime=walltime, snippet_lines=snippet_lines, name=name or "MPIFunction"
+        )
+
+    def __call__(self, **kwargs: Any) -> ShellResult:
+        """Run ``$PARSL_MPI_PREFIX <cmd formatted with kwargs>`` and return the result."""
+        if not os.environ.get(MPI_PREFIX_VARIABLE):
+            raise RuntimeError(
+                f"MPIFunction needs the MPI launcher prefix ${MPI_PREFIX_VARIABLE}, which an "
+                "endpoint's MPI engine sets for each task: run it on an endpoint with "
+                "engine: htex and batch.mpi, and submit it with a resource_specification"
+            )
+        return self._execute(f"${MPI_PREFIX_VARIABLE} {self.cmd.format(**kwargs)}")
+
+    def __repr__(self) -> str:
+        return (
+            f"MPIFunction({self.cmd!r}, walltime={self.walltime!r}, "
             f"snippet_lines={self.snippet_lines!r}, name={self.name!r})"
         )

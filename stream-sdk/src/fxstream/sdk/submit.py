@@ -38,6 +38,7 @@ from fxstream.topics import (
     Catalogue,
     KafkaConnection,
     RecordDecodeError,
+    ResourceSpecification,
     Serializer,
     TaskCancel,
     TaskSubmission,
@@ -154,6 +155,7 @@ def build_task(
     endpoint_group: Sequence[str] | None = None,
     tags: Mapping[str, str] | None = None,
     staging: StagingSpec | None = None,
+    resource_specification: Mapping[str, int] | ResourceSpecification | None = None,
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
@@ -166,6 +168,9 @@ def build_task(
     task's labels for filtered queries (:func:`fxstream.topics.budget.check_tags`).
     ``staging``: the files staged into the task's working directory before it runs and
     out after it succeeded (:class:`~fxstream.sdk.staging.StagingSpec`).
+    ``resource_specification``: what an MPI task needs (Globus Compute's dict of
+    ``num_nodes``, ``ranks_per_node``, ``num_ranks``; completed and checked by
+    :meth:`~fxstream.topics.ResourceSpecification.from_mapping`).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -188,6 +193,7 @@ def build_task(
             endpoint_group=endpoint_group,
             tags=tags,
             staging=staging,
+            resource_specification=resource_specification,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -209,9 +215,19 @@ def _build_task(
     endpoint_group: Sequence[str] | None,
     tags: Mapping[str, str] | None,
     staging: StagingSpec | None,
+    resource_specification: Mapping[str, int] | ResourceSpecification | None,
 ) -> PreparedTask:
     payload = packed.payload
     checked_tags = budget.check_tags(tags)
+    resources = (
+        None
+        if resource_specification is None
+        else ResourceSpecification.from_mapping(
+            resource_specification
+            if isinstance(resource_specification, ResourceSpecification)
+            else dict(resource_specification)
+        )
+    )
     group = sorted(set(endpoint_group or ()) - {endpoint_id}) or None
     if group is not None and len(group) > MAX_ENDPOINT_GROUP:
         raise ValueError(
@@ -238,6 +254,7 @@ def _build_task(
         depends_on=list(packed.parents),
         stage_in=list(staging.stage_in) if staging is not None else [],
         stage_out=list(staging.stage_out) if staging is not None else [],
+        resource_specification=resources,
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")

@@ -32,6 +32,9 @@ __all__ = [
     "LATENCY_BUCKET_GROWTH",
     "LATEST_TIMESTAMP",
     "MAX_ENDPOINT_GROUP",
+    "MAX_MPI_NODES",
+    "MAX_MPI_RANKS",
+    "MAX_MPI_RANKS_PER_NODE",
     "MAX_TAG_KEY_CHARS",
     "MAX_TAG_VALUE_CHARS",
     "MAX_TASK_TAGS",
@@ -53,6 +56,7 @@ __all__ = [
     "ObjectReference",
     "Record",
     "RecordDecodeError",
+    "ResourceSpecification",
     "StorageTier",
     "Tags",
     "TaskCancel",
@@ -173,6 +177,92 @@ class TriggerFiring(msgspec.Struct, kw_only=True, frozen=True):
     event_offset: Annotated[int, Meta(ge=0)]
 
 
+MAX_MPI_NODES: Final = 4096
+"""The most nodes one task may ask for (``ResourceSpecification.num_nodes``)."""
+MAX_MPI_RANKS_PER_NODE: Final = 1024
+"""The most ranks one task may ask for on each node."""
+MAX_MPI_RANKS: Final = 1_048_576
+"""The most ranks one task may ask for in all."""
+
+
+class ResourceSpecification(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """What an MPI task needs (``TaskSubmission.resource_specification``, Globus Compute's
+    ``resource_specification``): ``num_nodes`` nodes of one block, ``ranks_per_node``
+    ranks on each, ``num_ranks`` in all, always ``num_nodes * ranks_per_node`` (the SDK
+    completes a partial one, :meth:`from_mapping`). An unknown key is refused, not ignored:
+    an endpoint that silently dropped a request for resources would run the task on fewer.
+    """
+
+    num_nodes: Annotated[int, Meta(ge=1, le=MAX_MPI_NODES)]
+    ranks_per_node: Annotated[int, Meta(ge=1, le=MAX_MPI_RANKS_PER_NODE)]
+    num_ranks: Annotated[int, Meta(ge=1, le=MAX_MPI_RANKS)]
+
+    def __post_init__(self) -> None:
+        if self.num_ranks != self.num_nodes * self.ranks_per_node:
+            raise ValueError(
+                f"num_ranks ({self.num_ranks}) must be num_nodes x ranks_per_node "
+                f"({self.num_nodes} x {self.ranks_per_node} = "
+                f"{self.num_nodes * self.ranks_per_node}): fix one of them, or give two "
+                "and let the third be computed"
+            )
+
+    @classmethod
+    def from_mapping(cls, spec: Any) -> ResourceSpecification:
+        """A complete specification from Globus Compute's dict: ``num_nodes`` (default 1)
+        and one or both of ``ranks_per_node`` and ``num_ranks`` (the other is computed;
+        neither: one rank per node). ``ValueError`` saying what to change otherwise."""
+        if isinstance(spec, ResourceSpecification):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(
+                "resource_specification must be a dict such as "
+                '{"num_nodes": 2, "ranks_per_node": 4}, not ' + type(spec).__name__
+            )
+        known = {"num_nodes", "ranks_per_node", "num_ranks"}
+        unknown = sorted(str(key) for key in set(spec) - known)
+        if unknown:
+            raise ValueError(
+                f"resource_specification has unknown key(s) {unknown}: it takes only "
+                "num_nodes, ranks_per_node and num_ranks (launcher_options is not supported)"
+            )
+        values: dict[str, int] = {}
+        for key in known & set(spec):
+            value = spec[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"resource_specification[{key!r}] must be a positive integer, not {value!r}"
+                )
+            values[key] = value
+        nodes = values.get("num_nodes", 1)
+        per_node = values.get("ranks_per_node")
+        ranks = values.get("num_ranks")
+        if per_node is None and ranks is None:
+            per_node = 1
+        if per_node is None:
+            assert ranks is not None
+            if ranks % nodes:
+                raise ValueError(
+                    f"resource_specification: num_ranks {ranks} does not divide evenly over "
+                    f"num_nodes {nodes}: give ranks_per_node, or a multiple of num_nodes"
+                )
+            per_node = ranks // nodes
+        if ranks is None:
+            ranks = nodes * per_node
+        candidate = {"num_nodes": nodes, "ranks_per_node": per_node, "num_ranks": ranks}
+        try:
+            return msgspec.convert(candidate, cls)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"resource_specification is not valid: {exc}") from None
+
+    def as_dict(self) -> dict[str, int]:
+        """``{"num_nodes": ..., "ranks_per_node": ..., "num_ranks": ...}``."""
+        return {
+            "num_nodes": self.num_nodes,
+            "ranks_per_node": self.ranks_per_node,
+            "num_ranks": self.num_ranks,
+        }
+
+
 class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     """A task as submitted (topic ``from.user.<user_id>``, key: task id).
 
@@ -217,8 +307,13 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     ``stage_in`` and ``stage_out`` (issue 16, version 5) name files the agent copies into
     the task's working directory before the function runs, and out of it after the
     function succeeded (:mod:`fxstream.topics.staging`: ``file://``, ``store://`` and
-    ``globus://`` URLs, bounded and checked here). The version moved to 5: a version-4
-    agent would run the task without its inputs and drop its outputs.
+    ``globus://`` URLs, bounded and checked here).
+    ``resource_specification`` (issue 16, version 5) is what an MPI task needs
+    (:class:`ResourceSpecification`): an endpoint whose engine has no MPI mode refuses a
+    task carrying one (``ResourcesUnavailable``) rather than run it on one process. The
+    version moved to 5 for both: a version-4 agent would run the task without its inputs,
+    drop its outputs, or run an MPI command without its launcher's nodes; with the bump it
+    says "upgrade fxstream" instead.
     """
 
     v: SchemaVersion = 5
@@ -311,6 +406,13 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
             "each URL once",
         ),
     ] = []
+    resource_specification: Annotated[
+        ResourceSpecification | None,
+        Meta(
+            description="what an MPI task needs (issue 16): nodes, ranks per node and ranks "
+            "of one block of the endpoint's MPI engine; refused by an endpoint without one"
+        ),
+    ] = None
 
     def __post_init__(self) -> None:
         stage_paths = [item.path for item in self.stage_in]
@@ -454,6 +556,9 @@ class TaskErrorType(enum.StrEnum):
     """A staging site (a Globus collection or the Transfer API, the store) could not be
     reached or a transfer ran past its timeout: retryable, and retried by the agent up to
     the task's ``max_retries`` (staging in again, running again)."""
+    RESOURCES_UNAVAILABLE = "ResourcesUnavailable"
+    """The task's ``resource_specification`` cannot be met on its endpoint (no MPI engine, or
+    more nodes than one of its blocks has): the message says what to change; never retried."""
 
 
 class TaskError(msgspec.Struct, kw_only=True, frozen=True):
