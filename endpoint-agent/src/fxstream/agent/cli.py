@@ -147,16 +147,23 @@ def _running_pid(name: str) -> int | None:
     return None
 
 
-def _batch_settings(path: Path) -> BatchSettings:
-    """The batch settings in the YAML file ``path`` (its mapping, or its ``batch:`` key)."""
+def _yaml_section(path: Path, section: str) -> dict[str, Any]:
+    """The mapping in the YAML file ``path`` given as ``--<section>``: the whole file, or
+    its ``<section>:`` key; ``ConfigError`` naming the option otherwise."""
     try:
         raw: Any = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--batch {path}: {exc}") from None
-    if isinstance(raw, dict) and isinstance(raw.get("batch"), dict):
-        raw = raw["batch"]
+        raise ConfigError(f"--{section} {path}: {exc}") from None
+    if isinstance(raw, dict) and isinstance(raw.get(section), dict):
+        raw = raw[section]
     if not isinstance(raw, dict):
-        raise ConfigError(f"--batch {path} must hold a mapping of batch settings")
+        raise ConfigError(f"--{section} {path} must hold a mapping of {section} settings")
+    return raw
+
+
+def _batch_settings(path: Path) -> BatchSettings:
+    """The batch settings in the YAML file ``path`` (its mapping, or its ``batch:`` key)."""
+    raw = _yaml_section(path, "batch")
     known = {f.name for f in dataclasses.fields(BatchSettings)}
     unknown = set(raw) - known
     if unknown:
@@ -174,14 +181,7 @@ def _batch_settings(path: Path) -> BatchSettings:
 
 def _staging_settings(path: Path) -> StagingSettings:
     """The staging settings in the YAML file ``path`` (its mapping, or its ``staging:`` key)."""
-    try:
-        raw: Any = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigError(f"--staging {path}: {exc}") from None
-    if isinstance(raw, dict) and isinstance(raw.get("staging"), dict):
-        raw = raw["staging"]
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--staging {path} must hold a mapping of staging settings")
+    raw = _yaml_section(path, "staging")
     unknown = set(raw) - {f.name for f in dataclasses.fields(StagingSettings)}
     globus = raw.get("globus")
     if isinstance(globus, dict):
