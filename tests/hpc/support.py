@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 
 from fxstream.agent import WorkItem
+from fxstream.ops.slurm import SlurmCluster
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = "tests.agent.runners:load_behaviour"
@@ -70,3 +72,19 @@ def engine_processes(run_dir: Path) -> list[psutil.Process]:
 def label_for(run_dir: Path) -> str:
     """The executor label a test gives the engine of ``run_dir`` (unique per test)."""
     return f"fx{abs(hash(str(run_dir))) % 10**8}"
+
+
+@contextlib.contextmanager
+def slurm_conf_set(cluster: SlurmCluster) -> Iterator[SlurmCluster]:
+    """``cluster``'s ``SLURM_CONF`` set in this process's environment for the block (the
+    engine's provider and agents started from here run sbatch, squeue, scancel), then the
+    previous value put back."""
+    previous = os.environ.get("SLURM_CONF")
+    os.environ.update(cluster.env)
+    try:
+        yield cluster
+    finally:
+        if previous is None:
+            os.environ.pop("SLURM_CONF", None)
+        else:
+            os.environ["SLURM_CONF"] = previous

@@ -40,7 +40,14 @@ from fxstream.agent.worker_process import DEFAULT_RUNNER
 from fxstream.ops.install import ensure_mpi
 from fxstream.ops.slurm import SlurmCluster, single_node_slurm
 from fxstream.sdk import MPIFunction, ShellResult
-from tests.hpc.support import REPO, WORKER_INIT, engine_processes, label_for, wait_until
+from tests.hpc.support import (
+    REPO,
+    WORKER_INIT,
+    engine_processes,
+    label_for,
+    slurm_conf_set,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.hpc,
@@ -118,16 +125,11 @@ def programs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def two_nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
     """A Slurm cluster of two nodes on this machine, ``SLURM_CONF`` set while it runs."""
     directory = tmp_path_factory.mktemp("slurm2")
-    with single_node_slurm(directory, extra_nodes=(SECOND_NODE,)) as cluster:
-        previous = os.environ.get("SLURM_CONF")
-        os.environ.update(cluster.env)
-        try:
-            yield cluster
-        finally:
-            if previous is None:
-                os.environ.pop("SLURM_CONF", None)
-            else:
-                os.environ["SLURM_CONF"] = previous
+    with (
+        single_node_slurm(directory, extra_nodes=(SECOND_NODE,)) as cluster,
+        slurm_conf_set(cluster),
+    ):
+        yield cluster
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -169,20 +169,20 @@ def ensure_redis() -> str:
 def ensure_container_runtimes() -> dict[str, str]:
     """Return the container runtimes' binaries (bwrap, runc, podman), installing Debian's
     packages for those missing (as root)."""
-    found: dict[str, str] = {}
-    for binary, package in CONTAINER_PACKAGES.items():
-        path = shutil.which(binary)
-        if path is None and Path(f"/usr/bin/{binary}").exists():
-            path = f"/usr/bin/{binary}"
-        found[binary] = path or apt_install(package, binary)
-    return found
+    return _ensure_binaries(CONTAINER_PACKAGES)
 
 
 def ensure_mpi() -> dict[str, str]:
     """Return MPICH's ``mpiexec`` and ``mpicc``, installing Debian's packages for those
     missing (as root); nothing is installed when both are there."""
+    return _ensure_binaries(MPI_PACKAGES)
+
+
+def _ensure_binaries(packages: Mapping[str, str]) -> dict[str, str]:
+    """Binary -> its path, for each binary of ``packages`` (binary -> Debian package),
+    installing the package of each one missing from PATH and /usr/bin."""
     found: dict[str, str] = {}
-    for binary, package in MPI_PACKAGES.items():
+    for binary, package in packages.items():
         path = shutil.which(binary)
         if path is None and Path(f"/usr/bin/{binary}").exists():
             path = f"/usr/bin/{binary}"
