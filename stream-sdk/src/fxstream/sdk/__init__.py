@@ -24,7 +24,7 @@
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
 listener thread), ``history`` (results read back for replay), ``subscription`` (result
 subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
-``staging``, ``errors``, ``streams``.
+``staging``, ``errors``, ``streams``, ``heap`` (a drained backlog's heap given back).
 """
 
 from fxstream.sdk.batch import Batch

@@ -42,6 +42,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Topic
 from fxstream.connectors import collect_references
 from fxstream.sdk.errors import FxstreamError, ResultsTopicMissing, task_failure
 from fxstream.sdk.futures import TaskFuture, timings_of
+from fxstream.sdk.heap import BacklogTrim
 from fxstream.topics import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
@@ -160,6 +161,8 @@ class ResultListener:
         self.unknown = 0
         self.discarded = 0
         self.malformed = 0
+        # Gives a drained backlog's freed heap back to the system (fxstream.sdk.heap).
+        self.heap_trim = BacklogTrim()
 
     @property
     def started(self) -> bool:
@@ -330,6 +333,7 @@ class ResultListener:
                 # lone result would sit there. Block for the first, then take what is in.
                 first = consumer.poll(_POLL_S)
                 if first is None:
+                    self.heap_trim.observe(len(self._futures))
                     continue
                 messages = [first, *consumer.consume(num_messages=_BATCH - 1, timeout=0)]
             except KafkaException as exc:  # pragma: no cover - a fatal consumer error
@@ -339,6 +343,7 @@ class ResultListener:
             received = time.time()
             for message in messages:
                 self._handle(message, received)
+            self.heap_trim.observe(len(self._futures))
 
     def _handle(self, message: Message, received: float) -> None:
         error = message.error()

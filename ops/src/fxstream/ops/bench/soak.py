@@ -51,6 +51,7 @@ from fxstream.ops.bench.stack import (
 )
 from fxstream.ops.platform import Platform
 from fxstream.sdk import Client, Executor, TaskFuture
+from fxstream.sdk.heap import trim_count
 from fxstream.service.memory_report import MemoryReport
 
 __all__ = ["ProcessFigures", "SoakSettings", "judge", "run_soak_bench", "slope_per_10min"]
@@ -316,6 +317,8 @@ def _load(
         "achieved_rate": round(counts.submitted / load_s) if load_s > 0 else 0,
         "drained_in_s": drained,
         "first_task_state": first_state,
+        # Times the SDK gave a drained backlog's free heap back (fxstream.sdk.heap).
+        "sdk_heap_trims": trim_count(),
     }
 
 
@@ -448,7 +451,8 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
     )
     console.print(
         f"{load['submitted']:,} tasks ({load['achieved_rate']:,}/s), {load['failed']:,} failed; "
-        f"first task read back: {load['first_task_state']}; memory after warm-up: {verdict}"
+        f"first task read back: {load['first_task_state']}; "
+        f"SDK heap trims: {load['sdk_heap_trims']}; memory after warm-up: {verdict}"
     )
     print(json.dumps(report), flush=True)
     return report
