@@ -179,7 +179,8 @@ def test_endpoints_register_list_status_delete(service: Service, alice: Register
         listed = {e["endpoint_id"]: e for e in client.list_endpoints()}
         assert listed[endpoint_id]["status"]["state"] == "never-seen"
         assert client.get_endpoint(endpoint_id)["metadata"] == {"site": "home"}
-        assert client.get_endpoint_status(endpoint_id)["state"] == "never-seen"
+        status = client.get_endpoint_status(endpoint_id)
+        assert status["state"] == "never-seen" and status["status"] == "offline"
         client.delete_endpoint(endpoint_id)
         with pytest.raises(NotFound):
             client.get_endpoint(endpoint_id)

@@ -32,7 +32,7 @@ from urllib.parse import urlencode
 from proxystore.store.base import Store
 
 from fxstream.connectors import ByReference, NamedObjects, Packed, evict_objects, open_store
-from fxstream.sdk.batch import Batch
+from fxstream.sdk.batch import Batch, refuse_user_endpoint_config
 from fxstream.sdk.errors import (
     ConfigurationError,
     FxstreamError,
@@ -55,6 +55,7 @@ from fxstream.sdk.settings import (
     ClientSettings,
 )
 from fxstream.sdk.staging import StagingSpec
+from fxstream.sdk.status import completion_time, globus_status
 from fxstream.sdk.submit import (
     PreparedTask,
     TaskProducer,
@@ -192,19 +193,43 @@ class Client:
 
     def __init__(
         self,
-        service_url: str,
+        service_url: str | None = None,
         *,
-        kafka: KafkaConnection,
-        topic_prefix: str = DEFAULT_TOPIC_PREFIX,
+        kafka: KafkaConnection | None = None,
+        topic_prefix: str | None = None,
         user_id: str | None = None,
         token: str | None = None,
         serializer: Serializer | None = None,
-        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        max_inline_bytes: int | None = None,
         store: str | Store[Any] | None = None,
-        proxy_threshold: int = DEFAULT_PROXY_THRESHOLD,
+        proxy_threshold: int | None = None,
         request_timeout: float = DEFAULT_TIMEOUT_S,
         kafka_config: Mapping[str, Any] | None = None,
     ) -> None:
+        if service_url is None and kafka is None:
+            # Client(): the environment's settings, else the credentials `./fx up` wrote
+            # (fxstream.sdk.settings), as Globus Compute's Client() finds its login.
+            found = ClientSettings.from_environment()
+            service_url, kafka = found.service_url, found.kafka
+            topic_prefix = found.topic_prefix if topic_prefix is None else topic_prefix
+            user_id = found.user_id if user_id is None else user_id
+            token = found.token if token is None else token
+            store = found.store_url if store is None else store
+            if max_inline_bytes is None:
+                max_inline_bytes = found.max_inline_bytes
+            if proxy_threshold is None:
+                proxy_threshold = found.proxy_threshold
+        elif service_url is None or kafka is None:
+            raise ConfigurationError(
+                "give a Client both service_url and kafka, or neither (then both come from "
+                "FXSTREAM_CREDENTIALS, the FXSTREAM_* variables or the credentials `./fx up` "
+                "wrote: see fxstream.sdk.settings)"
+            )
+        topic_prefix = DEFAULT_TOPIC_PREFIX if topic_prefix is None else topic_prefix
+        if max_inline_bytes is None:
+            max_inline_bytes = DEFAULT_MAX_INLINE_BYTES
+        if proxy_threshold is None:
+            proxy_threshold = DEFAULT_PROXY_THRESHOLD
         if max_inline_bytes <= 0:
             raise ValueError(f"max_inline_bytes must be positive, not {max_inline_bytes}")
         if proxy_threshold < 0:
@@ -237,6 +262,9 @@ class Client:
         # Open subscriptions: closed with the client.
         self._subscriptions: weakref.WeakSet[ResultSubscription] = weakref.WeakSet()
         self._closed = False
+        self.session_task_group_id = str(uuid.uuid4())
+        """The task group of :meth:`run` and of batches without one (Globus Compute's), so
+        they can be reloaded later; set it to resume an earlier session's group."""
 
     # --- construction ------------------------------------------------------------------
 
@@ -497,8 +525,10 @@ class Client:
         return answer
 
     def get_endpoint_status(self, endpoint_id: str) -> dict[str, Any]:
-        """One endpoint's live status: ``state`` (online, lost, never-seen), workers, queue."""
-        status: dict[str, Any] = self.get_endpoint(endpoint_id)["status"]
+        """One endpoint's live status: ``state`` (online, lost, never-seen), workers, queue,
+        and Globus Compute's ``status`` (``online``, else ``offline``)."""
+        status: dict[str, Any] = dict(self.get_endpoint(endpoint_id)["status"])
+        status["status"] = "online" if status.get("state") == "online" else "offline"
         return status
 
     def delete_endpoint(self, endpoint_id: str) -> None:
@@ -921,6 +951,7 @@ class Client:
             function_id,
             args,
             kwargs,
+            task_group_id=self.session_task_group_id,
             endpoint_group=endpoint_group,
             tags=tags,
             staging=staging,
@@ -931,10 +962,16 @@ class Client:
         self,
         task_group_id: str | None = None,
         resource_specification: Mapping[str, int] | None = None,
+        user_endpoint_config: Mapping[str, Any] | None = None,
+        create_websocket_queue: bool = False,
     ) -> Batch:
         """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
-        :meth:`batch_run`; ``resource_specification`` (MPI tasks) applies to each of its
-        tasks, as in Globus Compute."""
+        :meth:`batch_run` (Globus Compute's parameters): ``resource_specification`` (MPI
+        tasks) applies to each of its tasks; ``user_endpoint_config`` is refused with
+        ``ValueError`` (endpoints here are configured by their owner);
+        ``create_websocket_queue`` is accepted and means nothing here (results always
+        come back on your results topic)."""
+        refuse_user_endpoint_config(user_endpoint_config)
         return Batch(self.pack, task_group_id, resource_specification=resource_specification)
 
     def batch_run(
@@ -944,27 +981,42 @@ class Client:
         *,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
-    ) -> list[str]:
+    ) -> dict[str, Any]:
         """Run every task of ``batch`` on ``endpoint_id`` (or on the one of
-        ``endpoint_group`` the service chooses, per task); returns the task ids in order.
+        ``endpoint_group`` the service chooses, per task); returns Globus Compute's answer:
+        ``{"request_id", "task_group_id", "endpoint_id", "tasks": {function_id: [task
+        ids, in the order added]}}``.
 
-        ``tags`` label every task of the batch; a task's own tags (``Batch.add(...,
-        tags=...)``) are added to them and win for the same key.
+        A batch without a task group runs in :attr:`session_task_group_id`, so it can be
+        reloaded later (``Executor(task_group_id=...).reload_tasks()``). ``tags`` label
+        every task of the batch; a task's own tags (``Batch.add(..., tags=...)``) are
+        added to them and win for the same key. An empty batch raises ``ValueError``.
         """
+        if not batch:
+            raise ValueError("no tasks in the batch: add some with batch.add(function_id, args)")
         shared = budget.check_tags(tags)
+        task_group_id = batch.task_group_id or self.session_task_group_id
         tasks = [
             self.prepare_task(
                 endpoint_id,
                 function_id,
                 payload=payload,
-                task_group_id=batch.task_group_id,
+                task_group_id=task_group_id,
                 endpoint_group=endpoint_group,
                 tags={**shared, **own} if own else shared,
                 resource_specification=batch.resource_specification,
             )
             for function_id, payload, own in batch.entries()
         ]
-        return self._run_tasks(tasks)
+        by_function: dict[str, list[str]] = {}
+        for task_id, task in zip(self._run_tasks(tasks), tasks, strict=True):
+            by_function.setdefault(task.function_id, []).append(task_id)
+        return {
+            "request_id": str(uuid.uuid4()),
+            "task_group_id": task_group_id,
+            "endpoint_id": endpoint_id,
+            "tasks": by_function,
+        }
 
     # --- cancel --------------------------------------------------------------------------
 
@@ -1296,8 +1348,16 @@ class Client:
             return self._futures.get(task_id)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        """What is known about a task: ``state``, ``pending``, ``timings``, ``error``,
-        ``tags``, ``events``, ...
+        """What is known about a task: ``state``, ``status``, ``pending``, ``timings``,
+        ``error``, ``tags``, ``events``, ...; once it is done, also Globus Compute's
+        ``result`` (its value) or ``exception`` (its failure, returned, not raised) and
+        ``completion_t`` (epoch seconds, a string).
+
+        ``state`` is fxstream's lifecycle state; ``status`` the same in Globus Compute's
+        words (``success`` for ``succeeded``, ``waiting-for-ep`` before it runs:
+        :mod:`fxstream.sdk.status`). A succeeded task whose value can no longer be read
+        (a by-reference result evicted once consumed) has ``reason`` instead of
+        ``result``.
 
         ``events`` is the task's log of site timestamps, in lifecycle order, each
         ``{"state", "at", "where", "attempt"}``: submitted (``client``), routed
@@ -1310,14 +1370,32 @@ class Client:
         """
         future = self._local(task_id)
         if future is not None and future.done():
-            return _local_task(future)
+            return _with_local_outcome(_local_task(future), future)
         try:
             state: dict[str, Any] = self._rest.get(f"/tasks/{task_id}")
         except NotFound:
             if future is None:
                 raise
             return _local_task(future)
-        return _service_task(state)
+        task = _service_task(state)
+        return task if task["pending"] else self._with_outcome(task, state)
+
+    def _with_outcome(self, task: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+        """``task`` (from the service's ``state``) with Globus Compute's ``result``, or
+        ``exception`` (its failure), or ``reason`` (a value no longer readable), and
+        ``completion_t``; still ``pending`` if the service has no outcome yet."""
+        try:
+            task["result"] = self._value_of(state)
+        except TaskPending:
+            task["pending"] = True
+            return task
+        except Exception as exc:
+            if task["state"] == "succeeded":  # its value is no longer readable
+                task["reason"] = str(exc)
+            else:
+                task["exception"] = exc
+        task["completion_t"] = completion_time(task["timings"])
+        return task
 
     def get_tasks(
         self,
@@ -1454,7 +1532,8 @@ class Client:
                 answers[task_id] = {
                     "task_id": task_id,
                     "pending": True,
-                    "status": "submitted",
+                    "state": "submitted",
+                    "status": globus_status("submitted"),
                     "timings": dict(future.timings),
                 }
             else:
@@ -1467,14 +1546,7 @@ class Client:
                 if state is None:
                     answers[task_id] = {"task_id": task_id, "pending": True, "status": "unknown"}
                     continue
-                entry = _service_task(state)
-                try:
-                    entry["result"] = self._value_of(state)
-                except TaskPending:
-                    entry["pending"] = True
-                except Exception as exc:
-                    entry["exception"] = exc
-                answers[task_id] = entry
+                answers[task_id] = self._with_outcome(_service_task(state), state)
         return answers
 
     @property
@@ -1696,7 +1768,7 @@ def _service_task(state: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "task_id": state.get("task_id"),
         "state": name,
-        "status": name,
+        "status": globus_status(name),
         "pending": name not in ("succeeded", "failed", "rejected", "cancelled"),
         "function_id": state.get("function_id"),
         "endpoint_id": state.get("endpoint_id"),
@@ -1733,7 +1805,7 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
     return {
         "task_id": future.task_id,
         "state": name,
-        "status": name,
+        "status": globus_status(name),
         "pending": not future.done(),
         "function_id": future.function_id,
         "endpoint_id": future.endpoint_id,
@@ -1746,20 +1818,22 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
     }
 
 
-def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
-    entry = {
-        "task_id": task["task_id"],
-        "pending": task["pending"],
-        "status": task["status"],
-        "timings": task["timings"],
-    }
+def _with_local_outcome(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
+    """``task`` (of a done future) with Globus Compute's ``result`` or ``exception`` and
+    ``completion_t``."""
     if future.cancelled():
-        entry["exception"] = CancelledError(f"task {future.task_id} was cancelled")
+        task["exception"] = CancelledError(f"task {future.task_id} was cancelled")
     elif future.exception() is not None:
-        entry["exception"] = future.exception()
+        task["exception"] = future.exception()
     else:
-        entry["result"] = future.result()
-    return entry
+        task["result"] = future.result()
+    task["completion_t"] = completion_time(task["timings"])
+    return task
+
+
+def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
+    entry = {key: task[key] for key in ("task_id", "pending", "state", "status", "timings")}
+    return _with_local_outcome(entry, future)
 
 
 def _acknowledge(
