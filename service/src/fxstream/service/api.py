@@ -87,6 +87,7 @@ from fxstream.topics import (
     TaskStateName,
     TriggerRule,
     UserRecord,
+    client_info,
     code_sha256,
     decode,
     encode,
@@ -259,6 +260,13 @@ class Me(BaseModel):
     )
 
 
+Labels = Annotated[
+    dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+    Field(max_length=256),
+]
+"""A function's or an endpoint's metadata: at most 256 labels, bounded keys and values."""
+
+
 class NewFunction(_Body):
     """``POST /v1/functions``."""
 
@@ -268,6 +276,7 @@ class NewFunction(_Body):
     public: bool = False
     allowed_users: SharedWith = []
     description: Description = ""
+    metadata: Labels = {}
 
 
 class FunctionCreated(BaseModel):
@@ -284,10 +293,7 @@ class NewEndpoint(_Body):
     public: bool = False
     allowed_users: SharedWith = []
     description: Description = ""
-    metadata: Annotated[
-        dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
-        Field(max_length=256),
-    ] = {}
+    metadata: Labels = {}
 
 
 class EndpointCreated(BaseModel):
@@ -381,6 +387,15 @@ class NewTrigger(_Body):
     max_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     max_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     client: ClientBody | None = None
+
+
+class Version(BaseModel):
+    """The service's version, and the oldest SDK and endpoint versions it works with."""
+
+    api: Literal["v1"] = "v1"
+    version: str
+    min_sdk_version: str
+    min_ep_version: str
 
 
 class Health(BaseModel):
@@ -1121,6 +1136,7 @@ def create_function(body: NewFunction, caller: CallerDep, runtime: RuntimeDep) -
         public=body.public,
         allowed_users=_shared_with(body.allowed_users),
         description=body.description,
+        metadata=dict(body.metadata),
     )
     runtime.writer.put(runtime.catalogue.functions, record.function_id, record)
     return FunctionCreated(function_id=record.function_id, code_sha256=record.code_sha256)
@@ -1657,6 +1673,15 @@ def read_analytics(
         for item in windows:
             item["user_id"] = None
     return {"windows": windows, "truncated": truncated}
+
+
+@router.get("/version", tags=["health"])
+def version() -> Version:
+    """The service's fxstream version (no token needed). The SDK, the endpoint agent and the
+    service ship together from one workspace, so the oldest versions it works with are its
+    own (``Client.version_check``)."""
+    own = client_info().fxstream_version
+    return Version(version=own, min_sdk_version=own, min_ep_version=own)
 
 
 @router.get("/health", tags=["health"])

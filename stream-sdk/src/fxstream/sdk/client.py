@@ -17,6 +17,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import re
 import threading
@@ -44,6 +45,7 @@ from fxstream.sdk.errors import (
     task_failure,
 )
 from fxstream.sdk.futures import TaskFuture, Timings, timings_of
+from fxstream.sdk.hardware import hardware_report
 from fxstream.sdk.history import read_back_results
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener, unreadable_result
@@ -70,6 +72,7 @@ from fxstream.sdk.subscription import (
     since_timestamp,
     subscription_group,
 )
+from fxstream.sdk.versions import check_versions, registration_metadata
 from fxstream.topics import (
     MAX_PARENTS,
     Attempt,
@@ -96,6 +99,8 @@ _STATUS_CHUNK: Final = 1_000
 _RETAINED: Final = 100_000
 # Function digests kept (the oldest are asked from the service again when needed).
 _DIGESTS_KEPT: Final = 10_000
+# A docstring taken as a function's description is cut to the service's limit for it.
+_DOCSTRING_CHARS: Final = 65_536
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
 _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
@@ -389,21 +394,42 @@ class Client:
     def register_function(
         self,
         fn: Callable[..., Any],
+        description: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        public: bool = False,
+        group: str | None = None,
+        ha_endpoint_id: str | None = None,
         *,
         name: str | None = None,
         container: str | None = None,
-        public: bool = False,
         allowed_users: Iterable[str] = (),
-        description: str = "",
     ) -> str:
         """Register ``fn`` (serialized by value with the code strategy); returns its function id.
 
-        ``public`` lets anyone run it; ``allowed_users`` shares it with those
-        user ids. ``name`` defaults to the function's ``__name__``.
+        Globus Compute's parameters, in its order: ``description`` (default: ``fn``'s
+        docstring), ``metadata`` (labels kept with the function, values as strings; the
+        SDK adds ``python_version`` and ``sdk_version`` unless given), ``public`` (anyone
+        may run it). ``group`` (a Globus group to share with) and ``ha_endpoint_id`` have
+        no counterpart here and are refused with ``ValueError`` saying what to use:
+        ``allowed_users`` shares it with those user ids. ``name`` defaults to the
+        function's ``__name__``.
         """
+        if group is not None:
+            raise ValueError(
+                "sharing a function with a Globus group is not supported here: share it "
+                "with user ids (allowed_users=[...]) or with everyone (public=True)"
+            )
+        if ha_endpoint_id is not None:
+            raise ValueError(
+                "ha_endpoint_id is not supported: fxstream has no high-assurance endpoints; "
+                "restrict who runs the function with allowed_users, and who runs on an "
+                "endpoint with its allowed_functions"
+            )
         code = self.serializer.serialize_function(fn)
         if name is None:
             name = getattr(fn, "__name__", None) or type(fn).__name__
+        if description is None:
+            description = (inspect.getdoc(fn) or "")[:_DOCSTRING_CHARS]
         return self.register_code(
             code,
             name=name,
@@ -411,6 +437,10 @@ class Client:
             public=public,
             allowed_users=allowed_users,
             description=description,
+            metadata={
+                **registration_metadata(),
+                **{k: str(v) for k, v in (metadata or {}).items()},
+            },
         )
 
     def register_code(
@@ -422,6 +452,7 @@ class Client:
         public: bool = False,
         allowed_users: Iterable[str] = (),
         description: str = "",
+        metadata: Mapping[str, str] | None = None,
     ) -> str:
         """Register a function already serialized with the code strategy; returns its id.
 
@@ -435,6 +466,7 @@ class Client:
             "public": public,
             "allowed_users": list(allowed_users),
             "description": description,
+            "metadata": dict(metadata or {}),
         }
         answer = self._rest.post("/functions", body)
         function_id = str(answer["function_id"])
@@ -518,6 +550,44 @@ class Client:
         """The endpoints the caller may use, each with its live ``status``."""
         answer: list[dict[str, Any]] = self._rest.get("/endpoints")
         return answer
+
+    def get_endpoints(self, role: str | None = None) -> list[dict[str, Any]]:
+        """Globus Compute's name for the endpoints you may use: ``role="owner"`` (its
+        default when unset) those you own, ``"any"`` also the public and shared ones;
+        each with its live ``status``."""
+        if role not in (None, "owner", "any"):
+            raise ValueError(f"role must be 'owner' or 'any', not {role!r}")
+        endpoints = self.list_endpoints()
+        if role == "any":
+            return endpoints
+        me = self.user_id
+        return [e for e in endpoints if e.get("owner_id") == me]
+
+    def get_endpoint_metadata(self, endpoint_id: str) -> dict[str, Any]:
+        """An endpoint's record (Globus Compute's name for :meth:`get_endpoint`): name,
+        owner, description, ``metadata`` labels and live ``status``."""
+        return self.get_endpoint(endpoint_id)
+
+    def get_worker_hardware_details(self, endpoint_id: str) -> str:
+        """Run a task on ``endpoint_id`` that reports its worker's hardware (CPU, memory,
+        host, Python); returns the task id, whose result (``get_result``) is that report
+        as text, as in Globus Compute."""
+        function_id = self.register_function(hardware_report)
+        return self.run(endpoint_id=endpoint_id, function_id=function_id)
+
+    def version_check(self, endpoint_version: str | None = None) -> None:
+        """Raise :class:`~fxstream.sdk.errors.VersionMismatch` when this SDK's (or
+        ``endpoint_version``'s) version is not the service's: the wire contract is
+        versioned with the platform (``GET /v1/version``)."""
+        answer: dict[str, Any] = self._rest.get("/version")
+        check_versions(answer, endpoint_version)
+
+    def logout(self) -> None:
+        """Forget this client's API token here, as Globus Compute's ``logout`` removes
+        its stored login. To end the token itself, :meth:`revoke_token` first; the
+        credentials file is left alone (it is yours to delete)."""
+        self._token = None
+        self._rest.set_token(None)
 
     def get_endpoint(self, endpoint_id: str) -> dict[str, Any]:
         """One endpoint's record with its live ``status``."""

@@ -739,6 +739,10 @@ class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
     public: bool = False
     allowed_users: list[Id] = []
     description: Text = ""
+    metadata: Annotated[
+        dict[str, str],
+        Meta(description="the registrant's labels, e.g. python_version, sdk_version"),
+    ] = {}
 
 
 class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):

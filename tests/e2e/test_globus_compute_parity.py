@@ -1,0 +1,90 @@
+"""A Globus Compute user's script, changed only in its import line and endpoint id, on the
+session's shared platform (started as `./fx up` starts it): ``Client()`` with no
+arguments, the Executor, a batch with Globus Compute's answer, ``get_task`` and
+``get_batch_result`` in its words, a shell function with bash syntax, and the worker
+hardware report (docs/globus-compute.md)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# from globus_compute_sdk import Client, Executor, ShellFunction
+from fxstream.sdk import Client, Executor, ShellFunction
+from tests.e2e.stack import Stack, wait_for_state
+
+pytestmark = pytest.mark.platform
+
+WAIT_S = 60.0
+
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers."""
+    return a + b
+
+
+@pytest.fixture
+def gcc(shared_platform: Stack, monkeypatch: pytest.MonkeyPatch) -> Iterator[Client]:
+    """``Client()`` as a Globus Compute script makes it: nothing passed, nothing set but
+    the platform's home (where `./fx up` wrote the local user's credentials)."""
+    for variable in [v for v in os.environ if v.startswith("FXSTREAM_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("FXSTREAM_HOME", str(shared_platform.platform.config.home))
+    client = Client()
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+def test_a_globus_compute_script_runs_with_its_import_line_changed(
+    shared_platform: Stack, gcc: Client
+) -> None:
+    endpoint_id = shared_platform.endpoint_id
+    assert gcc.get_endpoint_status(endpoint_id)["status"] == "online"
+
+    # The Executor guide: submit, result.
+    with Executor(endpoint_id=endpoint_id, client=gcc) as gce:
+        assert gce.submit(add, 5, 10).result(timeout=WAIT_S) == 15
+        bash = ShellFunction("names=(a b); echo ${{names[1]}} {x}", return_dict=True)
+        shell = gce.submit(bash, x="hi").result(timeout=WAIT_S)
+        assert shell["stdout"] == "b hi\n" and shell["returncode"] == 0
+        assert gce.task_count_submitted == 2
+
+    # The Client tutorial: register, batch_run, get_batch_result, get_task.
+    function_id = gcc.register_function(add)
+    assert gcc.get_function(function_id)["description"] == "Adds two numbers."
+    batch = gcc.create_batch()
+    for i in range(3):
+        batch.add(function_id, args=(i, i))
+    batch_res = gcc.batch_run(endpoint_id, batch)
+    task_ids = batch_res["tasks"][function_id]
+    assert len(task_ids) == 3 and batch_res["task_group_id"] == gcc.session_task_group_id
+    for task_id in task_ids:
+        gcc.future(task_id).result(timeout=WAIT_S)
+    results = gcc.get_batch_result(task_ids)
+    assert [results[t]["result"] for t in task_ids] == [0, 2, 4]
+    assert {results[t]["status"] for t in task_ids} == {"success"}
+
+    # Asked of the service by a second client (not answered from its own futures).
+    wait_for_state(gcc, task_ids[0], "succeeded")
+    with Client() as other:
+        task = other.get_task(task_ids[0])
+        assert task["status"] == "success" and task["pending"] is False
+        assert task["result"] == 0 and float(task["completion_t"]) > 0
+        # The session group holds the batch, so a later process can reload it.
+        reloaded = Executor(client=other, task_group_id=gcc.session_task_group_id)
+        try:
+            assert {f.task_id for f in reloaded.reload_tasks()} >= set(task_ids)
+        finally:
+            reloaded.shutdown()
+
+
+def test_the_worker_hardware_report(shared_platform: Stack, gcc: Client) -> None:
+    task_id = gcc.get_worker_hardware_details(shared_platform.endpoint_id)
+    report = gcc.future(task_id).result(timeout=WAIT_S)
+    fields = dict(line.split(": ", 1) for line in report.splitlines())
+    assert int(fields["cpu count"]) >= 1 and fields["python"].startswith("CPython 3.")
+    assert fields["memtotal"].endswith("kB")
