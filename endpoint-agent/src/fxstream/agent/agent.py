@@ -65,6 +65,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fxstream.agent.answer import Answerer
 from fxstream.agent.config import EndpointConfig
+from fxstream.agent.containers import runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine
 from fxstream.agent.feed import EngineFeed
@@ -208,13 +209,19 @@ class Agent:
             )
         elif self.config.engine == "htex":
             # Parsl is imported only by endpoints that use it (a second of start-up).
-            from fxstream.agent.batch_engine import BatchEngine
+            from fxstream.agent.batch_engine import BatchEngine, BlockContainer
 
+            image = self.config.worker_image()
             engine = BatchEngine(
                 self.config.batch_settings(),
                 self._runner,
                 self.config.directory / "batch",
                 label=f"fxstream-{self.config.name}",
+                container=(
+                    None
+                    if image is None
+                    else BlockContainer(runtime_for(image.runtime), image, readonly, writable)
+                ),
             )
         else:
             engine = ProcessEngine(self.config.workers, self._runner)
