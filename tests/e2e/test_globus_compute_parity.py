@@ -88,3 +88,27 @@ def test_the_worker_hardware_report(shared_platform: Stack, gcc: Client) -> None
     fields = dict(line.split(": ", 1) for line in report.splitlines())
     assert int(fields["cpu count"]) >= 1 and fields["python"].startswith("CPython 3.")
     assert fields["memtotal"].endswith("kB")
+
+
+def chatty(n: int) -> int:
+    import sys
+
+    for i in range(n):
+        print(f"step {i}")
+    print("almost done", file=sys.stderr)
+    if n < 0:
+        raise ValueError("negative")
+    return n
+
+
+def test_what_a_function_prints_returns_to_the_user(shared_platform: Stack, gcc: Client) -> None:
+    with Executor(endpoint_id=shared_platform.endpoint_id, client=gcc) as gce:
+        done = gce.submit(chatty, 3)
+        failed = gce.submit(chatty, -1)
+        assert done.result(timeout=WAIT_S) == 3
+        assert done.stdout == "step 0\nstep 1\nstep 2\n"
+        assert done.stderr == "almost done\n"
+        with pytest.raises(ValueError, match="negative"):
+            failed.result(timeout=WAIT_S)
+        assert failed.stderr == "almost done\n" and failed.stdout == ""
+        assert gcc.get_task(done.task_id)["stdout"] == done.stdout

@@ -429,7 +429,9 @@ class BatchEngine:
     def _on_done(self, item: WorkItem, done: Future[Any]) -> None:
         exc = done.exception()
         if exc is None:
-            ok, value, error_type, message, text, started, finished, worker = done.result()
+            ok, value, error_type, message, text, started, finished, worker, out, err = (
+                done.result()
+            )
             self._note_warm(worker, item.function_id)
             outcome = WorkOutcome(
                 task_id=item.task_id,
@@ -441,6 +443,8 @@ class BatchEngine:
                 worker=worker,
                 started_at=started,
                 finished_at=finished,
+                stdout=out,
+                stderr=err,
             )
         elif isinstance(exc, WalltimeExceeded):  # fired between the function and its reply
             outcome = WorkOutcome.failure(item, WALLTIME_EXCEEDED, "the task ran past its walltime")

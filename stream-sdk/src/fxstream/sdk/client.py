@@ -1883,6 +1883,8 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
         "error": error,
         "worker": future.worker,
         "attempt": future.attempt,
+        "stdout": future.stdout,
+        "stderr": future.stderr,
         "tags": dict(future.tags),
         "events": _local_events(future),
     }

@@ -611,6 +611,17 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
     tags: Annotated[
         Tags, Meta(description="the submission's tags (bounded as there), copied by the agent")
     ] = {}
+    stdout: Annotated[
+        str,
+        Meta(
+            description=(
+                "what the function printed to sys.stdout during this attempt: the tail, at "
+                "most OUTPUT_MAX_BYTES (fxstream.topics.budget), less when the record "
+                "needs the room"
+            )
+        ),
+    ] = ""
+    stderr: Annotated[str, Meta(description="the same for sys.stderr")] = ""
 
 
 class TaskStateName(enum.StrEnum):
