@@ -7,13 +7,18 @@ hardware report (docs/globus-compute.md)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 # from globus_compute_sdk import Client, Executor, ShellFunction
-from fxstream.sdk import Client, Executor, ShellFunction
-from tests.e2e.stack import Stack, wait_for_state
+from fxstream.sdk import Client, Executor, NotFound, PermissionDenied, ShellFunction
+from tests.e2e.stack import Stack, other_user_client, wait_for_state
 
 pytestmark = pytest.mark.platform
 
@@ -112,3 +117,44 @@ def test_what_a_function_prints_returns_to_the_user(shared_platform: Stack, gcc:
             failed.result(timeout=WAIT_S)
         assert failed.stderr == "almost done\n" and failed.stdout == ""
         assert gcc.get_task(done.task_id)["stdout"] == done.stdout
+
+
+def test_an_endpoints_log_reaches_its_owner_and_no_one_else(
+    shared_platform: Stack, gcc: Client
+) -> None:
+    endpoint_id = shared_platform.endpoint_id
+    deadline = time.monotonic() + WAIT_S
+    while True:  # shipped with each heartbeat (every few seconds)
+        answer = gcc.get_endpoint_logs(endpoint_id, limit=1_000)
+        messages = [line["message"] for line in answer["lines"]]
+        if any("workers ready" in m for m in messages):
+            break
+        assert time.monotonic() < deadline, f"no start-up line in {messages[-20:]}"
+        time.sleep(1.0)
+    assert all(line["agent_id"] and line["hostname"] for line in answer["lines"])
+    warnings = gcc.get_endpoint_logs(endpoint_id, level="WARNING")["lines"]
+    assert all(line["level"] in ("WARNING", "ERROR", "CRITICAL") for line in warnings)
+    # The CLI shows the same, with the credentials `./fx up` wrote.
+    shown = subprocess.run(
+        [str(Path(sys.executable).parent / "fxstream"), "logs", endpoint_id, "--limit", "1000"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=os.environ.copy(),
+        check=True,
+    )
+    assert "workers ready" in shown.stdout
+    # Another user: as if the endpoint did not exist; a user it is shared with: 403.
+    stranger = other_user_client(shared_platform, f"logs-{uuid.uuid4().hex[:8]}")
+    try:
+        with pytest.raises(NotFound):
+            stranger.get_endpoint_logs(endpoint_id)
+        shared = gcc.register_endpoint("shared-logs", allowed_users=[stranger.user_id])
+        try:
+            with pytest.raises(PermissionDenied, match="only the owner"):
+                stranger.get_endpoint_logs(shared)
+            assert gcc.get_endpoint_logs(shared)["lines"] == []  # no agent ever ran it
+        finally:
+            gcc.delete_endpoint(shared)
+    finally:
+        stranger.close()

@@ -73,6 +73,7 @@ from fxstream.agent.function_code import CodeCache
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import HeldTasks
 from fxstream.agent.image_pools import ImagePools
+from fxstream.agent.log_shipper import LogShipper
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -154,6 +155,14 @@ class Agent:
         )
         self._beats = Heartbeats(
             config, self.catalogue, agent_id=self.agent_id, hostname=self._hostname, held=self._held
+        )
+        # The agent's log for its owner (fxstream.agent.log_shipper): shipped with each
+        # heartbeat once a logger has it (the CLI's `start` adds it to the root logger).
+        self.log_shipper = LogShipper(
+            endpoint_id=config.endpoint_id,
+            agent_id=self.agent_id,
+            hostname=self._hostname,
+            topic=self.out_topic,
         )
         self._engine: Engine | None = None
         self._feed: EngineFeed | None = None
@@ -380,6 +389,7 @@ class Agent:
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
                 self._beats.send(producer, engine)
+                self.log_shipper.ship(producer)
                 next_beat = now + self.config.heartbeat_period_s
 
     def _on_assign(
@@ -417,6 +427,7 @@ class Agent:
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
+        self.log_shipper.ship(producer)  # the last lines, the stop among them
         producer.flush(STOP_CLOSE_S)
         if self._publisher is not None:
             # Commits what is queued; the group must still be joined for its offsets.

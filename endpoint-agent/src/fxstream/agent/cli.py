@@ -533,6 +533,8 @@ def _serve(config: EndpointConfig) -> None:
             "cannot make the agent non-dumpable here: tasks may read its memory"
         )
     agent = Agent(config)
+    # The whole process's log reaches the endpoint's owner (GET /v1/endpoints/{id}/logs).
+    logging.getLogger().addHandler(agent.log_shipper)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     pid_file = _pid_file(config.name)

@@ -65,6 +65,7 @@ from fxstream.service.auth import (
     token_sha256,
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fxstream.service.endpoint_logs import read_endpoint_logs
 from fxstream.service.identity_provider import (
     IdentityProvider,
     IdentityProviderUnavailable,
@@ -573,6 +574,8 @@ class Runtime:
     trigger_lock: threading.Lock = field(default_factory=threading.Lock)
     # The analytics processor's windows (GET /v1/analytics).
     analytics: AnalyticsView | None = None
+    # How the service reaches Kafka (an endpoint's logs are read on request).
+    kafka: KafkaConnection | None = None
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -615,6 +618,7 @@ def _start_runtime(
         limiter=RateLimiter(accounts.limits),
         kafka_secure=kafka.secure,
         analytics=analytics,
+        kafka=kafka,
     )
 
 
@@ -1246,6 +1250,39 @@ def read_endpoint(endpoint_id: str, principal: PrincipalDep, runtime: RuntimeDep
         raise _wrong_principal(principal)
     endpoint = _endpoint_or_404(runtime.view, endpoint_id, principal)
     return _endpoint_json(runtime.view, endpoint)
+
+
+@router.get("/endpoints/{endpoint_id}/logs", tags=["endpoints"])
+def read_endpoint_logs_route(
+    endpoint_id: str,
+    caller: CallerDep,
+    runtime: RuntimeDep,
+    limit: Annotated[int, Query(ge=1, le=5_000)] = 200,
+    level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        Query(description="the lowest level shown"),
+    ] = "INFO",
+    since: Annotated[float | None, Query(description="lines after this time (epoch s)")] = None,
+) -> dict[str, Any]:
+    """The newest ``limit`` lines its agents logged, for the endpoint's owner only (a user
+    it is shared with: 403; anyone else: 404), oldest first
+    (:mod:`fxstream.service.endpoint_logs`)."""
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id, Principal(kind="user", user=caller))
+    _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}", "read its logs")
+    if runtime.kafka is None:
+        raise ApiError(503, "unavailable", "this service was started without Kafka")
+    try:
+        return read_endpoint_logs(
+            runtime.kafka,
+            runtime.catalogue.endpoint_logs,
+            endpoint_id,
+            limit=limit,
+            level=level,
+            since=since,
+            timeout_s=runtime.timeout_s,
+        )
+    except KafkaException as exc:
+        raise _kafka_unavailable(f"cannot read the endpoint's logs: {exc}") from exc
 
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204, tags=["endpoints"])

@@ -22,6 +22,7 @@ import logging
 import re
 import threading
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -562,6 +563,24 @@ class Client:
             return endpoints
         me = self.user_id
         return [e for e in endpoints if e.get("owner_id") == me]
+
+    def get_endpoint_logs(
+        self,
+        endpoint_id: str,
+        *,
+        limit: int = 200,
+        level: str = "INFO",
+        since: float | None = None,
+    ) -> dict[str, Any]:
+        """The newest ``limit`` lines an endpoint's agents logged (at or above ``level``,
+        after ``since``), oldest first: ``{"lines": [{"at", "level", "logger", "message",
+        "agent_id", "hostname"}], "dropped", "scanned", "complete"}``. Only the endpoint's
+        owner may read them (``PermissionDenied`` for a user it is shared with)."""
+        query = urllib.parse.urlencode(
+            {"limit": limit, "level": level, **({} if since is None else {"since": since})}
+        )
+        answer: dict[str, Any] = self._rest.get(f"/endpoints/{endpoint_id}/logs?{query}")
+        return answer
 
     def get_endpoint_metadata(self, endpoint_id: str) -> dict[str, Any]:
         """An endpoint's record (Globus Compute's name for :meth:`get_endpoint`): name,

@@ -47,12 +47,14 @@ __all__ = [
     "DataLocation",
     "DeadLetter",
     "Digest",
+    "EndpointLogs",
     "EndpointRecord",
     "Event",
     "EventPredicate",
     "FunctionRecord",
     "Heartbeat",
     "HeldTask",
+    "LogLine",
     "ObjectReference",
     "Record",
     "RecordDecodeError",
@@ -866,6 +868,29 @@ class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
     idle: bool = False
 
 
+class LogLine(msgspec.Struct, kw_only=True, frozen=True):
+    """One line of an agent's log."""
+
+    at: Timestamp
+    level: Annotated[str, Meta(max_length=16, description="DEBUG, INFO, WARNING, ERROR...")]
+    logger: Annotated[str, Meta(max_length=256)]
+    message: Annotated[str, Meta(max_length=8_192, description="the formatted message")]
+
+
+class EndpointLogs(Record, tag="endpoint-logs", kw_only=True, frozen=True):
+    """A batch of one agent's log lines (topic ``endpoint-logs``, key: endpoint id), for
+    the endpoint's owner to read through the API (``GET /v1/endpoints/{id}/logs``)."""
+
+    endpoint_id: Id
+    agent_id: Annotated[Id, Meta(description="the agent process's instance id")]
+    hostname: Annotated[str, Meta(max_length=256)]
+    sent_at: Timestamp
+    lines: Annotated[list[LogLine], Meta(max_length=500)]
+    dropped: Annotated[
+        int, Meta(ge=0, description="lines the agent dropped since its last batch (too many)")
+    ] = 0
+
+
 class WarmAdvert(Record, tag="warm", kw_only=True, frozen=True):
     """What an endpoint manager holds warm (topic ``warm``, compacted)."""
 
@@ -1278,6 +1303,7 @@ AnyRecord = (
     | FunctionRecord
     | EndpointRecord
     | Heartbeat
+    | EndpointLogs
     | WarmAdvert
     | DataLocation
     | Event
@@ -1298,6 +1324,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     FunctionRecord,
     EndpointRecord,
     Heartbeat,
+    EndpointLogs,
     WarmAdvert,
     DataLocation,
     Event,
