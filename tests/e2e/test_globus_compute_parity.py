@@ -6,9 +6,11 @@ hardware report (docs/globus-compute.md)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -158,3 +160,52 @@ def test_an_endpoints_log_reaches_its_owner_and_no_one_else(
             gcc.delete_endpoint(shared)
     finally:
         stranger.close()
+
+
+def test_diagnose_checks_an_endpoint_host_and_bundles_no_secret(
+    shared_platform: Stack, tmp_path: Path
+) -> None:
+    endpoints = shared_platform.platform.config.home / "endpoints"
+    env = {**os.environ, "FXSTREAM_ENDPOINTS_DIR": str(endpoints), "COLUMNS": "250"}
+    fxstream = str(Path(sys.executable).parent / "fxstream")
+    done = subprocess.run(
+        [fxstream, "diagnose", "local", "--bundle", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    for found in ("0600", "answers", "queue", "GB free"):
+        assert found in done.stdout, done.stdout
+    [archive] = tmp_path.glob("fxstream-diagnose-local-*.tar.gz")
+    with tarfile.open(archive) as bundle:
+        names = bundle.getnames()
+        report = json.loads(bundle.extractfile("report.json").read())  # type: ignore[union-attr]
+        contents = b"".join(
+            bundle.extractfile(m).read()  # type: ignore[union-attr]
+            for m in bundle.getmembers()
+            if m.isfile()
+        )
+    assert "config.yaml" in names and any(n.startswith("logs/") for n in names)
+    assert {c["name"] for c in report} >= {"config", "credential", "service", "kafka", "disk"}
+    assert all(c["status"] != "fail" for c in report)
+    credential = json.loads((endpoints / "local" / "credentials.json").read_text())
+    assert credential["token"].encode() not in contents
+    # An endpoint whose service is not there: the check fails, says what to do, exit 1.
+    broken = tmp_path / "endpoints" / "broken"
+    broken.mkdir(parents=True, mode=0o700)
+    config = (endpoints / "local" / "config.yaml").read_text()
+    url = shared_platform.settings.service_url.rstrip("/")
+    (broken / "config.yaml").write_text(
+        config.replace(url, "http://127.0.0.1:9").replace("name: local", "name: broken")
+    )
+    failed = subprocess.run(
+        [fxstream, "diagnose", "broken"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "FXSTREAM_ENDPOINTS_DIR": str(tmp_path / "endpoints")},
+    )
+    assert failed.returncode == 1
+    assert "does not answer" in failed.stdout and "check service_url" in failed.stdout

@@ -246,6 +246,16 @@ def logs(
         return
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def diagnose(ctx: typer.Context) -> None:
+    """Check an endpoint host: `fxstream diagnose NAME [--bundle DIR]` is
+    `fxstream-endpoint diagnose` (config, credential, service, Kafka, runtime, scheduler,
+    disk; a tar.gz of the report, config and logs with --bundle)."""
+    from fxstream.agent.cli import app as endpoint_app
+
+    endpoint_app(["diagnose", *ctx.args], standalone_mode=True)
+
+
 def _run(step: str, argv: list[str]) -> None:
     console.rule(f"[bold]{step}")
     done = subprocess.run(argv, cwd=repo_root())
