@@ -34,16 +34,21 @@ class _Clock:
         return self.now
 
 
-def test_a_backlog_is_trimmed_once_it_has_drained_to_a_quarter() -> None:
-    calls: list[float] = []
-    clock = _Clock()
-    trim = BacklogTrim(
+def _trim_noting(calls: list[float], clock: _Clock) -> BacklogTrim:
+    """A trimmer (peak 1,000, every 30 s) whose trims note the clock's time."""
+    return BacklogTrim(
         peak=1_000,
         every_s=30,
         enabled=True,
         trim=lambda: calls.append(clock.now) or True,
         clock=clock,
     )
+
+
+def test_a_backlog_is_trimmed_once_it_has_drained_to_a_quarter() -> None:
+    calls: list[float] = []
+    clock = _Clock()
+    trim = _trim_noting(calls, clock)
     for in_flight in (10, 500, 1_200, 900, 301):
         assert not trim.observe(in_flight)
     assert trim.observe(300)  # a quarter of the 1,200 peak
@@ -55,13 +60,7 @@ def test_a_backlog_is_trimmed_once_it_has_drained_to_a_quarter() -> None:
 def test_trims_are_spaced_and_small_backlogs_never_trim() -> None:
     calls: list[float] = []
     clock = _Clock()
-    trim = BacklogTrim(
-        peak=1_000,
-        every_s=30,
-        enabled=True,
-        trim=lambda: calls.append(clock.now) or True,
-        clock=clock,
-    )
+    trim = _trim_noting(calls, clock)
     for in_flight in (999, 0, 999, 0):
         assert not trim.observe(in_flight)
     assert trim.observe(2_000) is False and trim.observe(0)
