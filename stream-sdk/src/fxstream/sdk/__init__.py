@@ -21,7 +21,8 @@
   :meth:`Client.get_object`, ``globus://``); a failed transfer raises :class:`StagingFailed`.
 - :mod:`~fxstream.sdk.errors`: the exceptions, all :class:`FxstreamError`.
 
-Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
+Modules: ``client`` (the facade; its roles in ``registry_calls``, ``task_status``,
+``replay``), ``executor``, ``batch``, ``futures``, ``results`` (the
 listener thread), ``history`` (results read back for replay), ``subscription`` (result
 subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
 ``staging``, ``errors``, ``streams``, ``heap`` (a drained backlog's heap given back),
@@ -30,7 +31,7 @@ hardware report).
 """
 
 from fxstream.sdk.batch import Batch
-from fxstream.sdk.client import Client, IssuedToken, RegisteredUser, TaskPage
+from fxstream.sdk.client import Client, IssuedToken, RegisteredUser
 from fxstream.sdk.errors import (
     AuthenticationError,
     BlockLost,
@@ -74,6 +75,7 @@ from fxstream.sdk.streams import (
     stream_producer,
 )
 from fxstream.sdk.subscription import ResultSubscription, SubscribedResult, SubscriptionClosed
+from fxstream.sdk.task_status import TaskPage
 from fxstream.topics import ParentResult
 
 __all__ = [
