@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import logging
 import socket
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -279,6 +280,11 @@ def serve(
 
     from fxstream.service.api import create_app
 
+    # The service's own INFO lines (its memory reports among them) go to the log as the
+    # processors' do; without a handler on the root logger Python drops them.
+    logging.basicConfig(
+        level=logging.INFO, format="[%(asctime)s] [%(process)d] [%(levelname)s] %(message)s"
+    )
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(
         create_app(
