@@ -309,7 +309,6 @@ def test_run_then_get_result_get_task_and_batch_results(
     assert failed["state"] == "failed" and failed["status"] == "failed"
     assert failed["error"]["message"] == "bad input"
     assert isinstance(failed["exception"], TaskExecutionFailed) and "result" not in failed
-    assert client.get_task(waiting)["status"] == "waiting-for-ep"
 
     results = client.get_batch_result([ok, bad, waiting])
     assert results[ok]["result"] == 5 and results[ok]["pending"] is False
