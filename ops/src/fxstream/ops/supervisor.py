@@ -59,9 +59,11 @@ __all__ = [
     "STATE_FILE",
     "ChildSpec",
     "ChildState",
+    "ChildrenCollector",
     "SupervisedProcess",
     "Supervisor",
     "SupervisorSpec",
+    "free_port",
     "main",
     "read_metrics_port",
     "read_states",
@@ -152,13 +154,15 @@ def free_port() -> int:
         return port
 
 
-class _ChildrenCollector(Collector):
+class ChildrenCollector(Collector):
     """The supervisor's series: per child its restarts, whether it runs, crash-looping."""
 
     def __init__(self, children: list[_Child]) -> None:
+        """Read ``children`` (the supervisor's own list) at each scrape."""
         self._children = children
 
     def collect(self) -> Iterable[Metric]:
+        """The children's series as they are now."""
         restarts = CounterMetricFamily(
             "fxstream_process_restarts",
             "Times the supervisor restarted a service process after it exited unasked",
@@ -271,7 +275,7 @@ class Supervisor:
         """Serve the supervisor's series on a free port; pick each child's port."""
         registry = CollectorRegistry()
         ProcessCollector(registry=registry)
-        registry.register(_ChildrenCollector(self._children))
+        registry.register(ChildrenCollector(self._children))
         try:
             port = free_port()
             start_http_server(port, addr="127.0.0.1", registry=registry)

@@ -492,7 +492,8 @@ class ApiMetrics:
 
     def __init__(self, *, max_endpoints: int | None = None) -> None:
         """Series for tasks and hops are made at once; :meth:`attach` adds the rest."""
-        self.registry = CollectorRegistry(auto_describe=True)
+        # No auto_describe: it would call the collectors (Kafka requests) at registration.
+        self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         self.tasks = TaskMetrics(self.registry)
