@@ -613,6 +613,7 @@ def _start_runtime(
     except BaseException:
         view.close()
         raise
+    dead_letters: DeadLetterCounter | None = None
     if metrics is not None:
         # Task states from now on (not every retained task again at each start).
         metrics.tasks.enable()
@@ -628,6 +629,8 @@ def _start_runtime(
         analytics.start()
     except BaseException:
         analytics.close()
+        if dead_letters is not None:
+            dead_letters.close()
         view.close()
         raise
     writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)

@@ -353,26 +353,28 @@ class LagCollector(Collector):
             if cached is not None and time.monotonic() - cached.at < self._cache_s:
                 return cached.lag
             lag: dict[str, int] = {}
+            # One scrape waits at most timeout_s for Kafka, however many groups hang.
+            deadline = time.monotonic() + self._timeout_s
             for role, group in self._groups.items():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._errors += 1
+                    continue
                 try:
-                    lag[role] = self._group_lag(group)
-                except (KafkaException, ValueError) as exc:
+                    lag[role] = self._group_lag(group, max(0.5, left))
+                except (KafkaException, ValueError, TimeoutError) as exc:
                     self._errors += 1
                     log.debug("metrics: no lag for group %s: %s", group, exc)
             self._cached = _Lag(lag, time.monotonic())
             return lag
 
-    def _group_lag(self, group: str) -> int:
+    def _group_lag(self, group: str, timeout_s: float) -> int:
         asked = self._admin.list_consumer_group_offsets(
-            [ConsumerGroupTopicPartitions(group)], request_timeout=self._timeout_s
+            [ConsumerGroupTopicPartitions(group)], request_timeout=timeout_s
         )
-        partitions = [
-            TopicPartition(tp.topic, tp.partition)
-            for tp in asked[group].result().topic_partitions or []
-        ]
-        committed: dict[tuple[str, int], int] = {}
-        for tp in asked[group].result().topic_partitions or []:
-            committed[(tp.topic, tp.partition)] = tp.offset
+        listed = asked[group].result(timeout_s).topic_partitions or []
+        partitions = [TopicPartition(tp.topic, tp.partition) for tp in listed]
+        committed = {(tp.topic, tp.partition): tp.offset for tp in listed}
         if not partitions:
             return 0
         ends: list[dict[tuple[str, int], int]] = []
@@ -380,9 +382,11 @@ class LagCollector(Collector):
             answers = self._admin.list_offsets(
                 {tp: spec for tp in partitions},
                 isolation_level=IsolationLevel.READ_COMMITTED,
-                request_timeout=self._timeout_s,
+                request_timeout=timeout_s,
             )
-            ends.append({(tp.topic, tp.partition): f.result().offset for tp, f in answers.items()})
+            ends.append(
+                {(tp.topic, tp.partition): f.result(timeout_s).offset for tp, f in answers.items()}
+            )
         earliest, latest = ends
         total = 0
         for topic in {t for t, _ in latest}:
