@@ -20,10 +20,12 @@ from fxstream.service.metrics import (
     ProcessorMetrics,
     TaskMetrics,
     consumer_lag,
+    exported_endpoints,
     metrics_access,
     serve_metrics_from_env,
 )
 from fxstream.service.outgoing import Outgoing
+from fxstream.service.registry import EndpointStatus
 from fxstream.topics import Catalogue, TaskState, TaskTimings
 
 
@@ -233,7 +235,8 @@ def test_status_summary_reads_the_exposition_text() -> None:
     )
     summary = summarize(api, supervisor)
     assert summary.tasks == {"succeeded": 12, "routed": 13}
-    assert summary.hops["submitted_to_routed"] == (4, pytest.approx(0.005))
+    count, mean = summary.hops["submitted_to_routed"]
+    assert count == 4 and mean == pytest.approx(0.005)
     e1 = summary.endpoints["e1"]
     assert (e1.up, e1.queue_depth, e1.workers_busy, e1.workers_total) == (True, 3, 2, 4)
     assert summary.lag == {"router": 5}
@@ -244,3 +247,18 @@ def test_status_summary_reads_the_exposition_text() -> None:
     assert "submitted->routed 5.0 ms" in lines
     assert "endpoint e1: up, queue 3, workers 2/4 busy" in lines
     assert "router 1" in lines
+
+
+def test_endpoint_series_are_capped_online_first_then_most_recent() -> None:
+    statuses = [
+        ("lost-old", EndpointStatus(state="lost", last_seen=10.0)),
+        ("online-old", EndpointStatus(state="online", last_seen=50.0)),
+        ("never", EndpointStatus(state="never-seen")),
+        ("lost-new", EndpointStatus(state="lost", last_seen=90.0)),
+        ("online-new", EndpointStatus(state="online", last_seen=100.0)),
+    ]
+    kept, dropped = exported_endpoints(statuses, 3)
+    assert [eid for eid, _ in kept] == ["online-new", "online-old", "lost-new"]
+    assert dropped == 1
+    kept, dropped = exported_endpoints(statuses, 100)
+    assert len(kept) == 4 and dropped == 0

@@ -50,7 +50,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from fxstream.service.registry import RegistryView
+from fxstream.service.registry import EndpointStatus, RegistryView
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
@@ -79,6 +79,7 @@ __all__ = [
     "ProcessorMetrics",
     "TaskMetrics",
     "consumer_lag",
+    "exported_endpoints",
     "metrics_access",
     "serve_metrics_from_env",
 ]
@@ -247,9 +248,7 @@ class EndpointCollector(Collector):
         for state, count in counts.items():
             endpoints.add_metric([state], count)
         yield endpoints
-        seen = [(eid, s) for eid, s in statuses if s.state != "never-seen"]
-        seen.sort(key=lambda item: (item[1].state != "online", -(item[1].last_seen or 0.0)))
-        kept, dropped = seen[: self._max], max(0, len(seen) - self._max)
+        kept, dropped = exported_endpoints(statuses, self._max)
         up = GaugeMetricFamily(
             "fxstream_endpoint_up", "1 while the endpoint's heartbeats arrive", labels=["endpoint"]
         )
@@ -295,6 +294,16 @@ class EndpointCollector(Collector):
             f"Endpoints seen but not exported (over {MAX_ENDPOINTS_ENV})",
             value=dropped,
         )
+
+
+def exported_endpoints(
+    statuses: Iterable[tuple[str, EndpointStatus]], limit: int
+) -> tuple[list[tuple[str, EndpointStatus]], int]:
+    """The endpoints that get series (at most ``limit``: online ones first, then the most
+    recently seen; never-seen ones none) and how many seen ones were left out."""
+    seen = [(eid, s) for eid, s in statuses if s.state != "never-seen"]
+    seen.sort(key=lambda item: (item[1].state != "online", -(item[1].last_seen or 0.0)))
+    return seen[:limit], max(0, len(seen) - limit)
 
 
 # --- consumer lag --------------------------------------------------------------------------
