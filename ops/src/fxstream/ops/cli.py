@@ -58,7 +58,8 @@ def _print_status(status: PlatformStatus) -> None:
         if c.restarts:
             when = time.strftime("%H:%M:%S", time.localtime(c.last_restart_at or 0))
             restarts = f"{c.restarts} (last {when}, exit code {c.last_exit_code})"
-        metrics = c.metrics_url.removeprefix("http://127.0.0.1") or "-"
+        # The port: every metrics address is http://127.0.0.1:<port>/metrics.
+        metrics = c.metrics_url.removeprefix("http://127.0.0.1").removesuffix("/metrics") or "-"
         table.add_row(c.name, c.address, str(c.pid or "-"), restarts, health, metrics)
     console.print(table)
     if status.metrics is not None:
