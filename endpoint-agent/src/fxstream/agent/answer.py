@@ -27,6 +27,7 @@ from confluent_kafka import KafkaException, Message, Producer
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.engine import WorkOutcome
 from fxstream.agent.held import Held, HeldTasks
+from fxstream.agent.metrics import AgentMetrics
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.publisher import Answer, Refusal, TransactionalPublisher
 from fxstream.connectors import LocationPublisher
@@ -83,6 +84,7 @@ class Answerer:
         self._source = f"agent {config.name}@{hostname}"
         self._publisher: TransactionalPublisher | None = None
         self._events: Producer | None = None
+        self._metrics = AgentMetrics(config.endpoint_id)
 
     def open(self, publisher: TransactionalPublisher, events: Producer) -> None:
         """Answer through ``publisher`` (what settles records) and ``events`` (hints)."""
@@ -153,6 +155,7 @@ class Answerer:
                 )
             )
         publisher.publish(Answer(topic, key, value, held.partition, held.offset, held.epoch))
+        self._metrics.answered(result.outcome == "success", outcome.started_at, outcome.finished_at)
         if result.value is not None:
             self._publish_locations(result.value)
 

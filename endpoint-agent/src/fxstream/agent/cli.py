@@ -32,6 +32,7 @@ from fxstream.agent.config import ConfigError, EndpointConfig, endpoint_dir, end
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.environment import protect_memory, reexec_without_secrets, scrubbed
 from fxstream.agent.image_pools import DEFAULT_POOL_IDLE_S
+from fxstream.agent.metrics import METRICS_PORT_ENV, serve_metrics
 from fxstream.agent.pick import DEFAULT_MAX_IMAGE_WAIT_S
 from fxstream.agent.python_envs import PythonEnvironmentError
 from fxstream.agent.staging import GlobusStaging, StagingSettings
@@ -503,8 +504,22 @@ def _kept_credentials(config: EndpointConfig, issued: dict[str, Any]) -> Endpoin
 def start(
     name: str,
     daemon: Annotated[bool, typer.Option("--daemon", help="Run in the background.")] = False,
+    metrics_port: Annotated[
+        int,
+        typer.Option(
+            "--metrics-port",
+            envvar=METRICS_PORT_ENV,
+            min=0,
+            max=65535,
+            help="serve Prometheus metrics on this port (127.0.0.1, or $FXSTREAM_METRICS_ADDR; "
+            "0: none, the default; docs/metrics.md)",
+        ),
+    ] = 0,
 ) -> None:
     """Serve the endpoint (in the foreground unless --daemon)."""
+    if metrics_port:
+        # The re-executed agent (or the daemon) reads it from its environment.
+        os.environ[METRICS_PORT_ENV] = str(metrics_port)
     try:
         config = EndpointConfig.load(name)
     except ConfigError as exc:
@@ -535,6 +550,7 @@ def _serve(config: EndpointConfig) -> None:
     agent = Agent(config)
     # The whole process's log reaches the endpoint's owner (GET /v1/endpoints/{id}/logs).
     logging.getLogger().addHandler(agent.log_shipper)
+    serve_metrics(f"endpoint {config.name}")
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     pid_file = _pid_file(config.name)

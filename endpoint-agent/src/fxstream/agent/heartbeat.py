@@ -27,6 +27,7 @@ from confluent_kafka import Producer
 from fxstream.agent.config import EndpointConfig
 from fxstream.agent.engine import Engine
 from fxstream.agent.held import HeldTasks
+from fxstream.agent.metrics import AgentMetrics, containers_of
 from fxstream.topics import Catalogue, Heartbeat, WarmAdvert, WarmWorker, encode, fits
 
 __all__ = ["AGENT_VERSION", "MAX_LEASES_PER_HEARTBEAT", "Heartbeats"]
@@ -58,6 +59,7 @@ class Heartbeats:
         self._held = held
         self._sequence = 0
         self._last_warm: list[WarmWorker] | None = None
+        self._metrics = AgentMetrics(config.endpoint_id)
         self.python_versions: list[str] = []
         """The major.minor versions the workers run (set once they are probed)."""
 
@@ -96,6 +98,21 @@ class Heartbeats:
             beat = msgspec.structs.replace(beat, leases=leases, leases_truncated=True)
             value = encode(beat)
         producer.produce(self._out_topic, key=key, value=value)
+        engine_warm = engine.warm()
+        self._metrics.heartbeat(
+            workers={
+                "total": beat.workers_total,
+                "idle": beat.workers_idle,
+                "busy": beat.workers_busy,
+            },
+            queue_depth=beat.queue_depth,
+            blocks={
+                "pending": beat.blocks_pending,
+                "running": beat.blocks_running,
+                "idle": beat.blocks_idle,
+            },
+            containers=containers_of(engine_warm),
+        )
         warm = [
             WarmWorker(
                 worker_id=w.worker_id,
@@ -103,7 +120,7 @@ class Heartbeats:
                 function_ids=list(w.function_ids),
                 idle=w.idle,
             )
-            for w in sorted(engine.warm(), key=lambda w: w.worker_id)
+            for w in sorted(engine_warm, key=lambda w: w.worker_id)
         ]
         if warm != self._last_warm:
             advert = WarmAdvert(

@@ -50,7 +50,7 @@ def _config() -> PlatformConfig:
 
 def _print_status(status: PlatformStatus) -> None:
     table = Table(title=f"fxstream platform ({status.mode or 'stopped'})")
-    for column in ("component", "address", "pid", "restarts", "health"):
+    for column in ("component", "address", "pid", "restarts", "health", "metrics"):
         table.add_column(column)
     for c in status.components:
         health = "[green]healthy[/green]" if c.healthy else f"[red]{c.detail or 'unhealthy'}[/red]"
@@ -58,8 +58,15 @@ def _print_status(status: PlatformStatus) -> None:
         if c.restarts:
             when = time.strftime("%H:%M:%S", time.localtime(c.last_restart_at or 0))
             restarts = f"{c.restarts} (last {when}, exit code {c.last_exit_code})"
-        table.add_row(c.name, c.address, str(c.pid or "-"), restarts, health)
+        # The port: every metrics address is http://127.0.0.1:<port>/metrics.
+        metrics = c.metrics_url.removeprefix("http://127.0.0.1").removesuffix("/metrics") or "-"
+        table.add_row(c.name, c.address, str(c.pid or "-"), restarts, health, metrics)
     console.print(table)
+    if status.metrics is not None:
+        for line in status.metrics.lines():
+            console.print(line, highlight=False)
+    if status.metrics_error:
+        console.print(f"[yellow]{status.metrics_error}[/yellow]")
     if status.topics is not None:
         present = len(status.topics.unchanged) + len(status.topics.created)
         console.print(f"topics: {present} as specified", end="")

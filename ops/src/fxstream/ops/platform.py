@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
@@ -39,12 +40,15 @@ from fxstream.ops.kafka import (
     kafka_nodes,
     wait_for_cluster,
 )
+from fxstream.ops.metrics_summary import MetricsSummary, scrape, summarize
 from fxstream.ops.pki import LocalCA, ensure_private_dir
 from fxstream.ops.process import ProcessStartError, stop_together
 from fxstream.ops.redis_server import RedisServer
 from fxstream.ops.services import ComponentStatus, ServiceSet
+from fxstream.service.account_files import read_admin_token
 from fxstream.topics import (
     Catalogue,
+    CredentialFileError,
     KafkaConnection,
     ProvisionError,
     ProvisionReport,
@@ -129,6 +133,9 @@ class PlatformStatus:
     components: list[ComponentStatus] = field(default_factory=list)
     topics: ProvisionReport | None = None
     topics_error: str = ""
+    # The platform's metrics at a glance (docs/metrics.md), when the API answers.
+    metrics: MetricsSummary | None = None
+    metrics_error: str = ""
 
     @property
     def running(self) -> bool:
@@ -160,6 +167,8 @@ class PlatformStatus:
                     "drifted": [str(d) for d in self.topics.drifted],
                 },
                 "topics_error": self.topics_error,
+                "metrics": None if self.metrics is None else asdict(self.metrics),
+                "metrics_error": self.metrics_error,
             },
             indent=2,
         )
@@ -401,7 +410,9 @@ class Platform:
         """What runs, whether it answers, and whether the catalogue's topics are in place."""
         mode = self.running_mode()
         result = PlatformStatus(mode=mode)
-        result.components.extend(self.services().status(expected=mode is not None))
+        services = self.services()
+        result.components.extend(services.status(expected=mode is not None))
+        self._metrics(services, result)
         redis = self.redis()
         redis_pid = redis.process.pid()
         result.components.append(
@@ -439,6 +450,22 @@ class Platform:
             except ProvisionError as exc:
                 result.topics_error = str(exc)
         return result
+
+    @staticmethod
+    def _metrics(services: ServiceSet, result: PlatformStatus) -> None:
+        """Summarise the API's and the supervisor's metrics into ``result`` (if they answer)."""
+        urls = {c.name: c.metrics_url for c in result.components if c.metrics_url}
+        api = urls.get(services.api.name)
+        if api is None or not services.admin_token_file.is_file():
+            return
+        try:
+            token = read_admin_token(services.admin_token_file)
+            texts = [scrape(api, token)]
+            if "supervisor" in urls:
+                texts.append(scrape(urls["supervisor"]))
+            result.metrics = summarize(*texts)
+        except (httpx.HTTPError, CredentialFileError, ValueError) as exc:
+            result.metrics_error = f"cannot read the metrics: {exc}"
 
     @staticmethod
     def _admin(kafka: KafkaConnection) -> AdminClient:

@@ -43,7 +43,12 @@ import yaml
 
 from fxstream.ops.config import INSTANCE_SETTINGS, MAX_INSTANCES, PlatformConfig
 from fxstream.ops.process import ManagedProcess, ProcessStartError, ensure_port_free, tail
-from fxstream.ops.supervisor import ChildSpec, SupervisedProcess, SupervisorSpec
+from fxstream.ops.supervisor import (
+    ChildSpec,
+    SupervisedProcess,
+    SupervisorSpec,
+    read_metrics_port,
+)
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
 from fxstream.topics import (
@@ -89,6 +94,8 @@ class ComponentStatus:
     last_exit_code: int | None = None
     last_restart_at: float | None = None
     crash_looping: bool = False
+    # Where its Prometheus metrics are served (docs/metrics.md), if anywhere.
+    metrics_url: str = ""
 
 
 @dataclass(frozen=True)
@@ -195,6 +202,7 @@ class ServiceSet:
                     cwd=str(self.state_dir),
                     stop_wave=1,
                     env=service_env,
+                    metrics=True,
                 )
                 for role in INSTANCE_SETTINGS
                 for n in range(config.instances(role))
@@ -206,6 +214,7 @@ class ServiceSet:
                 log_file=str(logs / f"endpoint-{LOCAL_ENDPOINT}.log"),
                 env=endpoints_env,
                 stop_wave=2,
+                metrics=True,
             ),
         ]
         running = self._running_specs()
@@ -376,6 +385,7 @@ class ServiceSet:
         found = []
         supervisor_pid = self.supervisor.pid()
         if supervisor_pid is not None or configured:
+            port = read_metrics_port(self.state_dir) if supervisor_pid is not None else None
             found.append(
                 ComponentStatus(
                     "supervisor",
@@ -383,6 +393,7 @@ class ServiceSet:
                     supervisor_pid,
                     supervisor_pid is not None,
                     "" if supervisor_pid is not None else "not running",
+                    metrics_url=_metrics_url(port),
                 )
             )
         for process in self.processes():
@@ -392,9 +403,11 @@ class ServiceSet:
             state = process.state()
             healthy = pid is not None
             address = ""
+            metrics_url = _metrics_url(state.metrics_port if state and pid else None)
             if process is self.api:
                 address = self.service_url
                 healthy = healthy and self._api_answers()
+                metrics_url = f"{self.service_url}/metrics" if pid else ""
             detail = "" if healthy else ("not running" if pid is None else "not answering")
             if state is not None and state.crash_looping:
                 healthy = False
@@ -415,9 +428,14 @@ class ServiceSet:
                     last_exit_code=state.last_exit_code if state else None,
                     last_restart_at=state.last_restart_at if state else None,
                     crash_looping=state.crash_looping if state else False,
+                    metrics_url=metrics_url,
                 )
             )
         return found
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each running service process's metrics address (docs/metrics.md)."""
+        return {c.name: c.metrics_url for c in self.status(expected=False) if c.metrics_url}
 
     def _api_answers(self) -> bool:
         try:
@@ -619,6 +637,10 @@ class ServiceSet:
         return response.status_code == 200 and response.json().get("owner_id") == (
             credentials.user_id
         )
+
+
+def _metrics_url(port: int | None) -> str:
+    return f"http://127.0.0.1:{port}/metrics" if port else ""
 
 
 def instance_name(role: str, instance: int) -> str:

@@ -17,6 +17,12 @@ children, each its own OS process, so one crash cannot take the others down.
   :meth:`SupervisedProcess.stop`), so its exit is not a crash;
   ``supervisor.json``: per child its state, restarts, last exit code and the
   time of the last restart.
+- Metrics (docs/metrics.md): with ``metrics`` on (the default), the supervisor serves its
+  own ``/metrics`` on a free port of 127.0.0.1 (``fxstream_process_restarts_total{role}``,
+  ``fxstream_process_up{role}``, ``fxstream_process_crash_looping{role}``), and gives
+  each child whose spec asks for it (the processors, the local endpoint) a free port in
+  ``FXSTREAM_METRICS_PORT``, chosen once and kept across restarts; ``supervisor.json``
+  records every port (``metrics_port``), which ``./fx status`` lists and reads.
 - SIGUSR1 makes it start at once every child that is neither running nor
   held (``SupervisedProcess.start``). SIGTERM or SIGINT stops the children by
   PID (the endpoint first, then the processors, then the API: SIGTERM, then
@@ -33,14 +39,19 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from types import FrameType
 
 import psutil
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from fxstream.ops.process import ManagedProcess, ProcessStartError, tail, terminate_with_parent
 
@@ -48,16 +59,20 @@ __all__ = [
     "STATE_FILE",
     "ChildSpec",
     "ChildState",
+    "ChildrenCollector",
     "SupervisedProcess",
     "Supervisor",
     "SupervisorSpec",
+    "free_port",
     "main",
+    "read_metrics_port",
     "read_states",
 ]
 
 log = logging.getLogger("fxstream.supervisor")
 
 STATE_FILE = "supervisor.json"
+METRICS_PORT_ENV = "FXSTREAM_METRICS_PORT"
 _TICK_S = 0.1
 
 
@@ -74,6 +89,8 @@ class ChildSpec:
     cwd: str | None = None
     # Higher waves are stopped first (the endpoint before the processors before the API).
     stop_wave: int = 0
+    # Give it a metrics port (FXSTREAM_METRICS_PORT) when the supervisor's metrics are on.
+    metrics: bool = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,8 @@ class SupervisorSpec:
     stable_s: float = 60.0
     stop_timeout_s: float = 60.0
     crash_loop_after: int = 3
+    # Serve the supervisor's metrics and give the children that ask a metrics port.
+    metrics: bool = True
 
     def save(self, path: Path) -> None:
         """Write the spec as JSON."""
@@ -114,6 +133,55 @@ class ChildState:
     last_exit_at: float | None = None
     last_restart_at: float | None = None
     next_start_in_s: float | None = None
+    metrics_port: int | None = None
+
+
+def read_metrics_port(state_dir: Path) -> int | None:
+    """The port of the supervisor's own ``/metrics`` (None if it serves none)."""
+    try:
+        raw = json.loads((state_dir / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    port = raw.get("metrics_port") if isinstance(raw, dict) else None
+    return port if isinstance(port, int) else None
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ChildrenCollector(Collector):
+    """The supervisor's series: per child its restarts, whether it runs, crash-looping."""
+
+    def __init__(self, children: list[_Child]) -> None:
+        """Read ``children`` (the supervisor's own list) at each scrape."""
+        self._children = children
+
+    def collect(self) -> Iterable[Metric]:
+        """The children's series as they are now."""
+        restarts = CounterMetricFamily(
+            "fxstream_process_restarts",
+            "Times the supervisor restarted a service process after it exited unasked",
+            labels=["role"],
+        )
+        up = GaugeMetricFamily(
+            "fxstream_process_up", "1 while the service process runs", labels=["role"]
+        )
+        looping = GaugeMetricFamily(
+            "fxstream_process_crash_looping",
+            "1 while the process keeps exiting without a stable run",
+            labels=["role"],
+        )
+        for child in list(self._children):
+            key = child.spec.key
+            restarts.add_metric([key], child.status.restarts)
+            up.add_metric([key], 1.0 if child.status.state == "running" else 0.0)
+            looping.add_metric([key], 1.0 if child.status.crash_looping else 0.0)
+        yield from (restarts, up, looping)
 
 
 def read_states(state_dir: Path) -> dict[str, ChildState]:
@@ -148,6 +216,7 @@ class Supervisor:
         self._children = [_Child(c, ChildState(name=c.name)) for c in spec.children]
         self._stopping = False
         self._wake = False
+        self._metrics_port: int | None = None
 
     # --- files -----------------------------------------------------------------------
 
@@ -166,6 +235,7 @@ class Supervisor:
         body = {
             "supervisor_pid": os.getpid(),
             "updated_at": time.time(),
+            "metrics_port": self._metrics_port,
             "children": {c.spec.key: asdict(c.status) for c in self._children},
         }
         target = self.state_dir / STATE_FILE
@@ -181,6 +251,8 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGUSR1, self._on_wake)
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.spec.metrics:
+            self._serve_metrics()
         for child in self._children:
             if self._held(child):
                 child.status.state = "held"
@@ -198,6 +270,21 @@ class Supervisor:
         self._stop_all()
         self._save()
         return 0
+
+    def _serve_metrics(self) -> None:
+        """Serve the supervisor's series on a free port; pick each child's port."""
+        registry = CollectorRegistry()
+        ProcessCollector(registry=registry)
+        registry.register(ChildrenCollector(self._children))
+        try:
+            port = free_port()
+            start_http_server(port, addr="127.0.0.1", registry=registry)
+            self._metrics_port = port
+        except OSError as exc:
+            log.warning("no metrics server for the supervisor: %s", exc)
+        for child in self._children:
+            if child.spec.metrics:
+                child.status.metrics_port = free_port()
 
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         self._stopping = True
@@ -269,7 +356,7 @@ class Supervisor:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     cwd=spec.cwd,
-                    env={**os.environ, **spec.env},
+                    env={**os.environ, **spec.env, **self._metrics_env(child)},
                     start_new_session=True,
                     # Stopped by the kernel if the supervisor dies: never an orphan.
                     preexec_fn=terminate_with_parent,
@@ -287,6 +374,11 @@ class Supervisor:
             child.status.restarts += 1
             child.status.last_restart_at = time.time()
         log.info("%s %s (pid %d)", why, spec.name, popen.pid)
+
+    @staticmethod
+    def _metrics_env(child: _Child) -> dict[str, str]:
+        port = child.status.metrics_port
+        return {METRICS_PORT_ENV: str(port)} if port else {}
 
     def _stop_all(self) -> None:
         """Stop the children by PID, wave by wave (highest first)."""

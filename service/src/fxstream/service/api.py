@@ -46,6 +46,7 @@ from fastapi import APIRouter, Depends, FastAPI, Path, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -72,6 +73,7 @@ from fxstream.service.identity_provider import (
     IdentityRejected,
 )
 from fxstream.service.memory_report import MemoryReport, report_interval_s, report_periodically
+from fxstream.service.metrics import ApiMetrics, DeadLetterCounter, metrics_access
 from fxstream.service.rate_limit import DEFAULT_LIMITS, RateLimiter, RegistrationLimits
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_query import decode_cursor, encode_cursor, event_log, parse_tag
@@ -576,6 +578,9 @@ class Runtime:
     analytics: AnalyticsView | None = None
     # How the service reaches Kafka (an endpoint's logs are read on request).
     kafka: KafkaConnection | None = None
+    # GET /metrics: the registry, and who may read it (admin, open, off).
+    metrics: ApiMetrics | None = None
+    metrics_access: str = "admin"
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -583,12 +588,25 @@ class Runtime:
         self.view.close()
         if self.analytics is not None:
             self.analytics.close()
+        if self.metrics is not None:
+            self.metrics.close()
 
 
 def _start_runtime(
-    kafka: KafkaConnection, catalogue: Catalogue, timeout_s: float, accounts: AccountSettings
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    timeout_s: float,
+    accounts: AccountSettings,
+    metrics_access: str = "admin",
 ) -> Runtime:
-    view = RegistryView(kafka, catalogue, component="api registry view", index_tasks=True)
+    metrics = ApiMetrics() if metrics_access != "off" else None
+    view = RegistryView(
+        kafka,
+        catalogue,
+        component="api registry view",
+        index_tasks=True,
+        on_task_state=metrics.tasks.observe if metrics is not None else None,
+    )
     try:
         view.start()
         if not view.wait_until_current(timeout_s=max(timeout_s, 30.0)):
@@ -598,16 +616,31 @@ def _start_runtime(
     except BaseException:
         view.close()
         raise
+    dead_letters: DeadLetterCounter | None = None
+    if metrics is not None:
+        # Task states from now on (not every retained task again at each start).
+        metrics.tasks.enable()
+        dead_letters = DeadLetterCounter(kafka, catalogue, metrics.registry)
+        try:
+            dead_letters.start()
+        except BaseException:
+            dead_letters.close()
+            view.close()
+            raise
     analytics = AnalyticsView(kafka, catalogue)
     try:
         analytics.start()
     except BaseException:
         analytics.close()
+        if dead_letters is not None:
+            dead_letters.close()
         view.close()
         raise
     writer = RecordWriter(kafka, catalogue, view, timeout_s=timeout_s)
     writer.start()
     admin = AdminClient({**kafka.confluent(), "log_level": 2})
+    if metrics is not None:
+        metrics.attach(view, admin, dead_letters, timeout_s=min(timeout_s, 5.0))
     return Runtime(
         catalogue,
         view,
@@ -619,6 +652,8 @@ def _start_runtime(
         kafka_secure=kafka.secure,
         analytics=analytics,
         kafka=kafka,
+        metrics=metrics,
+        metrics_access=metrics_access,
     )
 
 
@@ -1594,6 +1629,32 @@ def delete_trigger(rule_id: str, caller: CallerDep, runtime: RuntimeDep) -> Resp
     return Response(status_code=204)
 
 
+def _metrics(
+    runtime: RuntimeDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Response:
+    """Prometheus metrics of the platform (docs/metrics.md): counts and durations only.
+
+    Outside ``/v1``: a scraper's path. By default only the platform admin's token reads
+    it (per-endpoint series name endpoint ids, which the API otherwise shows only to
+    those who may use them); ``FXSTREAM_API_METRICS=open`` serves it to anyone who
+    reaches the port, ``off`` answers 404.
+    """
+    if runtime.metrics is None or runtime.metrics_access == "off":
+        raise ApiError(404, "not-found", "metrics are off here (FXSTREAM_API_METRICS=off)")
+    if runtime.metrics_access == "admin":
+        presented = None if credentials is None else token_sha256(credentials.credentials)
+        if presented is None or not digest_matches(presented, runtime.accounts.admin_token_sha256):
+            raise _unauthorized(
+                "GET /metrics needs the platform admin's token ('Authorization: Bearer "
+                "<token>', from <platform home>/credentials/api-admin.json), or the API "
+                "started with FXSTREAM_API_METRICS=open"
+            )
+    return Response(
+        content=generate_latest(runtime.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
 def _source_lag(runtime: Runtime, topic: str) -> int | None:
     """How many records of ``topic`` the trigger processor's group has not gone past."""
     try:
@@ -1800,6 +1861,7 @@ def create_app(
     timeout_s: float = 15.0,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     accounts: AccountSettings | None = None,
+    metrics: str = "admin",
 ) -> FastAPI:
     """The REST API on the registry topics of ``catalogue``, connecting to Kafka as ``kafka``.
 
@@ -1809,12 +1871,17 @@ def create_app(
     (:mod:`fxstream.service.body_limit`). ``accounts`` holds the admin token's
     hash (without one, no user can be created but through an identity provider),
     the token lifetime, the registration limits and the identity providers.
+    ``metrics`` says who may read ``GET /metrics`` (:func:`_metrics`): ``admin`` (the
+    platform admin's token), ``open`` (anyone who reaches the port) or ``off``.
     """
     settings = AccountSettings() if accounts is None else accounts
+    access = metrics_access(metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        runtime = await asyncio.to_thread(_start_runtime, kafka, catalogue, timeout_s, settings)
+        runtime = await asyncio.to_thread(
+            _start_runtime, kafka, catalogue, timeout_s, settings, access
+        )
         app.state.runtime = runtime
         # Where its memory is, every few minutes (and the allocator's free heap returned).
         interval = report_interval_s()
@@ -1839,6 +1906,13 @@ def create_app(
         lifespan=lifespan,
     )
     app.include_router(router)
+    app.add_api_route(
+        "/metrics",
+        _metrics,
+        methods=["GET"],
+        include_in_schema=False,
+        response_class=Response,
+    )
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

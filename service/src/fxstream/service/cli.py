@@ -273,6 +273,7 @@ def serve(
     log_level: str,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     accounts: Any = None,
+    metrics: str = "admin",
 ) -> bool:
     """Run the API with uvicorn (one worker) on ``sock``; False if it did not start."""
     # Imported here so `worker` (and every start failure) does not pay for FastAPI.
@@ -292,6 +293,7 @@ def serve(
             target.catalogue,
             max_body_bytes=max_body_bytes,
             accounts=accounts,
+            metrics=metrics,
         ),
         host=host,
         port=port,
@@ -322,6 +324,14 @@ KafkaCredentials = Annotated[
 Prefix = Annotated[
     str | None, typer.Option("--prefix", help="topic name prefix", show_default="fx.")
 ]
+
+
+class MetricsAccess(StrEnum):
+    """Who may read the API's ``GET /metrics``."""
+
+    ADMIN = "admin"
+    OPEN = "open"
+    OFF = "off"
 
 
 class LogLevel(StrEnum):
@@ -387,6 +397,15 @@ def api(
     token_lifetime_days: Annotated[
         float, typer.Option(help="how long a user token lives", min=0.001)
     ] = DEFAULT_LIFETIME_DAYS,
+    metrics: Annotated[
+        MetricsAccess,
+        typer.Option(
+            "--metrics",
+            envvar="FXSTREAM_API_METRICS",
+            help="who may read GET /metrics: admin (the platform admin's token), open "
+            "(anyone reaching the port) or off (docs/metrics.md)",
+        ),
+    ] = MetricsAccess.ADMIN,
 ) -> None:
     """Serve the REST API (docs/api.md) until SIGTERM or Ctrl-C."""
     try:
@@ -407,7 +426,7 @@ def api(
         f"topics {target.catalogue.prefix}*)",
         err=True,
     )
-    if not serve(target, sock, log_level.value, max_body_bytes, accounts):
+    if not serve(target, sock, log_level.value, max_body_bytes, accounts, metrics.value):
         fail("the API did not start (the log above says why); check that ./fx up succeeded")
 
 

@@ -65,6 +65,7 @@ from aiokafka.errors import ProducerFenced  # type: ignore[import-untyped]
 
 from fxstream.service.batch_loop import StoppableLoop
 from fxstream.service.held_table import HeldEntry, HeldTable
+from fxstream.service.metrics import PROCESSOR_METRICS
 from fxstream.service.outgoing import Outgoing, refuses_record
 from fxstream.service.registry import RegistryView
 from fxstream.service.router_loop import EXIT_WRITE_FAILED
@@ -698,6 +699,7 @@ class DependencyLoop(StoppableLoop):
                 if d.tombstone
             ]
             await asyncio.gather(*sent)
+        PROCESSOR_METRICS.batch("dependencies", self._catalogue, len(decisions), records)
 
     async def _restart_producer(self) -> None:
         with contextlib.suppress(Exception):

@@ -89,6 +89,7 @@ from fxstream.service.lifecycle import TaskMemory
 from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.liveness import LivenessMonitor, Transition
 from fxstream.service.memory_report import MemoryReport, report_interval_s
+from fxstream.service.metrics import serve_metrics_from_env
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.placement import Placement, PlacementPolicy
 from fxstream.service.quarantine import write_or_quarantine
@@ -577,8 +578,10 @@ def run_processors(
     ``instance`` numbers this process among those running the same roles (0, 1, ...):
     each needs its own.
 
-    Raises what crashed the worker, if something did.
+    Raises what crashed the worker, if something did. With ``FXSTREAM_METRICS_PORT`` set
+    (the supervisor sets it), its metrics are served there (:mod:`fxstream.service.metrics`).
     """
+    serve_metrics_from_env(f"processors {'+'.join(roles)} {instance}")
     app = build_app(
         kafka,
         catalogue,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from aiokafka.errors import UnknownTopicOrPartitionError  # type: ignore[import-untyped]
 from faust.types import ProducerT
 
+from fxstream.service.metrics import PROCESSOR_METRICS
 from fxstream.service.outgoing import Outgoing, Refused, send_each
 from fxstream.topics import (
     Catalogue,
@@ -144,6 +145,8 @@ async def write_or_quarantine(
     the caller must then stop without acknowledging ``inputs``.
     """
     refused = await send_each(producer, records)
+    if records or inputs:
+        PROCESSOR_METRICS.batch(component, catalogue, len(inputs), records)
     if not refused:
         return 0
     static = set(catalogue.static_topics())

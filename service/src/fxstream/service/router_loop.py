@@ -80,6 +80,7 @@ from aiokafka.errors import (  # type: ignore[import-untyped]
 )
 
 from fxstream.service.batch_loop import StoppableLoop, offsets_after
+from fxstream.service.metrics import PROCESSOR_METRICS
 from fxstream.service.outgoing import Outgoing, Refused, refuses_record
 from fxstream.service.quarantine import (
     OUTPUT_REFUSED,
@@ -308,6 +309,7 @@ class RouterLoop(StoppableLoop):
             else:
                 self.batches += 1
                 self._last_offsets = dict(offsets)
+                PROCESSOR_METRICS.batch(self.name, self._catalogue, len(inputs), records)
                 return
 
     def _superseded(self) -> bool:
