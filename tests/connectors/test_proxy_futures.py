@@ -13,6 +13,7 @@ import json
 import pickle
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,9 @@ from fxstream.connectors import (
     open_store,
 )
 from fxstream.connectors.futures import FutureFactory
+from fxstream.sdk import Client, ConfigurationError
+from fxstream.sdk.submit import build_task
+from fxstream.topics import KafkaConnection, Serializer
 
 
 def _store(tmp_path: Path) -> Store[Any]:
@@ -188,3 +192,41 @@ def test_the_owner_evicts_once_its_consumers_are_done(tmp_path: Path) -> None:
     never_sent.discard()
     assert later.result() == "kept"
     assert later.evict() and connector.count_objects() == 0
+
+
+def test_packing_a_task_never_waits_for_a_proxy_future(tmp_path: Path) -> None:
+    """The SDK packs a proxy future's proxy without resolving it (isinstance would), holds
+    the future for the task, and ends that hold without counting a task never sent."""
+    store = _store(tmp_path)
+    client = Client(
+        "http://127.0.0.1:9",
+        kafka=KafkaConnection("127.0.0.1:9"),
+        user_id=str(uuid.uuid4()),
+        store=store,
+        proxy_threshold=16,
+    )
+    future, proxy = client.proxy_future(timeout_s=1.0)
+    started = time.monotonic()
+    packed = client.pack("fn", (proxy, b"a large buffer " * 10), {"same": proxy})
+    assert time.monotonic() - started < 0.9, "packing waited for the future's value"
+    assert len(packed.holds) == 2 and len(packed.stored) == 1  # the buffer went by reference
+    task = build_task(
+        catalogue=client.catalogue,
+        user_id=client.user_id,
+        endpoint_id=str(uuid.uuid4()),
+        function_id=str(uuid.uuid4()),
+        function_sha256="0" * 64,
+        payload=packed,
+    )
+    assert set(task.stored) == {*packed.stored, *packed.holds}
+    args, kwargs = Serializer().unpack_arguments(packed.payload)
+    factory = get_factory(args[0])
+    assert isinstance(factory, FutureFactory) and factory.key == future.slot
+    assert factory.owner is None  # what travels holds no bookkeeping
+    future.set_result("late")
+    client.release(task)  # never sent: the holds end, the value stays for other readers
+    assert future.result() == "late" and extract(kwargs["same"]) == "late"
+    assert future.evict()
+    client.close()
+    with pytest.raises(ConfigurationError, match="store_url"):
+        Client("http://127.0.0.1:9", kafka=KafkaConnection("127.0.0.1:9")).proxy_future()

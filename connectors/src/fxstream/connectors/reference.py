@@ -275,10 +275,14 @@ class ByReference:
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
 
     def _large_buffer(self, value: Any) -> bool:
-        return isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes > self.threshold_bytes
+        # type(), never isinstance: isinstance falls back to a proxy's __class__, which
+        # resolves it (and a proxy future's would wait for its value).
+        return (
+            issubclass(type(value), _BYTES_LIKE) and memoryview(value).nbytes > self.threshold_bytes
+        )
 
     def _maybe_stored(self, value: Any, stored: list[StoredObject]) -> Any:
-        if isinstance(value, Proxy):
+        if issubclass(type(value), Proxy):
             return value
         if isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes <= self.threshold_bytes:
             return value
