@@ -230,3 +230,24 @@ def test_packing_a_task_never_waits_for_a_proxy_future(tmp_path: Path) -> None:
     client.close()
     with pytest.raises(ConfigurationError, match="store_url"):
         Client("http://127.0.0.1:9", kafka=KafkaConnection("127.0.0.1:9")).proxy_future()
+
+
+def test_a_producer_that_ended_without_setting_fails_its_readers(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    connector = _connector(store)
+    future = ProxyFuture.create(store, timeout_s=30)
+    consumer = hold_futures([future.proxy()])
+    producer = hold_futures([future])
+    assert [type(h).__name__ for h in (*consumer, *producer)] == ["FutureHold", "ProducerHold"]
+    # The producer's result was consumed, and it set nothing: the reader is told at once.
+    assert evict_objects(producer) == []
+    started = time.monotonic()
+    with pytest.raises(ProxyFutureFailed, match="producer task it was given ended"):
+        future.result()
+    assert time.monotonic() - started < 5
+    assert evict_objects(consumer) and connector.count_objects() == 0
+    # Nobody waits any more (or the value was evicted): a producer's end writes nothing.
+    ended = ProxyFuture.create(store, timeout_s=30)
+    hold_futures([ended.proxy()])[0].release()
+    hold_futures([ended])[0].release()
+    assert not ended.done() and connector.count_objects() == 0

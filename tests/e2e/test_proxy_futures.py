@@ -78,6 +78,10 @@ def use(data: Any) -> Any:
     return data + 1
 
 
+def crash(future: Any) -> None:
+    raise ValueError("no frames today")
+
+
 class _OpensAFile:
     """Loading this pickle creates ``path``: the proof that something was deserialized."""
 
@@ -244,6 +248,14 @@ def test_a_wait_is_bounded_and_a_producers_failure_arrives_at_once(
         assert executor.submit(fail_to_produce, failing).result(timeout=WAIT_S) == "told them"
         with pytest.raises(ProxyFutureFailed) as failed:
             told.result(timeout=WAIT_S)
+        # A producer task that crashes before setting it: once its failure is consumed, the
+        # SDK fails the future for the consumer still waiting.
+        crashed, crashed_proxy = client.proxy_future(timeout_s=120)
+        orphan = executor.submit(use, crashed_proxy)
+        with pytest.raises(ValueError, match="no frames today"):
+            executor.submit(crash, crashed).result(timeout=WAIT_S)
+        with pytest.raises(ProxyFutureFailed, match="producer task it was given ended"):
+            orphan.result(timeout=WAIT_S)
     assert "was not set within 2 s" in str(timed_out.value)
     assert "timeout_s argument of Client.proxy_future" in str(timed_out.value)
     started, finished = waits.timings["started"], waits.timings["finished"]

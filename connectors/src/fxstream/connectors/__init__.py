@@ -43,6 +43,7 @@ from fxstream.connectors.file_stream import FileStreamReader, FileStreamWriter
 from fxstream.connectors.futures import (
     DEFAULT_PROXY_FUTURE_TIMEOUT_S,
     FutureHold,
+    ProducerHold,
     ProxyFuture,
     ProxyFutureError,
     ProxyFutureFailed,
@@ -139,6 +140,7 @@ __all__ = [
     "ObjectOnOtherNode",
     "Packed",
     "ParquetSink",
+    "ProducerHold",
     "ProxyFuture",
     "ProxyFutureError",
     "ProxyFutureFailed",

@@ -36,7 +36,10 @@ Lifetime: the pointer and the value carry the connector's lease like every store
 object. The client that created the future owns it: every task given its proxy as a
 top-level argument holds it (:func:`hold_futures`), and once ``consumers`` such tasks'
 results have been consumed and no other holder is left, the value and the slot are
-evicted (:class:`FutureOwner`). :meth:`ProxyFuture.evict` evicts at once.
+evicted (:class:`FutureOwner`). :meth:`ProxyFuture.evict` evicts at once. A task given
+the future itself (a producer) holds it too (:class:`ProducerHold`): once its result is
+consumed, a future it left unset is failed for its readers, so a consumer of a producer
+that crashed fails at once rather than at its timeout.
 
 The stores that support it implement the slot methods (``new_slot``, ``set_slot``,
 ``get_slot``, ``evict_slot`` and ``key_type``): :class:`~fxstream.connectors.RedisConnector`
@@ -74,6 +77,7 @@ __all__ = [
     "FutureFactory",
     "FutureHold",
     "FutureOwner",
+    "ProducerHold",
     "ProxyFuture",
     "ProxyFutureError",
     "ProxyFutureFailed",
@@ -413,6 +417,8 @@ class FutureOwner:
         self._lock = threading.Lock()
         self.outstanding = 0
         self.released = 0
+        self.evicted = False
+        """Whether its value was evicted (by its consumers' releases or ``evict()``)."""
 
     def hold(self) -> FutureHold:
         """A new hold, for one consumer task."""
@@ -426,6 +432,8 @@ class FutureOwner:
             if counted:
                 self.released += 1
             due = counted and self.outstanding == 0 and self.released >= self.consumers
+            if due:
+                self.evicted = True
         return self._factory.evict_value() if due else []
 
 
@@ -459,13 +467,60 @@ class FutureHold:
             self.owner._end(counted=False)
 
 
-def hold_futures(args: Sequence[Any], kwargs: Mapping[str, Any] | None = None) -> list[FutureHold]:
-    """A hold for each proxy future's proxy among the top-level arguments that this process
-    created (its factory knows the owner). Proxies are never resolved here."""
-    holds: list[FutureHold] = []
+class ProducerHold:
+    """A producer task's hold on a proxy future it was given (in its ``PreparedTask.stored``).
+
+    Released once the task's result is consumed: the task has ended then, so a future it
+    did not set will not be set by it. Unless it is set, its readers are told so at once
+    (:meth:`ProxyFuture.set_exception`) instead of waiting out their timeout. A task never
+    sent (:meth:`discard`) changes nothing.
+    """
+
+    __slots__ = ("_done", "_lock", "future")
+
+    def __init__(self, future: ProxyFuture[Any]) -> None:
+        self.future = future
+        self._lock = threading.Lock()
+        self._done = False
+
+    def _finish(self) -> bool:
+        with self._lock:
+            done, self._done = self._done, True
+        return not done
+
+    def release(self) -> list[str]:
+        """The producer's result was consumed: fail the readers if it set nothing."""
+        owner = self.future._owner
+        if not self._finish() or owner is None or owner.evicted or owner.outstanding == 0:
+            return []  # already told, or evicted (so it was set), or nobody waits for it
+        with contextlib.suppress(Exception):  # set meanwhile, or the store is away
+            if not self.future.done():
+                self.future.set_exception(
+                    "the producer task it was given ended (failed, or returned) without setting it"
+                )
+        return []
+
+    def discard(self) -> None:
+        """The task was never sent: nothing to tell."""
+        self._finish()
+
+
+def hold_futures(
+    args: Sequence[Any], kwargs: Mapping[str, Any] | None = None
+) -> list[FutureHold | ProducerHold]:
+    """The holds of a task on the proxy futures this process created, among its top-level
+    arguments: a :class:`FutureHold` for each future's proxy (a consumer; its factory
+    knows the owner), a :class:`ProducerHold` for each :class:`ProxyFuture` (a producer).
+    Proxies are never resolved here."""
+    holds: list[FutureHold | ProducerHold] = []
     for value in (*args, *(kwargs or {}).values()):
         # type(), never isinstance: that would resolve a proxy (and wait for its value).
-        if not issubclass(type(value), Proxy):
+        cls = type(value)
+        if issubclass(cls, ProxyFuture):
+            if value._owner is not None:
+                holds.append(ProducerHold(value))
+            continue
+        if not issubclass(cls, Proxy):
             continue
         factory = get_factory(value)
         if isinstance(factory, FutureFactory) and factory.owner is not None:
@@ -628,4 +683,6 @@ class ProxyFuture(Generic[T]):
 
     def evict(self) -> list[str]:
         """Evict the value and the slot now (consumers reading it later fail)."""
+        if self._owner is not None:
+            self._owner.evicted = True
         return self._factory().evict_value()

@@ -37,6 +37,7 @@ from fxstream.connectors import (
     FutureHold,
     NamedObjects,
     Packed,
+    ProducerHold,
     ProxyFuture,
     ProxyFutureError,
     evict_objects,
@@ -939,7 +940,7 @@ class Client:
         holds on proxy futures end without counting it as a consumer)."""
         objects: list[Any] = []
         for item in task.stored:
-            if isinstance(item, FutureHold):
+            if isinstance(item, FutureHold | ProducerHold):
                 item.discard()
             else:
                 objects.append(item)

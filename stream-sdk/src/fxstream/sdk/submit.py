@@ -29,7 +29,14 @@ from typing import Any, Final
 
 from confluent_kafka import KafkaError, Message, Producer
 
-from fxstream.connectors import ByReference, FutureHold, Packed, StoredObject, evict_objects
+from fxstream.connectors import (
+    ByReference,
+    FutureHold,
+    Packed,
+    ProducerHold,
+    StoredObject,
+    evict_objects,
+)
 from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
 from fxstream.sdk.staging import StagingSpec
@@ -85,7 +92,7 @@ class PreparedTask:
     submitted_at: float
     record: bytes
     task_group_id: str | None = None
-    stored: tuple[StoredObject | FutureHold, ...] = ()
+    stored: tuple[StoredObject | FutureHold | ProducerHold, ...] = ()
     """Objects its arguments put in the proxy store (evicted once its result is consumed),
     and its holds on the proxy futures it was given (released then)."""
     candidates: tuple[str, ...] = ()
