@@ -912,7 +912,7 @@ class Client:
             if failure is not None:
                 listener.untrack(task_id)
                 future = futures[task_id]
-                self._release(future._stored)
+                self._release_unsent(future._stored)
                 future._stored = []
                 future._resolve_exception(failure)
 
@@ -927,7 +927,7 @@ class Client:
             producer.send_and_wait(tasks)
         except SubmissionFailed as exc:
             for future in futures:
-                self._release(future._stored)
+                self._release_unsent(future._stored)
                 future._stored = []
                 future._resolve_exception(exc)
             raise
@@ -938,13 +938,18 @@ class Client:
     def release(self, task: PreparedTask) -> None:
         """Evict what a task put in the proxy store, for a task that will never be sent (its
         holds on proxy futures end without counting it as a consumer)."""
-        objects: list[Any] = []
-        for item in task.stored:
+        self._release_unsent(list(task.stored))
+
+    def _release_unsent(self, objects: list[Any]) -> None:
+        """:meth:`_release` for a task that never reached Kafka: its holds on proxy futures
+        are discarded (it consumed nothing), its stored objects evicted."""
+        kept: list[Any] = []
+        for item in objects:
             if isinstance(item, FutureHold | ProducerHold):
                 item.discard()
             else:
-                objects.append(item)
-        self._release(objects)
+                kept.append(item)
+        self._release(kept)
 
     def _release(self, objects: list[Any]) -> None:
         """Evict objects a consumed task no longer needs.
