@@ -653,6 +653,11 @@ class Client:
         A future inside a container (a list, a dict) is refused, saying to pass it as a
         top-level argument.
 
+        A proxy future's proxy (:meth:`proxy_future`) travels as it is, never resolved
+        here; as a top-level argument it makes the task hold the future until its result
+        is consumed (``Packed.holds``), and a ``ProxyFuture`` itself makes it the future's
+        producer (one that ends without setting it fails the future's readers).
+
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` when what stays
         inline exceeds ``max_inline_bytes``.
         """
