@@ -39,6 +39,18 @@ def _raise(payload: bytes) -> bytes:
     raise ValueError(f"bad input {payload.decode()}")
 
 
+def _print(payload: bytes) -> bytes:
+    """Print ``payload`` (``b"<text>|<times>"``: the text that many times) to stdout, a
+    warning to stderr, then fail if the text is ``fail``."""
+    text, _, times = payload.decode().partition("|")
+    for _ in range(int(times or 1)):
+        print(text)
+    print("a warning", file=sys.stderr)
+    if text == "fail":
+        raise RuntimeError("failed after printing")
+    return b"printed"
+
+
 def _exit(payload: bytes) -> bytes:
     os._exit(int(payload))
 
@@ -122,6 +134,7 @@ def _not_bytes(payload: bytes) -> bytes:
 BEHAVIOURS: dict[bytes, Callable[[bytes], bytes]] = {
     b"echo": _echo,
     b"raise": _raise,
+    b"print": _print,
     b"exit": _exit,
     b"sigkill": _sigkill,
     b"segfault": _segfault,

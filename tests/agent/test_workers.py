@@ -535,3 +535,22 @@ def test_forkserver_start_method() -> None:
         assert crash.error_type == WORKER_LOST
         assert "SIGKILL" in crash.error_message
         assert run(pool, item(b"echo", b"fs")).value == b"fs"
+
+
+def test_what_a_function_prints_comes_back_bounded_and_the_worker_keeps_its_streams(
+    pool: WorkerPool,
+) -> None:
+    printed = run(pool, item(b"print", b"hello|2"))
+    assert printed.ok and printed.stdout == "hello\nhello\n"
+    assert printed.stderr == "a warning\n"
+    # A failing function's output comes back with its error.
+    failed = run(pool, item(b"print", b"fail"))
+    assert not failed.ok and failed.error_type == "RuntimeError"
+    assert failed.stdout == "fail\n" and failed.stderr == "a warning\n"
+    # A flood keeps its tail and says how much went before it.
+    flood = run(pool, item(b"print", b"0123456789|10000"))  # 110,000 characters
+    assert flood.ok and flood.stdout.endswith("0123456789\n")
+    assert flood.stdout.startswith("[... ") and "characters of output dropped" in flood.stdout
+    assert len(flood.stdout) < 17_000
+    # The next task on the same workers prints only its own.
+    assert run(pool, item(b"echo", b"quiet")).stdout == ""

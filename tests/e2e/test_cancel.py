@@ -271,6 +271,10 @@ def test_client_cancel_from_elsewhere_ends_the_submitters_future_cancelled(
         while (state := other.get_task(task_id))["state"] != "cancelled":
             assert time.monotonic() < deadline, state
             time.sleep(0.2)
+        # Asked of the service (not this client's task): Globus Compute's fields too.
+        assert state["status"] == "cancelled" and state["pending"] is False
+        assert isinstance(state["exception"], concurrent.futures.CancelledError)
+        assert "result" not in state and state["completion_t"] is not None
         with pytest.raises(concurrent.futures.CancelledError):
             other.get_result(task_id)
     finally:

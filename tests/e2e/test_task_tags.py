@@ -58,7 +58,8 @@ def tagged(stack: Stack, client: Client) -> dict[str, Any]:
     batch = client.create_batch()
     for i in range(4):
         batch.add(function_id, (i,), tags={"part": "odd" if i % 2 else "even"})
-    by_batch = client.batch_run(stack.endpoint_id, batch, tags={"run": run, "how": "batch"})
+    sent = client.batch_run(stack.endpoint_id, batch, tags={"run": run, "how": "batch"})
+    by_batch = sent["tasks"][function_id]
     with Executor(endpoint_id=stack.endpoint_id, client=client, tags={"run": run}) as executor:
         futures = [executor.submit(triple, i) for i in range(2)]
         executor.tags = {"run": run, "late": "yes"}

@@ -9,11 +9,15 @@ test has its own engine.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import pickle
 import stat
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,16 +26,20 @@ from fxstream.agent import (
     TASK_CANCELLED,
     WALLTIME_EXCEEDED,
     WORKER_LOST,
+    WorkItem,
 )
-from fxstream.agent.batch_engine import BatchEngine
+from fxstream.agent.batch_engine import BatchEngine, BlockContainer
 from fxstream.agent.batch_settings import BatchSettings
+from fxstream.agent.containers import HOST_ROOTFS, BubblewrapRuntime, Image
 from tests.agent import runners
+from tests.containers import tasks
 from tests.hpc.support import RUNNER, WORKER_INIT, engine_processes, item, label_for, wait_until
 
 pytestmark = pytest.mark.hpc
 
 TIMEOUT = 60.0
 SECRET = "s3cr3t-store-password-for-the-test"
+PICKLE_RUNNER = "fxstream.agent.worker_process:load_pickled"
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +191,57 @@ def test_close_fails_what_is_left_and_stops_every_process(tmp_path: Path) -> Non
         engine.submit(item(b"echo"))
     engine.close()  # idempotent
     assert os.path.isdir(run_dir)
+
+
+def _pickled_item(function: Any, *args: Any) -> WorkItem:
+    """A work item running ``function(*args)`` with the pickle runner (trusted test code)."""
+    code = pickle.dumps(function)
+    return WorkItem(
+        task_id=str(uuid.uuid4()),
+        function_id=f"{function.__module__}.{function.__qualname__}",
+        code_sha256=hashlib.sha256(code).hexdigest(),
+        code=code,
+        payload=pickle.dumps((args, {})),
+    )
+
+
+def test_a_container_wraps_every_blocks_workers(tmp_path: Path) -> None:
+    """The endpoint's image wraps the command each block runs (Parsl's worker pool), as
+    Globus Compute's engine does: a task runs in new mount, PID, IPC and UTS namespaces
+    and may write only where the endpoint lets its workers write."""
+    run_dir = tmp_path / "run"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    settings = BatchSettings(
+        max_workers_per_node=1,
+        init_blocks=1,
+        min_blocks=1,
+        max_blocks=1,
+        worker_init=WORKER_INIT,
+        strategy_period_s=1,
+    )
+    container = BlockContainer(
+        BubblewrapRuntime(), Image("host", "bubblewrap", HOST_ROOTFS), writable=(str(shared),)
+    )
+    engine = BatchEngine(
+        settings, PICKLE_RUNNER, run_dir, label=label_for(run_dir), container=container
+    )
+    try:
+        assert engine.wait_ready(timeout=90), "the contained block's workers never connected"
+        done = engine.submit(_pickled_item(tasks.namespaces)).result(TIMEOUT)
+        assert done.ok, f"{done.error_type}: {done.error_message}\n{done.traceback}"
+        assert done.value is not None
+        inside = pickle.loads(done.value)
+        here = tasks.namespaces()
+        for namespace in tasks.NAMESPACES:
+            assert inside[namespace] != here[namespace], namespace
+        assert inside["hostname"] == "fxstream-worker"
+        allowed = engine.submit(_pickled_item(tasks.try_write, str(shared / "out"))).result(TIMEOUT)
+        assert allowed.value is not None and pickle.loads(allowed.value) == "written"
+        outside = str(tmp_path / "not-shared")
+        refused = engine.submit(_pickled_item(tasks.try_write, outside)).result(TIMEOUT)
+        assert refused.value is not None and pickle.loads(refused.value) in ("EROFS", "EACCES")
+        assert not os.path.exists(outside)
+    finally:
+        engine.close()
+    wait_until(lambda: not engine_processes(run_dir), 30, "the engine's processes to end")

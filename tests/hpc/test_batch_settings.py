@@ -14,6 +14,7 @@ from parsl.providers import LocalProvider, PBSProProvider, SlurmProvider
 
 from fxstream.agent.batch_settings import BatchSettings, BatchSettingsError
 from fxstream.agent.config import ConfigError, EndpointConfig
+from fxstream.agent.containers import Image
 from fxstream.topics import ResourceSpecification
 from tests.hpc.support import REPO
 
@@ -112,7 +113,7 @@ def test_a_batch_setting_that_cannot_work_is_refused_by_name(
         load(tmp_path, monkeypatch, raw)
 
 
-def test_batch_without_htex_and_htex_with_containers_are_refused() -> None:
+def test_batch_without_htex_and_htex_with_several_environments_are_refused() -> None:
     common: dict[str, Any] = {
         "name": "x",
         "endpoint_id": "5f0c1c2e-0000-4000-8000-000000000005",
@@ -121,8 +122,22 @@ def test_batch_without_htex_and_htex_with_containers_are_refused() -> None:
     }
     with pytest.raises(ConfigError, match="batch: is read only with engine: htex"):
         EndpointConfig(**common, batch=BatchSettings()).validate()
-    with pytest.raises(ConfigError, match="without a container"):
-        EndpointConfig(**common, engine="htex", runtime="bubblewrap", image="x").validate()
+    # One container for every block's workers: the endpoint's image, and no other.
+    contained = EndpointConfig(
+        **common, engine="htex", runtime="bubblewrap", image="x", images={"x": "bubblewrap:/"}
+    )
+    contained.validate()
+    assert contained.worker_image() == Image("x", "bubblewrap", "/")
+    with pytest.raises(ConfigError, match=r"one container, the endpoint's image \(x\): remove y"):
+        EndpointConfig(
+            **common,
+            engine="htex",
+            runtime="bubblewrap",
+            image="x",
+            images={"x": "bubblewrap:/", "y": "bubblewrap:/"},
+        ).validate()
+    with pytest.raises(ConfigError, match="remove interpreters"):
+        EndpointConfig(**common, engine="htex", interpreters=["/usr/bin/python3"]).validate()
     with pytest.raises(ConfigError, match=r"'process' .* or 'htex'"):
         EndpointConfig(**common, engine="slurm").validate()
     with pytest.raises(BatchSettingsError, match="max_workers_per_node"):

@@ -21,6 +21,7 @@ import uvicorn
 from fxstream.sdk import (
     AuthenticationError,
     Client,
+    ConfigurationError,
     Executor,
     InvalidRequest,
     NotFound,
@@ -28,7 +29,9 @@ from fxstream.sdk import (
     RegisteredUser,
     TaskExecutionFailed,
     TaskPending,
+    VersionMismatch,
 )
+from fxstream.sdk.versions import check_versions, version_tuple
 from fxstream.service import AccountSettings, new_token, token_sha256
 from fxstream.service.api import create_app
 from fxstream.topics import (
@@ -171,7 +174,57 @@ def test_functions_register_read_list_delete(service: Service, alice: Registered
     assert caught.value.status_code == 404 and caught.value.detail
 
 
-def test_endpoints_register_list_status_delete(service: Service, alice: RegisteredUser) -> None:
+def cube(x: int) -> int:
+    """Cubes x (this docstring becomes the function's description)."""
+    return x**3
+
+
+def test_register_function_takes_globus_computes_parameters(
+    service: Service, alice: RegisteredUser
+) -> None:
+    with service.client(alice) as client:
+        # Globus Compute's order: function, description, metadata, public, group.
+        function_id = client.register_function(cube, None, {"stage": 2})
+        record = client.get_function(function_id)
+        assert (
+            record["description"] == "Cubes x (this docstring becomes the function's description)."
+        )
+        meta = record["metadata"]
+        assert meta["stage"] == "2" and meta["python_version"].startswith("3.")
+        assert "sdk_version" in meta
+        assert (
+            client.get_function(client.register_function(square, "mine"))["description"] == "mine"
+        )
+        with pytest.raises(ValueError, match="allowed_users"):
+            client.register_function(cube, group="5c8e7f0a-globus-group")
+        with pytest.raises(ValueError, match="high-assurance"):
+            client.register_function(cube, ha_endpoint_id="ep")
+
+
+def test_version_check_and_logout(service: Service, alice: RegisteredUser) -> None:
+    with service.client(alice) as client:
+        client.version_check()  # the SDK and the service come from one workspace
+        with pytest.raises(VersionMismatch, match="older than the service's min_ep_version"):
+            client.version_check(endpoint_version="0.0.1")
+        client.logout()
+        with pytest.raises(ConfigurationError, match="no API token"):
+            client.whoami()
+
+
+def test_versions_compare_by_their_numbers() -> None:
+    assert version_tuple("1.10.2rc1") == (1, 10, 2) > version_tuple("1.9")
+    service = {"version": "2.0", "min_sdk_version": "99.0", "min_ep_version": "1.0"}
+    with pytest.raises(VersionMismatch, match=r"older than the service's min_sdk_version 99\.0"):
+        check_versions(service)
+    with pytest.raises(VersionMismatch, match="cannot compare"):
+        check_versions({**service, "min_sdk_version": "0"}, endpoint_version="unknown")
+
+
+def test_endpoints_register_list_status_delete(
+    service: Service, alice: RegisteredUser, bob: RegisteredUser
+) -> None:
+    with service.client(bob) as other:
+        public = other.register_endpoint("bobs-public", public=True)
     with service.client(alice) as client:
         endpoint_id = client.register_endpoint(
             "laptop", description="my laptop", metadata={"site": "home"}
@@ -179,7 +232,16 @@ def test_endpoints_register_list_status_delete(service: Service, alice: Register
         listed = {e["endpoint_id"]: e for e in client.list_endpoints()}
         assert listed[endpoint_id]["status"]["state"] == "never-seen"
         assert client.get_endpoint(endpoint_id)["metadata"] == {"site": "home"}
-        assert client.get_endpoint_status(endpoint_id)["state"] == "never-seen"
+        status = client.get_endpoint_status(endpoint_id)
+        assert status["state"] == "never-seen" and status["status"] == "offline"
+        # Globus Compute's names for the same reads.
+        assert client.get_endpoint_metadata(endpoint_id)["metadata"] == {"site": "home"}
+        owned = {e["endpoint_id"] for e in client.get_endpoints()}
+        usable = {e["endpoint_id"] for e in client.get_endpoints(role="any")}
+        assert endpoint_id in owned and public not in owned
+        assert {endpoint_id, public} <= usable
+        with pytest.raises(ValueError, match="role must be"):
+            client.get_endpoints(role="admin")
         client.delete_endpoint(endpoint_id)
         with pytest.raises(NotFound):
             client.get_endpoint(endpoint_id)

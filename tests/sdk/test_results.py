@@ -302,14 +302,21 @@ def test_run_then_get_result_get_task_and_batch_results(
     task = client.get_task(ok)
     assert task["state"] == "succeeded" and task["pending"] is False
     assert task["timings"]["delivered"] is not None
+    # Globus Compute's words and fields beside fxstream's.
+    assert task["status"] == "success" and task["result"] == 5
+    assert float(task["completion_t"]) > 0
     failed = client.get_task(bad)
-    assert failed["state"] == "failed"
+    assert failed["state"] == "failed" and failed["status"] == "failed"
     assert failed["error"]["message"] == "bad input"
+    assert isinstance(failed["exception"], TaskExecutionFailed) and "result" not in failed
+    assert client.get_task(waiting)["status"] == "waiting-for-ep"
 
     results = client.get_batch_result([ok, bad, waiting])
     assert results[ok]["result"] == 5 and results[ok]["pending"] is False
+    assert results[ok]["status"] == "success"
     assert isinstance(results[bad]["exception"], TaskExecutionFailed)
     assert results[waiting]["pending"] is True
+    assert results[waiting]["status"] == "waiting-for-ep"
 
 
 def test_a_missing_results_topic_is_a_clear_error(sdk_topics: SdkTopics) -> None:

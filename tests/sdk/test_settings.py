@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 
-from fxstream.sdk import DEFAULT_MAX_INLINE_BYTES, Client, ClientSettings, ConfigurationError
+from fxstream.sdk import (
+    DEFAULT_MAX_INLINE_BYTES,
+    Client,
+    ClientSettings,
+    ConfigurationError,
+    Executor,
+)
 from fxstream.topics import KafkaConnection, write_secret_file
 
 FULL = {
@@ -112,13 +119,50 @@ def test_client_from_environment(tmp_path: Path) -> None:
         assert client.catalogue.results(client.user_id) == "prod.results.u-1"
 
 
-def test_missing_settings_are_named() -> None:
+def test_missing_settings_are_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigurationError) as caught:
         ClientSettings.from_environment({"FXSTREAM_SERVICE_URL": "http://a:1"})
     assert "FXSTREAM_BOOTSTRAP" in str(caught.value)
     assert "FXSTREAM_CREDENTIALS" in str(caught.value)
-    with pytest.raises(ConfigurationError, match="FXSTREAM_SERVICE_URL"):
-        ClientSettings.from_environment({})
+    # No platform home with credentials in it: the error names where `./fx up` puts them.
+    empty = {"FXSTREAM_HOME": str(tmp_path / "no-platform")}
+    with pytest.raises(ConfigurationError, match="FXSTREAM_SERVICE_URL") as caught:
+        ClientSettings.from_environment(empty)
+    assert str(tmp_path / "no-platform" / "credentials.json") in str(caught.value)
+
+
+def test_the_credentials_fx_up_wrote_are_found_without_any_setting(tmp_path: Path) -> None:
+    # ./fx up writes <home>/credentials.json; home is FXSTREAM_HOME, else
+    # $XDG_STATE_HOME/fxstream (else ~/.local/state/fxstream).
+    _write(tmp_path / "state" / "fxstream" / "credentials.json", FULL)
+    found = ClientSettings.from_environment({"XDG_STATE_HOME": str(tmp_path / "state")})
+    assert found.service_url == FULL["service_url"] and found.user_id == "u-1"
+    _write(tmp_path / "home" / "credentials.json", {**FULL, "user_id": "u-2"})
+    env = {"XDG_STATE_HOME": str(tmp_path / "state"), "FXSTREAM_HOME": str(tmp_path / "home")}
+    assert ClientSettings.from_environment(env).user_id == "u-2"
+    # Configured by variables: the file is not mixed in.
+    with pytest.raises(ConfigurationError, match="FXSTREAM_BOOTSTRAP"):
+        ClientSettings.from_environment({**env, "FXSTREAM_SERVICE_URL": "http://other:1"})
+
+
+def test_client_and_executor_without_arguments_find_the_platform(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for variable in [v for v in os.environ if v.startswith("FXSTREAM_")]:
+        monkeypatch.delenv(variable)
+    monkeypatch.setenv("FXSTREAM_HOME", str(tmp_path))
+    _write(tmp_path / "credentials.json", FULL)
+    with Client() as client:  # Globus Compute's Client(): nothing to pass
+        assert client.service_url == FULL["service_url"]
+        assert client.kafka == KafkaConnection("kafka:9092")
+        assert client.catalogue.prefix == "prod." and client.user_id == "u-1"
+    executor = Executor("ep-1")
+    try:
+        assert executor.client.service_url == FULL["service_url"]
+    finally:
+        executor.shutdown()
+    with pytest.raises(ConfigurationError, match="both service_url and kafka, or neither"):
+        Client("http://svc:1")
 
 
 @pytest.mark.parametrize(

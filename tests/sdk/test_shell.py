@@ -19,9 +19,66 @@ def test_stdout_stderr_returncode_and_formatting() -> None:
     fn = ShellFunction("echo {word}; echo oops >&2; exit 3")
     result = fn(word="hello")
     assert result == ShellResult(
-        returncode=3, stdout="hello\n", stderr="oops\n", cmd="echo hello; echo oops >&2; exit 3"
+        cmd="echo hello; echo oops >&2; exit 3",
+        stdout="hello\n",
+        stderr="oops\n",
+        returncode=3,
+        exception_name="subprocess.CalledProcessError",
     )
-    assert str(result) == "hello\n"
+    # Globus Compute's str(): the exit code, stdout's last lines, and on failure stderr's.
+    assert str(result) == (
+        "exit code: 3\n   stdout:\nhello\n\n   stderr:\noops\n\n"
+        "exception: subprocess.CalledProcessError"
+    )
+    ok = ShellFunction("seq 1 20")()
+    assert ok.exception_name is None
+    assert str(
+        ok
+    ) == "exit code: 0\n   stdout:\n[... truncated; see .stdout for full output ...]\n" + (
+        "\n".join(str(n) for n in range(11, 21))
+    )
+
+
+def test_bash_syntax_runs_as_in_globus_compute() -> None:
+    # Arrays, [[ ]] and pipefail are bash's: under /bin/sh (dash) each of these fails.
+    # (Braces are doubled: the command is a format string.)
+    script = (
+        "set -o pipefail; names=(a b c); [[ ${{#names[@]}} -eq 3 ]] && echo ${{names[1]}}; "
+        "false | true"
+    )
+    result = ShellFunction(script)()
+    assert result.stdout == "b\n"
+    assert result.returncode == 1, result  # pipefail: the pipeline fails with false
+
+
+def test_output_files_positional_parameters_and_return_dict(tmp_path: Path) -> None:
+    out, err = tmp_path / "logs" / "run.out", tmp_path / "logs" / "run.err"
+    # Globus Compute's order: cmd, stdout, stderr, walltime, snippet_lines, name, return_dict.
+    fn = ShellFunction("echo {n}; echo warn >&2", str(out), str(err), 10, 5, "echo_n", True)
+    first, second = fn(n=1), fn(n=2)
+    assert first == {
+        "cmd": "echo 1; echo warn >&2",
+        "stdout": "1\n",
+        "stderr": "warn\n",
+        "returncode": 0,
+        "exception_name": None,
+    }
+    # The files are appended to, and the snippet is their tail.
+    assert out.read_text() == "1\n2\n" and second["stdout"] == "1\n2\n"
+    assert err.read_text() == "warn\nwarn\n"
+    assert fn.__name__ == "echo_n" and fn.walltime == 10 and fn.snippet_lines == 5
+
+
+def test_a_walltime_kill_names_its_exception() -> None:
+    result = ShellFunction("sleep 30", walltime=0.3)()
+    assert result.returncode == 124
+    assert result.exception_name == "subprocess.TimeoutExpired"
+
+
+@pytest.mark.parametrize("name", ["has space", "1st", "class", ""])
+def test_a_name_that_is_not_an_identifier_is_refused(name: str) -> None:
+    with pytest.raises(ValueError, match="valid Python identifier"):
+        ShellFunction("true", name=name)
 
 
 def test_only_the_last_snippet_lines_are_kept() -> None:

@@ -45,7 +45,8 @@ def test_run_produces_a_valid_submission_with_the_packed_arguments(
     assert sdk_topics.token.encode() not in encode(record)
     assert record.client == client_info()
     assert before <= record.submitted_at <= after
-    assert record.task_group_id is None
+    # Globus Compute's session task group: run() tasks can be reloaded later.
+    assert record.task_group_id == client.session_task_group_id
     assert Serializer().unpack_arguments(record.payload) == ((1, "two"), {"three": [3, 3.0]})
 
 
@@ -59,7 +60,13 @@ def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: S
     batch.add("fn-a", args=(3,), kwargs={"y": "z"})
     assert len(batch) == 3
 
-    task_ids = client.batch_run(ENDPOINT, batch)
+    sent = client.batch_run(ENDPOINT, batch)
+    # Globus Compute's answer: task ids by function, in the order added.
+    assert set(sent) == {"request_id", "task_group_id", "endpoint_id", "tasks"}
+    assert sent["task_group_id"] == group and sent["endpoint_id"] == ENDPOINT
+    assert list(sent["tasks"]) == ["fn-a", "fn-b"]
+    (a1, a3), (b2,) = sent["tasks"]["fn-a"], sent["tasks"]["fn-b"]
+    task_ids = [a1, b2, a3]
     assert len(set(task_ids)) == 3
 
     found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=3)))
@@ -71,6 +78,49 @@ def test_batch_run_sends_every_task_with_its_group(client: Client, sdk_topics: S
         assert record.function_id == function_id
         assert record.task_group_id == group
         assert unpack(record.payload) == arguments
+
+
+def test_a_batch_without_a_group_runs_in_the_session_group_and_an_empty_one_is_refused(
+    client: Client, sdk_topics: SdkTopics
+) -> None:
+    topic = sdk_topics.submissions
+    start = end_offsets(sdk_topics.kafka, topic)
+    with pytest.raises(ValueError, match="no tasks in the batch"):
+        client.batch_run(ENDPOINT, client.create_batch())
+    batch = client.create_batch(create_websocket_queue=True)
+    batch.add("fn-a", args=(1,))
+    batch.add("fn-a", args=(2,))
+    prepared = batch.prepare()
+    assert prepared["task_group_id"] is None and prepared["resource_specification"] is None
+    assert [Serializer().unpack_arguments(p) for p in prepared["tasks"]["fn-a"]] == [
+        ((1,), {}),
+        ((2,), {}),
+    ]
+    sent = client.batch_run(ENDPOINT, batch)
+    assert sent["task_group_id"] == client.session_task_group_id
+    found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=2)))
+    assert set(found) == set(sent["tasks"]["fn-a"])
+    assert {r.task_group_id for r in found.values()} == {client.session_task_group_id}
+    with pytest.raises(ValueError, match="user_endpoint_config is not supported"):
+        client.create_batch(user_endpoint_config={"worker_init": "module load x"})
+
+
+def test_the_executor_takes_globus_computes_positional_parameters(client: Client) -> None:
+    group = str(uuid.uuid4())
+    ex = Executor(ENDPOINT, client, group, {"num_nodes": 1, "ranks_per_node": 2}, None, "mine")
+    try:
+        assert ex.task_group_id == group
+        assert ex.resource_specification == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2}
+        assert ex.label == "mine" and "label='mine'" in repr(ex)
+        assert ex.serializer is client.serializer
+        assert ex.task_count_submitted == 0
+        ex.submit_to_registered_function("fn-mpi", (1,))
+        ex.submit_to_registered_function("fn-mpi", (2,))
+        assert ex.task_count_submitted == 2
+    finally:
+        ex.shutdown(wait=False, cancel_futures=True)
+    with pytest.raises(ValueError, match="configured by its owner"):
+        Executor(ENDPOINT, client, user_endpoint_config={"account": "abc"})
 
 
 def test_executor_submissions_carry_the_task_group_and_future_ids(
@@ -103,7 +153,7 @@ def test_a_resource_specification_of_the_executor_or_the_batch_travels_completed
     plain = ex.submit_to_registered_function("fn-mpi", (2,))
     batch = client.create_batch(resource_specification={"num_nodes": 1, "ranks_per_node": 3})
     batch.add("fn-mpi", args=(3,))
-    [batched] = client.batch_run(ENDPOINT, batch)
+    [batched] = client.batch_run(ENDPOINT, batch)["tasks"]["fn-mpi"]
     found = dict(submissions(read_from(sdk_topics.kafka, topic, start, count=3)))
     ex.shutdown(wait=False, cancel_futures=True)
     assert found[first.task_id].resource_specification == ResourceSpecification(

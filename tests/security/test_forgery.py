@@ -29,8 +29,10 @@ from fxstream.sdk import Client, TaskRejected
 from fxstream.topics import (
     DataLocation,
     DeadLetter,
+    EndpointLogs,
     FunctionRecord,
     Heartbeat,
+    LogLine,
     Serializer,
     TaskDispatch,
     TaskEvent,
@@ -261,6 +263,27 @@ def test_a_heartbeat_for_another_endpoint_is_dead_lettered(
     assert agent_id not in {b.agent_id for b in beats}
     # The endpoint's own heartbeats do arrive (through the same ingress).
     assert stack.endpoint_id in {b.endpoint_id for b in beats}
+
+
+def test_a_log_batch_for_another_endpoint_is_dead_lettered(
+    stack: PrivatePlatform, other_endpoint: str
+) -> None:
+    # Lines slipped into the victim's log (which its owner reads as its agents' own).
+    forged = EndpointLogs(
+        endpoint_id=stack.endpoint_id,
+        agent_id=str(uuid.uuid4()),
+        hostname="forged",
+        sent_at=time.time(),
+        lines=[LogLine(at=time.time(), level="ERROR", logger="x", message="send your token")],
+    )
+    value = encode(forged)
+    produce(stack, stack.catalogue.from_endpoint(other_endpoint), stack.endpoint_id, value)
+    letter = dead_letter_of(stack, value, error_type="IdentityMismatch", component="ingress")
+    assert "reports only for itself" in letter.reason
+    batches = [
+        decode(m.value(), EndpointLogs) for m in records(stack, stack.catalogue.endpoint_logs)
+    ]
+    assert forged.agent_id not in {b.agent_id for b in batches}
 
 
 def test_adverts_events_and_locations_speak_only_for_their_own_endpoint(

@@ -32,7 +32,11 @@ from fxstream.topics import (
     truncate_utf8_tail,
     utf8_len,
 )
-from fxstream.topics.budget import ERROR_MESSAGE_MAX_BYTES, TRACEBACK_MAX_BYTES
+from fxstream.topics.budget import (
+    ERROR_MESSAGE_MAX_BYTES,
+    OUTPUT_MAX_BYTES,
+    TRACEBACK_MAX_BYTES,
+)
 from fxstream.topics.records import LATENCY_BUCKETS
 
 CATALOGUE = Catalogue()
@@ -144,6 +148,20 @@ def test_a_value_that_cannot_fit_raises_with_the_sizes() -> None:
     assert raised.value.size > raised.value.limit
 
 
+def test_printed_output_keeps_its_tail_and_gives_way_to_the_value() -> None:
+    lines = "".join(f"line {n}\n" for n in range(10_000))  # 98,890 bytes
+    fitted = fit_result(msgspec.structs.replace(_result(value=b"v"), stdout=lines), RESULTS)
+    assert utf8_len(fitted.stdout) <= OUTPUT_MAX_BYTES
+    assert fitted.stdout.endswith("line 9999\n") and "bytes cut]" in fitted.stdout
+    # A value that leaves no room: the output shrinks (to nothing), the value stays.
+    room = RESULTS.max_message_bytes - 2_000
+    big = msgspec.structs.replace(_result(value=b"x" * room), stdout=lines, stderr=EMOJI * 9_000)
+    squeezed = fit_result(big, RESULTS)
+    assert squeezed.value == big.value
+    assert utf8_len(squeezed.stdout) + utf8_len(squeezed.stderr) < 2_000
+    assert fits(RESULTS, TASK.encode(), encode(squeezed))
+
+
 def test_a_state_drops_a_value_that_does_not_fit() -> None:
     state = TaskState(
         task_id=TASK,
@@ -177,15 +195,23 @@ texts = st.one_of(
     value_size=st.one_of(st.none(), st.integers(min_value=0, max_value=1_100_000)),
     attempts=st.integers(min_value=0, max_value=100),
     header_bytes=st.integers(min_value=0, max_value=200_000),
+    printed=texts,
 )
 def test_every_planned_record_fits_its_topic(
-    message: str, traceback: str, value_size: int | None, attempts: int, header_bytes: int
+    message: str,
+    traceback: str,
+    value_size: int | None,
+    attempts: int,
+    header_bytes: int,
+    printed: str,
 ) -> None:
-    """Results, states and dead letters from any error, value, retries and headers fit."""
+    """Results, states and dead letters from any error, value, retries, printed output and
+    headers fit."""
     headers = [("trace", b"h" * header_bytes)] if header_bytes else []
     key = TASK.encode()
     value = None if value_size is None else b"x" * value_size
     result = _result(message=message, traceback=traceback, value=value, attempts=attempts % 10)
+    result = msgspec.structs.replace(result, stdout=printed, stderr=printed[::-1])
     if attempts >= 10:
         result = msgspec.structs.replace(
             result,

@@ -65,6 +65,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from fxstream.agent.answer import Answerer
 from fxstream.agent.config import EndpointConfig
+from fxstream.agent.containers import runtime_for
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.agent.engine import Engine
 from fxstream.agent.feed import EngineFeed
@@ -72,6 +73,7 @@ from fxstream.agent.function_code import CodeCache
 from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import HeldTasks
 from fxstream.agent.image_pools import ImagePools
+from fxstream.agent.log_shipper import LogShipper
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -154,6 +156,14 @@ class Agent:
         self._beats = Heartbeats(
             config, self.catalogue, agent_id=self.agent_id, hostname=self._hostname, held=self._held
         )
+        # The agent's log for its owner (fxstream.agent.log_shipper): shipped with each
+        # heartbeat once a logger has it (the CLI's `start` adds it to the root logger).
+        self.log_shipper = LogShipper(
+            endpoint_id=config.endpoint_id,
+            agent_id=self.agent_id,
+            hostname=self._hostname,
+            topic=self.out_topic,
+        )
         self._engine: Engine | None = None
         self._feed: EngineFeed | None = None
         self._intake: Intake | None = None
@@ -208,13 +218,19 @@ class Agent:
             )
         elif self.config.engine == "htex":
             # Parsl is imported only by endpoints that use it (a second of start-up).
-            from fxstream.agent.batch_engine import BatchEngine
+            from fxstream.agent.batch_engine import BatchEngine, BlockContainer
 
+            image = self.config.worker_image()
             engine = BatchEngine(
                 self.config.batch_settings(),
                 self._runner,
                 self.config.directory / "batch",
                 label=f"fxstream-{self.config.name}",
+                container=(
+                    None
+                    if image is None
+                    else BlockContainer(runtime_for(image.runtime), image, readonly, writable)
+                ),
             )
         else:
             engine = ProcessEngine(self.config.workers, self._runner)
@@ -373,6 +389,7 @@ class Agent:
                 next_code_fetch = time.monotonic() + CODE_RETRY_S
             if now >= next_beat:
                 self._beats.send(producer, engine)
+                self.log_shipper.ship(producer)
                 next_beat = now + self.config.heartbeat_period_s
 
     def _on_assign(
@@ -410,6 +427,7 @@ class Agent:
         deadline = time.monotonic() + STOP_GRACE_S
         while self._answering() and time.monotonic() < deadline:
             producer.poll(0.05)
+        self.log_shipper.ship(producer)  # the last lines, the stop among them
         producer.flush(STOP_CLOSE_S)
         if self._publisher is not None:
             # Commits what is queued; the group must still be joined for its offsets.

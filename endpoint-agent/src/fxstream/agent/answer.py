@@ -311,6 +311,8 @@ class Answerer:
                 result_published_at=time.time(),
             ),
             tags=submission.tags,
+            stdout=outcome.stdout,
+            stderr=outcome.stderr,
         )
 
     def dead_letter_message(

@@ -39,7 +39,16 @@ Not the process engine's equal yet (written down in docs/architecture.md):
   instruction (:mod:`fxstream.agent.batch_worker`), so a function blocked in C code
   runs on until it returns.
 * **warm state** is learnt from results (which worker ran which function), not asked
-  of the workers; one image for all (containers do not wrap the workers yet).
+  of the workers; one image for all the workers (below), not a pool per image.
+
+**Containers** (the endpoint's ``runtime`` and ``image``, :class:`BlockContainer`): as
+Globus Compute's engine does, the container wraps the command each block runs, Parsl's
+worker pool: ``bwrap ... -- python -m ...process_worker_pool ...`` (or ``podman run``,
+``apptainer exec``: :mod:`fxstream.agent.containers`), so the pool and every worker it
+forks run in the image, with the agent's interpreter and sources bound read-only and
+only the run directory (and the endpoint's writable directories) writable; the network
+is the host's, which the pool needs to reach the interchange. A block's job killed by
+the scheduler takes its container with it (``--die-with-parent``).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from parsl.jobs.states import JobState
 
 from fxstream.agent.batch_settings import BatchSettings
 from fxstream.agent.batch_worker import WalltimeExceeded, run_item, write_runner_file
+from fxstream.agent.containers import ContainerError, Image, Runtime, WorkerLaunch
 from fxstream.agent.engine import (
     BLOCK_LOST,
     CODE_REQUIRED,
@@ -81,9 +91,10 @@ from fxstream.agent.engine import (
     WorkItem,
     WorkOutcome,
 )
+from fxstream.agent.python_envs import PythonInterpreter
 from fxstream.agent.worker_process import RunnerSpec
 
-__all__ = ["BatchEngine", "BlockCounts"]
+__all__ = ["BatchEngine", "BlockContainer", "BlockCounts"]
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +105,41 @@ _WARM_FORGET_S: Final = 600.0
 _LIVE_STATES: Final = frozenset({JobState.PENDING, JobState.RUNNING, JobState.UNKNOWN})
 _INTERCHANGE: Final = "parsl.executors.high_throughput.interchange"
 _WORKER_POOL: Final = "parsl.executors.high_throughput.process_worker_pool"
+
+
+@dataclass(frozen=True, slots=True)
+class BlockContainer:
+    """The container every block's worker pool runs in: ``runtime`` with ``image``, the
+    host paths the workers read (``readonly``, besides the agent's interpreter and
+    sources) and may write (``writable``, besides the run directory)."""
+
+    runtime: Runtime
+    image: Image
+    readonly: tuple[str, ...] = ()
+    writable: tuple[str, ...] = ()
+
+    def launch_cmd(self, run_dir: Path) -> str:
+        """Parsl's worker-pool launch command (a ``str.format`` template) run inside the
+        container; ``ContainerError`` when the runtime cannot run here."""
+        why = self.runtime.unavailable()
+        if why is not None:
+            raise ContainerError(why)
+        python = PythonInterpreter.current()
+        sandbox = str(run_dir / "workers")
+        Path(sandbox).mkdir(parents=True, exist_ok=True, mode=0o700)
+        launch = WorkerLaunch(
+            argv=(sys.executable, "-m", _WORKER_POOL),
+            env={},  # the job's own environment (a runtime passes names, never values)
+            sandbox=sandbox,
+            name=f"fxstream-block-{run_dir.name}",
+            readonly=(*python.paths, *self.readonly),
+            writable=(str(run_dir), *self.writable),
+            fds=0,
+        )
+        command = " ".join(shlex.quote(part) for part in self.runtime.command(launch, self.image))
+        # Parsl formats the template with the pool's options: keep the command's own braces.
+        escaped = command.replace("{", "{{").replace("}", "}}")
+        return DEFAULT_LAUNCH_CMD.replace("process_worker_pool.py", escaped, 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +178,7 @@ class BatchEngine:
         run_dir: Path,
         *,
         label: str = "fxstream",
+        container: BlockContainer | None = None,
     ) -> None:
         settings.validate()
         self._settings = settings
@@ -163,8 +210,12 @@ class BatchEngine:
             # By this interpreter's path, not Parsl's scripts on PATH (the agent's PATH
             # need not hold its virtualenv's bin directory; a block's job shares its files).
             interchange_launch_cmd=[sys.executable, "-m", _INTERCHANGE],
-            launch_cmd=DEFAULT_LAUNCH_CMD.replace(
-                "process_worker_pool.py", f"{shlex.quote(sys.executable)} -m {_WORKER_POOL}", 1
+            launch_cmd=(
+                DEFAULT_LAUNCH_CMD.replace(
+                    "process_worker_pool.py", f"{shlex.quote(sys.executable)} -m {_WORKER_POOL}", 1
+                )
+                if container is None
+                else container.launch_cmd(run_dir)
             ),
         )
         self._executor.run_dir = str(run_dir)
@@ -378,7 +429,9 @@ class BatchEngine:
     def _on_done(self, item: WorkItem, done: Future[Any]) -> None:
         exc = done.exception()
         if exc is None:
-            ok, value, error_type, message, text, started, finished, worker = done.result()
+            ok, value, error_type, message, text, started, finished, worker, out, err = (
+                done.result()
+            )
             self._note_warm(worker, item.function_id)
             outcome = WorkOutcome(
                 task_id=item.task_id,
@@ -390,6 +443,8 @@ class BatchEngine:
                 worker=worker,
                 started_at=started,
                 finished_at=finished,
+                stdout=out,
+                stderr=err,
             )
         elif isinstance(exc, WalltimeExceeded):  # fired between the function and its reply
             outcome = WorkOutcome.failure(item, WALLTIME_EXCEEDED, "the task ran past its walltime")

@@ -35,8 +35,9 @@ __all__ = ["CACHE_SIZE", "ItemReply", "WalltimeExceeded", "run_item", "write_run
 CACHE_SIZE: Final = 64
 """Loaded functions each worker process keeps."""
 
-ItemReply = tuple[bool, bytes | None, str | None, str, str, float, float, str]
-"""``(ok, value, error_type, message, traceback, started, finished, worker)``."""
+ItemReply = tuple[bool, bytes | None, str | None, str, str, float, float, str, str, str]
+"""``(ok, value, error_type, message, traceback, started, finished, worker, stdout,
+stderr)``."""
 
 _runners: dict[str, ItemRunner] = {}
 _lock = threading.Lock()
@@ -95,6 +96,7 @@ def run_item(
         if timed:
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, previous)
-    _, status, value, error_type, message, text, started, finished, _ = reply
+    _, status, value, error_type, message, text, started, finished, _, out, err = reply
     worker = f"{socket.gethostname()}:{os.getpid()}"
-    return (status == REPLY_OK, value, error_type, message, text, started, finished, worker)
+    ok = status == REPLY_OK
+    return (ok, value, error_type, message, text, started, finished, worker, out, err)

@@ -1,4 +1,4 @@
-"""``fxstream-endpoint``: configure, start, stop and list endpoints on this machine.
+"""``fxstream-endpoint``: configure, start, stop, list and diagnose endpoints on this machine.
 
 The agent itself (:class:`~fxstream.agent.agent.Agent`, its Kafka clients) is imported
 only by ``start``: ``configure``, ``stop`` and ``list`` start faster without it, and so
@@ -533,6 +533,8 @@ def _serve(config: EndpointConfig) -> None:
             "cannot make the agent non-dumpable here: tasks may read its memory"
         )
     agent = Agent(config)
+    # The whole process's log reaches the endpoint's owner (GET /v1/endpoints/{id}/logs).
+    logging.getLogger().addHandler(agent.log_shipper)
     signal.signal(signal.SIGTERM, lambda *_: agent.stop())
     signal.signal(signal.SIGINT, lambda *_: agent.stop())
     pid_file = _pid_file(config.name)
@@ -619,6 +621,40 @@ def list_endpoints() -> None:
         state = "[green]running[/green]" if pid else "stopped"
         table.add_row(config.name, config.endpoint_id, state, str(pid or "-"))
     console.print(table)
+
+
+@app.command()
+def diagnose(
+    name: str,
+    bundle_dir: Annotated[
+        Path | None,
+        typer.Option("--bundle", help="Also write a tar.gz (report, config, logs) there."),
+    ] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each service.")] = 10.0,
+) -> None:
+    """Check this host can serve endpoint NAME: config, credential, service, Kafka,
+    container runtime, scheduler, disk (exit 1 if any check fails)."""
+    from fxstream.agent.diagnose import bundle
+    from fxstream.agent.diagnose import diagnose as run_checks
+
+    try:
+        config = EndpointConfig.load(name)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    checks = run_checks(config, timeout_s=timeout)
+    table = Table(title=f"endpoint {name!r} ({config.endpoint_id}) on this host")
+    for column in ("check", "status", "found", "what to do"):
+        table.add_column(column)
+    colours = {"ok": "green", "warn": "yellow", "fail": "red"}
+    for check in checks:
+        status = f"[{colours[check.status]}]{check.status}[/{colours[check.status]}]"
+        table.add_row(check.name, status, check.detail, check.remedy)
+    console.print(table)
+    if bundle_dir is not None:
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        console.print(f"bundle (no credential in it): {bundle(config, checks, bundle_dir)}")
+    if any(check.status == "fail" for check in checks):
+        raise typer.Exit(1)
 
 
 def main() -> None:

@@ -258,11 +258,17 @@ class EndpointConfig:
             if self.batch is not None:
                 raise ConfigError("batch: is read only with engine: htex; remove it or set it")
             return
-        if self.runtime != "process" or self.images or self.interpreters:
+        if self.interpreters:
             raise ConfigError(
-                "engine htex runs its workers on the batch scheduler's blocks without a "
-                "container or another interpreter yet: remove runtime, images and "
-                "interpreters, or use engine: process"
+                "engine htex runs every block's workers with one interpreter, the agent's: "
+                "remove interpreters, or use engine: process"
+            )
+        others = sorted(set(self.images) - {self.image})
+        if others:
+            raise ConfigError(
+                "engine htex runs every block's workers in one container, the endpoint's "
+                f"image ({self.image or 'none'}): remove {', '.join(others)} from images, "
+                "or use engine: process for a pool per image"
             )
         try:
             self.batch_settings().validate()

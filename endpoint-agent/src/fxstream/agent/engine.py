@@ -120,6 +120,8 @@ class WorkOutcome:
     the worker that ran it (empty when none did); ``started_at`` and
     ``finished_at`` are epoch seconds, ``started_at`` is ``None`` when the item
     never started. Message and traceback fit a ``TaskError`` record as they are.
+    ``stdout`` and ``stderr`` are the tail of what the function printed
+    (:mod:`fxstream.agent.output_capture`), empty when it printed nothing or never ran.
     """
 
     task_id: str
@@ -131,6 +133,8 @@ class WorkOutcome:
     worker: str
     started_at: float | None
     finished_at: float
+    stdout: str = ""
+    stderr: str = ""
 
     @property
     def retryable(self) -> bool:

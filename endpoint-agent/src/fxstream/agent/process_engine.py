@@ -871,7 +871,7 @@ class ProcessEngine:
 
     def _on_message(self, slot: _Slot, message: bytes) -> None:
         reply: tuple[Any, ...] = pickle.loads(message)
-        if not isinstance(reply, tuple) or len(reply) not in (2, 9):
+        if not isinstance(reply, tuple) or len(reply) not in (2, 11):
             raise ValueError(f"not a worker reply: {type(reply).__name__}")
         resolutions: list[_Resolution] = []
         with self._lock:
@@ -885,7 +885,7 @@ class ProcessEngine:
         _resolve(resolutions)
 
     def _on_reply(self, slot: _Slot, reply: tuple[Any, ...]) -> list[_Resolution]:
-        seq, status, value, error_type, message, text, started, finished, cached = reply
+        seq, status, value, error_type, message, text, started, finished, cached, out, err = reply
         task = slot.outstanding.pop(seq, None)
         if task is None:
             return []
@@ -907,6 +907,8 @@ class ProcessEngine:
             worker=slot.worker_id,
             started_at=started,
             finished_at=finished,
+            stdout=out,
+            stderr=err,
         )
         return [(task.future, outcome)]
 

@@ -36,8 +36,9 @@ exits when its task pipe closes).
 The pipe protocol: the engine sends a pickled list of :data:`Entry` (or
 ``None``: stop); the worker replies ``(REPLY_READY, pid)`` once, then per item
 ``(seq, status, value, error_type, message, traceback, started, finished,
-cached)`` with ``status`` one of :data:`REPLY_OK`, :data:`REPLY_ERROR`,
-:data:`REPLY_NEEDS_CODE`.
+cached, stdout, stderr)`` with ``status`` one of :data:`REPLY_OK`, :data:`REPLY_ERROR`,
+:data:`REPLY_NEEDS_CODE`, and ``stdout`` / ``stderr`` the tail of what the function
+printed (:mod:`fxstream.agent.output_capture`).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from multiprocessing.connection import Connection
 from typing import IO, Any, Final
 
 from fxstream.agent.engine import RUNNER_UNAVAILABLE
+from fxstream.agent.output_capture import CapturedOutput, captured
 from fxstream.topics.budget import (
     ERROR_MESSAGE_MAX_BYTES,
     TRACEBACK_MAX_BYTES,
@@ -242,12 +244,14 @@ class ItemRunner:
         started = state[STATE_EPOCH] = time.time()
         state[STATE_SEQ] = seq
         reply: tuple[Any, ...]
+        output = CapturedOutput(0)
         try:
             call = self._function(key, code)
             if call is None:
                 reply = (seq, REPLY_NEEDS_CODE, None, None, "", "", started, time.time(), False)
             else:
-                value = _as_bytes(call(payload))
+                with captured() as output:
+                    value = _as_bytes(call(payload))
                 reply = (seq, REPLY_OK, value, None, "", "", started, time.time(), True)
         except BaseException as exc:  # SystemExit and KeyboardInterrupt too: the worker lives
             name, message, text = _describe_exception(exc)
@@ -266,7 +270,7 @@ class ItemRunner:
                 cached,
             )
         state[STATE_SEQ] = -1
-        return reply
+        return (*reply, output.stdout, output.stderr)
 
     def _function(self, key: FunctionKey, code: bytes | None) -> Call | None:
         call = self._cache.get(key)

@@ -203,6 +203,59 @@ def status(
         raise typer.Exit(1)
 
 
+@app.command()
+def logs(
+    endpoint_id: Annotated[str, typer.Argument(help="The endpoint whose agents' log to show.")],
+    limit: Annotated[int, typer.Option(help="The newest lines to show (1-5000).")] = 200,
+    level: Annotated[str, typer.Option(help="The lowest level: DEBUG, INFO, WARNING, ERROR.")] = (
+        "INFO"
+    ),
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep showing new lines.")] = False,
+) -> None:
+    """Show an endpoint's log, as its agents shipped it to the platform (owner only; your
+    credentials as the SDK finds them: FXSTREAM_CREDENTIALS, else those `./fx up` wrote)."""
+    from fxstream.sdk import Client, FxstreamError
+
+    try:
+        with Client() as client:
+            since: float | None = None
+            while True:
+                answer = client.get_endpoint_logs(
+                    endpoint_id, limit=limit, level=level.upper(), since=since
+                )
+                for line in answer["lines"]:
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(line["at"]))
+                    console.print(
+                        f"{stamp} {line['level']:<7} {line['hostname']} {line['logger']}: "
+                        f"{line['message']}",
+                        markup=False,
+                        highlight=False,
+                    )
+                    since = line["at"]
+                if answer["dropped"]:
+                    err.print(f"({answer['dropped']} lines were dropped by the agents)")
+                if not follow:
+                    if not answer["complete"]:
+                        err.print("(older lines exist: only the newest 2,000 batches are read)")
+                    return
+                time.sleep(2.0)
+    except FxstreamError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        return
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def diagnose(ctx: typer.Context) -> None:
+    """Check an endpoint host: `fxstream diagnose NAME [--bundle DIR]` is
+    `fxstream-endpoint diagnose` (config, credential, service, Kafka, runtime, scheduler,
+    disk; a tar.gz of the report, config and logs with --bundle)."""
+    from fxstream.agent.cli import app as endpoint_app
+
+    endpoint_app(["diagnose", *ctx.args], standalone_mode=True)
+
+
 def _run(step: str, argv: list[str]) -> None:
     console.rule(f"[bold]{step}")
     done = subprocess.run(argv, cwd=repo_root())

@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
+from fxstream.sdk.settings import platform_home
+
 __all__ = [
     "INSTANCE_SETTINGS",
     "MAX_INSTANCES",
@@ -62,11 +64,6 @@ def _flag(raw: Any, source: str) -> bool:
     if text in _TRUE | _FALSE:
         return text in _TRUE
     raise ConfigError(f"{source} must be 1 or 0 (true or false), got {raw!r}")
-
-
-def _default_home(env: Mapping[str, str]) -> Path:
-    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "fxstream"
 
 
 def _default_cache(env: Mapping[str, str]) -> Path:
@@ -151,7 +148,8 @@ class PlatformConfig:
     def load(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> PlatformConfig:
         """Build the config from defaults, the TOML file, the environment and ``overrides``."""
         env = os.environ if env is None else env
-        home = Path(overrides.get("home") or env.get("FXSTREAM_HOME") or _default_home(env))
+        # The SDK finds the local user's credentials in the same home (platform_home).
+        home = Path(overrides.get("home") or platform_home(env))
         values: dict[str, Any] = {
             "home": home,
             "cache_dir": _default_cache(env),

@@ -65,6 +65,7 @@ from fxstream.service.auth import (
     token_sha256,
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fxstream.service.endpoint_logs import read_endpoint_logs
 from fxstream.service.identity_provider import (
     IdentityProvider,
     IdentityProviderUnavailable,
@@ -87,6 +88,7 @@ from fxstream.topics import (
     TaskStateName,
     TriggerRule,
     UserRecord,
+    client_info,
     code_sha256,
     decode,
     encode,
@@ -259,6 +261,13 @@ class Me(BaseModel):
     )
 
 
+Labels = Annotated[
+    dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
+    Field(max_length=256),
+]
+"""A function's or an endpoint's metadata: at most 256 labels, bounded keys and values."""
+
+
 class NewFunction(_Body):
     """``POST /v1/functions``."""
 
@@ -268,6 +277,7 @@ class NewFunction(_Body):
     public: bool = False
     allowed_users: SharedWith = []
     description: Description = ""
+    metadata: Labels = {}
 
 
 class FunctionCreated(BaseModel):
@@ -284,10 +294,7 @@ class NewEndpoint(_Body):
     public: bool = False
     allowed_users: SharedWith = []
     description: Description = ""
-    metadata: Annotated[
-        dict[Annotated[str, Field(max_length=256)], Annotated[str, Field(max_length=4096)]],
-        Field(max_length=256),
-    ] = {}
+    metadata: Labels = {}
 
 
 class EndpointCreated(BaseModel):
@@ -381,6 +388,15 @@ class NewTrigger(_Body):
     max_in_flight: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
     max_per_second: Annotated[float, Field(gt=0, le=1_000_000)] | None = None
     client: ClientBody | None = None
+
+
+class Version(BaseModel):
+    """The service's version, and the oldest SDK and endpoint versions it works with."""
+
+    api: Literal["v1"] = "v1"
+    version: str
+    min_sdk_version: str
+    min_ep_version: str
 
 
 class Health(BaseModel):
@@ -558,6 +574,8 @@ class Runtime:
     trigger_lock: threading.Lock = field(default_factory=threading.Lock)
     # The analytics processor's windows (GET /v1/analytics).
     analytics: AnalyticsView | None = None
+    # How the service reaches Kafka (an endpoint's logs are read on request).
+    kafka: KafkaConnection | None = None
 
     def close(self) -> None:
         """Stop writing, then stop reading."""
@@ -600,6 +618,7 @@ def _start_runtime(
         limiter=RateLimiter(accounts.limits),
         kafka_secure=kafka.secure,
         analytics=analytics,
+        kafka=kafka,
     )
 
 
@@ -1121,6 +1140,7 @@ def create_function(body: NewFunction, caller: CallerDep, runtime: RuntimeDep) -
         public=body.public,
         allowed_users=_shared_with(body.allowed_users),
         description=body.description,
+        metadata=dict(body.metadata),
     )
     runtime.writer.put(runtime.catalogue.functions, record.function_id, record)
     return FunctionCreated(function_id=record.function_id, code_sha256=record.code_sha256)
@@ -1230,6 +1250,39 @@ def read_endpoint(endpoint_id: str, principal: PrincipalDep, runtime: RuntimeDep
         raise _wrong_principal(principal)
     endpoint = _endpoint_or_404(runtime.view, endpoint_id, principal)
     return _endpoint_json(runtime.view, endpoint)
+
+
+@router.get("/endpoints/{endpoint_id}/logs", tags=["endpoints"])
+def read_endpoint_logs_route(
+    endpoint_id: str,
+    caller: CallerDep,
+    runtime: RuntimeDep,
+    limit: Annotated[int, Query(ge=1, le=5_000)] = 200,
+    level: Annotated[
+        Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
+        Query(description="the lowest level shown"),
+    ] = "INFO",
+    since: Annotated[float | None, Query(description="lines after this time (epoch s)")] = None,
+) -> dict[str, Any]:
+    """The newest ``limit`` lines its agents logged, for the endpoint's owner only (a user
+    it is shared with: 403; anyone else: 404), oldest first
+    (:mod:`fxstream.service.endpoint_logs`)."""
+    endpoint = _endpoint_or_404(runtime.view, endpoint_id, Principal(kind="user", user=caller))
+    _require_owner(caller, endpoint.owner_id, f"endpoint {endpoint_id!r}", "read its logs")
+    if runtime.kafka is None:
+        raise ApiError(503, "unavailable", "this service was started without Kafka")
+    try:
+        return read_endpoint_logs(
+            runtime.kafka,
+            runtime.catalogue.endpoint_logs,
+            endpoint_id,
+            limit=limit,
+            level=level,
+            since=since,
+            timeout_s=runtime.timeout_s,
+        )
+    except KafkaException as exc:
+        raise _kafka_unavailable(f"cannot read the endpoint's logs: {exc}") from exc
 
 
 @router.delete("/endpoints/{endpoint_id}", status_code=204, tags=["endpoints"])
@@ -1657,6 +1710,15 @@ def read_analytics(
         for item in windows:
             item["user_id"] = None
     return {"windows": windows, "truncated": truncated}
+
+
+@router.get("/version", tags=["health"])
+def version() -> Version:
+    """The service's fxstream version (no token needed). The SDK, the endpoint agent and the
+    service ship together from one workspace, so the oldest versions it works with are its
+    own (``Client.version_check``)."""
+    own = client_info().fxstream_version
+    return Version(version=own, min_sdk_version=own, min_ep_version=own)
 
 
 @router.get("/health", tags=["health"])

@@ -10,9 +10,10 @@ endpoint ``E`` of the topic it is on:
   only for a task the router routed to ``E``, naming ``E`` and the task's own
   user and function; it goes to ``results.<user>`` (the user the task was routed
   for, not the one the record names) or ``task-events``;
-- a :class:`~fxstream.topics.Heartbeat` or :class:`~fxstream.topics.WarmAdvert`
-  only for ``E``; a :class:`~fxstream.topics.DataLocation` only at site ``E``;
-  they go to ``heartbeats``, ``warm``, ``data-locations``;
+- a :class:`~fxstream.topics.Heartbeat`, :class:`~fxstream.topics.EndpointLogs` or
+  :class:`~fxstream.topics.WarmAdvert` only for ``E``; a
+  :class:`~fxstream.topics.DataLocation` only at site ``E``; they go to ``heartbeats``,
+  ``endpoint-logs``, ``warm``, ``data-locations``;
 - the agent's own :class:`~fxstream.topics.DeadLetter` records go to
   ``dead-letter`` (operators read them; nothing acts on them).
 
@@ -58,6 +59,7 @@ from fxstream.topics import (
     DataLocation,
     DeadLetter,
     DeadLetterReason,
+    EndpointLogs,
     Heartbeat,
     RawRecord,
     RecordDecodeError,
@@ -216,6 +218,9 @@ class Ingress:
         elif isinstance(value, Heartbeat):
             if self._claims(plan, record, endpoint, value.endpoint_id, "heartbeat"):
                 self._forward(plan, record, catalogue.heartbeats, endpoint)
+        elif isinstance(value, EndpointLogs):
+            if self._claims(plan, record, endpoint, value.endpoint_id, "log batch"):
+                self._forward(plan, record, catalogue.endpoint_logs, endpoint)
         elif isinstance(value, WarmAdvert):
             if self._claims(plan, record, endpoint, value.endpoint_id, "warm advert"):
                 self._forward(plan, record, catalogue.warm, f"{endpoint}/{value.manager_id}")
@@ -229,8 +234,8 @@ class Ingress:
                 plan,
                 record,
                 f"endpoint {endpoint!r} wrote a {record_kind(record.value)!r} record; an endpoint "
-                "reports only results, task events, heartbeats, warm adverts, data locations "
-                "and dead letters",
+                "reports only results, task events, heartbeats, log batches, warm adverts, "
+                "data locations and dead letters",
                 DeadLetterReason.IDENTITY_MISMATCH,
             )
 

@@ -29,7 +29,9 @@
 Modules: ``client``, ``executor``, ``batch``, ``futures``, ``results`` (the
 listener thread), ``history`` (results read back for replay), ``subscription`` (result
 subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, ``shell``,
-``staging``, ``errors``, ``streams``, ``heap`` (a drained backlog's heap given back).
+``staging``, ``errors``, ``streams``, ``heap`` (a drained backlog's heap given back),
+``status`` (Globus Compute's status words), ``versions``, ``hardware`` (the worker
+hardware report).
 """
 
 from fxstream.connectors import (
@@ -66,6 +68,7 @@ from fxstream.sdk.errors import (
     TaskExecutionFailed,
     TaskPending,
     TaskRejected,
+    VersionMismatch,
     WalltimeExceeded,
     WorkerLost,
 )
@@ -137,6 +140,7 @@ __all__ = [
     "TaskPage",
     "TaskPending",
     "TaskRejected",
+    "VersionMismatch",
     "WalltimeExceeded",
     "WorkerLost",
     "stream_consumer",

@@ -8,10 +8,23 @@ from typing import Any
 from fxstream.connectors import Packed
 from fxstream.topics import ResourceSpecification, budget
 
-__all__ = ["Batch", "Packer"]
+__all__ = ["Batch", "Packer", "refuse_user_endpoint_config"]
 
 Packer = Callable[[str, tuple[Any, ...], Mapping[str, Any] | None], Packed]
 """(function_id, args, kwargs) -> the task's argument payload (raises if it cannot be sent)."""
+
+
+def refuse_user_endpoint_config(config: Mapping[str, Any] | None) -> None:
+    """Globus Compute's per-user endpoint templates have no counterpart here: say so
+    (``ValueError``), rather than run tasks on an endpoint configured otherwise than
+    asked. ``None`` or an empty mapping passes."""
+    if config:
+        raise ValueError(
+            "user_endpoint_config is not supported: an fxstream endpoint is configured by "
+            "its owner (fxstream-endpoint configure), not per user; submit to an endpoint "
+            "configured as you need (its worker environment, engine and resources), and "
+            "pass MPI needs as resource_specification"
+        )
 
 
 class Batch:
@@ -60,6 +73,19 @@ class Batch:
         """``(function_id, packed payload, tags)`` of each task, in the order added."""
         for (function_id, packed), tags in zip(self._tasks, self._tags, strict=True):
             yield function_id, packed, tags
+
+    def prepare(self) -> dict[str, Any]:
+        """What ``batch_run`` sends, as Globus Compute's ``Batch.prepare()`` shows it:
+        ``task_group_id``, ``resource_specification`` and ``tasks`` (function id -> the
+        packed argument payload of each of its tasks, in order)."""
+        tasks: dict[str, list[bytes]] = {}
+        for function_id, packed in self._tasks:
+            tasks.setdefault(function_id, []).append(packed.payload)
+        return {
+            "task_group_id": self.task_group_id,
+            "resource_specification": self.resource_specification,
+            "tasks": tasks,
+        }
 
     def __len__(self) -> int:
         return len(self._tasks)

@@ -17,10 +17,12 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import dataclasses
+import inspect
 import logging
 import re
 import threading
 import time
+import urllib.parse
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -44,7 +46,7 @@ from fxstream.connectors import (
     hold_futures,
     open_store,
 )
-from fxstream.sdk.batch import Batch
+from fxstream.sdk.batch import Batch, refuse_user_endpoint_config
 from fxstream.sdk.errors import (
     ConfigurationError,
     FxstreamError,
@@ -56,6 +58,7 @@ from fxstream.sdk.errors import (
     task_failure,
 )
 from fxstream.sdk.futures import TaskFuture, Timings, timings_of
+from fxstream.sdk.hardware import hardware_report
 from fxstream.sdk.history import read_back_results
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
 from fxstream.sdk.results import ResultListener, unreadable_result
@@ -67,6 +70,7 @@ from fxstream.sdk.settings import (
     ClientSettings,
 )
 from fxstream.sdk.staging import StagingSpec
+from fxstream.sdk.status import completion_time, globus_status
 from fxstream.sdk.submit import (
     PreparedTask,
     TaskProducer,
@@ -81,6 +85,7 @@ from fxstream.sdk.subscription import (
     since_timestamp,
     subscription_group,
 )
+from fxstream.sdk.versions import check_versions, registration_metadata
 from fxstream.topics import (
     MAX_PARENTS,
     Attempt,
@@ -107,6 +112,8 @@ _STATUS_CHUNK: Final = 1_000
 _RETAINED: Final = 100_000
 # Function digests kept (the oldest are asked from the service again when needed).
 _DIGESTS_KEPT: Final = 10_000
+# A docstring taken as a function's description is cut to the service's limit for it.
+_DOCSTRING_CHARS: Final = 65_536
 _PENDING_LOCALLY: Final = "submitted (no result received yet)"
 _TERMINAL: Final = frozenset({"succeeded", "failed", "rejected", "cancelled"})
 _ID_RE: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$")
@@ -204,19 +211,43 @@ class Client:
 
     def __init__(
         self,
-        service_url: str,
+        service_url: str | None = None,
         *,
-        kafka: KafkaConnection,
-        topic_prefix: str = DEFAULT_TOPIC_PREFIX,
+        kafka: KafkaConnection | None = None,
+        topic_prefix: str | None = None,
         user_id: str | None = None,
         token: str | None = None,
         serializer: Serializer | None = None,
-        max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES,
+        max_inline_bytes: int | None = None,
         store: str | Store[Any] | None = None,
-        proxy_threshold: int = DEFAULT_PROXY_THRESHOLD,
+        proxy_threshold: int | None = None,
         request_timeout: float = DEFAULT_TIMEOUT_S,
         kafka_config: Mapping[str, Any] | None = None,
     ) -> None:
+        if service_url is None and kafka is None:
+            # Client(): the environment's settings, else the credentials `./fx up` wrote
+            # (fxstream.sdk.settings), as Globus Compute's Client() finds its login.
+            found = ClientSettings.from_environment()
+            service_url, kafka = found.service_url, found.kafka
+            topic_prefix = found.topic_prefix if topic_prefix is None else topic_prefix
+            user_id = found.user_id if user_id is None else user_id
+            token = found.token if token is None else token
+            store = found.store_url if store is None else store
+            if max_inline_bytes is None:
+                max_inline_bytes = found.max_inline_bytes
+            if proxy_threshold is None:
+                proxy_threshold = found.proxy_threshold
+        elif service_url is None or kafka is None:
+            raise ConfigurationError(
+                "give a Client both service_url and kafka, or neither (then both come from "
+                "FXSTREAM_CREDENTIALS, the FXSTREAM_* variables or the credentials `./fx up` "
+                "wrote: see fxstream.sdk.settings)"
+            )
+        topic_prefix = DEFAULT_TOPIC_PREFIX if topic_prefix is None else topic_prefix
+        if max_inline_bytes is None:
+            max_inline_bytes = DEFAULT_MAX_INLINE_BYTES
+        if proxy_threshold is None:
+            proxy_threshold = DEFAULT_PROXY_THRESHOLD
         if max_inline_bytes <= 0:
             raise ValueError(f"max_inline_bytes must be positive, not {max_inline_bytes}")
         if proxy_threshold < 0:
@@ -249,6 +280,9 @@ class Client:
         # Open subscriptions: closed with the client.
         self._subscriptions: weakref.WeakSet[ResultSubscription] = weakref.WeakSet()
         self._closed = False
+        self.session_task_group_id = str(uuid.uuid4())
+        """The task group of :meth:`run` and of batches without one (Globus Compute's), so
+        they can be reloaded later; set it to resume an earlier session's group."""
 
     # --- construction ------------------------------------------------------------------
 
@@ -373,21 +407,42 @@ class Client:
     def register_function(
         self,
         fn: Callable[..., Any],
+        description: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        public: bool = False,
+        group: str | None = None,
+        ha_endpoint_id: str | None = None,
         *,
         name: str | None = None,
         container: str | None = None,
-        public: bool = False,
         allowed_users: Iterable[str] = (),
-        description: str = "",
     ) -> str:
         """Register ``fn`` (serialized by value with the code strategy); returns its function id.
 
-        ``public`` lets anyone run it; ``allowed_users`` shares it with those
-        user ids. ``name`` defaults to the function's ``__name__``.
+        Globus Compute's parameters, in its order: ``description`` (default: ``fn``'s
+        docstring), ``metadata`` (labels kept with the function, values as strings; the
+        SDK adds ``python_version`` and ``sdk_version`` unless given), ``public`` (anyone
+        may run it). ``group`` (a Globus group to share with) and ``ha_endpoint_id`` have
+        no counterpart here and are refused with ``ValueError`` saying what to use:
+        ``allowed_users`` shares it with those user ids. ``name`` defaults to the
+        function's ``__name__``.
         """
+        if group is not None:
+            raise ValueError(
+                "sharing a function with a Globus group is not supported here: share it "
+                "with user ids (allowed_users=[...]) or with everyone (public=True)"
+            )
+        if ha_endpoint_id is not None:
+            raise ValueError(
+                "ha_endpoint_id is not supported: fxstream has no high-assurance endpoints; "
+                "restrict who runs the function with allowed_users, and who runs on an "
+                "endpoint with its allowed_functions"
+            )
         code = self.serializer.serialize_function(fn)
         if name is None:
             name = getattr(fn, "__name__", None) or type(fn).__name__
+        if description is None:
+            description = (inspect.getdoc(fn) or "")[:_DOCSTRING_CHARS]
         return self.register_code(
             code,
             name=name,
@@ -395,6 +450,10 @@ class Client:
             public=public,
             allowed_users=allowed_users,
             description=description,
+            metadata={
+                **registration_metadata(),
+                **{k: str(v) for k, v in (metadata or {}).items()},
+            },
         )
 
     def register_code(
@@ -406,6 +465,7 @@ class Client:
         public: bool = False,
         allowed_users: Iterable[str] = (),
         description: str = "",
+        metadata: Mapping[str, str] | None = None,
     ) -> str:
         """Register a function already serialized with the code strategy; returns its id.
 
@@ -419,6 +479,7 @@ class Client:
             "public": public,
             "allowed_users": list(allowed_users),
             "description": description,
+            "metadata": dict(metadata or {}),
         }
         answer = self._rest.post("/functions", body)
         function_id = str(answer["function_id"])
@@ -503,14 +564,72 @@ class Client:
         answer: list[dict[str, Any]] = self._rest.get("/endpoints")
         return answer
 
+    def get_endpoints(self, role: str | None = None) -> list[dict[str, Any]]:
+        """Globus Compute's name for the endpoints you may use: ``role="owner"`` (its
+        default when unset) those you own, ``"any"`` also the public and shared ones;
+        each with its live ``status``."""
+        if role not in (None, "owner", "any"):
+            raise ValueError(f"role must be 'owner' or 'any', not {role!r}")
+        endpoints = self.list_endpoints()
+        if role == "any":
+            return endpoints
+        me = self.user_id
+        return [e for e in endpoints if e.get("owner_id") == me]
+
+    def get_endpoint_logs(
+        self,
+        endpoint_id: str,
+        *,
+        limit: int = 200,
+        level: str = "INFO",
+        since: float | None = None,
+    ) -> dict[str, Any]:
+        """The newest ``limit`` lines an endpoint's agents logged (at or above ``level``,
+        after ``since``), oldest first: ``{"lines": [{"at", "level", "logger", "message",
+        "agent_id", "hostname"}], "dropped", "scanned", "complete"}``. Only the endpoint's
+        owner may read them (``PermissionDenied`` for a user it is shared with)."""
+        query = urllib.parse.urlencode(
+            {"limit": limit, "level": level, **({} if since is None else {"since": since})}
+        )
+        answer: dict[str, Any] = self._rest.get(f"/endpoints/{endpoint_id}/logs?{query}")
+        return answer
+
+    def get_endpoint_metadata(self, endpoint_id: str) -> dict[str, Any]:
+        """An endpoint's record (Globus Compute's name for :meth:`get_endpoint`): name,
+        owner, description, ``metadata`` labels and live ``status``."""
+        return self.get_endpoint(endpoint_id)
+
+    def get_worker_hardware_details(self, endpoint_id: str) -> str:
+        """Run a task on ``endpoint_id`` that reports its worker's hardware (CPU, memory,
+        host, Python); returns the task id, whose result (``get_result``) is that report
+        as text, as in Globus Compute."""
+        function_id = self.register_function(hardware_report)
+        return self.run(endpoint_id=endpoint_id, function_id=function_id)
+
+    def version_check(self, endpoint_version: str | None = None) -> None:
+        """Raise :class:`~fxstream.sdk.errors.VersionMismatch` when this SDK's (or
+        ``endpoint_version``'s) version is not the service's: the wire contract is
+        versioned with the platform (``GET /v1/version``)."""
+        answer: dict[str, Any] = self._rest.get("/version")
+        check_versions(answer, endpoint_version)
+
+    def logout(self) -> None:
+        """Forget this client's API token here, as Globus Compute's ``logout`` removes
+        its stored login. To end the token itself, :meth:`revoke_token` first; the
+        credentials file is left alone (it is yours to delete)."""
+        self._token = None
+        self._rest.set_token(None)
+
     def get_endpoint(self, endpoint_id: str) -> dict[str, Any]:
         """One endpoint's record with its live ``status``."""
         answer: dict[str, Any] = self._rest.get(f"/endpoints/{endpoint_id}")
         return answer
 
     def get_endpoint_status(self, endpoint_id: str) -> dict[str, Any]:
-        """One endpoint's live status: ``state`` (online, lost, never-seen), workers, queue."""
-        status: dict[str, Any] = self.get_endpoint(endpoint_id)["status"]
+        """One endpoint's live status: ``state`` (online, lost, never-seen), workers, queue,
+        and Globus Compute's ``status`` (``online``, else ``offline``)."""
+        status: dict[str, Any] = dict(self.get_endpoint(endpoint_id)["status"])
+        status["status"] = "online" if status.get("state") == "online" else "offline"
         return status
 
     def delete_endpoint(self, endpoint_id: str) -> None:
@@ -994,6 +1113,7 @@ class Client:
             function_id,
             args,
             kwargs,
+            task_group_id=self.session_task_group_id,
             endpoint_group=endpoint_group,
             tags=tags,
             staging=staging,
@@ -1004,10 +1124,16 @@ class Client:
         self,
         task_group_id: str | None = None,
         resource_specification: Mapping[str, int] | None = None,
+        user_endpoint_config: Mapping[str, Any] | None = None,
+        create_websocket_queue: bool = False,
     ) -> Batch:
         """An empty :class:`~fxstream.sdk.batch.Batch` to fill with ``add`` and send with
-        :meth:`batch_run`; ``resource_specification`` (MPI tasks) applies to each of its
-        tasks, as in Globus Compute."""
+        :meth:`batch_run` (Globus Compute's parameters): ``resource_specification`` (MPI
+        tasks) applies to each of its tasks; ``user_endpoint_config`` is refused with
+        ``ValueError`` (endpoints here are configured by their owner);
+        ``create_websocket_queue`` is accepted and means nothing here (results always
+        come back on your results topic)."""
+        refuse_user_endpoint_config(user_endpoint_config)
         return Batch(self.pack, task_group_id, resource_specification=resource_specification)
 
     def batch_run(
@@ -1017,27 +1143,42 @@ class Client:
         *,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
-    ) -> list[str]:
+    ) -> dict[str, Any]:
         """Run every task of ``batch`` on ``endpoint_id`` (or on the one of
-        ``endpoint_group`` the service chooses, per task); returns the task ids in order.
+        ``endpoint_group`` the service chooses, per task); returns Globus Compute's answer:
+        ``{"request_id", "task_group_id", "endpoint_id", "tasks": {function_id: [task
+        ids, in the order added]}}``.
 
-        ``tags`` label every task of the batch; a task's own tags (``Batch.add(...,
-        tags=...)``) are added to them and win for the same key.
+        A batch without a task group runs in :attr:`session_task_group_id`, so it can be
+        reloaded later (``Executor(task_group_id=...).reload_tasks()``). ``tags`` label
+        every task of the batch; a task's own tags (``Batch.add(..., tags=...)``) are
+        added to them and win for the same key. An empty batch raises ``ValueError``.
         """
+        if not batch:
+            raise ValueError("no tasks in the batch: add some with batch.add(function_id, args)")
         shared = budget.check_tags(tags)
+        task_group_id = batch.task_group_id or self.session_task_group_id
         tasks = [
             self.prepare_task(
                 endpoint_id,
                 function_id,
                 payload=payload,
-                task_group_id=batch.task_group_id,
+                task_group_id=task_group_id,
                 endpoint_group=endpoint_group,
                 tags={**shared, **own} if own else shared,
                 resource_specification=batch.resource_specification,
             )
             for function_id, payload, own in batch.entries()
         ]
-        return self._run_tasks(tasks)
+        by_function: dict[str, list[str]] = {}
+        for task_id, task in zip(self._run_tasks(tasks), tasks, strict=True):
+            by_function.setdefault(task.function_id, []).append(task_id)
+        return {
+            "request_id": str(uuid.uuid4()),
+            "task_group_id": task_group_id,
+            "endpoint_id": endpoint_id,
+            "tasks": by_function,
+        }
 
     # --- cancel --------------------------------------------------------------------------
 
@@ -1369,8 +1510,16 @@ class Client:
             return self._futures.get(task_id)
 
     def get_task(self, task_id: str) -> dict[str, Any]:
-        """What is known about a task: ``state``, ``pending``, ``timings``, ``error``,
-        ``tags``, ``events``, ...
+        """What is known about a task: ``state``, ``status``, ``pending``, ``timings``,
+        ``error``, ``tags``, ``events``, ...; once it is done, also Globus Compute's
+        ``result`` (its value) or ``exception`` (its failure, returned, not raised) and
+        ``completion_t`` (epoch seconds, a string).
+
+        ``state`` is fxstream's lifecycle state; ``status`` the same in Globus Compute's
+        words (``success`` for ``succeeded``, ``waiting-for-ep`` before it runs:
+        :mod:`fxstream.sdk.status`). A succeeded task whose value can no longer be read
+        (a by-reference result evicted once consumed) has ``reason`` instead of
+        ``result``.
 
         ``events`` is the task's log of site timestamps, in lifecycle order, each
         ``{"state", "at", "where", "attempt"}``: submitted (``client``), routed
@@ -1383,14 +1532,32 @@ class Client:
         """
         future = self._local(task_id)
         if future is not None and future.done():
-            return _local_task(future)
+            return _with_local_outcome(_local_task(future), future)
         try:
             state: dict[str, Any] = self._rest.get(f"/tasks/{task_id}")
         except NotFound:
             if future is None:
                 raise
             return _local_task(future)
-        return _service_task(state)
+        task = _service_task(state)
+        return task if task["pending"] else self._with_outcome(task, state)
+
+    def _with_outcome(self, task: dict[str, Any], state: Mapping[str, Any]) -> dict[str, Any]:
+        """``task`` (from the service's ``state``) with Globus Compute's ``result``, or
+        ``exception`` (its failure), or ``reason`` (a value no longer readable), and
+        ``completion_t``; still ``pending`` if the service has no outcome yet."""
+        try:
+            task["result"] = self._value_of(state)
+        except TaskPending:
+            task["pending"] = True
+            return task
+        except Exception as exc:
+            if task["state"] == "succeeded":  # its value is no longer readable
+                task["reason"] = str(exc)
+            else:
+                task["exception"] = exc
+        task["completion_t"] = completion_time(task["timings"])
+        return task
 
     def get_tasks(
         self,
@@ -1527,7 +1694,8 @@ class Client:
                 answers[task_id] = {
                     "task_id": task_id,
                     "pending": True,
-                    "status": "submitted",
+                    "state": "submitted",
+                    "status": globus_status("submitted"),
                     "timings": dict(future.timings),
                 }
             else:
@@ -1540,14 +1708,7 @@ class Client:
                 if state is None:
                     answers[task_id] = {"task_id": task_id, "pending": True, "status": "unknown"}
                     continue
-                entry = _service_task(state)
-                try:
-                    entry["result"] = self._value_of(state)
-                except TaskPending:
-                    entry["pending"] = True
-                except Exception as exc:
-                    entry["exception"] = exc
-                answers[task_id] = entry
+                answers[task_id] = self._with_outcome(_service_task(state), state)
         return answers
 
     @property
@@ -1769,7 +1930,7 @@ def _service_task(state: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "task_id": state.get("task_id"),
         "state": name,
-        "status": name,
+        "status": globus_status(name),
         "pending": name not in ("succeeded", "failed", "rejected", "cancelled"),
         "function_id": state.get("function_id"),
         "endpoint_id": state.get("endpoint_id"),
@@ -1806,7 +1967,7 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
     return {
         "task_id": future.task_id,
         "state": name,
-        "status": name,
+        "status": globus_status(name),
         "pending": not future.done(),
         "function_id": future.function_id,
         "endpoint_id": future.endpoint_id,
@@ -1814,25 +1975,29 @@ def _local_task(future: TaskFuture) -> dict[str, Any]:
         "error": error,
         "worker": future.worker,
         "attempt": future.attempt,
+        "stdout": future.stdout,
+        "stderr": future.stderr,
         "tags": dict(future.tags),
         "events": _local_events(future),
     }
 
 
-def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
-    entry = {
-        "task_id": task["task_id"],
-        "pending": task["pending"],
-        "status": task["status"],
-        "timings": task["timings"],
-    }
+def _with_local_outcome(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
+    """``task`` (of a done future) with Globus Compute's ``result`` or ``exception`` and
+    ``completion_t``."""
     if future.cancelled():
-        entry["exception"] = CancelledError(f"task {future.task_id} was cancelled")
+        task["exception"] = CancelledError(f"task {future.task_id} was cancelled")
     elif future.exception() is not None:
-        entry["exception"] = future.exception()
+        task["exception"] = future.exception()
     else:
-        entry["result"] = future.result()
-    return entry
+        task["result"] = future.result()
+    task["completion_t"] = completion_time(task["timings"])
+    return task
+
+
+def _batch_entry(task: dict[str, Any], future: TaskFuture) -> dict[str, Any]:
+    entry = {key: task[key] for key in ("task_id", "pending", "state", "status", "timings")}
+    return _with_local_outcome(entry, future)
 
 
 def _acknowledge(

@@ -42,6 +42,7 @@ __all__ = [
     "TaskExecutionFailed",
     "TaskPending",
     "TaskRejected",
+    "VersionMismatch",
     "WalltimeExceeded",
     "WorkerLost",
     "task_failure",
@@ -54,6 +55,10 @@ class FxstreamError(Exception):
 
 class ConfigurationError(FxstreamError):
     """A setting is missing or unusable; the message names the setting and the variable."""
+
+
+class VersionMismatch(FxstreamError):
+    """This SDK (or an endpoint) is older than the service accepts (``Client.version_check``)."""
 
 
 # --- the REST service --------------------------------------------------------------------

@@ -40,13 +40,14 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, ParamSpec, TypeVar
 
 from fxstream.connectors import DEFAULT_PROXY_FUTURE_TIMEOUT_S, ProxyFuture
+from fxstream.sdk.batch import refuse_user_endpoint_config
 from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
 from fxstream.sdk.futures import TaskFuture
 from fxstream.sdk.shell import MPIFunction
 from fxstream.sdk.staging import StagingSpec
 from fxstream.sdk.submit import PreparedTask
-from fxstream.topics import ResourceSpecification, budget
+from fxstream.topics import ResourceSpecification, Serializer, budget
 
 __all__ = ["Executor"]
 
@@ -100,11 +101,16 @@ class Executor(concurrent.futures.Executor):
     every endpoint of the group, or each task is refused with the endpoint named.
     ``future.endpoint_id`` is where the task ran once its result arrived.
 
-    ``client`` defaults to ``Client.from_environment()`` (closed by
-    :meth:`shutdown`). ``task_group_id`` (default: a new UUID) is written in
-    every task. ``batch_size`` is the most tasks the sender thread produces
-    per round. ``max_retries``, ``walltime_s`` and ``retry_user_errors`` apply
-    to every task submitted (see :meth:`Client.prepare_task`), and so do ``tags``
+    The positional parameters are Globus Compute's, in its order: ``endpoint_id``,
+    ``client`` (default ``Client()``: the environment's settings or the credentials
+    ``./fx up`` wrote; closed by :meth:`shutdown`), ``task_group_id`` (default: a new
+    UUID; written in every task), ``resource_specification``, ``user_endpoint_config``
+    (refused with ``ValueError`` when given: endpoints here are configured by their
+    owner), ``label`` (shown in ``repr``), ``batch_size`` (the most tasks the sender
+    thread produces per round) and ``amqp_port`` (ignored: results come from Kafka).
+    ``task_count_submitted`` counts the tasks accepted. ``max_retries``, ``walltime_s``
+    and ``retry_user_errors`` (keywords) apply to every task submitted (see
+    :meth:`Client.prepare_task`), and so do ``tags``
     (``Executor(tags={"run": "42"})``; set ``executor.tags`` to label later tasks
     otherwise), which ``Client.get_tasks(tags=...)`` filters on. ``resource_specification``
     (MPI tasks: nodes and ranks, see the property) is written in every task too; an
@@ -126,16 +132,24 @@ class Executor(concurrent.futures.Executor):
         self,
         endpoint_id: str | None = None,
         client: Client | None = None,
-        batch_size: int = 128,
         task_group_id: str | None = None,
+        resource_specification: Mapping[str, int] | None = None,
+        user_endpoint_config: Mapping[str, Any] | None = None,
+        label: str = "",
+        batch_size: int = 128,
+        amqp_port: int | None = None,
         *,
         max_retries: int = 0,
         walltime_s: float | None = None,
         retry_user_errors: bool = False,
         endpoint_group: Sequence[str] | None = None,
         tags: Mapping[str, str] | None = None,
-        resource_specification: Mapping[str, int] | None = None,
     ) -> None:
+        refuse_user_endpoint_config(user_endpoint_config)
+        if amqp_port is not None:
+            log.info(
+                "Executor(amqp_port=%s) is ignored: results come from Kafka, not AMQP", amqp_port
+            )
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size}")
         if not 0 <= max_retries <= 100:
@@ -154,6 +168,8 @@ class Executor(concurrent.futures.Executor):
         self._owns_client = client is None
         self.client = client if client is not None else Client.from_environment()
         self.batch_size = batch_size
+        self.label = label
+        self._submitted = 0
         self.task_group_id = task_group_id if task_group_id is not None else str(uuid.uuid4())
         # fn -> function id while fn lives; code digest -> function id (bounded).
         self._by_function: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -334,6 +350,7 @@ class Executor(concurrent.futures.Executor):
                 self.client.release(task)
                 raise RuntimeError(refusal)
             self._outstanding.add(future)
+            self._submitted += 1
             if self._sender is None:
                 # Holds the queue and the client, not the executor (so it can be collected).
                 self._sender = threading.Thread(
@@ -505,9 +522,23 @@ class Executor(concurrent.futures.Executor):
                 daemon=True,
             ).start()
 
+    @property
+    def task_count_submitted(self) -> int:
+        """How many tasks this executor has accepted for sending (Globus Compute's name)."""
+        return self._submitted
+
+    @property
+    def serializer(self) -> Serializer:
+        """How functions, arguments and results are encoded: the client's serializer (read
+        only: its results listener and store use it too, so choose it when making the
+        client, ``Client(serializer=...)``)."""
+        return self.client.serializer
+
     def __repr__(self) -> str:
+        label = f"label={self.label!r}, " if self.label else ""
         return (
-            f"Executor(endpoint_id={self.endpoint_id!r}, endpoint_group={self.endpoint_group!r}, "
+            f"Executor({label}endpoint_id={self.endpoint_id!r}, "
+            f"endpoint_group={self.endpoint_group!r}, "
             f"task_group_id={self.task_group_id!r}, "
             f"batch_size={self.batch_size})"
         )

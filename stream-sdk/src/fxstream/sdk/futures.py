@@ -77,7 +77,9 @@ class TaskFuture(Future[Any]):
     submitted with an endpoint group, ``candidates`` are the group and ``endpoint_id``
     becomes the endpoint the service chose once its result arrives);
     ``timings`` (see :data:`TIMING_KEYS`) is filled in when the result
-    arrives; ``worker`` and ``attempt`` say where and on which attempt it ran.
+    arrives; ``worker`` and ``attempt`` say where and on which attempt it ran, and
+    ``stdout`` / ``stderr`` what the function printed there (through ``sys.stdout`` and
+    ``sys.stderr``: the last 16 KiB of each, a line saying how much went before).
     ``duplicates`` counts further result records for this task, which are
     ignored (a result is delivered once).
 
@@ -118,6 +120,9 @@ class TaskFuture(Future[Any]):
         self.timings: Timings = timings_of(None, submitted=submitted_at, delivered=None)
         self.worker: str | None = None
         self.attempt: int | None = None
+        # What the function printed (the tail; fxstream.topics.budget.OUTPUT_MAX_BYTES).
+        self.stdout = ""
+        self.stderr = ""
         self.duplicates = 0
         self.cancelled_remotely = False
         # Set by the Client: sends this task's remote cancel (never blocks).

@@ -133,9 +133,12 @@ class RestClient:
                 f"that is not JSON: {response.text[:200]!r}"
             ) from exc
 
-    def set_token(self, token: str) -> None:
-        """Send ``token`` from now on (after a rotation)."""
-        self._http.headers["Authorization"] = f"Bearer {token}"
+    def set_token(self, token: str | None) -> None:
+        """Send ``token`` from now on (after a rotation); ``None``: no token (a logout)."""
+        if token:
+            self._http.headers["Authorization"] = f"Bearer {token}"
+        else:
+            self._http.headers.pop("Authorization", None)
 
     def get(self, path: str) -> Any:
         """``GET /v1{path}``."""

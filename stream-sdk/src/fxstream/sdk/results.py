@@ -411,6 +411,7 @@ class ResultListener:
         )
         future.worker = result.worker or None
         future.attempt = result.attempt
+        future.stdout, future.stderr = result.stdout, result.stderr
         if result.endpoint_id in future.candidates:
             future.endpoint_id = result.endpoint_id  # a grouped task: where the router sent it
         if future.cancelled():

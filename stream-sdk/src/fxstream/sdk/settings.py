@@ -2,7 +2,12 @@
 
 :meth:`ClientSettings.from_environment` reads a credentials JSON file (named
 by ``FXSTREAM_CREDENTIALS``; readable by its owner only, mode 600, since it holds
-secrets) first, then the ``FXSTREAM_*`` variables, which override the file key by key:
+secrets) first, then the ``FXSTREAM_*`` variables, which override the file key by key.
+Without ``FXSTREAM_CREDENTIALS``, the file ``./fx up`` wrote is read when it exists:
+``credentials.json`` in the platform's home (``FXSTREAM_HOME``, else
+``$XDG_STATE_HOME/fxstream``, else ``~/.local/state/fxstream``), so ``Client()`` and
+``Executor()`` with no arguments find the platform ``./fx up`` left, as Globus Compute's
+do after a login:
 
 =============================  ======================  ============================
 variable                       credentials file key    meaning
@@ -48,8 +53,11 @@ __all__ = [
     "DEFAULT_PROXY_THRESHOLD",
     "DEFAULT_TOPIC_PREFIX",
     "ENV_VARIABLES",
+    "HOME_VARIABLE",
     "KAFKA_KEYS",
     "ClientSettings",
+    "default_credentials_file",
+    "platform_home",
 ]
 
 DEFAULT_TOPIC_PREFIX: Final = "fx."
@@ -61,6 +69,26 @@ DEFAULT_PROXY_THRESHOLD: Final = DEFAULT_PROXY_THRESHOLD_BYTES
 """Arguments that serialize above this many bytes go to the proxy store (when one is set)."""
 
 CREDENTIALS_VARIABLE: Final = "FXSTREAM_CREDENTIALS"
+HOME_VARIABLE: Final = "FXSTREAM_HOME"
+"""The platform's home directory (``./fx up`` keeps its state and your credentials there)."""
+_CREDENTIALS_NAME: Final = "credentials.json"
+
+
+def platform_home(env: Mapping[str, str] | None = None) -> Path:
+    """The home of a platform started by ``./fx up``: ``FXSTREAM_HOME``, else
+    ``$XDG_STATE_HOME/fxstream``, else ``~/.local/state/fxstream``."""
+    env = os.environ if env is None else env
+    explicit = env.get(HOME_VARIABLE)
+    if explicit:
+        return Path(explicit)
+    state = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "fxstream"
+
+
+def default_credentials_file(env: Mapping[str, str] | None = None) -> Path:
+    """The credentials file ``./fx up`` writes for its local user (it may not exist)."""
+    return platform_home(env) / _CREDENTIALS_NAME
+
 
 ENV_VARIABLES: Final[dict[str, str]] = {
     "service_url": "FXSTREAM_SERVICE_URL",
@@ -101,6 +129,9 @@ class ClientSettings:
         env = os.environ if env is None else env
         values: dict[str, Any] = {}
         path = env.get(CREDENTIALS_VARIABLE)
+        if not path and not env.get(ENV_VARIABLES["service_url"]):
+            fallback = default_credentials_file(env)
+            path = str(fallback) if fallback.is_file() else None
         if path:
             values.update(_read_credentials(Path(path)))
         for setting, variable in ENV_VARIABLES.items():
@@ -112,7 +143,9 @@ class ClientSettings:
             names = " and ".join(f"{ENV_VARIABLES[s]} (key {s!r})" for s in missing)
             raise ConfigurationError(
                 f"no {' or '.join(missing)} configured: set {names}, or point "
-                f"{CREDENTIALS_VARIABLE} at a credentials JSON file holding them"
+                f"{CREDENTIALS_VARIABLE} at a credentials JSON file holding them "
+                f"(`./fx up` writes one to {default_credentials_file(env)}, read "
+                "without any setting)"
             )
         try:
             kafka = KafkaConnection.from_json(

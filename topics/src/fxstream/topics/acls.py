@@ -192,6 +192,8 @@ TABLE: tuple[Rule, ...] = (
     Rule(_S, _T, _PRE, "results.{user_id}", _W, "ingress forwards results; router rejections"),
     Rule(_S, _T, _LIT, "heartbeats", _R, "liveness, registry views"),
     Rule(_S, _T, _LIT, "heartbeats", _W, "ingress forwards checked heartbeats"),
+    Rule(_S, _T, _LIT, "endpoint-logs", _R, "the API: an endpoint's logs, for its owner"),
+    Rule(_S, _T, _LIT, "endpoint-logs", _W, "ingress forwards checked log batches"),
     Rule(_S, _T, _LIT, "warm", _R, "router (warm routing)"),
     Rule(_S, _T, _LIT, "warm", _W, "ingress forwards checked warm adverts"),
     Rule(_S, _T, _LIT, "data-locations", _R, "router (locality)"),
@@ -237,7 +239,7 @@ TABLE: tuple[Rule, ...] = (
     Rule(_U, _X, _PRE, "fxstream-user.{id}.", _W, "its SDK's transactions"),
     # --- an endpoint: its agents -------------------------------------------------------
     Rule(_E, _T, _LIT, "tasks.ep.{endpoint_id}", _R, "its queue"),
-    Rule(_E, _T, _LIT, "from.ep.{endpoint_id}", _W, "results, heartbeats, warm, locations"),
+    Rule(_E, _T, _LIT, "from.ep.{endpoint_id}", _W, "results, heartbeats, warm, locations, logs"),
     Rule(_E, _G, _LIT, "fxstream-endpoint.{id}", _R, "its agents' group (and txn commits)"),
     Rule(_E, _X, _PRE, "fxstream-agent.{id}.", _W, "its agents' transactions"),
     # --- an event source: a file watcher, an ADIOS2 step source ---------------------------

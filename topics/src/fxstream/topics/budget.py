@@ -56,6 +56,7 @@ __all__ = [
     "MAX_TAG_KEY_CHARS",
     "MAX_TAG_VALUE_CHARS",
     "MAX_TASK_TAGS",
+    "OUTPUT_MAX_BYTES",
     "RECORD_OVERHEAD_BYTES",
     "TAGS_MAX_BYTES",
     "TRACEBACK_MAX_BYTES",
@@ -92,6 +93,9 @@ ATTEMPT_MESSAGE_MAX_BYTES: Final = 4_096
 """The most bytes of an *earlier* attempt's message once space runs short."""
 ERROR_TYPE_MAX_CHARS: Final = 256
 """TaskError.type's schema limit."""
+OUTPUT_MAX_BYTES: Final = 16_384
+"""The most UTF-8 bytes of a function's printed stdout (and again of its stderr) a result
+keeps: the tail, after a marker naming how much was cut."""
 _MIN_MESSAGE_BYTES: Final = 512
 # Slack for msgpack's length prefixes, which grow by a few bytes with a string's length.
 _SLACK: Final = 64
@@ -400,19 +404,40 @@ def fit_result(
     """``result`` bounded in bytes, shrunk until it fits ``topic`` with ``key`` and ``headers``.
 
     Error messages and tracebacks are cut to :data:`ERROR_MESSAGE_MAX_BYTES` and
-    :data:`TRACEBACK_MAX_BYTES` always; when the record is still too large, the
-    earlier attempts lose their tracebacks, then the error's traceback and message
-    shrink, then the oldest attempts are left out (the message says how many).
-    Raises :class:`RecordTooLarge` when the result's value alone does not fit.
+    :data:`TRACEBACK_MAX_BYTES`, printed output to its last :data:`OUTPUT_MAX_BYTES`,
+    always; when the record is still too large, the earlier attempts lose their
+    tracebacks, then the error's traceback and message shrink, then the oldest attempts
+    are left out (the message says how many), then the printed output shrinks (to
+    nothing if need be). Raises :class:`RecordTooLarge` when the result's value alone
+    does not fit.
     """
     limit = limit_of(topic)
     key = key if key is not None else result.task_id.encode()
+    result = _bounded_output(result, OUTPUT_MAX_BYTES)
     fitted = _fit_errors(result, limit, key, headers, "earlier_attempts")
     assert isinstance(fitted, TaskResult)
     size = _size(fitted, key, headers)
+    if size > limit and (fitted.stdout or fitted.stderr):
+        # The printed output goes before the value: it shrinks to what is left.
+        excess = size - limit
+        room = max(0, utf8_len(fitted.stdout) + utf8_len(fitted.stderr) - excess - _SLACK)
+        fitted = _bounded_output(fitted, room // 2)
+        size = _size(fitted, key, headers)
+        if size > limit:
+            fitted = msgspec.structs.replace(fitted, stdout="", stderr="")
+            size = _size(fitted, key, headers)
     if size > limit:
         raise RecordTooLarge(size, limit, "result")
     return fitted
+
+
+def _bounded_output(result: TaskResult, max_bytes: int) -> TaskResult:
+    """``result`` with its printed stdout and stderr each cut to their last ``max_bytes``."""
+    stdout = truncate_utf8_tail(result.stdout, max_bytes)
+    stderr = truncate_utf8_tail(result.stderr, max_bytes)
+    if stdout == result.stdout and stderr == result.stderr:
+        return result
+    return msgspec.structs.replace(result, stdout=stdout, stderr=stderr)
 
 
 def fit_state(

@@ -147,6 +147,17 @@ HEARTBEATS = TopicSpec(
     retention_ms=6 * HOUR_MS,
     max_message_bytes=262_144,
 )
+ENDPOINT_LOGS = TopicSpec(
+    name="endpoint-logs",
+    key="endpoint id",
+    summary="Agents' log lines, in batches, for each endpoint's owner to read through the API.",
+    written_by="ingress (each endpoint's own, checked)",
+    read_by="the API, for the endpoint's owner (GET /v1/endpoints/{id}/logs)",
+    cleanup_policy=CleanupPolicy.DELETE,
+    partitions=4,
+    retention_ms=3 * DAY_MS,
+    max_message_bytes=4 * 1_048_576,
+)
 WARM = TopicSpec(
     name="warm",
     key="endpoint id / manager id",
@@ -303,6 +314,7 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
     FROM_USER,
     ENDPOINT_QUEUE,
     HEARTBEATS,
+    ENDPOINT_LOGS,
     WARM,
     DATA_LOCATIONS,
     RESULTS,
@@ -423,6 +435,11 @@ class Catalogue:
     def heartbeats(self) -> str:
         """Agent heartbeats."""
         return self.topic(HEARTBEATS)
+
+    @property
+    def endpoint_logs(self) -> str:
+        """Agents' log lines, per endpoint."""
+        return self.topic(ENDPOINT_LOGS)
 
     @property
     def warm(self) -> str:

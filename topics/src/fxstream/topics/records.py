@@ -47,12 +47,14 @@ __all__ = [
     "DataLocation",
     "DeadLetter",
     "Digest",
+    "EndpointLogs",
     "EndpointRecord",
     "Event",
     "EventPredicate",
     "FunctionRecord",
     "Heartbeat",
     "HeldTask",
+    "LogLine",
     "ObjectReference",
     "Record",
     "RecordDecodeError",
@@ -611,6 +613,17 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
     tags: Annotated[
         Tags, Meta(description="the submission's tags (bounded as there), copied by the agent")
     ] = {}
+    stdout: Annotated[
+        str,
+        Meta(
+            description=(
+                "what the function printed to sys.stdout during this attempt: the tail, at "
+                "most OUTPUT_MAX_BYTES (fxstream.topics.budget), less when the record "
+                "needs the room"
+            )
+        ),
+    ] = ""
+    stderr: Annotated[str, Meta(description="the same for sys.stderr")] = ""
 
 
 class TaskStateName(enum.StrEnum):
@@ -739,6 +752,10 @@ class FunctionRecord(Record, tag="function", kw_only=True, frozen=True):
     public: bool = False
     allowed_users: list[Id] = []
     description: Text = ""
+    metadata: Annotated[
+        dict[str, str],
+        Meta(description="the registrant's labels, e.g. python_version, sdk_version"),
+    ] = {}
 
 
 class EndpointRecord(Record, tag="endpoint", kw_only=True, frozen=True):
@@ -849,6 +866,29 @@ class WarmWorker(msgspec.Struct, kw_only=True, frozen=True):
     container: Annotated[str, Meta(max_length=1024)] | None = None
     function_ids: list[Id] = []
     idle: bool = False
+
+
+class LogLine(msgspec.Struct, kw_only=True, frozen=True):
+    """One line of an agent's log."""
+
+    at: Timestamp
+    level: Annotated[str, Meta(max_length=16, description="DEBUG, INFO, WARNING, ERROR...")]
+    logger: Annotated[str, Meta(max_length=256)]
+    message: Annotated[str, Meta(max_length=8_192, description="the formatted message")]
+
+
+class EndpointLogs(Record, tag="endpoint-logs", kw_only=True, frozen=True):
+    """A batch of one agent's log lines (topic ``endpoint-logs``, key: endpoint id), for
+    the endpoint's owner to read through the API (``GET /v1/endpoints/{id}/logs``)."""
+
+    endpoint_id: Id
+    agent_id: Annotated[Id, Meta(description="the agent process's instance id")]
+    hostname: Annotated[str, Meta(max_length=256)]
+    sent_at: Timestamp
+    lines: Annotated[list[LogLine], Meta(max_length=500)]
+    dropped: Annotated[
+        int, Meta(ge=0, description="lines the agent dropped since its last batch (too many)")
+    ] = 0
 
 
 class WarmAdvert(Record, tag="warm", kw_only=True, frozen=True):
@@ -1263,6 +1303,7 @@ AnyRecord = (
     | FunctionRecord
     | EndpointRecord
     | Heartbeat
+    | EndpointLogs
     | WarmAdvert
     | DataLocation
     | Event
@@ -1283,6 +1324,7 @@ RECORD_TYPES: Final[tuple[type[Record], ...]] = (
     FunctionRecord,
     EndpointRecord,
     Heartbeat,
+    EndpointLogs,
     WarmAdvert,
     DataLocation,
     Event,
