@@ -14,9 +14,11 @@ Three ways to run the chain on the platform's local endpoint (2 workers):
 - ``dag``: every stage submitted at once, each with the previous stage's ``TaskFuture`` as
   its argument; the service holds a stage until its parent succeeded and passes the
   parent's result by reference (the data stays in the store);
-- ``proxy-futures``: every stage submitted at once, each given a proxy future's proxy as
-  its input and the next future to set with its output; a stage starts as soon as a
-  worker is free, does its start-up work, and blocks only where it uses its input.
+- ``proxy-futures``: each stage given a proxy future's proxy as its input and the next
+  future to set with its output, submitted as soon as fewer than ``WORKERS`` (2) stages
+  are in flight (so the producer of every waiting stage has a worker: the endpoint runs
+  tasks in the order it reads them, not in the order they wait for each other); a stage
+  starts at once, does its start-up work, and blocks only where it uses its input.
 
 The makespan is timed in the caller, from the first submission to the last result, and
 its median over ``repeats`` runs is reported for each mode, with the pipelined ideal
@@ -37,7 +39,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.ops.bench.stack import BenchError, PrivatePlatform, private_platform, result_of
+from fxstream.ops.bench.stack import (
+    WORKERS,
+    BenchError,
+    PrivatePlatform,
+    private_platform,
+    result_of,
+)
 from fxstream.sdk import Executor
 
 __all__ = ["MODES", "PipelineSettings", "run_pipeline_bench", "stage_to_future", "stage_value"]
@@ -137,13 +145,20 @@ def _proxy_futures(executor: Executor, settings: PipelineSettings) -> None:
     ]
     inputs: list[Any] = [None, *(proxy for _, proxy in pairs)]
     outputs: list[Any] = [*(future for future, _ in pairs), None]
-    futures = [
-        executor.submit(
-            stage_to_future, data, settings.seconds, settings.overhead, settings.nbytes, out
+    # At most WORKERS stages in flight, each window's first stage the producer of the next:
+    # the endpoint does not order its tasks by what they wait for (a queue's partitions are
+    # read in any order), so a later stage could take every worker and wait for a producer
+    # that has none, until its timeout.
+    in_flight: list[Any] = []
+    for data, out in zip(inputs, outputs, strict=True):
+        if len(in_flight) == WORKERS:
+            result_of(in_flight.pop(0), "a pipelined stage")
+        in_flight.append(
+            executor.submit(
+                stage_to_future, data, settings.seconds, settings.overhead, settings.nbytes, out
+            )
         )
-        for data, out in zip(inputs, outputs, strict=True)
-    ]
-    for future in futures:
+    for future in in_flight:
         result_of(future, "a pipelined stage")
 
 
