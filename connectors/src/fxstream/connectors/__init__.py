@@ -4,6 +4,8 @@
   connectors (Redis with chunking and leases; a directory on shared or node-local disk).
 - :mod:`~fxstream.connectors.stores`: store URLs (``redis://``, ``file://``) and tiers.
 - :mod:`~fxstream.connectors.reference`: automatic pass-by-reference of large values.
+- :mod:`~fxstream.connectors.futures`: proxy futures, references to values not yet
+  written (``ProxyFuture``; a consumer blocks on first use until a producer sets it).
 - :mod:`~fxstream.connectors.locations`: the ``data-locations`` publisher.
 - :mod:`~fxstream.connectors.globus`: Globus transfers between sites (helper and connector).
 - :mod:`~fxstream.connectors.named_objects`: a user's named objects in the Redis store
@@ -38,6 +40,17 @@ from typing import TYPE_CHECKING, Any
 from fxstream.connectors.descriptions import ObjectDescription
 from fxstream.connectors.file import FileConnector, FileObjectKey, ObjectOnOtherNode
 from fxstream.connectors.file_stream import FileStreamReader, FileStreamWriter
+from fxstream.connectors.futures import (
+    DEFAULT_PROXY_FUTURE_TIMEOUT_S,
+    FutureHold,
+    ProducerHold,
+    ProxyFuture,
+    ProxyFutureError,
+    ProxyFutureFailed,
+    ProxyFutureForged,
+    ProxyFutureTimeout,
+    hold_futures,
+)
 from fxstream.connectors.globus import (
     GlobusAuthConfig,
     GlobusConnector,
@@ -97,6 +110,7 @@ _LAZY_NAMES = {
 
 __all__ = [
     "DEFAULT_LEASE_S",
+    "DEFAULT_PROXY_FUTURE_TIMEOUT_S",
     "DEFAULT_PROXY_THRESHOLD_BYTES",
     "MAX_NAMED_OBJECT_BYTES",
     "Adios2Connector",
@@ -112,6 +126,7 @@ __all__ = [
     "FileStreamReader",
     "FileStreamWriter",
     "FileWatcher",
+    "FutureHold",
     "GlobusAuthConfig",
     "GlobusConnector",
     "GlobusKey",
@@ -125,6 +140,12 @@ __all__ = [
     "ObjectOnOtherNode",
     "Packed",
     "ParquetSink",
+    "ProducerHold",
+    "ProxyFuture",
+    "ProxyFutureError",
+    "ProxyFutureFailed",
+    "ProxyFutureForged",
+    "ProxyFutureTimeout",
     "RedisConnector",
     "RedisObjectKey",
     "StoreIntegrityError",
@@ -136,6 +157,7 @@ __all__ = [
     "TopicEventSource",
     "collect_references",
     "evict_objects",
+    "hold_futures",
     "load_payload",
     "location_of",
     "open_store",

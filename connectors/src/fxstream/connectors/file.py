@@ -26,7 +26,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 from proxystore.serialize import BytesLike
 
@@ -59,7 +59,15 @@ class FileConnector:
         store_dir: The directory (created if missing).
         tier: ``durable`` for a shared file system, ``ephemeral`` for node-local disk.
         lease_s: Age after which :meth:`sweep_expired` deletes an object (None: never).
+
+    Proxy futures (:mod:`fxstream.connectors.futures`) use its write-once *slots*: files
+    ``pf-<uuid4 hex>.fxobj`` written by a hard link from a temporary file, which fails
+    when the slot exists (so the first writer wins, and a reader never sees half of one).
+    They are swept with the objects.
     """
+
+    key_type: ClassVar[type[FileObjectKey]] = FileObjectKey
+    """The class of this connector's keys (how a proxy future's pointer names its value)."""
 
     def __init__(
         self,
@@ -156,6 +164,39 @@ class FileConnector:
     def size_of(self, key: FileObjectKey) -> int:
         """The object's size in bytes, as recorded when it was put."""
         return key.size_bytes
+
+    # --- write-once slots (proxy futures) ---------------------------------------------------
+
+    def new_slot(self) -> str:
+        """A new slot name (a file name in the directory); nothing is written."""
+        return f"pf-{uuid.uuid4().hex}{_SUFFIX}"
+
+    def set_slot(self, slot: str, data: bytes) -> bool:
+        """Write ``data`` to ``slot`` unless it exists; False when it did."""
+        final = self._path(FileObjectKey(slot))
+        partial = final.with_name(f".{final.name}.{uuid.uuid4().hex}.partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            try:
+                os.link(partial, final)
+            except FileExistsError:
+                return False
+            return True
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def get_slot(self, slot: str) -> bytes | None:
+        """What ``slot`` holds, or None."""
+        try:
+            return self._path(FileObjectKey(slot)).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def evict_slot(self, slot: str) -> None:
+        """Empty ``slot`` (an empty one is not an error)."""
+        self._path(FileObjectKey(slot)).unlink(missing_ok=True)
 
     def count_objects(self) -> int:
         """How many objects are stored in the directory now."""

@@ -36,7 +36,7 @@ import threading
 import urllib.parse
 import uuid
 from collections.abc import Iterator, Sequence
-from typing import Any, Final, NamedTuple
+from typing import Any, ClassVar, Final, NamedTuple
 
 import redis
 from proxystore.serialize import BytesLike
@@ -124,7 +124,13 @@ class RedisConnector:
             this server.
         tls: Connect over TLS (``rediss://``).
         ca_file: The CA that signed the server's certificate (TLS only).
+
+    Proxy futures (:mod:`fxstream.connectors.futures`) use its write-once *slots*:
+    :meth:`set_slot` is a ``SET NX`` with the lease, under a key ``<prefix>pf-<uuid4 hex>``.
     """
+
+    key_type: ClassVar[type[RedisObjectKey]] = RedisObjectKey
+    """The class of this connector's keys (how a proxy future's pointer names its value)."""
 
     def __init__(
         self,
@@ -332,6 +338,34 @@ class RedisConnector:
         for name in self._keys_of(key):
             pipeline.expire(name, seconds)
         return all(pipeline.execute())
+
+    # --- write-once slots (proxy futures) ---------------------------------------------------
+
+    def new_slot(self) -> str:
+        """A new slot name under this connector's prefix; nothing is written."""
+        return f"{self.key_prefix}pf-{uuid.uuid4().hex}"
+
+    def _check_slot(self, slot: str) -> str:
+        if not slot.startswith(self.key_prefix):
+            raise ValueError(f"not a slot of this connector (prefix {self.key_prefix!r}): {slot!r}")
+        return slot
+
+    def set_slot(self, slot: str, data: bytes) -> bool:
+        """Write ``data`` to ``slot`` unless it holds something (``SET NX``, with the lease);
+        False when it did."""
+        with self._access("set a proxy future"):
+            return bool(self._client.set(self._check_slot(slot), data, nx=True, ex=self._ttl()))
+
+    def get_slot(self, slot: str) -> bytes | None:
+        """What ``slot`` holds, or None."""
+        with self._access("read a proxy future"):
+            value: bytes | None = self._client.get(self._check_slot(slot))  # type: ignore[assignment]
+        return value
+
+    def evict_slot(self, slot: str) -> None:
+        """Empty ``slot`` (an empty one is not an error)."""
+        with self._access("evict a proxy future"):
+            self._client.delete(self._check_slot(slot))
 
     def count_objects(self) -> int:
         """How many objects (not chunks) under this connector's prefix are stored now."""

@@ -43,7 +43,7 @@ import contextvars
 import socket
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol, runtime_checkable
 
 from proxystore.proxy import Proxy, extract, get_factory
 from proxystore.store import get_store
@@ -133,11 +133,23 @@ def proxies_by_value(obj: Any) -> Any:
     return NotImplemented
 
 
+@runtime_checkable
+class _Releasable(Protocol):
+    """A hold on an object someone else evicts when the last hold goes (a proxy future's
+    :class:`~fxstream.connectors.futures.FutureHold`)."""
+
+    def release(self) -> list[str]:
+        """End the hold; the object keys evicted because of it."""
+        ...
+
+
 def evict_objects(
-    objects: Sequence[StoredObject | StoreFactory[Any, Any] | ObjectReference],
+    objects: Sequence[StoredObject | StoreFactory[Any, Any] | ObjectReference | Any],
 ) -> list[str]:
     """Evict objects (from :class:`Packed`, :func:`collect_references` or an envelope's
-    reference list, :func:`~fxstream.topics.payload_references`).
+    reference list, :func:`~fxstream.topics.payload_references`), and release holds on
+    proxy futures (:class:`~fxstream.connectors.futures.FutureHold`, whose last release
+    evicts the future's value).
 
     Returns the object keys evicted (what data-locations tombstones name). A
     store that cannot be reached is skipped: the object's lease reclaims it. So
@@ -147,7 +159,9 @@ def evict_objects(
     evicted: list[str] = []
     for item in objects:
         try:
-            if isinstance(item, StoredObject):
+            if isinstance(item, _Releasable):
+                evicted.extend(item.release())
+            elif isinstance(item, StoredObject):
                 item.store.evict(item.key)
                 evicted.append(item.reference.object_key)
             elif isinstance(item, ObjectReference):
@@ -184,6 +198,10 @@ class Packed:
 
     payload: bytes
     stored: list[StoredObject] = field(default_factory=list)
+    holds: tuple[Any, ...] = ()
+    """Holds on the proxy futures passed as top-level arguments
+    (:class:`~fxstream.connectors.futures.FutureHold`; set by the SDK): released with
+    :attr:`stored` once the task's result is consumed."""
     parents: tuple[str, ...] = ()
     """The tasks whose results the payload's :class:`~fxstream.topics.ParentResult`
     placeholders stand for (the task's ``depends_on``); set by the SDK."""
@@ -257,10 +275,14 @@ class ByReference:
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
 
     def _large_buffer(self, value: Any) -> bool:
-        return isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes > self.threshold_bytes
+        # type(), never isinstance: isinstance falls back to a proxy's __class__, which
+        # resolves it (and a proxy future's would wait for its value).
+        return (
+            issubclass(type(value), _BYTES_LIKE) and memoryview(value).nbytes > self.threshold_bytes
+        )
 
     def _maybe_stored(self, value: Any, stored: list[StoredObject]) -> Any:
-        if isinstance(value, Proxy):
+        if issubclass(type(value), Proxy):
             return value
         if isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes <= self.threshold_bytes:
             return value

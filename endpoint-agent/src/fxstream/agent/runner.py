@@ -34,6 +34,13 @@ runs in its working directory, ``<task_root>/<task id>``, where the agent staged
 inputs: the function's current directory is that directory while it runs, and
 ``FXSTREAM_TASK_DIR`` (and Globus Compute's ``GC_TASK_SANDBOX_DIR``) name it; both are
 restored after the call, so the warm worker's next task starts where it was.
+
+A proxy future's proxy among the arguments (:mod:`fxstream.connectors.futures`) is an
+ordinary lazy proxy: the function's first use of it waits for the value, then verifies
+its signed pointer and its digest before loading it. A timeout, a producer's failure or
+an evicted value fails the task with that ``ProxyFutureError`` itself (ProxyStore's
+``ProxyResolveError`` wrapper is dropped), a forged value with ``ProxyFutureForged``
+(an integrity error). A ``ProxyFuture`` among the arguments lets the function set it.
 """
 
 from __future__ import annotations
@@ -42,11 +49,12 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from fxstream.connectors import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
     ByReference,
+    ProxyFutureError,
     open_store,
     proxies_by_value,
 )
@@ -218,6 +226,12 @@ def load_function(
                 # ProxyResolveError; the client gets the integrity error itself.
                 _attach_serialized(integrity, _serializer)
                 raise integrity from None
+            waited = _cause_of(exc, ProxyFutureError)
+            if waited is not None and waited is not exc:
+                # A proxy future that timed out, failed or was evicted, met inside the
+                # function: the client gets that error (naming the setting), not ProxyStore's.
+                _attach_serialized(waited, _serializer)
+                raise waited from None
             _attach_serialized(exc, _serializer_for(strategy_id))
             raise
         if store_url is None:
@@ -256,10 +270,18 @@ def _parent_values(submission: TaskSubmission) -> dict[str, Any]:
 
 def _integrity_cause(exc: BaseException) -> IntegrityError | None:
     """The integrity error behind ``exc`` (itself, or its cause's chain), if any."""
+    return _cause_of(exc, IntegrityError)
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _cause_of(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The exception of type ``kind`` behind ``exc`` (itself, or its cause's chain), if any."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
-        if isinstance(current, IntegrityError):
+        if isinstance(current, kind):
             return current
         seen.add(id(current))
         current = current.__cause__ or current.__context__

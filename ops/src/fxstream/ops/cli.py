@@ -788,6 +788,25 @@ def bench_trigger(
     _run_task_bench("trigger", settings, run_trigger_bench)
 
 
+@bench_app.command("pipeline")
+def bench_pipeline(
+    stages: Annotated[int, typer.Option(help="Tasks in the chain.")] = 4,
+    seconds: Annotated[float, typer.Option(help="Seconds one stage takes.")] = 2.0,
+    overhead: Annotated[
+        float, typer.Option(help="Fraction of a stage that is start-up, before its input.")
+    ] = 0.5,
+    megabytes: Annotated[float, typer.Option(help="MB each stage passes to the next.")] = 10.0,
+    repeats: Annotated[int, typer.Option(help="Runs of each mode (the median is reported).")] = 3,
+) -> None:
+    """A chain of tasks: one after the other, as a DAG, and pipelined with proxy futures."""
+    from fxstream.ops.bench.pipeline import PipelineSettings, run_pipeline_bench
+
+    settings = PipelineSettings(
+        stages=stages, seconds=seconds, overhead=overhead, megabytes=megabytes, repeats=repeats
+    )
+    _run_task_bench("pipeline", settings, run_pipeline_bench)
+
+
 @user_app.command("add")
 def user_add(
     name: Annotated[str, typer.Argument(help="the user's display name")],

@@ -11,6 +11,11 @@
   as a top-level argument makes that task a parent: the service runs the task once its
   parents succeeded, with their results (by reference); a failed parent fails it with
   :class:`ParentFailed`.
+- Proxy futures: :meth:`Client.proxy_future` / :meth:`Executor.proxy_future` give a
+  :class:`ProxyFuture` and a proxy of its value; a task given the proxy waits on first use
+  until the future is set (by the client, or by a producer task given the future), so
+  pipeline stages overlap (:class:`ProxyFutureTimeout`, :class:`ProxyFutureFailed`,
+  :class:`ProxyFutureForged`).
 - :meth:`Client.subscribe`: a trigger rule's or a task group's results as a stream
   (:class:`ResultSubscription` of :class:`SubscribedResult`).
 - :func:`stream_producer` / :func:`stream_consumer`: ProxyStore streams over
@@ -30,6 +35,13 @@ subscriptions), ``submit`` (records and the producer), ``rest``, ``settings``, `
 hardware report).
 """
 
+from fxstream.connectors import (
+    ProxyFuture,
+    ProxyFutureError,
+    ProxyFutureFailed,
+    ProxyFutureForged,
+    ProxyFutureTimeout,
+)
 from fxstream.sdk.batch import Batch
 from fxstream.sdk.client import Client, IssuedToken, RegisteredUser
 from fxstream.sdk.errors import (
@@ -103,6 +115,11 @@ __all__ = [
     "ParentUnknown",
     "PayloadTooLarge",
     "PermissionDenied",
+    "ProxyFuture",
+    "ProxyFutureError",
+    "ProxyFutureFailed",
+    "ProxyFutureForged",
+    "ProxyFutureTimeout",
     "RateLimited",
     "RegisteredUser",
     "ResultSubscription",

@@ -32,7 +32,19 @@ from typing import Any, Final, NamedTuple
 
 from proxystore.store.base import Store
 
-from fxstream.connectors import ByReference, NamedObjects, Packed, evict_objects, open_store
+from fxstream.connectors import (
+    DEFAULT_PROXY_FUTURE_TIMEOUT_S,
+    ByReference,
+    FutureHold,
+    NamedObjects,
+    Packed,
+    ProducerHold,
+    ProxyFuture,
+    ProxyFutureError,
+    evict_objects,
+    hold_futures,
+    open_store,
+)
 from fxstream.sdk.batch import Batch, refuse_user_endpoint_config
 from fxstream.sdk.errors import (
     ConfigurationError,
@@ -381,6 +393,11 @@ class Client(RegistryCalls, TaskStatus, Replay):
         A future inside a container (a list, a dict) is refused, saying to pass it as a
         top-level argument.
 
+        A proxy future's proxy (:meth:`proxy_future`) travels as it is, never resolved
+        here; as a top-level argument it makes the task hold the future until its result
+        is consumed (``Packed.holds``), and a ``ProxyFuture`` itself makes it the future's
+        producer (one that ends without setting it fails the future's readers).
+
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` when what stays
         inline exceeds ``max_inline_bytes``.
         """
@@ -399,7 +416,51 @@ class Client(RegistryCalls, TaskStatus, Replay):
             max_inline_bytes=self.max_inline_bytes,
             by_reference=self._by_reference,
         )
-        return dataclasses.replace(packed, parents=tuple(parents)) if parents else packed
+        if parents:
+            packed = dataclasses.replace(packed, parents=tuple(parents))
+        holds = hold_futures(args, kwargs)
+        return dataclasses.replace(packed, holds=tuple(holds)) if holds else packed
+
+    def proxy_future(
+        self,
+        *,
+        timeout_s: float = DEFAULT_PROXY_FUTURE_TIMEOUT_S,
+        consumers: int = 1,
+    ) -> tuple[ProxyFuture[Any], Any]:
+        """A proxy future in this client's store: ``(future, proxy)``.
+
+        Pass ``proxy`` to a consumer task as any argument: the task can start at once, and
+        its first use of the value waits until ``future.set_result(value)`` is called,
+        here or in a producer task that was given ``future`` itself (it pickles with its
+        signing key). So a pipeline's stages overlap instead of waiting for each other
+        (ProxyStore's ``Store.future``; docs/triggers.md, "Proxy futures").
+
+        The value is written to the store as any by-reference value (its SHA-256 in its
+        key) and announced with a pointer signed by the future's private key, which only
+        ``future`` holds; a worker verifies both before it loads anything, and refuses a
+        value someone else wrote with ``ProxyFutureForged`` (an integrity error). A reader
+        waits at most ``timeout_s`` seconds, then raises ``ProxyFutureTimeout`` naming that
+        setting; ``future.set_exception(...)`` makes readers fail at once instead.
+
+        Lifetime: each task given ``proxy`` as a top-level argument holds the future until
+        its result is consumed; once ``consumers`` of them were consumed and none is left,
+        the value is evicted (``future.evict()`` evicts at once; the store's lease
+        reclaims what nobody evicts). Needs a Redis or file store (``store_url``); raises
+        :class:`~fxstream.sdk.errors.ConfigurationError` without one.
+        """
+        if self.store is None:
+            raise ConfigurationError(
+                "a proxy future lives in the proxy store, and this client has none: set "
+                f"store_url ({ENV_VARIABLES['store_url']}; the credentials `./fx up` writes "
+                "name the platform's Redis) or pass Client(store='redis://...')"
+            )
+        try:
+            future = ProxyFuture.create(
+                self.store, timeout_s=timeout_s, serializer=self.serializer, consumers=consumers
+            )
+        except ProxyFutureError as exc:
+            raise ConfigurationError(str(exc)) from None
+        return future, future.proxy()
 
     def prepare_task(
         self,
@@ -596,7 +657,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
             if failure is not None:
                 listener.untrack(task_id)
                 future = futures[task_id]
-                self._release(future._stored)
+                self._release_unsent(future._stored)
                 future._stored = []
                 future._resolve_exception(failure)
 
@@ -611,7 +672,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
             producer.send_and_wait(tasks)
         except SubmissionFailed as exc:
             for future in futures:
-                self._release(future._stored)
+                self._release_unsent(future._stored)
                 future._stored = []
                 future._resolve_exception(exc)
             raise
@@ -620,8 +681,20 @@ class Client(RegistryCalls, TaskStatus, Replay):
     # --- objects passed by reference ---------------------------------------------------
 
     def release(self, task: PreparedTask) -> None:
-        """Evict what a task put in the proxy store, for a task that will never be sent."""
-        self._release(list(task.stored))
+        """Evict what a task put in the proxy store, for a task that will never be sent (its
+        holds on proxy futures end without counting it as a consumer)."""
+        self._release_unsent(list(task.stored))
+
+    def _release_unsent(self, objects: list[Any]) -> None:
+        """:meth:`_release` for a task that never reached Kafka: its holds on proxy futures
+        are discarded (it consumed nothing), its stored objects evicted."""
+        kept: list[Any] = []
+        for item in objects:
+            if isinstance(item, FutureHold | ProducerHold):
+                item.discard()
+            else:
+                kept.append(item)
+        self._release(kept)
 
     def _release(self, objects: list[Any]) -> None:
         """Evict objects a consumed task no longer needs.

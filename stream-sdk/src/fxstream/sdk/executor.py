@@ -39,6 +39,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Final, ParamSpec, TypeVar
 
+from fxstream.connectors import DEFAULT_PROXY_FUTURE_TIMEOUT_S, ProxyFuture
 from fxstream.sdk.batch import refuse_user_endpoint_config
 from fxstream.sdk.client import Client
 from fxstream.sdk.errors import NotFound
@@ -363,6 +364,17 @@ class Executor(concurrent.futures.Executor):
             self._queue.put((task, future))
         future.add_done_callback(self._forget_callback)
         return future
+
+    def proxy_future(
+        self,
+        *,
+        timeout_s: float = DEFAULT_PROXY_FUTURE_TIMEOUT_S,
+        consumers: int = 1,
+    ) -> tuple[ProxyFuture[Any], Any]:
+        """A proxy future, ``(future, proxy)``: submit a consumer with ``proxy`` now, and
+        it waits on first use until ``future.set_result(value)`` (here, or in a producer task
+        given ``future``). See :meth:`Client.proxy_future`."""
+        return self.client.proxy_future(timeout_s=timeout_s, consumers=consumers)
 
     def reload_tasks(self, task_group_id: str | None = None) -> list[TaskFuture]:
         """A future for each task of this executor's task group, e.g. after a restart.

@@ -29,7 +29,14 @@ from typing import Any, Final
 
 from confluent_kafka import KafkaError, Message, Producer
 
-from fxstream.connectors import ByReference, Packed, StoredObject, evict_objects
+from fxstream.connectors import (
+    ByReference,
+    FutureHold,
+    Packed,
+    ProducerHold,
+    StoredObject,
+    evict_objects,
+)
 from fxstream.sdk.errors import PayloadTooLarge, SubmissionFailed
 from fxstream.sdk.settings import ENV_VARIABLES
 from fxstream.sdk.staging import StagingSpec
@@ -85,8 +92,9 @@ class PreparedTask:
     submitted_at: float
     record: bytes
     task_group_id: str | None = None
-    stored: tuple[StoredObject, ...] = ()
-    """Objects its arguments put in the proxy store (evicted once its result is consumed)."""
+    stored: tuple[StoredObject | FutureHold | ProducerHold, ...] = ()
+    """Objects its arguments put in the proxy store (evicted once its result is consumed),
+    and its holds on the proxy futures it was given (released then)."""
     candidates: tuple[str, ...] = ()
     """The endpoints the router may choose among (``endpoint_id`` and its group, sorted);
     empty for a task that names one endpoint."""
@@ -197,6 +205,8 @@ def build_task(
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
+        for hold in packed.holds:
+            hold.discard()
         raise
 
 
@@ -285,7 +295,7 @@ def _build_task(
         submitted_at=submitted_at,
         record=record,
         task_group_id=task_group_id,
-        stored=tuple(packed.stored),
+        stored=(*packed.stored, *packed.holds),
         candidates=submission.candidates() if group else (),
         tags=checked_tags,
     )

@@ -14,6 +14,8 @@
   function load) and a warm task's round trip, per container runtime.
 - :mod:`~fxstream.ops.bench.trigger`: a file watcher, a trigger rule and a result
   subscription: each file's close to its analysis result, steady and in a burst.
+- :mod:`~fxstream.ops.bench.pipeline`: a chain of tasks passing 10 MB along, one after
+  the other, as a DAG, and pipelined with proxy futures (makespans).
 - :mod:`~fxstream.ops.bench.stack`: what they share (a private platform, Parsl HTEX, the
   no-op task).
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
     from fxstream.ops.bench.kafka import run_kafka_bench
     from fxstream.ops.bench.latency import run_latency_bench
     from fxstream.ops.bench.payload import run_payload_bench
+    from fxstream.ops.bench.pipeline import run_pipeline_bench
     from fxstream.ops.bench.throughput import run_throughput_bench
     from fxstream.ops.bench.trigger import run_trigger_bench
 
@@ -37,6 +40,7 @@ _MODULES = {
     "run_kafka_bench": "fxstream.ops.bench.kafka",
     "run_latency_bench": "fxstream.ops.bench.latency",
     "run_payload_bench": "fxstream.ops.bench.payload",
+    "run_pipeline_bench": "fxstream.ops.bench.pipeline",
     "run_throughput_bench": "fxstream.ops.bench.throughput",
     "run_trigger_bench": "fxstream.ops.bench.trigger",
 }
@@ -46,6 +50,7 @@ __all__ = [
     "run_kafka_bench",
     "run_latency_bench",
     "run_payload_bench",
+    "run_pipeline_bench",
     "run_throughput_bench",
     "run_trigger_bench",
 ]
