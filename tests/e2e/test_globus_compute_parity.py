@@ -118,7 +118,15 @@ def test_what_a_function_prints_returns_to_the_user(shared_platform: Stack, gcc:
         with pytest.raises(ValueError, match="negative"):
             failed.result(timeout=WAIT_S)
         assert failed.stderr == "almost done\n" and failed.stdout == ""
-        assert gcc.get_task(done.task_id)["stdout"] == done.stdout
+    # A task this client ran and keeps (run, batch_run): get_task shows its output too.
+    task_id = gcc.run(2, endpoint_id=shared_platform.endpoint_id, function_id=gce_function(gcc))
+    gcc.future(task_id).result(timeout=WAIT_S)
+    assert gcc.get_task(task_id)["stdout"] == "step 0\nstep 1\n"
+
+
+def gce_function(client: Client) -> str:
+    """``chatty`` registered (what the Executor did for its tasks above)."""
+    return client.register_function(chatty)
 
 
 def test_an_endpoints_log_reaches_its_owner_and_no_one_else(

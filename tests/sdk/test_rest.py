@@ -208,7 +208,10 @@ def test_version_check_and_logout(service: Service, alice: RegisteredUser) -> No
             client.version_check(endpoint_version="0.0.1")
         client.logout()
         with pytest.raises(ConfigurationError, match="no API token"):
-            client.whoami()
+            client.run(endpoint_id="ep", function_id="fn")  # nothing sent without a token
+        with pytest.raises(AuthenticationError) as refused:
+            client.whoami()  # the service refuses a request without one
+        assert refused.value.status_code == 401
 
 
 def test_versions_compare_by_their_numbers() -> None:
