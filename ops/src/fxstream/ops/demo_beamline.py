@@ -187,7 +187,10 @@ class _Printer:
                         self.run.failures.append(f"task {result.task_id}: {result.error}")
                         self.run.arrived.notify_all()
                     self.console.print(
-                        f"[red]task {result.task_id} failed:[/red] {result.error}", markup=True
+                        f"task {result.task_id} failed: {result.error}",
+                        style="red",
+                        markup=False,
+                        highlight=False,
                     )
                     continue
                 self._take(result.value, received, result.timings)
@@ -237,12 +240,13 @@ def _header(console: Console, sample: SimulatedSample) -> None:
 
 
 def _write_stack(run: _Run, name: str, stack: np.ndarray[Any, Any]) -> None:
+    """Write one stack through one ``open()`` (its close is the watcher's cue) and note
+    when it closed; under the run's lock, so its result cannot be taken before the note."""
     path = run.frames_dir / name
-    with open(path, "wb") as handle:
-        np.save(handle, stack, allow_pickle=False)
-    closed = time.time()
     with run.lock:
-        run.closed[str(path)] = closed
+        with open(path, "wb") as handle:
+            np.save(handle, stack, allow_pickle=False)
+        run.closed[str(path)] = time.time()
 
 
 def _detector(
@@ -310,7 +314,11 @@ def read_archive(directory: Path, *, rule_id: str, frames_dir: Path) -> Summary:
     """Rows per kind in the Parquet archive at ``directory`` (read back with pyarrow), and
     this run's: results and task-state changes of the rule's task group, events of files
     in ``frames_dir``; with the tasks that have a ``succeeded`` row."""
-    counts: Summary = {"directory": str(directory)}
+    counts: Summary = {
+        "directory": str(directory),
+        "run_results_success": 0,
+        "run_tasks_succeeded": 0,
+    }
     for kind in _ALL_KINDS:
         table = _table(directory, kind)
         counts[f"{kind}_rows"] = 0 if table is None else table.num_rows
@@ -339,10 +347,12 @@ def _archive(
     rule_id: str,
     expected_events: int,
     expected_results: int,
+    expected_succeeded: int,
     started: list[ManagedProcess],
 ) -> Summary:
-    """Run the Parquet sink until this run's events and results are archived, stop it,
-    and read the archive back."""
+    """Run the Parquet sink until this run's events, results and its tasks' ``succeeded``
+    states are archived (or :data:`_ARCHIVE_WAIT_S` passed), stop it, and read the archive
+    back."""
     services = platform.platform.services()
     group = f"{SERVICE_GROUP_PREFIX}-demo-beamline-{run.directory.name}"
     with console.status("[bold]the Parquet sink archives the platform's records"):
@@ -362,6 +372,7 @@ def _archive(
             complete = (
                 counts["run_events_rows"] >= expected_events
                 and counts["run_results_rows"] >= expected_results
+                and counts["run_tasks_succeeded"] >= expected_succeeded
             )
             if complete or time.monotonic() > deadline:
                 break
@@ -373,6 +384,7 @@ def _archive(
     counts["complete"] = (
         counts["run_events_rows"] == expected_events
         and counts["run_results_rows"] == expected_results
+        and counts["run_tasks_succeeded"] == expected_succeeded
     )
     return counts
 
@@ -496,6 +508,7 @@ def run_beamline_demo(
                 rule_id_deleted,
                 expected_events=settings.files + 1,
                 expected_results=len(run.results) + len(run.failures),
+                expected_succeeded=len(run.results),
                 started=started,
             )
             summary["archive"] = archive
@@ -508,7 +521,9 @@ def run_beamline_demo(
                     try:
                         client.delete_trigger(rule_id)
                     except Exception as exc:  # the run's own failure is the one reported
-                        console.print(f"[yellow]could not delete rule {rule_id}: {exc}[/yellow]")
+                        console.print(
+                            f"could not delete rule {rule_id}: {exc}", style="yellow", markup=False
+                        )
                 client.close()
     summary["all_stopped"] = all(process.pid() is None for process in started)
     summary["ok"] = (
