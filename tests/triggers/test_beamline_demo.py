@@ -17,13 +17,17 @@ import sys
 import textwrap
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import psutil
+import pyarrow as pa  # type: ignore[import-untyped]
+import pyarrow.parquet as pq  # type: ignore[import-untyped]
 import pytest
 
-from fxstream.ops.demo_beamline import BeamlineSettings
+from fxstream.connectors.parquet_sink import SCHEMAS, event_row, result_row, task_state_row
+from fxstream.ops.demo_beamline import BeamlineSettings, read_archive
 from fxstream.ops.private import PrivatePlatform
 from fxstream.ops.xpcs import (
     RINGS,
@@ -36,7 +40,15 @@ from fxstream.ops.xpcs import (
     simulate_frames,
     two_time_correlation,
 )
-from fxstream.topics import Serializer
+from fxstream.topics import (
+    Event,
+    Serializer,
+    TaskError,
+    TaskResult,
+    TaskState,
+    TaskStateName,
+    TaskTimings,
+)
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
 
@@ -118,7 +130,15 @@ def test_the_rule_function_travels_by_value_and_needs_only_numpy(tmp_path: Path)
     program = textwrap.dedent(
         f"""
         import json, sys
-        from fxstream.topics import Serializer
+        from fxstream.topics import (
+    Event,
+    Serializer,
+    TaskError,
+    TaskResult,
+    TaskState,
+    TaskStateName,
+    TaskTimings,
+)
         fn = Serializer().deserialize_function(open({str(code)!r}, "rb").read())
         answer = fn({{"attributes": {{"path": {str(path)!r}}}, "occurred_at": 12.5}})
         answer["ops_imported"] = "fxstream.ops" in sys.modules
@@ -135,6 +155,124 @@ def test_the_rule_function_travels_by_value_and_needs_only_numpy(tmp_path: Path)
     local = analyse_frames(stack)
     assert answer["rings"] == local["rings"]
     assert answer["mean_intensity"] == local["mean_intensity"]
+
+
+def _archive_file(root: Path, kind: str, rows: list[dict[str, Any]], first: int) -> None:
+    """One file as the sink lays it out (hive day/hour directories, Kafka coordinates)."""
+    directory = root / kind / "day=2026-11-25" / "hour=15"
+    directory.mkdir(parents=True, exist_ok=True)
+    kafka = [
+        {
+            "topic": f"fx.{kind}",
+            "partition": 0,
+            "offset": first + i,
+            "kafka_time": 1_764_082_800_000,
+        }
+        for i in range(len(rows))
+    ]
+    table = pa.Table.from_pylist(
+        [k | row for k, row in zip(kafka, rows, strict=True)], schema=SCHEMAS[kind]
+    )
+    name = f"fx.{kind}+0+{first:020d}-{first + len(rows) - 1:020d}.parquet"
+    pq.write_table(table, directory / name)
+
+
+def test_the_archive_reader_counts_the_runs_rows(tmp_path: Path) -> None:
+    """What the demo prints of the archive: every row per kind, and the run's (its rule's
+    task group, its frame files), read back with pyarrow; the sink's temporary files are
+    not read."""
+    root, frames = tmp_path / "archive", tmp_path / "run" / "frames"
+    now = 1_764_082_800.0
+    timings = TaskTimings(submitted_at=now, finished_at=now + 1)
+
+    def result(task: str, group: str | None, ok: bool = True) -> dict[str, Any]:
+        return result_row(
+            TaskResult(
+                task_id=task,
+                user_id="u1",
+                function_id="f1",
+                endpoint_id="e1",
+                task_group_id=group,
+                outcome="success" if ok else "error",
+                value=b"v" if ok else None,
+                error=None if ok else TaskError(type="ValueError", message="bad"),
+                timings=timings,
+            )
+        )
+
+    def state(task: str, group: str | None, name: TaskStateName) -> dict[str, Any]:
+        return task_state_row(
+            TaskState(
+                task_id=task,
+                user_id="u1",
+                function_id="f1",
+                endpoint_id="e1",
+                task_group_id=group,
+                state=name,
+                updated_at=now,
+                timings=timings,
+            )
+        )
+
+    def event(path: Path) -> dict[str, Any]:
+        return event_row(
+            Event(
+                source="beamline",
+                event_key=f"{path}|10|1",
+                event_type="file-complete",
+                occurred_at=now,
+                attributes={"path": str(path)},
+            )
+        )
+
+    rule = "rule-1"
+    _archive_file(
+        root,
+        "results",
+        [result("a", rule), result("b", rule), result("c", rule, ok=False), result("d", None)],
+        0,
+    )
+    _archive_file(root, "results", [result("e", "rule-2")], 4)
+    _archive_file(
+        root,
+        "task_state",
+        [
+            state("a", rule, TaskStateName.SUBMITTED),
+            state("a", rule, TaskStateName.SUCCEEDED),
+            state("b", rule, TaskStateName.SUCCEEDED),
+            state("b", rule, TaskStateName.SUCCEEDED),
+            state("e", "rule-2", TaskStateName.SUCCEEDED),
+        ],
+        0,
+    )
+    _archive_file(
+        root,
+        "events",
+        [
+            event(frames / "frame-0000.npy"),
+            event(frames / "scan.json"),
+            event(tmp_path / "run" / "frames2" / "frame-0000.npy"),  # a prefix, not the dir
+            event(tmp_path / "elsewhere.npy"),
+        ],
+        0,
+    )
+    (root / "events" / "day=2026-11-25" / "hour=15" / ".half-written.parquet.tmp").write_bytes(
+        b"not parquet"
+    )
+    counts = read_archive(root, rule_id=rule, frames_dir=frames)
+    assert counts == {
+        "directory": str(root),
+        "results_rows": 5,
+        "run_results_rows": 3,
+        "run_results_success": 2,
+        "events_rows": 4,
+        "run_events_rows": 2,
+        "task_state_rows": 5,
+        "run_task_state_rows": 4,
+        "run_tasks_succeeded": 2,
+    }
+    empty = read_archive(tmp_path / "none", rule_id=rule, frames_dir=frames)
+    assert empty["results_rows"] == 0 and empty["run_tasks_succeeded"] == 0
 
 
 def test_settings_refuse_what_cannot_run() -> None:

@@ -222,21 +222,24 @@ class _Printer:
 
 
 def _header(console: Console, sample: SimulatedSample) -> None:
-    expected = " ".join(_fmt(tau, 5, 1) for _, tau in sample.expected_fit())
     rings = ", ".join(f"{lo}-{hi}" for lo, hi in RINGS)
     lags = " ".join(f"{f'g2({lag})':>6}" for lag in G2_LAGS)
-    first = f"{RINGS[0][0]}-{RINGS[0][1]} px"
     console.print(
-        f"q-rings, pixels from the beam: {rings}. The simulated sample: speckle contrast "
-        f"{sample.beta:g}, mean counts {sample.expected_mean_intensity():.1f}, and per ring "
-        f"the relaxation time the analysis should find (frames): {expected.strip()}",
+        f"q-rings: {rings} pixels from the beam; g2 is the innermost ring's, tau (the "
+        "relaxation time, frames) is fitted per ring",
         highlight=False,
     )
     console.print(
         f"{'file':<16} {'<I>':>6}  {lags}   {'tau per ring (frames)':<23}  close->result ms",
         highlight=False,
     )
-    console.print(f"{'':<16} {'':>6}  {'g2 of the ring ' + first:<34}", highlight=False)
+    curve = sample.expected_g2(max(G2_LAGS))[0]
+    g2 = " ".join(_fmt(float(curve[lag]), 6, 3) for lag in G2_LAGS)
+    taus = " ".join(_fmt(tau, 5, 1) for _, tau in sample.expected_fit())
+    console.print(
+        f"{'(the sample)':<16} {sample.expected_mean_intensity():>6.1f}  {g2}   {taus}",
+        highlight=False,
+    )
 
 
 def _write_stack(run: _Run, name: str, stack: np.ndarray[Any, Any]) -> None:
@@ -368,7 +371,10 @@ def _archive(
         sink_pid = sink.pid()
         deadline = time.monotonic() + _ARCHIVE_WAIT_S
         while True:
-            counts = read_archive(run.archive_dir, rule_id=rule_id, frames_dir=run.frames_dir)
+            try:
+                counts = read_archive(run.archive_dir, rule_id=rule_id, frames_dir=run.frames_dir)
+            except OSError:  # a file went away between listing and reading: look again
+                counts = {"run_events_rows": 0, "run_results_rows": 0, "run_tasks_succeeded": 0}
             complete = (
                 counts["run_events_rows"] >= expected_events
                 and counts["run_results_rows"] >= expected_results
