@@ -130,15 +130,7 @@ def test_the_rule_function_travels_by_value_and_needs_only_numpy(tmp_path: Path)
     program = textwrap.dedent(
         f"""
         import json, sys
-        from fxstream.topics import (
-    Event,
-    Serializer,
-    TaskError,
-    TaskResult,
-    TaskState,
-    TaskStateName,
-    TaskTimings,
-)
+        from fxstream.topics import Serializer
         fn = Serializer().deserialize_function(open({str(code)!r}, "rb").read())
         answer = fn({{"attributes": {{"path": {str(path)!r}}}, "occurred_at": 12.5}})
         answer["ops_imported"] = "fxstream.ops" in sys.modules
