@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,8 @@ bench_app = typer.Typer(help="Benchmarks: each prints a table and, last, one JSO
 app.add_typer(bench_app, name="bench")
 user_app = typer.Typer(help="Users of the platform (the platform admin's commands).")
 app.add_typer(user_app, name="user")
+demo_app = typer.Typer(help="Demonstrations on the running platform (./fx up first).")
+app.add_typer(demo_app, name="demo")
 
 console = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -805,6 +808,57 @@ def bench_pipeline(
         stages=stages, seconds=seconds, overhead=overhead, megabytes=megabytes, repeats=repeats
     )
     _run_task_bench("pipeline", settings, run_pipeline_bench)
+
+
+@demo_app.command("beamline")
+def demo_beamline(
+    files: Annotated[int, typer.Option(help="Frame files the simulated detector writes.")] = 10,
+    rate: Annotated[float, typer.Option(help="Files per second.")] = 2.0,
+    frames: Annotated[int, typer.Option(help="Frames (64 x 64) per file.")] = 100,
+    source: Annotated[
+        str, typer.Option(help="The event source: its topic is events.<SOURCE>.")
+    ] = "beamline",
+    seed: Annotated[int, typer.Option(help="Seeds the simulated detector.")] = 0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds without a new result before the missing count as lost.")
+    ] = 120.0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Also print the summary as one JSON line, last.")
+    ] = False,
+) -> None:
+    """A simulated XPCS detector writes frame files; a trigger rule runs a two-time
+    correlation on the local endpoint for each; results print live; then the Parquet archive.
+    """
+    from fxstream.ops.demo_beamline import (
+        BeamlineSettings,
+        DemoError,
+        attach_running_platform,
+        run_beamline_demo,
+    )
+
+    settings = BeamlineSettings(
+        files=files, rate=rate, frames=frames, source=source, seed=seed, idle_timeout_s=timeout
+    )
+    try:
+        settings.validate()
+    except ValueError as exc:
+        err.print(f"[red]demo beamline:[/red] {exc}")
+        raise typer.Exit(2) from exc
+    failures: tuple[type[Exception], ...] = (DemoError, *_task_bench_errors())
+    try:
+        platform = attach_running_platform(_config())
+        summary = run_beamline_demo(console, platform, settings)
+    except failures as exc:
+        err.print(f"[red]demo beamline failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    if as_json:
+        print(json.dumps(summary), flush=True)
+    if not summary["ok"]:
+        err.print(
+            "[red]demo beamline: not every file had its analysis, or the archive lacks rows "
+            "(see above)[/red]"
+        )
+        raise typer.Exit(1)
 
 
 @user_app.command("add")

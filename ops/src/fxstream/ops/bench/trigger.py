@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import threading
 import time
 import uuid
@@ -45,15 +44,14 @@ from rich.console import Console
 from rich.table import Table
 
 from fxstream.connectors.event_writer import ensure_event_topic
-from fxstream.connectors.source_cli import READY_LINE
 from fxstream.ops.bench.stack import BenchError, PrivatePlatform, percentile, private_platform
-from fxstream.ops.process import ManagedProcess, tail
+from fxstream.ops.process import ManagedProcess
+from fxstream.ops.source_process import start_source_process
 from fxstream.sdk import ResultSubscription
 
 __all__ = ["HOPS", "TriggerSettings", "analyse", "run_trigger_bench"]
 
 TARGET_P50_MS: Final = 100.0
-_READY_S: Final = 60.0
 _WARMUP_WAIT_S: Final = 180.0
 HOPS: Final = (
     ("closed", "event"),
@@ -213,34 +211,14 @@ def _wait_for(ledger: _Ledger, phase: str, expected: int, idle_timeout_s: float)
 
 
 def _start_watcher(platform: PrivatePlatform, directory: Path, source: str) -> ManagedProcess:
-    argv = [sys.executable, "-m", "fxstream.connectors.source_cli", "watch", str(directory)]
-    argv += ["--source", source, "--mode", "close", "--prefix", platform.prefix]
-    env = dict(os.environ)
-    if platform.kafka.secure:
-        env["FXSTREAM_KAFKA_CREDENTIALS"] = str(platform.platform.credentials_file("admin"))
-    else:
-        argv += ["--bootstrap", platform.bootstrap]
-    run_dir = platform.home / "bench-trigger"
-    watcher = ManagedProcess(
-        name="file watcher",
-        argv=argv,
-        pid_file=run_dir / "watcher.pid",
-        log_file=run_dir / "watcher.log",
-        env=env,
-        die_with_parent=True,
+    return start_source_process(
+        "file watcher",
+        ["watch", str(directory), "--source", source, "--mode", "close"],
+        kafka=platform.kafka,
+        credentials_file=platform.platform.credentials_file("admin"),
+        prefix=platform.prefix,
+        run_dir=platform.home / "bench-trigger",
     )
-    watcher.start()
-    deadline = time.monotonic() + _READY_S
-    while READY_LINE not in watcher.log_file.read_text(errors="replace"):
-        watcher.check_alive()
-        if time.monotonic() > deadline:
-            watcher.stop()
-            raise BenchError(
-                f"the file watcher was not ready within {_READY_S:.0f} s; its log:\n"
-                f"{tail(watcher.log_file)}"
-            )
-        time.sleep(0.1)
-    return watcher
 
 
 def _ms(samples: Sequence[float], pct: float) -> float | None:
