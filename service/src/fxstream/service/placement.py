@@ -173,8 +173,9 @@ class PlacementStats:
 
     chosen: int = 0
     warm: int = 0
-    # Choices that would have sent a task to an endpoint whose pools were all taken by
-    # other images (releasing one: a cold start) but for the pool budget.
+    # Tasks of an image whose least loaded candidate had all its pool slots taken by
+    # other images (sending it there releases one: a cold start), sent where the image
+    # runs or a slot is free instead.
     evictions_avoided: int = 0
     # Tasks of an image that ran nowhere (and was routed nowhere lately) sent to a free
     # pool slot: its new home.
