@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from fxstream.ops.bench.routing import DURATIONS_S, RoutingSettings, draw_workload, sleep_for
+from fxstream.ops.bench.routing import (
+    DURATIONS_S,
+    RoutingSettings,
+    cold_start_sources,
+    draw_workload,
+    sleep_for,
+)
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
 
@@ -55,3 +61,27 @@ def test_cli_refuses_a_bad_setting_before_starting_anything() -> None:
     )
     assert done.returncode == 2
     assert "--endpoints" in done.stderr
+
+
+def test_cold_starts_are_split_into_placement_spread_and_restarts() -> None:
+    ran = [
+        # img0 lives on a (one worker), img1 on a and b (placement sent it to two).
+        ("a", "img0", "h:1"),
+        ("a", "img0", "h:1"),
+        ("a", "img1", "h:2"),
+        ("b", "img1", "h:3"),
+        # img2 on b, its pool started twice there (released and started again).
+        ("b", "img2", "h:4"),
+        ("b", "img2", "h:5"),
+        ("b", "img2", "h:5"),
+    ]
+    figures = cold_start_sources(ran, ["a", "b", "c"])
+    assert figures["cold_starts"] == 5
+    assert figures["placement_spread"] == 1  # 4 (endpoint, image) pairs for 3 images
+    assert figures["restarts"] == 1  # img2's second worker on b
+    assert figures["tasks_per_endpoint"] == [3, 4]
+    assert figures["per_endpoint"] == [
+        {"endpoint": 0, "tasks": {"img0": 2, "img1": 1}, "pool_starts": {"img0": 1, "img1": 1}},
+        {"endpoint": 1, "tasks": {"img1": 1, "img2": 3}, "pool_starts": {"img1": 1, "img2": 2}},
+        {"endpoint": 2, "tasks": {}, "pool_starts": {}},
+    ]

@@ -15,7 +15,9 @@ when the platform's router starts), all in one run:
   (seeded, the same for both policies) submitted at once to the group of all the
   endpoints. Figures: completion time (first submission to last result) and cold
   starts (the distinct workers, ``host:pid`` per endpoint, that ran a task: each
-  started cold once).
+  started cold once), split by source (:func:`cold_start_sources`: placement sending
+  an image to more endpoints, or the agents starting an image's pool again where it
+  ran), with the tasks routed and pool starts per endpoint and image.
 - **Group placement** (policies ``backlog`` and ``round-robin``): endpoints of unequal
   size (1, 2, 3, ... workers), one sleep function without a container, ``group_tasks``
   tasks of mixed durations to the group. Figure: completion time.
@@ -26,8 +28,7 @@ placement (queueing and cold starts), not CPU. Each phase starts and stops its o
 platform (the supervisor and processors started with ``FXSTREAM_PLACEMENT`` set), so
 the run takes a few minutes beyond the tasks themselves.
 
-Status: written and type-checked, not yet run (its first run may need fixes); no
-figure of it is recorded.
+Its runs are recorded in docs/benchmarks.md (``./fx bench routing``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,14 @@ from fxstream.ops.bench.stack import (
 )
 from fxstream.sdk import Executor, TaskFuture
 
-__all__ = ["DURATIONS_S", "RoutingSettings", "draw_workload", "run_routing_bench", "sleep_for"]
+__all__ = [
+    "DURATIONS_S",
+    "RoutingSettings",
+    "cold_start_sources",
+    "draw_workload",
+    "run_routing_bench",
+    "sleep_for",
+]
 
 PLACEMENT_ENV: Final = "FXSTREAM_PLACEMENT"
 DURATIONS_S: Final = (0.01, 0.05, 0.2)
@@ -166,11 +174,56 @@ def _warm_phase(console: Console, settings: RoutingSettings, policy: str) -> Fig
         completion, futures = _run(
             console, platform, endpoints, function_ids, workload, f"{policy}: {len(workload)} tasks"
         )
-    workers = {(f.endpoint_id, f.worker) for f in futures}
+    image_of = dict(zip(function_ids, images, strict=True))
     return {
         "completion_s": round(completion, 2),
-        "cold_starts": len(workers),
-        "tasks_per_endpoint": sorted(Counter(f.endpoint_id for f in futures).values()),
+        **cold_start_sources(
+            [(f.endpoint_id, image_of[f.function_id], f.worker) for f in futures], endpoints
+        ),
+    }
+
+
+def cold_start_sources(
+    ran: Sequence[tuple[str, str, str | None]], endpoints: Sequence[str]
+) -> Figures:
+    """Where the cold starts of a warm phase came from, from what each task ran on:
+    ``(endpoint id, image, worker)`` per task, ``endpoints`` in their order.
+
+    A cold start is a distinct worker (``host:pid``) per endpoint that ran a task (each
+    was started cold once; the pools have one worker each). Split two ways:
+
+    - ``placement_spread``: the (endpoint, image) pairs the router sent tasks to beyond
+      one per image: each is a pool started because placement sent an image to another
+      endpoint;
+    - ``restarts``: workers beyond one per (endpoint, image) pair: an image's pool
+      started again where it had run (the agent released it for another image: its pool
+      budget, ``max_image_wait_s``), or a worker replaced.
+
+    ``per_endpoint`` lists, per endpoint in order, the tasks the router sent there per
+    image and the pool starts per image there.
+    """
+    tasks: Counter[tuple[str, str]] = Counter()
+    workers: dict[tuple[str, str], set[str | None]] = {}
+    for endpoint_id, image, worker in ran:
+        tasks[(endpoint_id, image)] += 1
+        workers.setdefault((endpoint_id, image), set()).add(worker)
+    starts = sum(len(w) for w in workers.values())
+    images = {image for _, image in tasks}
+    return {
+        "cold_starts": starts,
+        "placement_spread": len(tasks) - len(images),
+        "restarts": starts - len(tasks),
+        "tasks_per_endpoint": sorted(Counter(e for e, _, _ in ran).values()),
+        "per_endpoint": [
+            {
+                "endpoint": index,
+                "tasks": {i: n for (e, i), n in sorted(tasks.items()) if e == endpoint_id},
+                "pool_starts": {
+                    i: len(w) for (e, i), w in sorted(workers.items()) if e == endpoint_id
+                },
+            }
+            for index, endpoint_id in enumerate(endpoints)
+        ],
     }
 
 
@@ -223,6 +276,12 @@ def run_routing_bench(console: Console, settings: RoutingSettings) -> Figures:
         ),
         "cold_starts_warm": phases["warm"]["cold_starts"],
         "cold_starts_random": phases["random"]["cold_starts"],
+        # Where the cold starts came from: placement (an image sent to another endpoint)
+        # or the agents (an image's pool started again where it ran).
+        "cold_start_sources": {
+            p: {k: phases[p][k] for k in ("placement_spread", "restarts", "per_endpoint")}
+            for p in ("warm", "random")
+        },
         "group_tasks": settings.group_tasks,
         "group_endpoint_workers": list(range(1, settings.group_endpoints + 1)),
         "completion_s_backlog": phases["backlog"]["completion_s"],
@@ -250,6 +309,26 @@ def run_routing_bench(console: Console, settings: RoutingSettings) -> Figures:
             ", ".join(str(n) for n in phase["tasks_per_endpoint"]),
         )
     console.print(table)
+    sources = Table(title="warm-routing phases: where the cold starts came from")
+    for column in ("policy", "cold starts", "placement spread", "restarts", "per endpoint"):
+        sources.add_column(
+            column, justify="left" if column in ("policy", "per endpoint") else "right"
+        )
+    for policy in ("warm", "random"):
+        phase = phases[policy]
+        sources.add_row(
+            policy,
+            str(phase["cold_starts"]),
+            str(phase["placement_spread"]),
+            str(phase["restarts"]),
+            "; ".join(
+                f"{e['endpoint']}: "
+                + " ".join(f"{i}={n}/{e['pool_starts'][i]}" for i, n in e["tasks"].items())
+                for e in phase["per_endpoint"]
+            ),
+        )
+    console.print(sources)
+    console.print("per endpoint: image=tasks routed there/pool starts there")
     console.print(
         f"warm vs random: {figures['improvement_pct']} % shorter; "
         f"backlog vs round robin: {figures['group_improvement_pct']} % shorter"
