@@ -110,12 +110,14 @@ class _Dashboard:
         self._feeds: DashboardFeeds | None = None
         self._feeds_failed_at = 0.0
         self._lock = threading.Lock()
+        # Starting the feeds waits for Kafka: never under the lock the event loop takes.
+        self._feeds_lock = threading.Lock()
         self._streams: dict[str, int] = {}
         self._cache: dict[str, tuple[float, dict[str, Any]]] = {}
 
     def feeds(self, runtime: Runtime) -> DashboardFeeds | None:
         """The feeds, started now if they are not (None while they cannot start)."""
-        with self._lock:
+        with self._feeds_lock:
             if self._feeds is not None:
                 return self._feeds
             if runtime.kafka is None or time.monotonic() - self._feeds_failed_at < _FEEDS_RETRY_S:
@@ -133,7 +135,7 @@ class _Dashboard:
 
     def close(self) -> None:
         """Stop the feeds."""
-        with self._lock:
+        with self._feeds_lock:
             feeds, self._feeds = self._feeds, None
         if feeds is not None:
             feeds.close()
