@@ -266,9 +266,10 @@ def test_without_a_session_only_the_login_page_or_401(
         assert page.status_code == 200 and 'id="login"' in page.text
         assert endpoint.endpoint_id not in page.text and "task-total" not in page.text
         assert http.get(f"{url}/events").status_code == 401
-        forged = http.get(f"{url}/events", cookies={COOKIE_NAME: "x" * 43})
-        assert forged.status_code == 401
-        assert 'id="login"' in http.get(url, cookies={COOKIE_NAME: "x" * 43}).text
+    with httpx.Client(timeout=30, cookies={COOKIE_NAME: "x" * 43}) as forged:
+        assert forged.get(f"{url}/events").status_code == 401
+        assert 'id="login"' in forged.get(url).text
+    with httpx.Client(timeout=30) as http:
         # A wrong token, and a post from another site's page, open nothing.
         wrong = http.post(f"{url}/login", data={"token": "not-a-token"})
         assert wrong.status_code == 401 and COOKIE_NAME not in http.cookies
