@@ -206,12 +206,10 @@ def test_a_user_logs_in_and_sees_the_endpoint_online_and_task_counts_move_live(
         page.click("form#login button[type=submit]")
         page.wait_for_selector("#task-total")
         assert token not in page.url and page.url.rstrip("/") == url
+        row = page.locator("#section-endpoints tr", has_text=endpoint.endpoint_id)
         _wait(
             "the endpoint online on the page",
-            lambda: (
-                endpoint.endpoint_id in page.inner_text("#section-endpoints")
-                and "online" in page.inner_text("#section-endpoints")
-            ),
+            lambda: row.count() == 1 and "online" in row.inner_text(),
         )
         # A user sees the endpoints it may use: this public one, not the local user's own.
         assert shared_platform.endpoint_id not in page.inner_text("main")
@@ -350,7 +348,8 @@ def test_the_admin_sees_everyones_items_and_dead_letters_without_their_bytes(
         assert shared_platform.endpoint_id in page
         assert alice.name in page
         snapshot = _first_snapshot(as_admin, url)
-        assert "online" in snapshot["sections"]["endpoints"]
+        local = _row(snapshot["sections"]["endpoints"], shared_platform.endpoint_id)
+        assert 'class="state state-online"' in local, local
         assert where in snapshot["sections"]["dead-letters"]
         assert marker not in json.dumps(snapshot)
         assert as_admin.post(f"{url}/logout").status_code == 303
@@ -365,3 +364,11 @@ def test_the_admin_sees_everyones_items_and_dead_letters_without_their_bytes(
 def _has(http: httpx.Client, url: str, text: str) -> str | None:
     page = http.get(url).text
     return page if text in page else None
+
+
+def _row(html: str, text: str) -> str:
+    """The table row of ``html`` that holds ``text`` (empty if none)."""
+    for row in html.split("<tr>"):
+        if text in row:
+            return row.split("</tr>")[0]
+    return ""
