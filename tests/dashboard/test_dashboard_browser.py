@@ -215,7 +215,7 @@ def test_a_user_logs_in_and_sees_the_endpoint_online_and_task_counts_move_live(
         assert shared_platform.endpoint_id not in page.inner_text("main")
         before = int(page.inner_text("#task-total"))
         assert before == 0, "a new user has no task"
-        _wait("live updates", lambda: page.inner_text("#live").startswith("live"))
+        _wait("live updates", lambda: page.inner_text("#live").startswith("live · updated"))
 
         with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
             futures = [executor.submit(double, n) for n in range(3)]

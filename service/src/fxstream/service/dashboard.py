@@ -22,7 +22,7 @@ Routes (none in the OpenAPI schema; none takes a token in its URL):
   (no build step; nothing is fetched from anywhere else).
 
 Every answer carries a Content-Security-Policy allowing only this origin's script and
-style (no inline script), ``frame-ancestors 'none'``, ``no-referrer`` and
+style (no inline script), ``frame-ancestors 'none'``, ``same-origin`` referrers and
 ``Cache-Control: no-store``.
 """
 
@@ -87,7 +87,8 @@ _HEADERS: Final = {
     ),
     "X-Content-Type-Options": "nosniff",
     "X-Frame-Options": "DENY",
-    "Referrer-Policy": "no-referrer",
+    # Not no-referrer: with it a browser sends "Origin: null" on the page's own posts.
+    "Referrer-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
 _SECTION_TITLES: Final = {
@@ -200,12 +201,14 @@ def _base(request: Request) -> str:
 
 
 def _same_origin(request: Request) -> bool:
-    """False for a post another site's page made (the browser says so)."""
-    origin = request.headers.get("origin")
-    if origin is not None:
-        return origin == f"{request.url.scheme}://{request.url.netloc}"
+    """False for a post another site's page made, as the browser tells: its
+    ``Sec-Fetch-Site``, else its ``Origin`` (an opaque ``null`` origin is refused). A
+    client that sends neither is no browser a page could have driven."""
     site = request.headers.get("sec-fetch-site")
-    return site is None or site in ("same-origin", "none")
+    if site is not None:
+        return site in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    return origin is None or origin == f"{request.url.scheme}://{request.url.netloc}"
 
 
 def _html(body: str, status: int = 200, headers: dict[str, str] | None = None) -> HTMLResponse:
@@ -251,7 +254,7 @@ def _page(base: str, sections: dict[str, str]) -> str:
         base,
         "fxstream dashboard",
         '<header><h1>fxstream dashboard</h1><span id="live" class="live">'
-        "live updates starting</span>"
+        "connecting</span>"
         f'<form method="post" action="{base}/logout"><button type="submit">Log out</button>'
         "</form></header>"
         f"<main>{''.join(parts)}</main>"

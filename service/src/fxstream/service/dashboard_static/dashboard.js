@@ -39,6 +39,12 @@
       location.reload();
     });
     source.onerror = function () {
+      if (source.readyState === EventSource.CLOSED) {
+        // Refused (the session ended, too many streams): the page itself says why.
+        say("disconnected", "off");
+        setTimeout(function () { location.reload(); }, 3000);
+        return;
+      }
       // The service ends each stream after a while; EventSource reconnects by itself.
       say("reconnecting", "off");
     };
