@@ -240,6 +240,13 @@ def test_a_user_logs_in_and_sees_the_endpoint_online_and_task_counts_move_live(
             "the error among the recent errors",
             lambda: "dashboard-boom-7" in page.inner_text("#section-errors"),
         )
+        # The analytics processor's windows: the four finished, one of them an error.
+        _wait(
+            "the task rates to count the tasks",
+            lambda: (
+                page.inner_text("#rate-finished") == "4" and page.inner_text("#rate-errors") == "1"
+            ),
+        )
         errors = page.inner_text("#section-errors")
         assert failing.task_id in errors and "ValueError" in errors
         # The hostile name is text, not markup.
