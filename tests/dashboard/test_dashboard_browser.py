@@ -220,7 +220,7 @@ def test_a_user_logs_in_and_sees_the_endpoint_online_and_task_counts_move_live(
         with Executor(endpoint_id=endpoint.endpoint_id, client=client) as executor:
             futures = [executor.submit(double, n) for n in range(3)]
             assert [f.result(timeout=WAIT_S) for f in futures] == [0, 2, 4]
-            hostile = executor.register_function(explode, name=HOSTILE_NAME)
+            hostile = client.register_function(explode, name=HOSTILE_NAME)
             failing = executor.submit_to_registered_function(hostile, (7,))
             with pytest.raises(ValueError, match="dashboard-boom-7"):
                 failing.result(timeout=WAIT_S)
