@@ -17,6 +17,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,14 +140,15 @@ def _wait(what: str, probe: Callable[[], Any], timeout_s: float = WAIT_S) -> Any
     raise AssertionError(f"{what}: not within {timeout_s:g} s (last seen: {last!r})")
 
 
-def _login(url: str, token: str) -> tuple[httpx.Client, str]:
+@contextmanager
+def _login(url: str, token: str) -> Iterator[tuple[httpx.Client, str]]:
     """An HTTP client holding a dashboard session opened with ``token`` (the form's post),
-    and the answer's Set-Cookie header."""
-    http = httpx.Client(timeout=30)
-    answer = http.post(f"{url}/login", data={"token": token})
-    assert answer.status_code == 303, answer.text
-    assert COOKIE_NAME in http.cookies
-    return http, answer.headers["set-cookie"]
+    and the answer's Set-Cookie header; closed after the block."""
+    with httpx.Client(timeout=30) as http:
+        answer = http.post(f"{url}/login", data={"token": token})
+        assert answer.status_code == 303, answer.text
+        assert COOKIE_NAME in http.cookies
+        yield http, answer.headers["set-cookie"]
 
 
 def _first_snapshot(http: httpx.Client, url: str) -> dict[str, Any]:
@@ -297,13 +299,11 @@ def test_another_users_session_sees_none_of_this_users_items(
         future = executor.submit(double, 21)
         assert future.result(timeout=WAIT_S) == 42
 
-    as_alice, _ = _login(url, alice.token)
-    with as_alice:
+    with _login(url, alice.token) as (as_alice, _):
         # The control: alice's own session shows her task.
         _wait("alice's task on her page", lambda: future.task_id in as_alice.get(url).text)
 
-    as_bob, cookie = _login(url, bob.token)
-    with as_bob:
+    with _login(url, bob.token) as (as_bob, cookie):
         assert "HttpOnly" in cookie and "samesite=strict" in cookie.lower()
         assert "Path=/dashboard" in cookie and "Secure" not in cookie  # plain HTTP here
         assert bob.token not in cookie
@@ -346,8 +346,7 @@ def test_the_admin_sees_everyones_items_and_dead_letters_without_their_bytes(
     partition, offset = delivered[0]
     where = f"{topic} [{partition}] @ {offset}"
 
-    as_admin, _ = _login(url, shared_platform.admin_token)
-    with as_admin:
+    with _login(url, shared_platform.admin_token) as (as_admin, _):
         page = _wait("the dead letter on the admin's page", lambda: _has(as_admin, url, where))
         assert marker not in page
         assert "the platform admin" in page
