@@ -296,7 +296,9 @@ def test(ctx: typer.Context) -> None:
     _run("mypy", [python, "-m", "mypy", *sources])
     if fast:
         _pytest(args)
-    console.rule("[bold]requirements (Java, Apache Kafka, Redis, container runtimes, Slurm, MPICH)")
+    console.rule(
+        "[bold]requirements (Java, Apache Kafka, Redis, container runtimes, Slurm, MPICH, chromium)"
+    )
     try:
         for name, where in ensure_requirements(_config()).items():
             console.print(f"{name}: {where}")

@@ -7,8 +7,9 @@ package; the container runtimes an endpoint may use come from Debian's
 ``bubblewrap``, ``podman`` and ``runc`` packages (:data:`CONTAINER_PACKAGES`;
 Apptainer is not packaged for Debian 12 and Docker needs a daemon: neither is
 installed here); MPICH (``mpiexec`` and ``mpicc``, for MPI functions on the batch
-engine) from Debian's ``mpich`` and ``libmpich-dev`` (:data:`MPI_PACKAGES`). Each step is
-idempotent and cheap when there is nothing to do.
+engine) from Debian's ``mpich`` and ``libmpich-dev`` (:data:`MPI_PACKAGES`); the headless
+browser the dashboard's test drives from Debian's ``chromium`` (:data:`BROWSER_PACKAGES`).
+Each step is idempotent and cheap when there is nothing to do.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from pathlib import Path
 from fxstream.ops.config import PlatformConfig
 
 __all__ = [
+    "BROWSER_PACKAGES",
     "CONTAINER_PACKAGES",
     "MIN_JAVA",
     "MPI_PACKAGES",
     "InstallError",
     "apt_install",
+    "ensure_browser",
     "ensure_container_runtimes",
     "ensure_java",
     "ensure_kafka",
@@ -47,6 +50,9 @@ MPI_PACKAGES: dict[str, str] = {"mpiexec": "mpich", "mpicc": "libmpich-dev"}
 """MPICH's launcher and compiler wrapper and the Debian packages that provide them (the
 MPI engine's tests start real ranks with ``mpiexec`` and build an MPI program with
 ``mpicc``)."""
+BROWSER_PACKAGES: dict[str, str] = {"chromium": "chromium"}
+"""The headless browser the dashboard's test drives (through Playwright, with this binary:
+Playwright's own browser download needs the internet) and its Debian package."""
 _COMPLETE = ".complete"
 
 
@@ -178,6 +184,12 @@ def ensure_mpi() -> dict[str, str]:
     return _ensure_binaries(MPI_PACKAGES)
 
 
+def ensure_browser() -> dict[str, str]:
+    """Return Debian's ``chromium`` (the dashboard's browser test), installing it when
+    missing (as root)."""
+    return _ensure_binaries(BROWSER_PACKAGES)
+
+
 def _ensure_binaries(packages: Mapping[str, str]) -> dict[str, str]:
     """Binary -> its path, for each binary of ``packages`` (binary -> Debian package),
     installing the package of each one missing from PATH and /usr/bin."""
@@ -199,6 +211,7 @@ def ensure_requirements(config: PlatformConfig) -> dict[str, str]:
         **ensure_container_runtimes(),
         **_ensure_slurm(),
         **ensure_mpi(),
+        **ensure_browser(),
     }
 
 

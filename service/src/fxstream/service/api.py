@@ -66,6 +66,7 @@ from fxstream.service.auth import (
     token_sha256,
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from fxstream.service.dashboard import dashboard_router
 from fxstream.service.endpoint_logs import read_endpoint_logs
 from fxstream.service.identity_provider import (
     IdentityProvider,
@@ -1913,6 +1914,7 @@ def create_app(
         include_in_schema=False,
         response_class=Response,
     )
+    app.include_router(dashboard_router())  # the page at /dashboard (docs/dashboard.md)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, _on_api_error)
     app.add_exception_handler(RequestValidationError, _on_validation_error)

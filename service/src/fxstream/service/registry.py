@@ -50,7 +50,7 @@ from confluent_kafka import (
     TopicPartition,
 )
 
-from fxstream.service.task_table import QueryPage, TaskQuery, TaskStateTable
+from fxstream.service.task_table import QueryPage, StateCounts, TaskQuery, TaskStateTable
 from fxstream.service.warm_table import WarmTable
 from fxstream.topics import (
     Catalogue,
@@ -310,6 +310,10 @@ class RegistryView:
         """A user by id."""
         return _as(self._tables["users"].get(user_id), UserRecord)
 
+    def users(self) -> list[UserRecord]:
+        """Every user."""
+        return [r for r in self._tables["users"].copy().values() if isinstance(r, UserRecord)]
+
     def function(self, function_id: str) -> FunctionRecord | None:
         """A live (not deleted) function by id."""
         return _as(self._tables["functions"].get(function_id), FunctionRecord)
@@ -361,6 +365,13 @@ class RegistryView:
         if self._task_table is None or not self._task_table.indexed:
             return QueryPage([], None, 0)
         return self._task_table.query(query, limit=limit, after=after, max_scan=max_scan)
+
+    def count_task_states(self, user_id: str, *, max_scan: int) -> StateCounts:
+        """``user_id``'s newest tasks (at most ``max_scan``) per state (see
+        :meth:`TaskStateTable.count_states`); none unless the view indexes task-state."""
+        if self._task_table is None or not self._task_table.indexed:
+            return StateCounts({}, 0, complete=True)
+        return self._task_table.count_states(user_id, max_scan=max_scan)
 
     def task_group_users(self, task_group_id: str) -> set[str]:
         """The users with at least one task in ``task_group_id`` (a client picks group ids)."""

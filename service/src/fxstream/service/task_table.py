@@ -68,6 +68,7 @@ __all__ = [
     "DEFAULT_WRITE_BUFFER_BYTES",
     "TABLE_DIR_PREFIX",
     "QueryPage",
+    "StateCounts",
     "TaskQuery",
     "TaskStateTable",
 ]
@@ -155,6 +156,16 @@ class QueryPage:
     matches: list[tuple[str, bytes]]
     cursor: bytes | None
     scanned: int
+
+
+@dataclass(frozen=True)
+class StateCounts:
+    """What :meth:`TaskStateTable.count_states` found: tasks per state among the
+    ``scanned`` newest; ``complete`` false when older tasks were left uncounted."""
+
+    by_state: dict[str, int]
+    scanned: int
+    complete: bool
 
 
 def _micros(at: float) -> int:
@@ -427,6 +438,23 @@ class TaskStateTable:
             if len(matches) >= limit or scanned >= max_scan:
                 return QueryPage(matches, last, scanned)
         return QueryPage(matches, None, scanned)
+
+    def count_states(self, user_id: str, *, max_scan: int = DEFAULT_MAX_SCAN) -> StateCounts:
+        """How many of ``user_id``'s newest tasks (at most ``max_scan`` of them, newest
+        first by submission time) are in each state, read from their summaries (no state
+        is decoded). Only an indexed table answers."""
+        if not self.indexed:
+            raise RuntimeError("this task-state table keeps no query index (indexed=False)")
+        counts: dict[str, int] = {}
+        scanned = 0
+        high = _time_key(_LAST_TIME)
+        for _, summary in self._walk(_order_prefix(user_id), b"", high, None, True):
+            if scanned >= max_scan:
+                return StateCounts(counts, scanned, complete=False)
+            scanned += 1
+            if summary is not None and summary.user == user_id:
+                counts[summary.state] = counts.get(summary.state, 0) + 1
+        return StateCounts(counts, scanned, complete=True)
 
     def _walk(
         self, prefix: bytes, low: bytes, high: bytes, after: bytes | None, descending: bool
