@@ -199,6 +199,12 @@ def test_register_function_takes_globus_computes_parameters(
             client.register_function(cube, group="5c8e7f0a-globus-group")
         with pytest.raises(ValueError, match="high-assurance"):
             client.register_function(cube, ha_endpoint_id="ep")
+        # The Executor passes the same parameters on (a name of its own among them).
+        with Executor("ep-unused", client) as executor:
+            named = executor.register_function(cube, name="cube_again", metadata={"k": 1})
+        record = client.get_function(named)
+        assert record["name"] == "cube_again" and record["metadata"]["k"] == "1"
+        assert record["description"].startswith("Cubes x")
 
 
 def test_version_check_and_logout(service: Service, alice: RegisteredUser) -> None:

@@ -243,8 +243,9 @@ class Executor(concurrent.futures.Executor):
                 if function_id is None:
                     function_id = self._by_digest.get(digest)
                 if function_id is None:
-                    function_id = self.client.register_code(
-                        code, name=_name_of(fn), **register_kwargs
+                    register_kwargs.setdefault("name", _name_of(fn))
+                    function_id = self.client.register_serialized_function(
+                        fn, code, **register_kwargs
                     )
                 self._remember(fn, function_id)
                 self._by_digest[digest] = function_id

@@ -79,6 +79,35 @@ class RegistryCalls:
         ``allowed_users`` shares it with those user ids. ``name`` defaults to the
         function's ``__name__``.
         """
+        return self.register_serialized_function(
+            fn,
+            self.serializer.serialize_function(fn),
+            description,
+            metadata,
+            public,
+            group,
+            ha_endpoint_id,
+            name=name,
+            container=container,
+            allowed_users=allowed_users,
+        )
+
+    def register_serialized_function(
+        self,
+        fn: Callable[..., Any],
+        code: bytes,
+        description: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        public: bool = False,
+        group: str | None = None,
+        ha_endpoint_id: str | None = None,
+        *,
+        name: str | None = None,
+        container: str | None = None,
+        allowed_users: Iterable[str] = (),
+    ) -> str:
+        """:meth:`register_function` with ``fn`` already serialized as ``code`` (the
+        Executor serializes once, to find a function it registered by its digest)."""
         if group is not None:
             raise ValueError(
                 "sharing a function with a Globus group is not supported here: share it "
@@ -90,7 +119,6 @@ class RegistryCalls:
                 "restrict who runs the function with allowed_users, and who runs on an "
                 "endpoint with its allowed_functions"
             )
-        code = self.serializer.serialize_function(fn)
         if name is None:
             name = getattr(fn, "__name__", None) or type(fn).__name__
         if description is None:
