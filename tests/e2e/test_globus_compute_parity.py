@@ -195,7 +195,10 @@ def test_diagnose_checks_an_endpoint_host_and_bundles_no_secret(
             for m in bundle.getmembers()
             if m.isfile()
         )
-    assert "config.yaml" in names and any(n.startswith("logs/") for n in names)
+    assert "config.yaml" in names and "report.json" in names
+    # The endpoint directory's logs (a supervised endpoint logs under the platform's home).
+    logs = {f"logs/{log.name}" for log in (endpoints / "local").glob("*.log")}
+    assert {n for n in names if n.startswith("logs/")} == logs
     assert {c["name"] for c in report} >= {"config", "credential", "service", "kafka", "disk"}
     assert all(c["status"] != "fail" for c in report)
     credential = json.loads((endpoints / "local" / "credentials.json").read_text())

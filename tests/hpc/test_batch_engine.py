@@ -238,10 +238,14 @@ def test_a_container_wraps_every_blocks_workers(tmp_path: Path) -> None:
         assert inside["hostname"] == "fxstream-worker"
         allowed = engine.submit(_pickled_item(tasks.try_write, str(shared / "out"))).result(TIMEOUT)
         assert allowed.value is not None and pickle.loads(allowed.value) == "written"
-        outside = str(tmp_path / "not-shared")
-        refused = engine.submit(_pickled_item(tasks.try_write, outside)).result(TIMEOUT)
+        # The rootfs is read-only; the sandbox's /tmp is its own (not the host's).
+        probe = "/usr/fxstream-batch-probe"
+        refused = engine.submit(_pickled_item(tasks.try_write, probe)).result(TIMEOUT)
         assert refused.value is not None and pickle.loads(refused.value) in ("EROFS", "EACCES")
-        assert not os.path.exists(outside)
+        assert not os.path.exists(probe)
+        private = str(tmp_path / "not-shared")
+        engine.submit(_pickled_item(tasks.try_write, private)).result(TIMEOUT)
+        assert not os.path.exists(private)
     finally:
         engine.close()
     wait_until(lambda: not engine_processes(run_dir), 30, "the engine's processes to end")
