@@ -63,6 +63,7 @@ import multiprocessing
 import os
 import queue
 import random
+import resource
 import threading
 import time
 import uuid
@@ -100,6 +101,8 @@ _TASKS_PER_CLIENT = 100_000
 # What the simulated agents say about themselves.
 _HOSTNAME = "fxstream-bench-sim"
 _AGENT_VERSION = "0.1.0"
+# A broker keeps a file open per partition (its active segment): every endpoint has 8.
+_OPEN_FILES = 1_048_576
 # The status targets of issue 16.
 TARGET_RSS_MB = 1_000
 TARGET_LAG_P99_S = 2.0
@@ -398,6 +401,19 @@ def _rss_sampler(platform: Platform, interval_s: float, t0: float) -> Iterator[_
 # --- the phases ----------------------------------------------------------------------------
 
 
+def _raise_open_files(wanted: int = _OPEN_FILES) -> int:
+    """Raise this process's open-file limit (the platform it starts inherits it) towards
+    ``wanted``; the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for new_hard in (max(hard, wanted), hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(wanted, new_hard), new_hard))
+            break
+        except (ValueError, OSError):  # raising the hard limit needs privileges
+            continue
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0] or soft
+
+
 def _register(
     console: Console, private: PrivatePlatform, owner_id: str, settings: ServiceScaleSettings
 ) -> tuple[list[str], float]:
@@ -651,6 +667,7 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
     """
     settings.validate()
     wall = time.monotonic()
+    open_files = _raise_open_files()
     with private_platform(console, services=True) as private:
         platform = Platform(private.config)
         credentials = str(private.credentials)
@@ -742,6 +759,7 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
         "rss_times_s": rss.times,
         "service_rss_series_mb": rss.service_mb,
         "cpu_count": os.cpu_count() or 0,
+        "open_files_limit": open_files,
         "wall_s": round(time.monotonic() - wall, 1),
     }
     _print(console, report, rss)
