@@ -50,7 +50,12 @@ Measured throughout, from the start of the heartbeats to the end of the window:
 - **Service RSS.** Every ``interval_s`` the RSS of each service process (the REST API,
   every stream processor, their supervisor, with any children) is sampled;
   ``service_rss_mb`` is the largest sum seen. The broker, Redis and the local endpoint
-  (an agent, not the service) are reported beside it, not counted.
+  (an agent, not the service) are reported beside it, not counted. Each process's CPU
+  seconds over the same time (``cpu_s``) say which one falls behind.
+
+Every endpoint adds 8 partitions to the broker, which keeps a file open for each: the
+bench raises its own open-file limit, which the platform inherits, when it may
+(``open_files_limit``).
 
 The printed table lists the figures and the per-process peaks; the last line is one
 JSON object.
@@ -334,38 +339,46 @@ class _Rss:
     service_mb: list[float] = field(default_factory=list)
     peak: dict[str, float] = field(default_factory=dict)
     last: dict[str, float] = field(default_factory=dict)
+    # CPU seconds (user + system, with children) at the first and the latest sample.
+    cpu_first: dict[str, float] = field(default_factory=dict)
+    cpu_last: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _tree_rss(pid: int | None) -> float:
-    """RSS of a process and its descendants, in MB (0 if it is gone)."""
+def _tree(pid: int | None) -> tuple[float, float]:
+    """RSS (MB) and CPU seconds of a process and its descendants (0 if it is gone)."""
     if pid is None:
-        return 0.0
+        return 0.0, 0.0
+    rss, cpu = 0, 0.0
     try:
         root = psutil.Process(pid)
-        total = root.memory_info().rss
-        for child in root.children(recursive=True):
-            try:
-                total += child.memory_info().rss
-            except psutil.NoSuchProcess:
-                continue
+        processes = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
-        return 0.0
-    return total / MB
+        return 0.0, 0.0
+    for process in processes:
+        try:
+            with process.oneshot():
+                rss += process.memory_info().rss
+                times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        cpu += times.user + times.system
+    return rss / MB, cpu
 
 
-def _sample(platform: Platform) -> tuple[dict[str, float], dict[str, float]]:
-    """``(service processes, the others)``: label -> MB."""
+def _sample(
+    platform: Platform,
+) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
+    """``(service processes, the others)``: label -> (MB, CPU seconds)."""
     services = platform.services()
-    service = {"supervisor": _tree_rss(services.supervisor.pid())}
+    service = {"supervisor": _tree(services.supervisor.pid())}
     for process in [services.api, *services.processors()]:
-        service[process.name] = _tree_rss(process.pid())
-    others = {
-        f"endpoint {services.endpoint.name} (not service)": _tree_rss(services.endpoint.pid())
-    }
+        service[process.name] = _tree(process.pid())
+    endpoint = f"endpoint {services.endpoint.name} (not service)"
+    others = {endpoint: _tree(services.endpoint.pid())}
     for node in platform.nodes(cluster=platform.running_mode() == "cluster"):
-        others[f"kafka node {node.node_id}"] = _tree_rss(node.process.pid())
-    others["redis"] = _tree_rss(platform.redis().process.pid())
+        others[f"kafka node {node.node_id}"] = _tree(node.process.pid())
+    others["redis"] = _tree(platform.redis().process.pid())
     return service, others
 
 
@@ -378,10 +391,12 @@ def _rss_sampler(platform: Platform, interval_s: float, t0: float) -> Iterator[_
         service, others = _sample(platform)
         with rss.lock:
             rss.times.append(round(time.monotonic() - t0, 1))
-            rss.service_mb.append(round(sum(service.values()), 1))
-            for label, mb in [*service.items(), *others.items()]:
+            rss.service_mb.append(round(sum(mb for mb, _ in service.values()), 1))
+            for label, (mb, cpu) in [*service.items(), *others.items()]:
                 rss.peak[label] = max(rss.peak.get(label, 0.0), mb)
                 rss.last[label] = mb
+                rss.cpu_first.setdefault(label, cpu)
+                rss.cpu_last[label] = cpu
 
     def run() -> None:
         while not stop.wait(interval_s):
@@ -650,12 +665,18 @@ def _print(console: Console, report: dict[str, Any], rss: _Rss) -> None:
         table.add_row(*row)
     wide = console if console.is_terminal else Console(file=console.file, width=150)
     wide.print(table)
-    peaks = Table(title="RSS per process: peak / end (MB)")
+    peaks = Table(title=f"Per process over the {report['measured_s']:,.0f} s measured: RSS and CPU")
     peaks.add_column("process")
     peaks.add_column("peak MB", justify="right")
     peaks.add_column("end MB", justify="right")
+    peaks.add_column("CPU s", justify="right")
     for label in sorted(rss.peak, key=lambda k: -rss.peak[k]):
-        peaks.add_row(label, f"{rss.peak[label]:,.1f}", f"{rss.last.get(label, 0.0):,.1f}")
+        peaks.add_row(
+            label,
+            f"{rss.peak[label]:,.1f}",
+            f"{rss.last.get(label, 0.0):,.1f}",
+            f"{report['cpu_s'].get(label, 0.0):,.1f}",
+        )
     wide.print(peaks)
 
 
@@ -756,6 +777,8 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
         **simulated,
         "rss_peak_mb": {k: round(v, 1) for k, v in rss.peak.items()},
         "rss_end_mb": {k: round(v, 1) for k, v in rss.last.items()},
+        "cpu_s": {k: round(v - rss.cpu_first.get(k, 0.0), 1) for k, v in rss.cpu_last.items()},
+        "measured_s": rss.times[-1] if rss.times else 0.0,
         "rss_times_s": rss.times,
         "service_rss_series_mb": rss.service_mb,
         "cpu_count": os.cpu_count() or 0,
