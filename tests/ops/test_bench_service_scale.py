@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fxstream.ops.bench.client_costs import client_costs
 from fxstream.ops.bench.service_scale import ServiceScaleSettings
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
@@ -98,3 +99,13 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     assert 50 < figures["service_rss_mb"] < 10_000
     assert figures["rss_peak_mb"]["service api"] > 0
     assert any(label.startswith("kafka node") for label in figures["rss_peak_mb"])
+
+
+def test_client_costs_count_the_partitions_each_round_carries() -> None:
+    small, large = client_costs(50, repeats=1), client_costs(500, repeats=1)
+    assert small["cluster_partitions"] == 50 * 2 * 4 and small["ingress_partitions"] == 50 * 4
+    assert large["ingress_partitions"] == 500 * 4
+    # Ten times the endpoints: about ten times the bytes of each message.
+    assert 9 < large["metadata_bytes"] / small["metadata_bytes"] < 11
+    assert 9 < large["fetch_request_bytes"] / small["fetch_request_bytes"] < 11
+    assert small["metadata_s"] > 0 and small["fetch_round_s"] > 0
