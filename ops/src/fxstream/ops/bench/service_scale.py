@@ -52,6 +52,9 @@ Measured throughout, from the start of the heartbeats to the end of the window:
   ``service_rss_mb`` is the largest sum seen. The broker, Redis and the local endpoint
   (an agent, not the service) are reported beside it, not counted. Each process's CPU
   seconds over the same time (``cpu_s``) say which one falls behind.
+- **Client costs.** After the run, :func:`~fxstream.ops.bench.client_costs.client_costs`
+  times aiokafka's metadata refresh and fetch round (the router's and the ingress's
+  consumer) at this many endpoints and at 10,000 (``client_costs``).
 
 Every endpoint adds 8 partitions to the broker, which keeps a file open for each: the
 bench raises its own open-file limit, which the platform inherits, when it may
@@ -83,6 +86,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
+from fxstream.ops.bench.client_costs import client_costs
 from fxstream.ops.bench.stack import (
     IDLE_TIMEOUT_S,
     BenchError,
@@ -109,6 +113,7 @@ _AGENT_VERSION = "0.1.0"
 # A broker keeps a file open per partition (its active segment): every endpoint has 8.
 _OPEN_FILES = 1_048_576
 # The status targets of issue 16.
+TARGET_ENDPOINTS = 10_000
 TARGET_RSS_MB = 1_000
 TARGET_LAG_P99_S = 2.0
 
@@ -678,6 +683,17 @@ def _print(console: Console, report: dict[str, Any], rss: _Rss) -> None:
             f"{report['cpu_s'].get(label, 0.0):,.1f}",
         )
     wide.print(peaks)
+    costs = Table(title="aiokafka's Python protocol code per round (no broker; a lower bound)")
+    for column in ("endpoints", "cluster partitions", "metadata refresh s", "ingress fetch s"):
+        costs.add_column(column, justify="right")
+    for c in report["client_costs"]:
+        costs.add_row(
+            f"{c['endpoints']:,}",
+            f"{c['cluster_partitions']:,}",
+            f"{c['metadata_s']:.3f}",
+            f"{c['fetch_round_s']:.3f}",
+        )
+    wide.print(costs)
 
 
 def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings) -> dict[str, Any]:
@@ -740,6 +756,10 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
             simulated = simulator()
         checked = rng.sample(sample, min(50, len(sample)))
         task_states = _states_of(private, checked)
+    # Once the platform is stopped, so it measures nothing of the run: what aiokafka's
+    # Python protocol code costs the router and the ingress per round at this scale and
+    # at the target's (fxstream.ops.bench.client_costs).
+    costs = [client_costs(n) for n in sorted({settings.endpoints, TARGET_ENDPOINTS})]
     changes: list[tuple[float, float]] = probe.pop("changes")
     queueing = [(at, lag) for at, lag in changes if queue_start <= at <= queue_end]
     steady = [(at, lag) for at, lag in changes if at > queue_end]
@@ -781,6 +801,7 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
         "measured_s": rss.times[-1] if rss.times else 0.0,
         "rss_times_s": rss.times,
         "service_rss_series_mb": rss.service_mb,
+        "client_costs": costs,
         "cpu_count": os.cpu_count() or 0,
         "open_files_limit": open_files,
         "wall_s": round(time.monotonic() - wall, 1),
