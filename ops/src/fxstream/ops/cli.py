@@ -607,6 +607,45 @@ def bench_soak(
     _run_task_bench("soak", settings, run_soak_bench)
 
 
+@bench_app.command("service-scale")
+def bench_service_scale(
+    endpoints: Annotated[
+        int, typer.Option(min=1, help="Simulated endpoints (registered, heartbeating).")
+    ] = 10_000,
+    tasks: Annotated[
+        int, typer.Option(min=0, help="No-op tasks queued on them (never pulled).")
+    ] = 1_000_000,
+    minutes: Annotated[
+        float, typer.Option(min=0.05, help="Steady window once the tasks are queued.")
+    ] = 3.0,
+    period: Annotated[
+        float, typer.Option(min=0.1, help="Each endpoint's heartbeat period, s.")
+    ] = 5.0,
+    task_endpoints: Annotated[
+        int, typer.Option(min=1, help="Endpoints the tasks are spread over (in turn).")
+    ] = 16,
+    sample_endpoints: Annotated[
+        int, typer.Option(min=1, help="Endpoints whose status the prober polls for the lag.")
+    ] = 20,
+    interval: Annotated[float, typer.Option(min=0.5, help="Seconds between RSS samples.")] = 5.0,
+    batch: Annotated[int, typer.Option(min=1, help="Tasks per Client.batch_run call.")] = 2_000,
+) -> None:
+    """Many endpoints heartbeating and a large queued backlog: service RSS and status lag."""
+    from fxstream.ops.bench.service_scale import ServiceScaleSettings, run_service_scale_bench
+
+    settings = ServiceScaleSettings(
+        endpoints=endpoints,
+        tasks=tasks,
+        minutes=minutes,
+        period_s=period,
+        task_endpoints=task_endpoints,
+        sample_endpoints=sample_endpoints,
+        interval_s=interval,
+        batch=batch,
+    )
+    _run_task_bench("service-scale", settings, run_service_scale_bench)
+
+
 def _labels(text: str) -> tuple[str, ...]:
     """Comma-separated labels, blanks dropped."""
     return tuple(label.strip() for label in text.split(",") if label.strip())
