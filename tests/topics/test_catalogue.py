@@ -13,6 +13,7 @@ DESIGN_TOPICS = {
     "from.user.{user_id}": CleanupPolicy.DELETE,
     "tasks.ep.{endpoint_id}": CleanupPolicy.DELETE,
     "heartbeats": CleanupPolicy.DELETE,
+    "endpoint-logs": CleanupPolicy.DELETE,
     "warm": CleanupPolicy.COMPACT,
     "data-locations": CleanupPolicy.COMPACT,
     "results.{user_id}": CleanupPolicy.DELETE,
@@ -38,7 +39,7 @@ def test_static_topics_are_prefixed_and_exclude_templates() -> None:
     assert "prod.task-state" in topics
     assert all(name.startswith("prod.") for name in topics)
     assert not any("{" in name for name in topics)
-    assert len(topics) == 12
+    assert len(topics) == 13
 
 
 def test_templates_fill_ids() -> None:
