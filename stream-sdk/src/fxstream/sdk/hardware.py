@@ -27,11 +27,12 @@ def _meminfo() -> dict[str, str]:
 
 def _cpu_model() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: the platform module's word for it
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
 
 
