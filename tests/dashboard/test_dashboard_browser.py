@@ -30,7 +30,7 @@ from fxstream.ops.install import ensure_browser
 from fxstream.ops.private import ExtraEndpoint, PrivatePlatform
 from fxstream.sdk import Client, Executor
 from fxstream.service.dashboard_sessions import COOKIE_NAME
-from tests.e2e.stack import added_endpoint
+from tests.e2e.stack import added_endpoint, new_user
 
 pytestmark = pytest.mark.platform
 
@@ -60,26 +60,8 @@ class User:
 
 def _new_user(stack: PrivatePlatform, name: str) -> User:
     """A new user (made by the admin) as its own Kafka principal, and its API token."""
-    settings = stack.settings
-    response = httpx.post(
-        f"{settings.service_url}/v1/users",
-        json={"name": name},
-        headers={"Authorization": f"Bearer {stack.admin_token}"},
-        timeout=30,
-    )
-    assert response.status_code == 201, response.text
-    body = response.json()
-    kafka = settings.kafka
-    if body.get("kafka_password"):
-        kafka = kafka.as_user(body["kafka_username"], body["kafka_password"])
-    client = Client(
-        settings.service_url,
-        kafka=kafka,
-        topic_prefix=settings.topic_prefix,
-        user_id=body["user_id"],
-        token=body["token"],
-    )
-    return User(client, str(body["token"]), name)
+    client, token = new_user(stack, name)
+    return User(client, token, name)
 
 
 @pytest.fixture(scope="module")

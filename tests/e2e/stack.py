@@ -85,6 +85,11 @@ def other_user_client(stack: PrivatePlatform, name: str) -> Client:
     ``POST /v1/users`` answers the new user's ``u.<user id>`` credential once; the
     client uses it (the local user's principal could not write the new user's topic).
     """
+    return new_user(stack, name)[0]
+
+
+def new_user(stack: PrivatePlatform, name: str) -> tuple[Client, str]:
+    """:func:`other_user_client` and the new user's API token (a test that logs in with it)."""
     settings = stack.settings
     response = httpx.post(
         f"{settings.service_url}/v1/users",
@@ -97,13 +102,14 @@ def other_user_client(stack: PrivatePlatform, name: str) -> Client:
     kafka = settings.kafka
     if body.get("kafka_password"):
         kafka = kafka.as_user(body["kafka_username"], body["kafka_password"])
-    return Client(
+    client = Client(
         settings.service_url,
         kafka=kafka,
         topic_prefix=settings.topic_prefix,
         user_id=body["user_id"],
         token=body["token"],
     )
+    return client, str(body["token"])
 
 
 def committed_records(
