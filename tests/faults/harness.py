@@ -400,14 +400,17 @@ def committed_results(
 def service_states(
     client: Client, task_ids: Sequence[str], *, timeout_s: float = 90.0
 ) -> dict[str, str]:
-    """Each task's state as the service's API reports it, once none is pending (bounded)."""
+    """Each task's lifecycle state as the service's API reports it, once none is
+    pending (bounded). ``client`` must hold no futures of these tasks (a client that
+    ran them answers from its own futures): :meth:`FaultStack.client` gives a fresh one.
+    """
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             answers = client.get_batch_result(task_ids)
         except Exception:  # the API may still be starting after a restart
             answers = {}
-        states = {t: str(answers.get(t, {}).get("status")) for t in task_ids}
+        states = {t: str(answers.get(t, {}).get("state")) for t in task_ids}
         pending = [t for t in task_ids if answers.get(t, {"pending": True}).get("pending")]
         if not pending:
             return states
@@ -466,7 +469,8 @@ def check_exactly_once(
     committed = committed_results(stack, client, workload.task_ids)
     lost = [t for t in workload.task_ids if not committed.get(t)]
     assert not lost, f"{len(lost)} tasks have no committed result on results.<user>"
-    states = service_states(client, workload.task_ids)
+    with stack.client() as asker:  # holds no futures: the service answers
+        states = service_states(asker, workload.task_ids)
     assert Counter(states.values()) == Counter({"succeeded": len(workload.futures)}), Counter(
         states.values()
     )
