@@ -66,3 +66,12 @@ def test_mpich_is_ensured_and_a_second_ensure_installs_nothing(
     assert calls == []
     version = subprocess.run([first["mpiexec"], "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and "HYDRA" in version.stdout
+    # The compiler wrapper finds MPICH's header (Debian's mpich alone has the wrapper,
+    # libmpich-dev the header: a machine with only the first cannot build an MPI program).
+    header = subprocess.run(
+        [first["mpicc"], "-E", "-x", "c", "-"],
+        input="#include <mpi.h>\n",
+        capture_output=True,
+        text=True,
+    )
+    assert header.returncode == 0, header.stderr

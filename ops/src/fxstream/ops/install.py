@@ -180,8 +180,38 @@ def ensure_container_runtimes() -> dict[str, str]:
 
 def ensure_mpi() -> dict[str, str]:
     """Return MPICH's ``mpiexec`` and ``mpicc``, installing Debian's packages for those
-    missing (as root); nothing is installed when both are there."""
-    return _ensure_binaries(MPI_PACKAGES)
+    missing (as root), and make sure ``mpicc`` finds ``mpi.h``; nothing is installed when
+    all are there.
+
+    Debian's ``mpich`` alone provides the ``mpicc`` wrapper (an alternative) but not the
+    headers (``libmpich-dev``), so a found ``mpicc`` does not prove a program compiles:
+    the header is checked by the preprocessor itself.
+    """
+    found = _ensure_binaries(MPI_PACKAGES)
+    mpicc = found["mpicc"]
+    if not _finds_mpi_header(mpicc):
+        apt_install(MPI_PACKAGES["mpicc"], "mpicc")
+        if not _finds_mpi_header(mpicc):
+            raise InstallError(
+                f"{mpicc} cannot find mpi.h although {MPI_PACKAGES['mpicc']!r} is installed: "
+                f"check that `{mpicc} -show` names MPICH (update-alternatives --config mpi)"
+            )
+    return found
+
+
+def _finds_mpi_header(mpicc: str) -> bool:
+    """Whether ``mpicc`` preprocesses ``#include <mpi.h>`` (its headers are installed)."""
+    try:
+        done = subprocess.run(
+            [mpicc, "-E", "-x", "c", "-"],
+            input="#include <mpi.h>\n",
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
 
 
 def ensure_browser() -> dict[str, str]:
