@@ -1,8 +1,8 @@
 """``fxstream bench service-scale``: its settings, and a small run end to end ending with
 valid JSON.
 
-The smoke run registers 200 endpoints on its own private platform, heartbeats them every
-2 s from the simulator process and queues 2,000 tasks on 4 of them; it checks the JSON's
+The smoke run registers 50 endpoints on its own private platform, heartbeats them every
+2 s from the simulator process and queues 500 tasks on 4 of them; it checks the JSON's
 keys, that every endpoint came online, that every task was routed and is counted on the
 queues (and none ran: the simulated endpoints never pull), and that the lag and RSS
 figures are measured ones.
@@ -61,9 +61,9 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
             "bench",
             "service-scale",
             "--endpoints",
-            "200",
+            "50",
             "--tasks",
-            "2000",
+            "500",
             "--minutes",
             "0.5",
             "--period",
@@ -86,15 +86,15 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     assert figures["bench"] == "service-scale"
     for key in ("endpoints", "queued_tasks", "service_rss_mb", "status_lag_p99_s"):
         assert key in figures, key
-    assert figures["endpoints"] == 200
-    assert figures["online_at_end"] == 200
+    assert figures["endpoints"] == 50
+    assert figures["online_at_end"] == 50
     # Every task routed and still queued: counted on the queues, none ran.
-    assert figures["queued_tasks"] == 2000
+    assert figures["queued_tasks"] == 500
     assert set(figures["sampled_task_states"]) == {"routed"}, figures["sampled_task_states"]
     # The lag is measured: many observed heartbeats, each seen after it was sent.
     assert figures["status_lag_samples"] >= 20
     assert 0 < figures["status_lag_p50_s"] <= figures["status_lag_p99_s"] < 30
-    assert figures["heartbeats_sent"] >= 200 and figures["heartbeat_errors"] == 0
+    assert figures["heartbeats_sent"] >= 50 and figures["heartbeat_errors"] == 0
     # RSS is sampled: the service's processes use memory, the broker is apart from it.
     assert 50 < figures["service_rss_mb"] < 10_000
     assert figures["rss_peak_mb"]["service api"] > 0

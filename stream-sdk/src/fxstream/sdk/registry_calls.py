@@ -276,8 +276,11 @@ class RegistryCalls:
 
     def get_endpoint_metadata(self, endpoint_id: str) -> dict[str, Any]:
         """An endpoint's record (Globus Compute's name for :meth:`get_endpoint`): name,
-        owner, description, ``metadata`` labels and live ``status``."""
-        return self.get_endpoint(endpoint_id)
+        owner, description, ``metadata`` labels and live ``status``, with the endpoint's id
+        also under ``uuid``, Globus Compute's key for it."""
+        record = dict(self.get_endpoint(endpoint_id))
+        record.setdefault("uuid", record.get("endpoint_id", endpoint_id))
+        return record
 
     def get_worker_hardware_details(self, endpoint_id: str) -> str:
         """Run a task on ``endpoint_id`` that reports its worker's hardware (CPU, memory,
