@@ -137,12 +137,12 @@ def test_a_shrink_lets_running_tasks_finish_and_the_new_pool_starts_at_once() ->
 def test_leftover_workers_go_to_the_largest_remainder() -> None:
     # 5 workers; the last 7 tasks are 4 a, 2 b, 1 c: floors 20/7 = 2, 10/7 = 1, 5/7 = 0
     # (1 at least), one left over: a's remainder (6/7) beats c's (5/7, and c has one task)
-    # and b's (3/7).
+    # and b's (3/7), though b's tasks came first (the oldest waiter only breaks ties).
     pools = ImagePools(3, RUNNER, default=A, images=[A, B, C], max_workers=5, mix_window=7)
     try:
         assert pools.wait_ready(TIMEOUT)
         with budget(pools) as most:
-            futures = [submit(pools, image, 3.0) for image in "aaaabbc"]
+            futures = [submit(pools, image, 3.0) for image in "bbcaaaa"]
             until(lambda: pools.targets() == {"a": 3, "b": 1, "c": 1})
             answered(futures)
         assert most[0] <= 5, most
