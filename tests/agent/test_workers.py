@@ -7,7 +7,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -554,3 +554,98 @@ def test_what_a_function_prints_comes_back_bounded_and_the_worker_keeps_its_stre
     assert len(flood.stdout) < 17_000
     # The next task on the same workers prints only its own.
     assert run(pool, item(b"echo", b"quiet")).stdout == ""
+
+
+def until(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:
+    """Wait for ``condition``, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+def test_resize_grows_the_pool_with_new_warm_workers() -> None:
+    with WorkerPool(1, RUNNER) as pool:
+        assert pool.wait_ready(TIMEOUT)
+        first = pool.worker_pids()
+        pool.resize(3)
+        assert pool.size == 3
+        assert pool.counts().workers_total == 3  # at once: a budget counts them
+        assert pool.wait_ready(TIMEOUT)
+        pids = pool.worker_pids()
+        assert len(pids) == 3 and set(first) <= set(pids)
+        assert len(pool.warm()) == 3
+        # Three tasks at once run on three workers.
+        futures = [pool.submit(item(b"sleep", b"0.5")) for _ in range(3)]
+        outcomes = [future.result(TIMEOUT) for future in futures]
+        assert all(o.ok for o in outcomes)
+        assert {pid_of(o) for o in outcomes} == set(pids)
+        assert pool.counts() == EngineCounts(3, 3, 0, 0)
+
+
+def test_resize_shrinks_idle_workers_and_never_respawns_them() -> None:
+    with WorkerPool(3, RUNNER) as pool:
+        assert pool.wait_ready(TIMEOUT)
+        pids = pool.worker_pids()
+        pool.resize(1)
+        assert pool.size == 1
+        until(lambda: len(pool.worker_pids()) == 1)
+        stopped = set(pids) - set(pool.worker_pids())
+        assert len(stopped) == 2
+        until(lambda: all(gone(pid) for pid in stopped))
+        assert pool.wait_ready(TIMEOUT)
+        # Once they are reaped they no longer count.
+        until(lambda: pool.counts() == EngineCounts(1, 1, 0, 0))
+        assert len(pool.warm()) == 1
+        outcomes = [pool.submit(item(b"echo", b"x")).result(TIMEOUT) for _ in range(3)]
+        assert all(o.ok for o in outcomes)
+        assert {pid_of(o) for o in outcomes} == set(pool.worker_pids())
+        assert len(pool.worker_pids()) == 1  # a retired slot is never respawned
+
+
+def test_resize_retires_a_busy_worker_only_once_its_task_is_answered() -> None:
+    with WorkerPool(2, RUNNER) as pool:
+        assert pool.wait_ready(TIMEOUT)
+        running = [pool.submit(item(b"sleep", b"3")) for _ in range(2)]
+        until(lambda: pool.busy_count == 2)
+        pool.resize(1)
+        assert pool.size == 1
+        until(lambda: len(pool.warm()) == 1)  # one is retired: not advertised any more
+        # Both are busy: neither is killed; the one retired still counts (busy) until it
+        # has answered and ended, and takes no new item.
+        assert pool.counts() == EngineCounts(2, 0, 2, 0)
+        later = pool.submit(item(b"sleep", b"0.1"))
+        outcomes = [future.result(TIMEOUT) for future in running]
+        assert all(o.ok for o in outcomes), outcomes  # never killed for the resize
+        until(lambda: len(pool.worker_pids()) == 1)
+        kept = pool.worker_pids()[0]
+        retired = {pid_of(o) for o in outcomes} - {kept}
+        assert len(retired) == 1
+        until(lambda: all(gone(pid) for pid in retired))
+        done = later.result(TIMEOUT)
+        assert done.ok and pid_of(done) == kept
+        until(lambda: pool.counts() == EngineCounts(1, 1, 0, 0))
+
+
+def test_growing_again_keeps_a_retired_worker_still_running_its_task() -> None:
+    with WorkerPool(2, RUNNER) as pool:
+        assert pool.wait_ready(TIMEOUT)
+        pids = set(pool.worker_pids())
+        running = [pool.submit(item(b"sleep", b"1.0")) for _ in range(2)]
+        until(lambda: pool.busy_count == 2)
+        pool.resize(1)
+        pool.resize(2)
+        assert all(future.result(TIMEOUT).ok for future in running)
+        assert pool.wait_ready(TIMEOUT)
+        # The busy worker was kept again, warm: no new process started.
+        assert set(pool.worker_pids()) == pids
+        assert pool.counts() == EngineCounts(2, 2, 0, 0)
+
+
+def test_resize_is_checked() -> None:
+    pool = WorkerPool(1, RUNNER)
+    with pytest.raises(ValueError, match="at least one worker"):
+        pool.resize(0)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.resize(2)

@@ -173,7 +173,8 @@ def test_the_heartbeat_s_pool_slots_say_when_pools_are_fewer_than_images() -> No
     images = {f"img{n}": "process" for n in range(10)}
     # 10 images and the no-container pool, 3 of them at once: placement reads 3.
     assert config(workers=1, max_workers=3, images=images).pool_slots() == 3
-    assert config(workers=2, max_workers=7, images=images).pool_slots() == 3
+    # Pools are sized to the mix, one worker at least: 7 workers hold 7 pools.
+    assert config(workers=2, max_workers=7, images=images).pool_slots() == 7
     # Room for every pool (no max_workers, or one as large): 0, no budget to keep.
     assert config(workers=1, images=images).pool_slots() == 0
     assert config(workers=1, max_workers=11, images=images).pool_slots() == 0

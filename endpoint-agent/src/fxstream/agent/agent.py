@@ -213,7 +213,7 @@ class Agent:
                 readonly=readonly,
                 writable=writable,
                 idle_s=self.config.pool_idle_s,
-                max_workers=self.config.worker_budget(),
+                max_workers=self.config.max_workers,  # None: every pool at full size
                 interpreters=pythons.interpreters,
             )
         elif self.config.engine == "htex":

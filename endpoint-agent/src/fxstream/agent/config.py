@@ -37,15 +37,17 @@ interpreters (absolute paths, e.g. ``[/opt/py312/bin/python]``: each a virtualen
 container when there is one) for the tasks of its version. Their versions are found when
 the agent starts; one that cannot run workers stops it there, saying why.
 
-Image pools (:mod:`fxstream.agent.image_pools`): each image in use has ``workers``
-workers; a pool other than ``image``'s that sits idle ``pool_idle_s`` seconds is
-released (started again, cold, at its image's next task), and at most ``max_workers``
-workers run across the pools (default: ``workers`` times the number of images, so every
-image's pool fits): a task for an image without a pool releases the least recently used
-idle pool when the budget is spent, or waits until one goes idle. With fewer pools than
-images the agent hands its engine tasks of images whose pools run first
-(:mod:`fxstream.agent.pick`); an image passed over ``max_image_wait_s`` seconds gets
-its turn (a pool released for it).
+Image pools (:mod:`fxstream.agent.image_pools`): without ``max_workers`` each image in
+use has ``workers`` workers (every image's pool fits); a pool other than ``image``'s that
+sits idle ``pool_idle_s`` seconds is released (started again, cold, at its image's next
+task). With ``max_workers`` at most that many workers run across the pools, each pool
+sized to the task mix (its image's share of the latest tasks, capped by its tasks queued
+and running; at least one worker; ``image``'s pool starts with ``workers``): pools are
+grown and shrunk as the mix shifts, and a task for an image without a pool releases the
+least recently used idle pool when every worker is a pool's last, or waits until one
+goes idle. With fewer possible pools than images the agent hands its engine tasks of
+images whose pools run first (:mod:`fxstream.agent.pick`); an image passed over
+``max_image_wait_s`` seconds gets its turn (a pool released for it).
 
 Staging (:mod:`fxstream.agent.staging`): with a ``staging:`` section the endpoint stages
 the files tasks declare (``stage_in``, ``stage_out``) into and out of a working directory
@@ -158,7 +160,8 @@ class EndpointConfig:
     # directory is added by itself).
     writable_dirs: tuple[str, ...] = ()
     # Seconds an image's pool (not the default image's) may sit idle before its workers
-    # stop, and the most workers across the pools (None: workers x the number of images).
+    # stop, and the most workers across the pools, each pool sized to the task mix (None:
+    # workers per pool, every image's pool at once).
     pool_idle_s: float = DEFAULT_POOL_IDLE_S
     max_workers: int | None = None
     # With fewer pools than images (max_workers), the agent hands its engine tasks of
@@ -326,9 +329,9 @@ class EndpointConfig:
 
     def pool_slots(self) -> int:
         """How many image pools run at once when that is fewer than :meth:`pool_count`
-        (``max_workers // workers``), else 0: every pool fits (the heartbeat's
-        ``pool_slots``, which placement reads)."""
-        slots = self.worker_budget() // self.workers
+        (``max_workers``: pools are sized to the task mix, one worker at least), else 0:
+        every pool fits (the heartbeat's ``pool_slots``, which placement reads)."""
+        slots = self.worker_budget()
         return slots if slots < self.pool_count() else 0
 
     def _check_pools(self) -> None:
@@ -345,9 +348,9 @@ class EndpointConfig:
             )
         if self.max_workers is not None and self.max_workers < self.workers:
             raise ConfigError(
-                f"max_workers ({self.max_workers}) is below workers ({self.workers}): every "
-                f"image's pool has `workers` workers, so set max_workers to at least "
-                f"{self.workers} (max_workers // workers pools run at once), or remove it "
+                f"max_workers ({self.max_workers}) is below workers ({self.workers}): the "
+                f"default image's pool starts with `workers` workers, so set max_workers to "
+                f"at least {self.workers} (pools are then sized to the task mix), or remove it "
                 f"to allow {self.workers * self.pool_count()} (every image's pool at once)"
             )
 

@@ -4,9 +4,9 @@ An endpoint that allows images (``images`` in its config) runs each task in the 
 function names (``WorkItem.image``; ``None``: the endpoint's ``image``, or no container
 when its ``runtime`` is ``process``). :class:`ImagePools` is an
 :class:`~fxstream.agent.engine.Engine` holding one
-:class:`~fxstream.agent.process_engine.ProcessEngine` of ``size`` warm workers per image
-in use. Counts and warm state are the sum of the pools'; each warm worker names its
-image and whether it holds a task. An interpreter other than the agent's (an endpoint's
+:class:`~fxstream.agent.process_engine.ProcessEngine` of warm workers per image in use.
+Counts and warm state are the sum of the pools'; each warm worker names its image and
+whether it holds a task. An interpreter other than the agent's (an endpoint's
 ``interpreters``, :mod:`fxstream.agent.python_envs`) has a pool too, named by its path
 (the name ``WorkItem.image`` gives for a task of its Python version): its workers run
 that interpreter, in the default image's container when there is one; it is sized and
@@ -14,28 +14,58 @@ released as another image's pool.
 
 Sizing and release (the endpoint config's ``pool_idle_s`` and ``max_workers``):
 
-* The default image's pool starts with the agent; another image's at its first task
-  (a *cold start*: container, interpreter, worker import; counted in :meth:`starts`).
+* The default image's pool starts with the agent, with ``size`` workers; another image's
+  at its first task (a *cold start*: container, interpreter, worker import; counted in
+  :meth:`ImagePools.starts`).
 * A pool is *idle* while none of its tasks is queued or running. A pool other than the
   default's that stays idle ``idle_s`` seconds is released: its workers are stopped,
   and its image's next task starts it again, cold.
-* At most ``max_workers`` workers run across the pools, so at most
-  ``max_workers // size`` pools (default: room for every allowed image's pool, so
-  nothing is evicted). A task whose image has no pool when the budget is spent
-  releases the least recently used idle pool (the default's too: a pool is a pool)
-  and starts its own in its place. When no pool is idle the task waits, in order,
-  until one is (never dropped: counted as queued, cancellable, failed with
-  ``PoolClosed`` only when the engine closes). Images that wait are served oldest
-  first; a pool that never goes idle keeps its slots (a steady stream of one image's
-  tasks delays another image's until the stream pauses), unless the agent stops
-  feeding it.
-* :meth:`ImagePools.room` tells the agent which images' pools want tasks (two per
-  worker), so it hands over tasks of warm pools first (:mod:`fxstream.agent.pick`);
-  while an image waits for a slot, one pool is offered none so it goes idle (one of an
-  image the agent has nothing queued for first, which is also released first).
+* Without ``max_workers`` every image's pool has ``size`` workers (there is room for all
+  of them: nothing is resized or evicted, :meth:`ImagePools.room` is None).
+* With ``max_workers`` the budget is workers, not whole pools, and each pool is sized to
+  the task mix (funcX's section 6.1). The mix is the images of the last ``mix_window``
+  tasks submitted (a sliding window, default :data:`DEFAULT_MIX_WINDOW`). A pool's
+  *target* is ``max(1, floor(share x max_workers))`` capped by its *demand* (its tasks
+  queued and running; at least one worker while the pool runs). When those floors of one
+  overrun the budget, the largest targets give up workers first (down to one); when
+  there are more pools than ``max_workers``, pools with tasks (or starting) keep their
+  worker first, then images waiting longest, then idle pools (those of images not
+  ``wanted`` by the agent, with the fewest tasks and least recently used, lose theirs
+  first); an idle pool left without one is released (the LRU eviction: the default's
+  too, a pool is a pool), an image left without one waits.
+  Workers left over (floors round down, demand caps) go one at a time to the pools
+  still under their demand: largest remainder of ``share x max_workers`` first, then
+  the oldest waiter (a running pool's busy spell began with its task, an awaited
+  image's is its oldest task waiting), round after round.
+* The keeper thread moves the pools toward their targets: an image waiting for a pool
+  gets the budget first (its pool starts with as much of its target as is free, and
+  grows to it as room frees), then running pools below target grow (starting workers).
+  When that need is not met by free workers or by workers already retiring, pools above
+  their targets shrink (largest surplus first, then least recently used) by
+  :meth:`~fxstream.agent.process_engine.ProcessEngine.resize`: idle workers are retired
+  at once, busy ones once they have answered what they hold; a task is never killed to
+  make room, and a retired worker counts against the budget until it has ended. A pool
+  above its target keeps its warm workers while no other pool needs them.
+* A task whose image has no pool and gets no worker waits, in order (never dropped:
+  counted as queued, cancellable, failed with ``PoolClosed`` only when the engine
+  closes); images that wait are served oldest first. A pool that never goes idle keeps
+  its worker (a steady stream of one image's tasks delays another image's when every
+  worker of the budget is a busy pool's), unless the agent stops feeding it.
+* :meth:`ImagePools.room` tells the agent which images' pools want tasks (two per worker
+  of the pool's current size; an awaited pool's target size), so it hands over tasks of
+  warm pools first (:mod:`fxstream.agent.pick`); it is None when every image's pool fits
+  with one worker (nothing is ever evicted). While an image waits for a worker and no
+  pool is idle, one pool is offered none so it goes idle (one of an image the agent has
+  nothing queued for first, which is also released first).
 
-One keeper thread starts and stops pools and resolves what waited; every outcome is
-resolved off the caller's thread, as the engine protocol promises.
+Bounds: at most ``max_workers`` workers run across the pools at once, the retired ones
+still ending included; the window holds ``mix_window`` image names. Gaps: the mix is
+what the engine is handed, which the agent's warm-first pick and its ``workers +
+prefetch`` cap shape (its own queued tasks are not counted), and a pool grows a worker
+at a time of cold starts (each new worker starts its container and interpreter).
+
+One keeper thread starts, resizes and stops pools and resolves what waited; every outcome
+is resolved off the caller's thread, as the engine protocol promises.
 """
 
 from __future__ import annotations
@@ -44,6 +74,7 @@ import contextlib
 import functools
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -66,25 +97,31 @@ from fxstream.agent.process_engine import ProcessEngine
 from fxstream.agent.python_envs import PythonInterpreter
 from fxstream.agent.worker_process import RunnerSpec
 
-__all__ = ["DEFAULT_POOL_IDLE_S", "ImagePools"]
+__all__ = ["DEFAULT_MIX_WINDOW", "DEFAULT_POOL_IDLE_S", "ImagePools"]
 
 DEFAULT_POOL_IDLE_S: Final = 300.0
 """How long a non-default image's pool may sit idle before its workers stop, by default."""
 
+DEFAULT_MIX_WINDOW: Final = 100
+"""How many of the latest tasks submitted the task mix (each image's share) is read from."""
+
 log = logging.getLogger(__name__)
 
 _Resolution = tuple["Future[WorkOutcome]", WorkOutcome]
+_Release = tuple["_Pool", int]  # a pool being released, and the workers it held then
+_NO_WAITER: Final = sys.maxsize  # the "oldest task" of an image with none waiting
 
 
 class _Pool:
     """A running pool: its engine, its items in flight, when it was last used."""
 
-    __slots__ = ("engine", "inflight", "last_used")
+    __slots__ = ("busy_since", "engine", "inflight", "last_used")
 
     def __init__(self, engine: ProcessEngine) -> None:
         self.engine = engine
         self.inflight = 0  # submitted to it and not yet answered
         self.last_used = time.monotonic()  # the last submit or answer
+        self.busy_since = _NO_WAITER  # the submission that made it busy (its sequence)
 
 
 class _Waiting:
@@ -106,8 +143,9 @@ class ImagePools:
     pools an item may name, by name (their paths). ``readonly`` and ``writable`` are given to
     every pool (see :class:`~fxstream.agent.process_engine.ProcessEngine`). ``idle_s``
     is how long a non-default pool may sit idle (``None``: kept until the engine
-    closes); ``max_workers`` caps the workers across pools (``None``: ``size`` per
-    image, no eviction). ``ValueError`` says what to change in either.
+    closes); ``max_workers`` caps the workers across pools, each pool sized to the task
+    mix of the last ``mix_window`` tasks (``None``: ``size`` per image, no resizing nor
+    eviction). ``ValueError`` says what to change in any of them.
     """
 
     def __init__(
@@ -122,11 +160,14 @@ class ImagePools:
         idle_s: float | None = DEFAULT_POOL_IDLE_S,
         max_workers: int | None = None,
         interpreters: Mapping[str, PythonInterpreter] | None = None,
+        mix_window: int = DEFAULT_MIX_WINDOW,
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
         if idle_s is not None and not idle_s > 0:
             raise ValueError(f"idle_s must be a positive number of seconds, not {idle_s}")
+        if mix_window < 1:
+            raise ValueError(f"mix_window must be at least 1 task, not {mix_window}")
         self._size = size
         self._runner = runner
         self._images = {image.name: image for image in images}
@@ -138,14 +179,23 @@ class ImagePools:
         if clash:
             raise ValueError(f"{clash[0]!r} names both an image and an interpreter")
         pools = len(self._images) + len(self._interpreters) + (1 if self._default is None else 0)
+        # With a budget, pools are sized to the task mix (module notes); without, each has
+        # `size` workers and the budget holds them all.
+        self._mix = max_workers is not None
         self._max_workers = size * pools if max_workers is None else max_workers
         if self._max_workers < size:
             raise ValueError(
-                f"max_workers={self._max_workers} leaves no room for one pool of {size} "
+                f"max_workers={self._max_workers} leaves no room for the default pool's {size} "
                 f"workers: set it to {size} or more"
             )
-        self._max_pools = self._max_workers // size
+        # The most pools at once: one worker each with a budget, else all of them.
+        self._max_pools = self._max_workers if self._mix else pools
         self._pool_kinds = pools
+        # The images of the latest tasks submitted, and how many each has among them.
+        self._window: deque[str | None] = deque(maxlen=mix_window)
+        self._received: Counter[str | None] = Counter()
+        # The keeper's last targets (worker counts), for room().
+        self._targets_now: dict[str | None, int] = {}
         # The pool not offered more tasks (room) so it goes idle for an image waiting for a
         # slot: (its name,), or None.
         self._draining: tuple[str | None] | None = None
@@ -159,32 +209,39 @@ class ImagePools:
         self._cond = threading.Condition(threading.RLock())
         self._closed = False
         self._pools: dict[str | None, _Pool] = {}
-        self._starting: set[str | None] = set()
+        self._starting: dict[str | None, int] = {}  # pools starting, by their sizes
         self._stopping = 0  # pools being released: their workers still count
+        self._stopping_workers = 0  # and how many workers they held
         self._waiting: dict[str | None, deque[_Waiting]] = {}
         self._deferred: list[_Resolution] = []
         self._seq = itertools.count()
         self._starts: Counter[str | None] = Counter()
-        self._pools[self._default] = _Pool(self._start(self._default))
+        self._pools[self._default] = _Pool(self._start(self._default, size))
         self._starts[self._default] += 1
         self._keeper = threading.Thread(target=self._keep, name="fxstream-image-pools", daemon=True)
         self._keeper.start()
 
-    def _start(self, name: str | None) -> ProcessEngine:
+    def _start(self, name: str | None, size: int) -> ProcessEngine:
         python = self._interpreters.get(name) if name is not None else None
         if python is not None:  # another interpreter, in the default image
             name = self._default
         image = self._images.get(name) if name is not None else None
         container = image is not None and image.runtime != "process"
         return ProcessEngine(
-            self._size,
+            size,
             self._runner,
             runtime=runtime_for(image.runtime) if image is not None and container else None,
             image=image if container else None,
             readonly=self._readonly,
             writable=self._writable,
             python=python,
+            on_retired=self._poke,
         )
+
+    def _poke(self) -> None:
+        """A pool's retired worker has ended: its place in the budget is free."""
+        with self._cond:
+            self._cond.notify_all()
 
     # --- what the agent and tests read --------------------------------------------------
 
@@ -208,6 +265,17 @@ class ImagePools:
         with self._cond:
             return {name: len(queue) for name, queue in self._waiting.items()}
 
+    def targets(self) -> dict[str | None, int]:
+        """The worker count each running, starting or awaited pool is sized toward, as the
+        keeper last planned it (0: no room for it now; see the module notes)."""
+        with self._cond:
+            return dict(self._targets_now)
+
+    def mix(self) -> dict[str | None, int]:
+        """How many of the latest ``mix_window`` tasks submitted were of each image."""
+        with self._cond:
+            return dict(self._received)
+
     def starts(self) -> dict[str | None, int]:
         """How many times each image's pool has started (each a cold start of its workers)."""
         with self._cond:
@@ -219,11 +287,12 @@ class ImagePools:
         return True if engine is None else engine.wait_ready(timeout)
 
     def counts(self) -> EngineCounts:
-        """The running pools' counts, summed; tasks waiting for a pool are queued."""
+        """The running pools' counts, summed; tasks waiting for a pool are queued. One
+        snapshot with the keeper's decisions: ``workers_total`` never exceeds
+        :attr:`max_workers` (a retired worker still ending counts in it)."""
         with self._cond:
-            engines = [pool.engine for pool in self._pools.values()]
+            counts = [pool.engine.counts() for pool in self._pools.values()]
             waiting = sum(len(queue) for queue in self._waiting.values())
-        counts = [engine.counts() for engine in engines]
         return EngineCounts(
             workers_total=sum(c.workers_total for c in counts),
             workers_idle=sum(c.workers_idle for c in counts),
@@ -237,12 +306,14 @@ class ImagePools:
 
     def room(self, wanted: Collection[str | None] = ()) -> PoolRoom | None:
         """Which images' tasks the pools want now, ``wanted`` being the images the agent
-        has tasks queued for (None when the budget holds every image's pool: nothing is
-        ever evicted, any task may come next).
+        has tasks queued for (None when the budget holds every image's pool, with one
+        worker at least: nothing is ever evicted, any task may come next).
 
-        A running or starting pool wants tasks until it holds two per worker (one
-        running, one queued: the next starts without waiting for the agent); an image
-        whose tasks wait for a pool counts as starting. While an image waits for a slot
+        A running or starting pool wants tasks until it holds two per worker of its
+        current size (one running, one queued: the next starts without waiting for the
+        agent); an image whose tasks wait for a pool counts as starting, sized to its
+        target. ``spare`` counts the pools that may still start with one worker each
+        (others shrink to make room). While an image waits for a slot
         and no pool is idle, one pool is offered no more tasks, so it goes idle and makes
         way: one of an image not ``wanted`` if any, then the one with the fewest tasks,
         then the least recently used. Idle pools are offered none either then (the
@@ -250,16 +321,17 @@ class ImagePools:
         """
         if self._max_pools >= self._pool_kinds:
             return None
-        want = 2 * self._size
         with self._cond:
             self._wanted = {self._default if name is None else name for name in wanted}
             free: dict[str | None, int] = {
-                name: max(0, want - pool.inflight) for name, pool in self._pools.items()
+                name: max(0, 2 * pool.engine.size - pool.inflight)
+                for name, pool in self._pools.items()
             }
             for name, queue in self._waiting.items():
-                free[name] = max(0, want - len(queue))
-            for name in self._starting:
-                free.setdefault(name, want)
+                size = self._starting.get(name) or max(1, self._targets_now.get(name, 1))
+                free[name] = max(0, 2 * size - len(queue))
+            for name, size in self._starting.items():
+                free.setdefault(name, 2 * size)
             pending = sum(1 for name in self._waiting if name not in self._starting)
             slots = self._max_pools - len(self._pools) - len(self._starting) - self._stopping
             blocked = max(0, pending - slots)
@@ -311,14 +383,20 @@ class ImagePools:
         with self._cond:
             if self._closed:
                 raise RuntimeError("the image pools are closed")
+            seq = next(self._seq)
+            self._note_received(name)
             pool = self._pools.get(name)
             if pool is None:
-                waiting = _Waiting(next(self._seq), item)
+                waiting = _Waiting(seq, item)
                 self._waiting.setdefault(name, deque()).append(waiting)
                 self._cond.notify_all()
                 return waiting.future
+            if pool.inflight == 0:
+                pool.busy_since = seq
             pool.inflight += 1  # never released while this is counted
             pool.last_used = time.monotonic()
+            if self._mix:  # its demand and the mix changed: targets may too
+                self._cond.notify_all()
         try:
             future = pool.engine.submit(item)
         except BaseException:
@@ -326,6 +404,16 @@ class ImagePools:
             raise
         future.add_done_callback(lambda _: self._answered(pool))
         return future
+
+    def _note_received(self, name: str | None) -> None:
+        """Count a task of ``name`` in the mix window (lock held)."""
+        if len(self._window) == self._window.maxlen:
+            oldest = self._window[0]  # the append below drops it
+            self._received[oldest] -= 1
+            if not self._received[oldest]:
+                del self._received[oldest]
+        self._window.append(name)
+        self._received[name] += 1
 
     def cancel(self, task_id: str, reason: str = "", *, kill: bool = True) -> bool:
         """Cancel the item of ``task_id``: dropped if it waits for its pool, else cancelled
@@ -376,7 +464,7 @@ class ImagePools:
         with self._cond:
             pool.inflight -= 1
             pool.last_used = time.monotonic()
-            if pool.inflight == 0:
+            if pool.inflight == 0 or self._mix:  # idle, or its demand changed
                 self._cond.notify_all()
 
     def _keep(self) -> None:
@@ -393,7 +481,8 @@ class ImagePools:
             _resolve((w.future, WorkOutcome.failure(w.item, POOL_CLOSED, message)) for w in waiting)
 
     def _keep_going(self) -> None:
-        """Release idle pools, start pools for waiting tasks, resolve what was cancelled."""
+        """Release idle pools, size the pools to the mix, start pools for waiting tasks,
+        resolve what was cancelled."""
         while True:
             with self._cond:
                 resolutions, self._deferred = self._deferred, []
@@ -401,21 +490,20 @@ class ImagePools:
                     break
                 now = time.monotonic()
                 release = self._expired(now)
-                start = self._next_start(release) if not release else None
+                start = None
+                if not release:
+                    release, start = self._plan()
                 if not (resolutions or release or start):
                     self._cond.wait(self._next_expiry(now))
                     continue
             _resolve(resolutions)
             if release:
-                _close_all([pool.engine for pool in release], 10.0)
-                with self._cond:
-                    self._stopping -= len(release)
-                    self._cond.notify_all()
+                self._stop_pools(release)
             if start:
-                self._start_for(start[0])
+                self._start_for(*start)
         _resolve(resolutions)
 
-    def _expired(self, now: float) -> list[_Pool]:
+    def _expired(self, now: float) -> list[_Release]:
         """Remove (lock held) the pools idle longer than ``idle_s``, the default's aside."""
         if self._idle_s is None:
             return []
@@ -424,9 +512,23 @@ class ImagePools:
             for name, pool in self._pools.items()
             if name != self._default and pool.inflight == 0 and now - pool.last_used >= self._idle_s
         ]
-        released = [self._pools.pop(name) for name in expired]
-        self._stopping += len(released)
-        return released
+        return [self._pop(name) for name in expired]
+
+    def _pop(self, name: str | None) -> _Release:
+        """Take pool ``name`` out to release it (lock held); its workers count until stopped."""
+        pool = self._pools.pop(name)
+        held = pool.engine.counts().workers_total
+        self._stopping += 1
+        self._stopping_workers += held
+        return pool, held
+
+    def _stop_pools(self, release: list[_Release]) -> None:
+        """Stop the released pools' workers (all at once), then free their budget."""
+        _close_all([pool.engine for pool, _ in release], 10.0)
+        with self._cond:
+            self._stopping -= len(release)
+            self._stopping_workers -= sum(held for _, held in release)
+            self._cond.notify_all()
 
     def _next_expiry(self, now: float) -> float | None:
         """Seconds until the next idle pool expires (lock held), or None."""
@@ -439,35 +541,154 @@ class ImagePools:
         ]
         return max(0.0, min(due)) if due else None
 
-    def _next_start(self, release: list[_Pool]) -> tuple[str | None] | None:
-        """The image whose pool to start now (lock held): the one waiting longest, if the
-        budget has room; else the least recently used idle pool (of an image the agent has
-        no task queued for, if any: :meth:`room`) goes into ``release``."""
-        candidates = [
+    # --- sizing to the mix (lock held) ------------------------------------------------------
+
+    def _plan(self) -> tuple[list[_Release], tuple[str | None, int] | None]:
+        """Move the pools toward their targets (module notes): the idle pools to release
+        (no room for them), else the pool to start (its image and size, reserved); running
+        pools are resized here."""
+        targets = self._targets_now = self._targets()
+        evicted = [
+            name for name, pool in self._pools.items() if pool.inflight == 0 and not targets[name]
+        ]
+        if evicted:
+            return [self._pop(name) for name in evicted], None
+        free = self._max_workers - self._used()
+        start: tuple[str | None, int] | None = None
+        unmet = 0
+        # Images waiting for a pool get the budget first, the one waiting longest first.
+        for name in self._awaited():
+            got = min(targets[name], max(0, free))
+            if got and start is None:
+                start = (name, got)
+                self._starting[name] = got
+            free -= got
+            unmet += targets[name] - got
+        # Then running pools below their targets grow, the one busy longest first.
+        for name in sorted(self._pools, key=lambda n: self._pools[n].busy_since):
+            engine = self._pools[name].engine
+            short = targets[name] - engine.size
+            if short > 0:
+                got = min(short, max(0, free))
+                if got:
+                    engine.resize(engine.size + got)
+                free -= got
+                unmet += short - got
+        if unmet:
+            self._shrink(targets, unmet - self._retiring())
+        return [], start
+
+    def _awaited(self) -> list[str | None]:
+        """Images whose tasks wait for a pool that is not starting, longest waiting first."""
+        waiting = [
             (queue[0].seq, name)
             for name, queue in self._waiting.items()
             if queue and name not in self._pools and name not in self._starting
         ]
-        if not candidates:
-            return None
-        _, name = min(candidates, key=lambda c: c[0])
-        if len(self._pools) + len(self._starting) + self._stopping < self._max_pools:
-            self._starting.add(name)
-            return (name,)
-        idle = [key for key, pool in self._pools.items() if pool.inflight == 0]
-        if idle:
-            victim = min(idle, key=self._release_order)
-            release.append(self._pools.pop(victim))
-            self._stopping += 1
-        return None
+        return [name for _, name in sorted(waiting, key=lambda entry: entry[0])]
 
-    def _start_for(self, name: str | None) -> None:
-        """Start ``name``'s pool (a slot is reserved) and hand it the tasks waiting for it."""
+    def _used(self) -> int:
+        """Workers held against the budget: running pools' (retired ones still ending
+        included), starting pools' and released pools' not yet stopped."""
+        running = sum(pool.engine.counts().workers_total for pool in self._pools.values())
+        return running + sum(self._starting.values()) + self._stopping_workers
+
+    def _retiring(self) -> int:
+        """Workers that will leave the budget without more being done: retired ones still
+        ending and released pools' not yet stopped."""
+        retiring = sum(
+            max(0, pool.engine.counts().workers_total - pool.engine.size)
+            for pool in self._pools.values()
+        )
+        return retiring + self._stopping_workers
+
+    def _shrink(self, targets: dict[str | None, int], count: int) -> None:
+        """Retire ``count`` workers of pools above their targets: the largest surplus
+        first, then the least recently used (each pool retires its idle ones first)."""
+        surplus = {
+            name: pool.engine.size - targets[name]
+            for name, pool in self._pools.items()
+            if pool.engine.size > targets[name]
+        }
+        for name in sorted(surplus, key=lambda n: (-surplus[n], self._pools[n].last_used)):
+            if count <= 0:
+                return
+            engine = self._pools[name].engine
+            cut = min(surplus[name], count)
+            engine.resize(engine.size - cut)
+            count -= cut
+
+    def _targets(self) -> dict[str | None, int]:
+        """Each running, starting or awaited pool's target worker count (module notes);
+        0: no room for it now. Without a budget, ``size`` each."""
+        demand: dict[str | None, int] = {}
+        rank: dict[str | None, tuple[int, int]] = {}  # who keeps a worker first
+        for name, pool in self._pools.items():
+            demand[name] = pool.inflight
+            rank[name] = (0, pool.busy_since) if pool.inflight else (2, 0)
+        idle = sorted(
+            (name for name, pool in self._pools.items() if not pool.inflight),
+            key=self._release_order,
+            reverse=True,  # the last to be released keeps its worker first
+        )
+        for place, name in enumerate(idle):
+            rank[name] = (2, place)
+        for name in self._starting:
+            demand[name] = len(self._waiting.get(name, ()))
+            rank[name] = (0, _NO_WAITER)
+        for name in self._awaited():
+            demand[name] = len(self._waiting[name])
+            rank[name] = (1, self._waiting[name][0].seq)
+        if not self._mix:
+            return dict.fromkeys(demand, self._size)
+        budget = self._max_workers
+        order = sorted(demand, key=rank.__getitem__)
+        kept = order[:budget]
+        targets = dict.fromkeys(order, 0)
+        seen = len(self._window)
+        quota = {name: budget * self._received.get(name, 0) for name in kept}  # x seen
+        for name in kept:
+            share = quota[name] // seen if seen else 0
+            targets[name] = max(1, min(demand[name], share))
+        # Floors of one beyond the shares may overrun the budget: the largest give way.
+        for _ in range(sum(targets.values()) - budget):
+            cut = max(
+                (name for name in kept if targets[name] > 1),
+                key=lambda n: (targets[n], rank[n]),
+            )
+            targets[cut] -= 1
+        self._hand_out(targets, kept, demand, quota, rank, seen)
+        return targets
+
+    def _hand_out(
+        self,
+        targets: dict[str | None, int],
+        kept: list[str | None],
+        demand: dict[str | None, int],
+        quota: dict[str | None, int],
+        rank: dict[str | None, tuple[int, int]],
+        seen: int,
+    ) -> None:
+        """Give the workers the targets leave over to pools still under their demand, one
+        each per round: largest remainder first, then the one waiting longest."""
+        left = self._max_workers - sum(targets.values())
+        order = sorted(kept, key=lambda n: (-(quota[n] % seen if seen else 0), rank[n][1]))
+        while left > 0:
+            wanting = [name for name in order if targets[name] < demand[name]][:left]
+            if not wanting:
+                return
+            for name in wanting:
+                targets[name] += 1
+            left -= len(wanting)
+
+    def _start_for(self, name: str | None, size: int) -> None:
+        """Start ``name``'s pool of ``size`` workers (reserved) and hand it the tasks
+        waiting for it."""
         try:
-            engine = self._start(name)
+            engine = self._start(name, size)
         except (ContainerError, OSError) as exc:
             with self._cond:
-                self._starting.discard(name)
+                self._starting.pop(name, None)
                 failed = self._waiting.pop(name, deque())
                 self._cond.notify_all()
             message = f"cannot start workers in image {name!r}: {exc}"
@@ -477,13 +698,15 @@ class ImagePools:
             )
             return
         with self._cond:
-            self._starting.discard(name)
+            self._starting.pop(name, None)
             self._cond.notify_all()
             if not self._closed:
                 pool = self._pools[name] = _Pool(engine)
                 self._starts[name] += 1
                 handed = self._waiting.pop(name, deque())
                 pool.inflight = len(handed)
+                if handed:
+                    pool.busy_since = handed[0].seq
                 # Under the lock: a cancel finds each item either waiting or in the pool.
                 for waiting in handed:
                     self._hand(pool, waiting)

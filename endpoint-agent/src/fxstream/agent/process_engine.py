@@ -1,7 +1,8 @@
-"""The process engine: a fixed number of warm worker processes that load a function once.
+"""The process engine: a number of warm worker processes that load a function once.
 
 The first :class:`~fxstream.agent.engine.Engine`. A :class:`ProcessEngine`
-starts ``size`` worker processes once and keeps them. Each worker
+starts ``size`` worker processes once and keeps them (:meth:`ProcessEngine.resize`
+changes how many). Each worker
 (:mod:`fxstream.agent.worker_process`, what runs inside it) caches the functions
 it has loaded, keyed by ``(function_id, code_sha256)``, so the second task of a
 function skips deserialising its code. Tasks, code and results cross
@@ -43,6 +44,18 @@ Design choices the agent relies on:
   Walltime covers loading the function too. Each worker leads its own process
   group, and the pool kills the whole group whenever a worker ends, so
   programs a task started do not outlive it.
+* **Size.** :meth:`ProcessEngine.resize` sets how many workers the pool keeps. It
+  grows by starting workers (on the collector thread, like every start; a worker
+  being retired that still runs its tasks is kept instead, being warm). It shrinks
+  by retiring workers: not yet started ones first, then those starting up, then idle
+  ones (the fewest functions warm first), and only then busy ones (the fewest items
+  held first). A retired worker takes no new item; a busy one is asked to stop once
+  it has answered the items it holds (a running task is never killed for a resize),
+  and a retired worker's slot is never respawned. Until it has ended, a retired
+  worker counts in ``workers_total`` (so at most ``size`` plus the busy retired
+  workers run at once: a budget across pools counts them) and, while it runs
+  items, as busy; it is not advertised warm. ``on_retired`` (if given) is called on
+  the collector thread each time a retired worker has ended.
 * **Threads.** Futures are resolved, and their done-callbacks run, on the
   pool's single collector thread: keep callbacks short.
 * **Processes.** Every worker is started by the collector thread and asks the
@@ -94,7 +107,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from multiprocessing.context import ForkServerContext, SpawnContext
@@ -263,8 +276,10 @@ class _Slot:
         "process",
         "ready",
         "results",
+        "retiring",
         "sandbox",
         "state",
+        "stop_sent",
         "tasks",
         "warm",
         "worker_id",
@@ -293,6 +308,8 @@ class _Slot:
         self.exit_fd = _exit_fd(process)
         self.ready = False
         self.dead = False
+        self.retiring = False  # retired by a resize: no new items, never respawned
+        self.stop_sent = False  # asked to stop (a retiring worker that holds no item)
         # Items sent and not yet answered, in the order the worker runs them.
         self.outstanding: OrderedDict[int, _Task] = OrderedDict()
         # The pool's mirror of the worker's function cache (LRU order).
@@ -391,7 +408,7 @@ def _resolve(resolutions: Iterable[_Resolution]) -> None:
 
 
 class ProcessEngine:
-    """A fixed-size pool of warm worker processes (see the module notes for the design).
+    """A pool of ``size`` warm worker processes (see the module notes for the design).
 
     The ``"process"`` :class:`~fxstream.agent.engine.Engine`.
 
@@ -408,7 +425,9 @@ class ProcessEngine:
     that cannot run here (its binary is missing) raises
     :class:`~fxstream.agent.containers.ContainerError` saying what to install.
     ``start_method`` applies only without a runtime. ``python`` is the interpreter the
-    workers run (None: the agent's own; see the module notes).
+    workers run (None: the agent's own; see the module notes). ``on_retired`` is called
+    (on the collector thread, without the pool's lock: keep it short) whenever a worker
+    :meth:`resize` retired has ended.
     """
 
     def __init__(
@@ -426,6 +445,7 @@ class ProcessEngine:
         writable: Sequence[str] = (),
         readonly: Sequence[str] = (),
         python: PythonInterpreter | None = None,
+        on_retired: Callable[[], None] | None = None,
     ) -> None:
         if size < 1:
             raise ValueError(f"a pool needs at least one worker, got size={size}")
@@ -462,9 +482,16 @@ class ProcessEngine:
         self._code_cache_size = code_cache_size
         self._host = socket.gethostname()
 
+        self._on_retired = on_retired
+
         self._lock = threading.Lock()
         self._pending: deque[_Task] = deque()
-        self._slots: list[_Slot | None] = [None] * size
+        # Every worker the pool keeps or is retiring, by index (None: not started yet, or
+        # awaiting its respawn). The kept ones (not retiring) number ``size`` once the
+        # collector has applied the last resize (``_resize_due``).
+        self._slots: dict[int, _Slot | None] = dict.fromkeys(range(size))
+        self._indices = itertools.count(size)  # the index of the next worker a resize adds
+        self._resize_due = False
         self._respawn_at: dict[int, float] = {}
         self._code_cache: OrderedDict[FunctionKey, bytes] = OrderedDict()
         self._durations: dict[str, float] = {}
@@ -500,18 +527,40 @@ class ProcessEngine:
 
     @property
     def size(self) -> int:
-        """The number of workers the pool keeps."""
-        return self._size
+        """The number of workers the pool keeps (the last :meth:`resize`'s)."""
+        with self._lock:
+            return self._size
+
+    def resize(self, size: int) -> None:
+        """Keep ``size`` workers from now on (see **Size** in the module notes).
+
+        Returns at once: the collector thread starts or retires workers. Growing starts
+        workers (or keeps retired ones still answering their items); shrinking retires
+        idle workers first and a busy one only once it has answered the items it holds,
+        never killing a task. Thread-safe; successive calls coalesce (the last wins).
+        Raises ``ValueError`` below 1 and ``RuntimeError`` once closed.
+        """
+        if size < 1:
+            raise ValueError(f"a pool needs at least one worker, got size={size}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the worker pool is closed")
+            if size == self._size:
+                return
+            self._size = size
+            self._resize_due = True
+        self._wake()
 
     @property
     def idle_count(self) -> int:
-        """Live workers with nothing to do (a worker still starting up counts as idle)."""
+        """Live workers with nothing to do (a worker still starting up counts as idle; a
+        retired one does not)."""
         with self._lock:
-            return sum(1 for s in self._live_slots() if not s.outstanding)
+            return sum(1 for s in self._kept_live() if not s.outstanding)
 
     @property
     def busy_count(self) -> int:
-        """Live workers running or holding at least one item."""
+        """Live workers running or holding at least one item (retired ones finishing too)."""
         with self._lock:
             return sum(1 for s in self._live_slots() if s.outstanding)
 
@@ -522,27 +571,31 @@ class ProcessEngine:
             return len(self._pending)
 
     def worker_pids(self) -> list[int]:
-        """PIDs of the live worker processes."""
+        """PIDs of the live worker processes (retired ones still ending included)."""
         with self._lock:
             return [s.pid for s in self._live_slots()]
 
     def warm_functions(self) -> dict[str, list[str]]:
-        """Function ids each live worker (``"host:pid"``) holds loaded, for warm adverts."""
+        """Function ids each live worker (``"host:pid"``) holds loaded, for warm adverts
+        (a retired worker takes no more items: not listed)."""
         with self._lock:
             return {
                 s.worker_id: list(dict.fromkeys(function_id for function_id, _ in s.warm))
-                for s in self._live_slots()
+                for s in self._kept_live()
             }
 
     def counts(self) -> EngineCounts:
-        """Workers (total, idle, busy) and queued items, in one snapshot."""
+        """Workers (total, idle, busy) and queued items, in one snapshot.
+
+        ``workers_total`` is ``size`` plus the retired workers not yet ended (they hold
+        their place in a budget until then); a retired worker answering its last items
+        counts as busy, one stopping as neither idle nor busy.
+        """
         with self._lock:
-            live = self._live_slots()
-            busy = sum(1 for s in live if s.outstanding)
             return EngineCounts(
-                workers_total=self._size,
-                workers_idle=len(live) - busy,
-                workers_busy=busy,
+                workers_total=self._held(),
+                workers_idle=sum(1 for s in self._kept_live() if not s.outstanding),
+                workers_busy=sum(1 for s in self._live_slots() if s.outstanding),
                 queued=len(self._pending),
             )
 
@@ -563,7 +616,7 @@ class ProcessEngine:
                     container=container,
                     idle=not s.outstanding,
                 )
-                for s in self._live_slots()
+                for s in self._kept_live()
             ]
 
     def room(self, wanted: Collection[str | None] = ()) -> PoolRoom | None:
@@ -571,12 +624,17 @@ class ProcessEngine:
         return None
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Wait until every worker has started up; False if ``timeout`` passed first."""
+        """Wait until every worker the pool keeps (``size``, after the last :meth:`resize`)
+        has started up; False if ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
-                live = self._live_slots()
-                if len(live) == self._size and all(s.ready for s in live):
+                kept = [s for s in self._slots.values() if s is None or not s.retiring]
+                if (
+                    not self._resize_due
+                    and len(kept) == self._size
+                    and all(s is not None and not s.dead and s.ready for s in kept)
+                ):
                     return True
                 if self._closed:
                     return False
@@ -691,7 +749,17 @@ class ProcessEngine:
     # --- submission helpers (lock held) ----------------------------------------------------
 
     def _live_slots(self) -> list[_Slot]:
-        return [s for s in self._slots if s is not None and not s.dead]
+        return [s for s in self._slots.values() if s is not None and not s.dead]
+
+    def _kept_live(self) -> list[_Slot]:
+        """The live workers the pool keeps (not retired by a resize)."""
+        return [s for s in self._slots.values() if s is not None and not s.dead and not s.retiring]
+
+    def _held(self) -> int:
+        """The workers the pool holds: ``size`` (or the kept workers, before the collector
+        applies a shrink) plus the retired ones not yet ended."""
+        retiring = sum(1 for s in self._slots.values() if s is not None and s.retiring)
+        return retiring + max(self._size, len(self._slots) - retiring)
 
     def _code_for(self, item: WorkItem) -> tuple[bytes | None, tuple[str, str] | None]:
         """The code to ship for ``item`` and, if it cannot run, the error to answer with."""
@@ -721,7 +789,7 @@ class ProcessEngine:
     def _dispatch(self) -> None:
         """Hand queued items to idle, started workers, a batch per worker."""
         while self._pending:
-            idle = [s for s in self._live_slots() if s.ready and not s.outstanding]
+            idle = [s for s in self._kept_live() if s.ready and not s.outstanding]
             if not idle:
                 return
             batch = self._take_batch(math.ceil(len(self._pending) / len(idle)))
@@ -809,7 +877,7 @@ class ProcessEngine:
     def _collect(self) -> None:
         """The collector thread: start workers, read replies, watch deaths and walltimes."""
         try:
-            for index in range(self._size):
+            for index in list(self._slots):
                 self._start_worker(index)
             self._started.set()
             while not self._finished():
@@ -817,6 +885,7 @@ class ProcessEngine:
                 for key, _ in self._selector.select(timeout):
                     self._on_event(key.data)
                 self._respawn_due()
+                self._apply_size()
         except BaseException:
             log.exception("the worker pool's collector failed; failing every task")
             self._fail_everything()
@@ -825,7 +894,7 @@ class ProcessEngine:
 
     def _finished(self) -> bool:
         with self._lock:
-            return self._closed and not any(self._slots)
+            return self._closed and not any(self._slots.values())
 
     def _next_timeout(self) -> float | None:
         """How long select may sleep; also kills workers over their walltime."""
@@ -880,6 +949,8 @@ class ProcessEngine:
                 self._start_failures = 0
             else:
                 resolutions = self._on_reply(slot, reply)
+            if slot.retiring and not slot.outstanding:
+                self._stop_retired(slot)  # its last item is answered
             if not slot.dead:
                 self._dispatch()
         _resolve(resolutions)
@@ -983,15 +1054,20 @@ class ProcessEngine:
         with self._lock:
             slot.tasks.close()
             slot.results.close()
-            self._slots[slot.index] = None
+            if slot.retiring:  # retired by a resize: its place is gone
+                del self._slots[slot.index]
+            else:
+                self._slots[slot.index] = None
             resolutions = self._settle(slot, crash_dump)
-            replace = not self._closed
+            replace = not self._closed and not slot.retiring
             if replace and not slot.ready:
                 resolutions += self._note_start_failure(slot)
             self._dispatch()  # requeued items may fit an idle worker now
         _resolve(resolutions)
         if replace:
             self._schedule_respawn(slot)
+        elif slot.retiring and self._on_retired is not None:
+            self._on_retired()
 
     def _drain(self, slot: _Slot) -> list[bytes]:
         """Replies the worker wrote before it died."""
@@ -1099,8 +1175,72 @@ class ProcessEngine:
         for index, at in list(self._respawn_at.items()):
             if at <= now:
                 del self._respawn_at[index]
-                if not self._closed:
+                if not self._closed and index in self._slots:
                     self._start_worker(index)
+
+    # --- resizing (the collector thread) ----------------------------------------------------
+
+    def _apply_size(self) -> None:
+        """Start or retire workers so the pool keeps ``size`` (after :meth:`resize`)."""
+        with self._lock:
+            if not self._resize_due or self._closed:
+                return
+            self._resize_due = False
+            kept = [i for i, s in self._slots.items() if s is None or not s.retiring]
+            start: list[int] = []
+            if len(kept) > self._size:
+                self._retire(kept, len(kept) - self._size)
+            elif len(kept) < self._size:
+                start = self._grow(self._size - len(kept))
+        for index in start:
+            self._start_worker(index)
+
+    def _retire(self, kept: list[int], count: int) -> None:
+        """Retire ``count`` of the ``kept`` workers, the cheapest to lose first (lock held)."""
+        for index in sorted(kept, key=self._retire_order)[:count]:
+            slot = self._slots[index]
+            if slot is None:  # not started, or awaiting its respawn: nothing runs
+                del self._slots[index]
+                self._respawn_at.pop(index, None)
+                continue
+            slot.retiring = True
+            if not slot.outstanding:
+                self._stop_retired(slot)
+
+    def _retire_order(self, index: int) -> tuple[int, int, int]:
+        """Which worker a shrink retires first (smallest first; lock held): none running,
+        then starting up, then idle (fewest functions warm), then busy (fewest items held);
+        the newest first among equals."""
+        slot = self._slots[index]
+        if slot is None:
+            return (0, 0, -index)
+        if not slot.ready:
+            return (1, 0, -index)
+        if not slot.outstanding:
+            return (2, len(slot.warm), -index)
+        return (3, len(slot.outstanding), -index)
+
+    def _grow(self, count: int) -> list[int]:
+        """Keep ``count`` more workers (lock held): retired ones not yet asked to stop are
+        kept again (warm), the rest are new indices the caller starts."""
+        for slot in self._live_slots():
+            if count and slot.retiring and not slot.stop_sent:
+                slot.retiring = False
+                count -= 1
+        start = [next(self._indices) for _ in range(count)]
+        self._slots.update(dict.fromkeys(start))
+        return start
+
+    @staticmethod
+    def _stop_retired(slot: _Slot) -> None:
+        """Ask a retired worker that holds no item to stop (lock held); its exit is seen
+        by the collector like any other."""
+        if slot.stop_sent:
+            return
+        slot.stop_sent = True
+        # A worker dead already cannot take it: its sentinel fires all the same.
+        with contextlib.suppress(OSError):
+            slot.tasks.send_bytes(pickle.dumps(None))
 
     def _start_worker(self, index: int) -> None:
         """Start a worker for slot ``index`` (on the collector thread: see _die_with_parent)."""
@@ -1237,7 +1377,7 @@ class ProcessEngine:
 
     def _release(self) -> None:
         """Reap every process and free the pool's descriptors and files (after the collector)."""
-        for slot in list(self._slots):
+        for slot in list(self._slots.values()):
             if slot is not None:
                 _kill_group(slot)
                 slot.process.join()
@@ -1246,7 +1386,7 @@ class ProcessEngine:
                         os.close(slot.exit_fd)
                 slot.tasks.close()
                 slot.results.close()
-        self._slots = [None] * self._size
+        self._slots = {}
         with contextlib.suppress(KeyError, ValueError):
             self._selector.close()
         for fd in (self._wake_r, self._wake_w):
