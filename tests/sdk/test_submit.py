@@ -116,6 +116,10 @@ def test_the_executor_takes_globus_computes_positional_parameters(client: Client
         assert ex.task_count_submitted == 0
         ex.submit_to_registered_function("fn-mpi", (1,))
         ex.submit_to_registered_function("fn-mpi", (2,))
+        # Counted once Kafka acknowledged each record (sent upstream, as Globus Compute's).
+        deadline = time.monotonic() + 30
+        while ex.task_count_submitted < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert ex.task_count_submitted == 2
     finally:
         ex.shutdown(wait=False, cancel_futures=True)

@@ -642,8 +642,15 @@ class Client(RegistryCalls, TaskStatus, Replay):
         if listener is not None:
             listener.untrack(task_id)
 
-    def send(self, tasks: Sequence[tuple[PreparedTask, TaskFuture]]) -> None:
-        """Produce tracked tasks without waiting; a refused record fails its future."""
+    def send(
+        self,
+        tasks: Sequence[tuple[PreparedTask, TaskFuture]],
+        *,
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
+        """Produce tracked tasks without waiting; a refused record fails its future, and
+        ``on_sent`` (if given) is called once for each record Kafka acknowledged (on the
+        producer's delivery thread: keep it short)."""
         producer, listener = self._streams()
         live: list[tuple[PreparedTask, TaskFuture]] = []
         for task, future in tasks:
@@ -654,7 +661,10 @@ class Client(RegistryCalls, TaskStatus, Replay):
         futures = {task.task_id: future for task, future in live}
 
         def on_delivery(task_id: str, failure: SubmissionFailed | None) -> None:
-            if failure is not None:
+            if failure is None:
+                if on_sent is not None:
+                    on_sent()
+            else:
                 listener.untrack(task_id)
                 future = futures[task_id]
                 self._release_unsent(future._stored)

@@ -108,9 +108,10 @@ class Executor(concurrent.futures.Executor):
     (refused with ``ValueError`` when given: endpoints here are configured by their
     owner), ``label`` (shown in ``repr``), ``batch_size`` (the most tasks the sender
     thread produces per round) and ``amqp_port`` (ignored: results come from Kafka).
-    ``task_count_submitted`` counts the tasks accepted. ``max_retries``, ``walltime_s``
-    and ``retry_user_errors`` (keywords) apply to every task submitted (see
-    :meth:`Client.prepare_task`), and so do ``tags``
+    ``task_count_submitted`` counts the tasks sent: their records acknowledged by Kafka
+    (durable), as Globus Compute's counts the tasks its web service accepted.
+    ``max_retries``, ``walltime_s`` and ``retry_user_errors`` (keywords) apply to every
+    task submitted (see :meth:`Client.prepare_task`), and so do ``tags``
     (``Executor(tags={"run": "42"})``; set ``executor.tags`` to label later tasks
     otherwise), which ``Client.get_tasks(tags=...)`` filters on. ``resource_specification``
     (MPI tasks: nodes and ranks, see the property) is written in every task too; an
@@ -169,7 +170,7 @@ class Executor(concurrent.futures.Executor):
         self.client = client if client is not None else Client.from_environment()
         self.batch_size = batch_size
         self.label = label
-        self._submitted = 0
+        self._delivered = _DeliveredCount()
         self.task_group_id = task_group_id if task_group_id is not None else str(uuid.uuid4())
         # fn -> function id while fn lives; code digest -> function id (bounded).
         self._by_function: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
@@ -351,12 +352,11 @@ class Executor(concurrent.futures.Executor):
                 self.client.release(task)
                 raise RuntimeError(refusal)
             self._outstanding.add(future)
-            self._submitted += 1
             if self._sender is None:
                 # Holds the queue and the client, not the executor (so it can be collected).
                 self._sender = threading.Thread(
                     target=_send_loop,
-                    args=(self._queue, self.client, self.batch_size),
+                    args=(self._queue, self.client, self.batch_size, self._delivered),
                     name="fxstream-executor-sender",
                     daemon=True,
                 )
@@ -525,8 +525,12 @@ class Executor(concurrent.futures.Executor):
 
     @property
     def task_count_submitted(self) -> int:
-        """How many tasks this executor has accepted for sending (Globus Compute's name)."""
-        return self._submitted
+        """How many of this executor's tasks are sent (Globus Compute's name): their records
+        acknowledged by Kafka, so durable even if this process dies now. A task handed to
+        :meth:`submit` counts once its record is delivered, as Globus Compute's counts a
+        task once its web service accepted it (its guide waits on this before a planned
+        exit)."""
+        return self._delivered.value
 
     @property
     def serializer(self) -> Serializer:
@@ -560,20 +564,49 @@ def _forgetter(executor: weakref.ref[Executor]) -> Callable[[concurrent.futures.
     return forget
 
 
-def _send_loop(items: queue.SimpleQueue[_Item | None], client: Client, batch_size: int) -> None:
+class _DeliveredCount:
+    """How many of an executor's task records Kafka acknowledged (its sender adds to it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = 0
+
+    def add(self) -> None:
+        """One more record delivered (called on the producer's delivery thread)."""
+        with self._lock:
+            self._count += 1
+
+    @property
+    def value(self) -> int:
+        """The count so far."""
+        with self._lock:
+            return self._count
+
+
+def _send_loop(
+    items: queue.SimpleQueue[_Item | None],
+    client: Client,
+    batch_size: int,
+    delivered: _DeliveredCount,
+) -> None:
     """The sender thread: produce queued tasks in batches until the None sentinel."""
     try:
-        _send_batches(items, client, batch_size)
+        _send_batches(items, client, batch_size, delivered)
     finally:
         with _live_lock:
             _senders.pop(threading.current_thread(), None)
 
 
-def _send_batches(items: queue.SimpleQueue[_Item | None], client: Client, batch_size: int) -> None:
+def _send_batches(
+    items: queue.SimpleQueue[_Item | None],
+    client: Client,
+    batch_size: int,
+    delivered: _DeliveredCount,
+) -> None:
     while True:
         batch, stop = _next_batch(items, batch_size)
         if batch:
-            _send_batch(batch, client)
+            _send_batch(batch, client, delivered)
         # Nothing of a sent batch stays referenced while the next one is awaited.
         del batch
         if stop:
@@ -599,7 +632,7 @@ def _next_batch(
     return batch, False
 
 
-def _send_batch(batch: list[_Item], client: Client) -> None:
+def _send_batch(batch: list[_Item], client: Client, delivered: _DeliveredCount) -> None:
     live = []
     for task, future in batch:
         if future.cancelled():
@@ -610,7 +643,7 @@ def _send_batch(batch: list[_Item], client: Client) -> None:
     if not live:
         return
     try:
-        client.send(live)
+        client.send(live, on_sent=delivered.add)
     except Exception as exc:  # the client was closed under us, or the producer failed
         for task, future in live:
             client.untrack(task.task_id)
