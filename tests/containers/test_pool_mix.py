@@ -6,9 +6,9 @@ images (no sandbox needed)."""
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 
@@ -18,6 +18,8 @@ import pytest
 from fxstream.agent.containers import Image
 from fxstream.agent.engine import WorkOutcome
 from fxstream.agent.image_pools import ImagePools
+from tests.agent.test_workers import pid_of
+from tests.agent.test_workers import until as wait_for
 from tests.containers import tasks
 from tests.containers.test_runtimes import item
 
@@ -26,13 +28,8 @@ pytestmark = pytest.mark.usefixtures("leaves_no_process")
 RUNNER = "fxstream.agent.worker_process:load_pickled"
 TIMEOUT = 60.0
 A, B, C = (Image(name, "process", "") for name in "abc")
-
-
-def until(condition: Callable[[], bool], timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
+# Worker starts under load take longer than the worker tests' own default wait.
+until = functools.partial(wait_for, timeout=TIMEOUT)
 
 
 def sizes(pools: ImagePools) -> dict[str | None, int]:
@@ -50,10 +47,6 @@ def answered(futures: list[Future[WorkOutcome]]) -> list[WorkOutcome]:
     failed = [o for o in outcomes if not o.ok]
     assert not failed, f"{failed[0].error_type}: {failed[0].error_message}"
     return outcomes
-
-
-def pid_of(outcome: WorkOutcome) -> int:
-    return int(outcome.worker.rpartition(":")[2])
 
 
 @contextmanager
