@@ -148,6 +148,30 @@ def test_pages_neither_skip_nor_repeat_and_a_scan_is_bounded(table: TaskStateTab
     ]
 
 
+def test_a_group_query_walks_only_the_groups_tasks(table: TaskStateTable) -> None:
+    # A user with many tasks outside the group: the group's 5 are on the first page, found
+    # by reading 5 index entries, not by paging through the user's other tasks.
+    for i in range(500):
+        put(table, state(f"other-{i:03}", at=i))
+    for i in range(5):
+        put(table, state(f"g-{i}", at=1_000 + i, group="grp-1"))
+    put(table, state("bob-g", user="bob", at=1_001, group="grp-1"))
+    page = table.query(TaskQuery("alice", task_group_id="grp-1"), limit=100, max_scan=50)
+    assert [task_id for task_id, _ in page.matches] == [f"g-{i}" for i in range(5)]
+    assert page.scanned == 5 and page.cursor is None
+    # A task that moves to another group moves in the index, and a delete removes it.
+    put(table, state("g-4", at=1_004, group="grp-2", name=S.RUNNING))
+    assert ids(table, TaskQuery("alice", task_group_id="grp-1")) == [f"g-{i}" for i in range(4)]
+    assert ids(table, TaskQuery("alice", task_group_id="grp-2")) == ["g-4"]
+    table.delete("g-0")
+    assert ids(table, TaskQuery("alice", task_group_id="grp-1", descending=True)) == [
+        "g-3",
+        "g-2",
+        "g-1",
+    ]
+    assert ids(table, TaskQuery("bob", task_group_id="grp-1")) == ["bob-g"]
+
+
 def test_a_task_moves_in_the_index_when_its_submission_time_arrives_and_leaves_on_delete(
     table: TaskStateTable,
 ) -> None:

@@ -21,14 +21,17 @@ An *indexed* table (the API's; ``indexed=True``) also keeps what filtered querie
   group and tags: ~100-2,500 bytes), rewritten with each state;
 - per user, the task ids ordered by submission time (``submitted_at``; for a task whose
   states never carried it, the time the table first saw it);
-- per user and tag ``key: value``, the task ids with that tag, ordered the same way.
+- per user and tag ``key: value``, the task ids with that tag, ordered the same way;
+- per user and task group, the group's task ids, ordered the same way.
 
-A query walks one of these orders (a tag's if it names a tag, else the user's), between
+A query walks one of these orders (its group's if it names a task group, else a tag's
+if it names a tag, else the user's), between
 its time bounds, and checks the other filters on each summary; a request walks at most
 ``max_scan`` entries (its page then ends early, with a cursor to go on), so its cost is
 bounded whatever the number of tasks, and a tag query's walk is proportional to the
-tasks with that tag, not to all the user's tasks. Each new task costs ``1 +`` its number
-of tags index entries once, and every state one summary write.
+tasks with that tag (a group query's to the group's tasks), not to all the user's tasks.
+Each new task costs ``1 +`` its number of tags (``+ 1`` in a group) index entries
+once, and every state one summary write.
 
 Nothing here is durable: a table is rebuilt from the topic when its view starts, so the
 write-ahead log is off and the directory is removed on :meth:`close`. A directory left
@@ -86,6 +89,7 @@ _ROUTED: Final = b"r\x00"  # endpoint \0 function -> b"" once a task of it was r
 _SUMMARY: Final = b"i\x00"  # task id -> _Summary
 _BY_USER: Final = b"u\x00"  # user \0 time (8) task id -> b""
 _BY_TAG: Final = b"t\x00"  # user \0 tag key \0 tag value \0 time (8) task id -> b""
+_BY_GROUP: Final = b"o\x00"  # user \0 task group \0 time (8) task id -> b""
 _TIME_BYTES: Final = 8
 _LAST_TIME: Final = (1 << 64) - 1
 DEFAULT_MAX_SCAN: Final = 10_000
@@ -195,10 +199,16 @@ def _order_prefix(user_id: str, tag: tuple[str, str] | None = None) -> bytes:
     return _BY_TAG + user_id.encode() + _SEP + key.encode() + _SEP + value.encode() + _SEP
 
 
+def _group_prefix(user_id: str, task_group_id: str) -> bytes:
+    return _BY_GROUP + user_id.encode() + _SEP + task_group_id.encode() + _SEP
+
+
 def _index_keys(summary: _Summary, task_id: bytes) -> list[bytes]:
     position = _time_key(summary.at) + task_id
     keys = [_order_prefix(summary.user) + position]
     keys += [_order_prefix(summary.user, tag) + position for tag in summary.tags.items()]
+    if summary.group is not None:
+        keys.append(_group_prefix(summary.user, summary.group) + position)
     return keys
 
 
@@ -337,10 +347,11 @@ class TaskStateTable:
         else:
             at = _micros(state.updated_at)
         summary = _summary_of(state, at)
-        if old is not None and (old.user, old.at, old.tags) != (
+        if old is not None and (old.user, old.at, old.tags, old.group) != (
             summary.user,
             summary.at,
             summary.tags,
+            summary.group,
         ):
             for key in _index_keys(old, task_id):
                 batch.delete(key)
@@ -416,15 +427,19 @@ class TaskStateTable:
     ) -> QueryPage:
         """The tasks of ``query.user_id`` that match ``query``, in submission-time order.
 
-        Walks the order of the query's first tag (else the user's order) from ``after``
+        Walks the order of the query's task group (else of its first tag, else the
+        user's order) from ``after``
         (a cursor from an earlier page) between ``since`` and ``until``, and stops at
         ``limit`` matches or after ``max_scan`` entries: a page may then hold fewer than
         ``limit`` (even none) with a cursor to go on. Only an indexed table answers.
         """
         if not self.indexed:
             raise RuntimeError("this task-state table keeps no query index (indexed=False)")
-        tag = next(iter(query.tags.items())) if query.tags else None
-        prefix = _order_prefix(query.user_id, tag)
+        if query.task_group_id is not None:
+            prefix = _group_prefix(query.user_id, query.task_group_id)
+        else:
+            tag = next(iter(query.tags.items())) if query.tags else None
+            prefix = _order_prefix(query.user_id, tag)
         low = _time_key(_micros(query.since)) if query.since is not None else b""
         high = _time_key(_micros(query.until) if query.until is not None else _LAST_TIME)
         matches: list[tuple[str, bytes]] = []
