@@ -12,6 +12,10 @@ Four phases, each on fresh topics that are created here and deleted afterwards:
    consumer. End-to-end latency with one record in flight (``relay3_p50_ms``), then a
    flood of ``records // 4`` records: throughput from first send to last receipt, and
    the latency under that flood (``relay3_loaded_*``, mostly queueing).
+5. relay3 with transactions (``relay3_txn_*``): the same path, each relay reading
+   ``read_committed`` and writing each batch with its input offsets in one Kafka
+   transaction, as the router, the agent and the ingress do. Its one-in-flight latency
+   against phase 4's is what the exactly-once commit protocol costs per hop.
 
 Without a bootstrap address a private single-node platform is started in a temporary
 directory on free ports and stopped at the end.
@@ -161,11 +165,17 @@ class _Producer:
             )
 
 
-def _consumer(kafka: KafkaConnection, topic: str) -> Consumer:
-    """A consumer of a fresh group, subscribed to ``topic``."""
+def _consumer(kafka: KafkaConnection, topic: str, *, committed: bool = False) -> Consumer:
+    """A consumer of a fresh group, subscribed to ``topic``; with ``committed``, one that
+    reads only committed transactions and commits no offsets itself (a transactional
+    relay commits them in its transactions)."""
+    extra: dict[str, Any] = {}
+    if committed:
+        extra = {"isolation.level": "read_committed", "enable.auto.commit": False}
     consumer = Consumer(
         {
             **kafka.confluent(),
+            **extra,
             "group.id": f"bench.kafka.{uuid.uuid4().hex}",
             # The topics are new, so "earliest" loses nothing, and it keeps a record written
             # between assignment and the first fetch, which "latest" could skip.
@@ -313,11 +323,20 @@ def _broker(console: Console, kafka: KafkaConnection | None) -> Iterator[_Broker
 
 
 def _relay(
-    kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag, failed: _Flag
+    kafka: KafkaConnection,
+    source: str,
+    target: str,
+    ready: _Flag,
+    stop: _Flag,
+    failed: _Flag,
+    transactional: bool = False,
 ) -> None:
     """One task-path hop, run in a thread or process: forward ``source`` to ``target``."""
     try:
-        _forward(kafka, source, target, ready, stop)
+        if transactional:
+            _forward_in_transactions(kafka, source, target, ready, stop)
+        else:
+            _forward(kafka, source, target, ready, stop)
     except BaseException:
         failed.set()
         raise
@@ -336,6 +355,46 @@ def _forward(kafka: KafkaConnection, source: str, target: str, ready: _Flag, sto
                 producer.send(target, message.value())
             producer.serve()
         producer.flush()
+    finally:
+        consumer.close()
+
+
+def _forward_in_transactions(
+    kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag
+) -> None:
+    """Copy ``source`` to ``target``, each batch and its input offsets in one transaction."""
+    producer = Producer(
+        {
+            **kafka.confluent(),
+            "transactional.id": f"{source}.relay",
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": RELAY_LINGER_MS,
+            # As the agent's publisher: librdkafka's 100 ms backoff would hold a lone
+            # record behind each CONCURRENT_TRANSACTIONS retry.
+            "retry.backoff.ms": 5,
+            "log_level": LOG_LEVEL,
+        }
+    )
+    producer.init_transactions(STARTUP_TIMEOUT_S)
+    producer.list_topics(target, timeout=STARTUP_TIMEOUT_S)
+    consumer = _consumer(kafka, source, committed=True)
+    try:
+        _await_assignment(consumer)
+        ready.set()
+        while not stop.is_set():
+            messages = _receive(consumer, RELAY_BATCH, 0.1)
+            if not messages:
+                continue
+            producer.begin_transaction()
+            for message in messages:
+                producer.produce(target, message.value())
+            producer.send_offsets_to_transaction(
+                consumer.position(consumer.assignment()),
+                consumer.consumer_group_metadata(),
+                IDLE_TIMEOUT_S,
+            )
+            producer.commit_transaction(IDLE_TIMEOUT_S)
     finally:
         consumer.close()
 
@@ -371,7 +430,9 @@ RELAY_RUNTIME = PROCESSES
 
 
 @contextmanager
-def _relays(runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str]) -> Iterator[_Flag]:
+def _relays(
+    runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str], transactional: bool
+) -> Iterator[_Flag]:
     """A relay between each pair of consecutive ``topics``, all assigned before the block.
 
     Yields the flag a failing relay sets.
@@ -383,7 +444,9 @@ def _relays(runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str]) ->
         for source, target in itertools.pairwise(topics):
             readies.append(runtime.event())
             workers.append(
-                runtime.worker(_relay, (kafka, source, target, readies[-1], stop, failed))
+                runtime.worker(
+                    _relay, (kafka, source, target, readies[-1], stop, failed, transactional)
+                )
             )
             workers[-1].start()
         _await_ready(readies, failed)
@@ -578,12 +641,13 @@ def _bench_relay3(
     records: int,
     samples: int,
     padding: bytes,
+    transactional: bool = False,
 ) -> Figures:
     """End-to-end through two relays: latency one record in flight, then a flood."""
-    with _relays(runtime, kafka, topics) as failed:
+    with _relays(runtime, kafka, topics, transactional) as failed:
         producer = _Producer(kafka, linger_ms=RELAY_LINGER_MS)
         producer.connect(topics[0])
-        sink = _consumer(kafka, topics[-1])
+        sink = _consumer(kafka, topics[-1], committed=transactional)
         try:
             _await_assignment(sink)
             watchdog = _Watchdog("relay3", failed)
@@ -594,12 +658,13 @@ def _bench_relay3(
             producer.flush()
         finally:
             sink.close()
+    name = "relay3_txn" if transactional else "relay3"
     return {
-        "relay3_msgs_per_s": round(rate),
-        "relay3_p50_ms": percentile(trips, 50),
-        "relay3_p99_ms": percentile(trips, 99),
-        "relay3_loaded_p50_ms": percentile(ages, 50),
-        "relay3_loaded_p99_ms": percentile(ages, 99),
+        f"{name}_msgs_per_s": round(rate),
+        f"{name}_p50_ms": percentile(trips, 50),
+        f"{name}_p99_ms": percentile(trips, 99),
+        f"{name}_loaded_p50_ms": percentile(ages, 50),
+        f"{name}_loaded_p99_ms": percentile(ages, 99),
     }
 
 
@@ -618,6 +683,11 @@ _ROWS = (
     ("relay3_p99_ms", "3-hop relay p99 (1 in flight)", "ms"),
     ("relay3_loaded_p50_ms", "3-hop relay p50 under the flood", "ms"),
     ("relay3_loaded_p99_ms", "3-hop relay p99 under the flood", "ms"),
+    ("relay3_txn_msgs_per_s", "3-hop relay in transactions: throughput", "records/s"),
+    ("relay3_txn_p50_ms", "3-hop relay in transactions p50 (1 in flight)", "ms"),
+    ("relay3_txn_p99_ms", "3-hop relay in transactions p99 (1 in flight)", "ms"),
+    ("relay3_txn_loaded_p50_ms", "3-hop relay in transactions p50 under the flood", "ms"),
+    ("relay3_txn_loaded_p99_ms", "3-hop relay in transactions p99 under the flood", "ms"),
     ("wall_s", "wall time of the whole benchmark", "s"),
 )
 
@@ -722,6 +792,18 @@ def _relay3_phase(run: _Run, samples: int, records: int) -> Figures:
         )
 
 
+def _relay3_txn_phase(run: _Run, samples: int, records: int) -> Figures:
+    """The 3-hop relay, each hop in transactions."""
+    with run.topics("relay3txn.t1", "relay3txn.t2", "relay3txn.t3") as topics:
+        return _phase(
+            run.console,
+            f"3-hop relay in transactions: {samples:,} round trips, then {records:,} records",
+            lambda: _bench_relay3(
+                RELAY_RUNTIME, run.kafka, topics, records, samples, run.padding, True
+            ),
+        )
+
+
 def _measure(console: Console, broker: _Broker, records: int, samples: int) -> Figures:
     """Every phase against ``broker``, each on topics of its own."""
     run = _Run(
@@ -736,6 +818,7 @@ def _measure(console: Console, broker: _Broker, records: int, samples: int) -> F
     figures |= _throughput_phases(run, records)
     figures |= _rtt_phase(run, samples)
     figures |= _relay3_phase(run, samples, int(figures["relay3_records"]))
+    figures |= _relay3_txn_phase(run, samples, int(figures["relay3_records"]))
     return figures
 
 
