@@ -832,6 +832,35 @@ def bench_trigger(
     _run_task_bench("trigger", settings, run_trigger_bench)
 
 
+@bench_app.command("profile")
+def bench_profile(
+    tasks: Annotated[int, typer.Option(help="No-op tasks accounted for (and sampled).")] = 10_000,
+    warmup_tasks: Annotated[int, typer.Option(help="Untimed tasks first.")] = 2_000,
+    py_spy: Annotated[
+        bool,
+        typer.Option(
+            "--py-spy/--no-py-spy", help="Sample each Python process with py-spy afterwards."
+        ),
+    ] = True,
+    rate_hz: Annotated[int, typer.Option(help="py-spy samples per second.")] = 250,
+    profile_dir: Annotated[
+        Path | None,
+        typer.Option(help="Keep py-spy's raw stacks (flame graph input) in this directory."),
+    ] = None,
+) -> None:
+    """Where a task's CPU goes: microseconds per task in every process, then py-spy."""
+    from fxstream.ops.bench.profile import ProfileSettings, run_profile_bench
+
+    settings = ProfileSettings(
+        tasks=tasks,
+        warmup_tasks=warmup_tasks,
+        py_spy=py_spy,
+        rate_hz=rate_hz,
+        profile_dir=profile_dir,
+    )
+    _run_task_bench("profile", settings, run_profile_bench)
+
+
 @bench_app.command("pipeline")
 def bench_pipeline(
     stages: Annotated[int, typer.Option(help="Tasks in the chain.")] = 4,

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -41,6 +40,7 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from fxstream.ops.bench.processes import platform_processes
 from fxstream.ops.bench.stack import (
     IDLE_TIMEOUT_S,
     WORKERS,
@@ -155,65 +155,13 @@ def judge(
 # --- which processes -----------------------------------------------------------------------
 
 
-def _short(process: psutil.Process) -> str:
-    """A short name for a child process: its module (``-m x.y``) or its program's name."""
-    try:
-        argv = process.cmdline()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return "gone"
-    if "-m" in argv and argv.index("-m") + 1 < len(argv):
-        return argv[argv.index("-m") + 1].rsplit(".", 1)[-1]
-    if "-c" in argv and argv.index("-c") + 1 < len(argv):
-        # multiprocessing's children: "from multiprocessing.spawn import spawn_main; ..."
-        found = re.search(r"(?:from|import)\s+([\w.]+)", argv[argv.index("-c") + 1])
-        module = found.group(1).rsplit(".", 1)[-1] if found else "python -c"
-        return "worker" if module == "spawn" else module
-    for arg in argv[1:]:
-        if not arg.startswith("-"):
-            return os.path.basename(arg)
-    return os.path.basename(argv[0]) if argv else process.name()
-
-
-def _roots(platform: Platform) -> list[tuple[str, int]]:
-    """The platform's own processes, by name: brokers, Redis, each service process."""
-    found: list[tuple[str, int]] = []
-    for node in platform.nodes(cluster=platform.running_mode() == "cluster"):
-        pid = node.process.pid()
-        if pid is not None:
-            found.append((f"kafka node {node.node_id}", pid))
-    redis_pid = platform.redis().process.pid()
-    if redis_pid is not None:
-        found.append(("redis", redis_pid))
-    for process in platform.services().processes():
-        pid = process.pid()
-        if pid is not None:
-            found.append((process.name, pid))
-    return found
-
-
 def _walk(platform: Platform) -> Iterator[tuple[str, int, int]]:
-    """``(label, pid, rss)`` of every platform process and its descendants, and this one.
-
-    Children with the same short name under one parent are numbered in pid order
-    (``worker#1``, ``worker#2``), so a restarted worker keeps its label.
-    """
-    for name, pid in _roots(platform):
+    """``(label, pid, rss)`` of every platform process and its descendants, and this one."""
+    for label, process in platform_processes(platform):
         try:
-            root = psutil.Process(pid)
-            yield name, pid, root.memory_info().rss
-            children = sorted(root.children(recursive=True), key=lambda p: p.pid)
+            yield label, process.pid, process.memory_info().rss
         except psutil.NoSuchProcess:
             continue
-        seen: dict[str, int] = {}
-        for child in children:
-            short = _short(child)
-            seen[short] = seen.get(short, 0) + 1
-            try:
-                rss = child.memory_info().rss
-            except psutil.NoSuchProcess:
-                continue
-            yield f"{name} / {short}#{seen[short]}", child.pid, rss
-    yield "sdk (this bench)", os.getpid(), psutil.Process().memory_info().rss
 
 
 # --- the run -------------------------------------------------------------------------------
