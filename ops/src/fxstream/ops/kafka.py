@@ -168,10 +168,18 @@ class KafkaNode:
             "-XX:+AlwaysPreTouch",
             "-XX:+UseG1GC",
             "-XX:MaxGCPauseMillis=20",
-            # C1 only: on a small machine C2 kept a compiler thread busy for half the
-            # broker's CPU under the task path's load, while the request handlers ran no
-            # faster with its code (measured: 3.42 s vs 3.44 s per 20,000 tasks).
-            "-XX:TieredStopAtLevel=1",
+            # C2 only for the hottest code. C1-only (TieredStopAtLevel=1, kept until
+            # 2026-11-28) saved a busy C2 compiler thread on the plaintext task path, but
+            # Java's AES-GCM intrinsics (AES-NI, PCLMULQDQ) are emitted by C2 alone: on the
+            # secure platform the C1 broker spent 688 µs of CPU per task, 606 of them in
+            # its network and request threads (TLS). With C2 past ten times its usual
+            # thresholds, only loops as hot as the ciphers' reach C2: 373 µs per task after
+            # 30,000 tasks, the compiler thread 68 of them, and falling (`./fx bench
+            # profile`, docs/benchmarks.md).
+            "-XX:Tier4InvocationThreshold=50000",
+            "-XX:Tier4MinInvocationThreshold=6000",
+            "-XX:Tier4CompileThreshold=150000",
+            "-XX:Tier4BackEdgeThreshold=400000",
             "-Djava.awt.headless=true",
             f"-Dlog4j2.configurationFile={log4j}",
             "-cp",

@@ -8,8 +8,9 @@ endpoint with 2 warm workers):
    loading);
 2. *accounting*: ``tasks`` no-op tasks through ``Executor.submit``, first submit to last
    result, with each process's CPU time (user + system, from ``/proc``) read before and
-   after: per process, microseconds of CPU per task, and the sum; and the broker's by
-   thread name (its network threads, request handlers, GC, ...). Nothing else is
+   after: per process, microseconds of CPU per task, and the sum; and each process's by
+   thread name (the broker's network threads and JIT compiler, librdkafka's ``rdk:``
+   threads, RocksDB's ``rocksdb:`` compaction threads, Python's own). Nothing else is
    attached to the processes while this is measured. ``cap_tasks_per_s`` is the rate the
    machine's cores would allow if every core did only this work (cores / CPU per task);
 3. *sampling* (unless ``py_spy`` is False): the same number of tasks again while
@@ -179,11 +180,35 @@ def _thread_seconds(pid: int) -> dict[str, float]:
     return found
 
 
-def _broker_pid(platform: PrivatePlatform) -> int | None:
-    for label, process in platform_processes(platform.platform):
-        if label.startswith("kafka node"):
-            return process.pid
-    return None
+def _all_thread_seconds(platform: PrivatePlatform) -> dict[str, tuple[int, dict[str, float]]]:
+    """``label -> (pid, thread name -> CPU seconds)`` of every process of the platform."""
+    return {
+        label: (process.pid, _thread_seconds(process.pid))
+        for label, process in platform_processes(platform.platform)
+    }
+
+
+def _threads_per_task(
+    before: dict[str, tuple[int, dict[str, float]]],
+    after: dict[str, tuple[int, dict[str, float]]],
+    tasks: int,
+) -> dict[str, dict[str, float]]:
+    """Per process, microseconds of CPU per task by thread name (at least 1), largest
+    first: which of a process's threads (Python's own, librdkafka's ``rdk:``, RocksDB's
+    ``rocksdb:``, a JVM's) spends it."""
+    found: dict[str, dict[str, float]] = {}
+    for label, (pid, threads) in after.items():
+        pid_before, earlier = before.get(label, (pid, {}))
+        if pid_before != pid:
+            earlier = {}
+        spent = {
+            name: round((seconds - earlier.get(name, 0.0)) * 1e6 / tasks, 1)
+            for name, seconds in threads.items()
+        }
+        found[label] = {
+            name: us for name, us in sorted(spent.items(), key=lambda item: -item[1]) if us >= 1
+        }
+    return found
 
 
 # --- sampling ------------------------------------------------------------------------------
@@ -307,17 +332,13 @@ def summarise_raw(text: str) -> Figures:
 def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSettings) -> Figures:
     if settings.warmup_tasks:
         _run_tasks(platform, console, "warm-up", settings.warmup_tasks)
-    broker = _broker_pid(platform)
-    threads_before = _thread_seconds(broker) if broker is not None else {}
+    threads_before = _all_thread_seconds(platform)
     before = _cpu_seconds(platform)
     wall = _run_tasks(platform, console, "accounting", settings.tasks)
     after = _cpu_seconds(platform)
-    threads_after = _thread_seconds(broker) if broker is not None else {}
+    threads_after = _all_thread_seconds(platform)
     per_task = _per_task(before, after, settings.tasks)
-    broker_threads = {
-        name: round((seconds - threads_before.get(name, 0.0)) * 1e6 / settings.tasks, 1)
-        for name, seconds in sorted(threads_after.items(), key=lambda item: -item[1])
-    }
+    threads = _threads_per_task(threads_before, threads_after, settings.tasks)
     total_us = sum(per_task.values())
     figures: Figures = {
         "bench": "profile",
@@ -328,11 +349,7 @@ def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSetti
         "cpu_us_per_task": {label: round(us, 1) for label, us in per_task.items()},
         "cpu_us_per_task_total": round(total_us, 1),
         "cap_tasks_per_s": round((os.cpu_count() or 1) * 1e6 / total_us) if total_us else None,
-        "broker_threads_us_per_task": {
-            name: us
-            for name, us in sorted(broker_threads.items(), key=lambda item: -item[1])
-            if us > 0
-        },
+        "threads_us_per_task": threads,
         "profiles": {},
     }
     if settings.py_spy:
@@ -367,12 +384,13 @@ def _print(console: Console, figures: Figures) -> None:
     console.print(
         f"the cores would allow at most {figures['cap_tasks_per_s']:,} tasks/s at this cost"
     )
-    threads = Table(title="the broker's CPU per task by thread (numbers in names as N)")
-    threads.add_column("thread")
-    threads.add_column("µs CPU / task", justify="right")
-    for name, us in figures["broker_threads_us_per_task"].items():
-        if us >= 1.0:
-            threads.add_row(name, f"{us:,.1f}")
+    threads = Table(title="CPU per task by thread name (numbers in names as N), top 4")
+    threads.add_column("process")
+    threads.add_column("threads: µs CPU / task")
+    for label, by_thread in figures["threads_us_per_task"].items():
+        top = list(by_thread.items())[:4]
+        if top:
+            threads.add_row(label, ", ".join(f"{name} {us:,.0f}" for name, us in top))
     console.print(threads)
     for label, profile in figures["profiles"].items():
         if not profile["samples"]:
