@@ -8,7 +8,11 @@ instead, with memory bounded by its settings, not by the number of tasks:
 - a write buffer (memtable) of ``write_buffer_bytes``, at most two of them;
 - a block cache of ``block_cache_bytes`` (index and filter blocks included);
 - a small LRU of decoded states (``cache_entries``) for the tasks asked about most
-  recently.
+  recently;
+- for the ``recent_entries`` tasks written most recently, what the writer last wrote of
+  each (its group entry and summary, ~0.3 kB): a task's states come seconds apart, and
+  its second and later states are then written without reading the table first (those
+  reads were most of a write's cost: ``./fx bench profile``).
 
 Beside the states it keeps each task group's members per user, in the order first
 seen (for paged listings), and each task's group entry (to move it when a later state
@@ -68,6 +72,7 @@ __all__ = [
     "DEFAULT_BLOCK_CACHE_BYTES",
     "DEFAULT_CACHE_ENTRIES",
     "DEFAULT_MAX_SCAN",
+    "DEFAULT_RECENT_ENTRIES",
     "DEFAULT_WRITE_BUFFER_BYTES",
     "TABLE_DIR_PREFIX",
     "QueryPage",
@@ -79,6 +84,7 @@ __all__ = [
 DEFAULT_WRITE_BUFFER_BYTES: Final = 4 * 1024 * 1024
 DEFAULT_BLOCK_CACHE_BYTES: Final = 8 * 1024 * 1024
 DEFAULT_CACHE_ENTRIES: Final = 2_000
+DEFAULT_RECENT_ENTRIES: Final = 4_096
 TABLE_DIR_PREFIX: Final = "fxstream-task-state-"
 
 _STATE: Final = b"s\x00"
@@ -240,10 +246,12 @@ class TaskStateTable:
         block_cache_bytes: int = DEFAULT_BLOCK_CACHE_BYTES,
         cache_entries: int = DEFAULT_CACHE_ENTRIES,
         indexed: bool = False,
+        recent_entries: int = DEFAULT_RECENT_ENTRIES,
     ) -> None:
-        """``indexed``: also keep what :meth:`query` needs (see the module)."""
-        if cache_entries < 0:
-            raise ValueError("cache_entries must not be negative")
+        """``indexed``: also keep what :meth:`query` needs (see the module);
+        ``recent_entries``: tasks whose last write is remembered (see the module)."""
+        if cache_entries < 0 or recent_entries < 0:
+            raise ValueError("cache_entries and recent_entries must not be negative")
         if directory is None:
             parent = Path(tempfile.gettempdir())
             _sweep_orphans(parent)
@@ -269,6 +277,11 @@ class TaskStateTable:
         self._db.set_write_options(unlogged)
         self._cache: OrderedDict[str, TaskState] = OrderedDict()
         self._cache_entries = cache_entries
+        # What the writer last wrote for the most recently written tasks (group entry,
+        # summary): a task's next state, seconds later, needs no read of the table.
+        # Written and read by the writer thread only.
+        self._recent: OrderedDict[bytes, tuple[bytes | None, _Summary | None]] = OrderedDict()
+        self._recent_entries = recent_entries
         self._lock = threading.Lock()
         self._sequence = 0
         self._closed = False
@@ -284,7 +297,8 @@ class TaskStateTable:
         task_id = key.encode()
         batch = WriteBatch(raw_mode=True)
         batch.put(_STATE + task_id, encoded)
-        old_group = self._db.get(_MEMBER + task_id)
+        known = self._recent.pop(task_id, None)
+        old_group = known[0] if known is not None else self._db.get(_MEMBER + task_id)
         new_group = None
         if state.task_group_id is not None:
             new_group = _GROUP + state.task_group_id.encode() + _SEP + state.user_id.encode()
@@ -296,20 +310,25 @@ class TaskStateTable:
             old_group = None
         if new_group is not None and old_group is None:
             self._sequence += 1
-            member = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
-            batch.put(member, task_id)
-            batch.put(_MEMBER + task_id, member)
+            old_group = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
+            batch.put(old_group, task_id)
+            batch.put(_MEMBER + task_id, old_group)
         if state.state == TaskStateName.ROUTED:
             # Only the router writes "routed", in the transaction of the dispatch itself; a
             # later state's function and endpoint come from the agent's result and are not
             # evidence of routing.
             batch.put(_routed_key(state.endpoint_id, state.function_id), b"")
+        summary = None
         if self.indexed:
-            self._index(batch, task_id, state)
+            old = known[1] if known is not None else self._summary(task_id)
+            summary = self._index(batch, task_id, state, old)
         with self._lock:
             if not self._closed:
                 self._db.write(batch)
             self._cache.pop(key, None)
+        self._recent[task_id] = (old_group, summary)
+        if len(self._recent) > self._recent_entries:
+            self._recent.popitem(last=False)
 
     def delete(self, task_id: str) -> None:
         """Forget a task (its tombstone)."""
@@ -318,11 +337,14 @@ class TaskStateTable:
         key = task_id.encode()
         batch = WriteBatch(raw_mode=True)
         batch.delete(_STATE + key)
-        group = self._db.get(_MEMBER + key)
+        known = self._recent.pop(key, None)
+        group = known[0] if known is not None else self._db.get(_MEMBER + key)
         if group is not None:
             batch.delete(group)
             batch.delete(_MEMBER + key)
-        summary = self._summary(key) if self.indexed else None
+        summary = None
+        if self.indexed:
+            summary = known[1] if known is not None else self._summary(key)
         if summary is not None:
             for index_key in _index_keys(summary, key):
                 batch.delete(index_key)
@@ -336,9 +358,11 @@ class TaskStateTable:
         raw = self._db.get(_SUMMARY + task_id)
         return None if raw is None else _summary_decoder.decode(raw)
 
-    def _index(self, batch: WriteBatch, task_id: bytes, state: TaskState) -> None:
-        """Add to ``batch`` the task's new summary, and its index entries if they move."""
-        old = self._summary(task_id)
+    def _index(
+        self, batch: WriteBatch, task_id: bytes, state: TaskState, old: _Summary | None
+    ) -> _Summary:
+        """Add to ``batch`` the task's new summary (``old``: its previous one), and its
+        index entries if they move; return the new summary."""
         submitted = state.timings.submitted_at
         if submitted is not None:
             at = _micros(submitted)
@@ -360,6 +384,7 @@ class TaskStateTable:
             for key in _index_keys(summary, task_id):
                 batch.put(key, b"")
         batch.put(_SUMMARY + task_id, _summary_encoder.encode(summary))
+        return summary
 
     # --- reading -------------------------------------------------------------------------
 
