@@ -685,7 +685,8 @@ def _print_tables(console: Console, figures: Figures) -> None:
         values = [
             figures[key].get(label) for key in ("fxstream_ms", "dask_ms", "htex_ms", "ray_ms")
         ]
-        cells = ["-" if value is None else f"{value:,}" for value in values]
+        # One decimal: a 1 GB round trip's ms still fit the console beside four systems.
+        cells = ["-" if value is None else f"{value:,.1f}" for value in values]
         ratio = _ratio(values[0], values[1])
         table.add_row(
             label, str(figures["repeats"][label]), *cells, "-" if ratio is None else str(ratio)
