@@ -1,10 +1,11 @@
 """``fxstream bench payload`` runs end to end on tiny sizes and ends with valid JSON.
 
 The smoke run starts its own private platform (broker, Redis, service, local endpoint),
-a Dask LocalCluster and Parsl's HTEX, as the full bench does, with two sizes (one
-inline, one by reference), one repeat each, one warm-up trip of each kind and a
-two-size threshold sweep, so CI checks the whole bench; its time is mostly the starts
-(platform, the endpoint restarted twice by the sweep, Dask's cluster, Parsl's pool).
+a Dask LocalCluster, Parsl's HTEX and a local Ray runtime, as the full bench does, with
+two sizes (one inline, one by reference), one repeat each, one warm-up trip of each kind
+and a two-size threshold sweep, so CI checks the whole bench; its time is mostly the
+starts (platform, the endpoint restarted twice by the sweep, Dask's cluster, Parsl's
+pool, Ray's runtime).
 """
 
 from __future__ import annotations
@@ -94,12 +95,13 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     assert figures["bench"] == "payload"
     assert figures["failures"] == {}
     assert figures["warmup_trips"] == {"1kB": 1, "1MB": 1}
-    for system in ("fxstream_ms", "dask_ms", "htex_ms"):
+    for system in ("fxstream_ms", "dask_ms", "htex_ms", "ray_ms"):
         assert set(figures[system]) == {"10kB", "1MB"}
         assert all(ms > 0 for ms in figures[system].values()), (system, figures[system])
     assert figures["ratio_10MB_vs_dask"] is None  # 10MB was not measured
     assert figures["agent_peak_rss_mb"] > 0
     assert figures["worker_peak_rss_mb"] > 0
+    assert figures["ray_process_peak_rss_mb"] > 0
     assert set(figures["sweep_faster"]) == {"32kB", "256kB"}
     assert set(figures["sweep_faster"].values()) <= {"inline", "reference"}
     assert figures["suggested_threshold_bytes"] in (32_000, 256_000)

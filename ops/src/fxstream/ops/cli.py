@@ -447,6 +447,12 @@ _PlainOption = Annotated[
 ]
 
 
+# The task-path benches' switch to leave Ray out.
+_SkipRayOption = Annotated[
+    bool, typer.Option("--skip-ray", help="Leave Ray (a local runtime of 2 CPUs) out.")
+]
+
+
 @bench_app.command("throughput")
 def bench_throughput(
     tasks: Annotated[int, typer.Option(min=1, help="No-op tasks timed per system.")] = 20_000,
@@ -454,12 +460,33 @@ def bench_throughput(
         bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
     ] = False,
     plain: _PlainOption = True,
+    skip_ray: _SkipRayOption = False,
+    curve_tasks: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="No-op tasks timed per point of the scale curve (1, 2, 4 agents of 2 "
+            "workers; 1 agent of 4 and of 8 workers).",
+        ),
+    ] = 5_000,
+    skip_curve: Annotated[
+        bool, typer.Option("--skip-curve", help="Leave the scale curve out.")
+    ] = False,
 ) -> None:
-    """No-op tasks/s: fxstream submit and map vs ProcessPoolExecutor(2) and Parsl HTEX."""
+    """No-op tasks/s: fxstream submit and map vs ProcessPoolExecutor(2), Parsl HTEX and Ray;
+    fxstream's rate with 1, 2, 4 agents and 2, 4, 8 workers."""
     from fxstream.ops.bench.throughput import run_throughput_bench
 
     try:
-        run_throughput_bench(console=console, tasks=tasks, skip_parsl=skip_parsl, plain=plain)
+        run_throughput_bench(
+            console=console,
+            tasks=tasks,
+            skip_parsl=skip_parsl,
+            plain=plain,
+            skip_ray=skip_ray,
+            curve_tasks=curve_tasks,
+            skip_curve=skip_curve,
+        )
     except _task_bench_errors() as exc:
         err.print(f"[red]bench throughput failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -474,12 +501,19 @@ def bench_latency(
         bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out (a quicker run).")
     ] = False,
     plain: _PlainOption = True,
+    skip_ray: _SkipRayOption = False,
 ) -> None:
-    """Round trip of one warm no-op task (p50/p95/p99, hop by hop) vs Parsl HTEX."""
+    """Round trip of one warm no-op task (p50/p95/p99, hop by hop) vs Parsl HTEX and Ray."""
     from fxstream.ops.bench.latency import run_latency_bench
 
     try:
-        run_latency_bench(console=console, samples=samples, skip_parsl=skip_parsl, plain=plain)
+        run_latency_bench(
+            console=console,
+            samples=samples,
+            skip_parsl=skip_parsl,
+            plain=plain,
+            skip_ray=skip_ray,
+        )
     except _task_bench_errors() as exc:
         err.print(f"[red]bench latency failed:[/red] {exc}")
         raise typer.Exit(1) from exc
@@ -535,6 +569,7 @@ def bench_payload(
         bool, typer.Option("--skip-dask", help="Leave Dask distributed out.")
     ] = False,
     skip_parsl: Annotated[bool, typer.Option("--skip-parsl", help="Leave Parsl HTEX out.")] = False,
+    skip_ray: _SkipRayOption = False,
     store_url: Annotated[
         str | None,
         typer.Option(help="Proxy store of client and endpoint [default: the platform's Redis]."),
@@ -546,7 +581,7 @@ def bench_payload(
         int, typer.Option(min=0, help="Untimed 1 MB round trips per system after those.")
     ] = 3,
 ) -> None:
-    """Round trip of bytes 10 kB..1 GB: fxstream (by reference via Redis) vs Dask, Parsl HTEX."""
+    """Round trip of bytes 10 kB..1 GB: fxstream (by reference via Redis) vs Dask, HTEX, Ray."""
     from fxstream.ops.bench.payload import PayloadSettings, run_payload_bench
 
     settings = PayloadSettings(
@@ -555,6 +590,7 @@ def bench_payload(
         time_limit_s=time_limit,
         skip_dask=skip_dask,
         skip_parsl=skip_parsl,
+        skip_ray=skip_ray,
         sweep_sizes=_labels(sweep_sizes),
         sweep_repeats=sweep_repeats,
         store_url=store_url,

@@ -1,4 +1,4 @@
-"""The round trip of one warm no-op task, hop by hop, beside Parsl's HTEX.
+"""The round trip of one warm no-op task, hop by hop, beside Parsl's HTEX and Ray.
 
 One task in flight at a time: submit, wait for the result, repeat, ``samples`` times
 after an untimed warm-up (the function registered and loaded in the workers, every
@@ -30,7 +30,11 @@ the same on an insecure (PLAINTEXT) platform, and ``secure_vs_plain`` gives each
 figure (the hops too) on both and their ratio: what security costs.
 
 Parsl's HTEX (2 workers, one local block on the loopback) runs the same no-op as a
-python_app, sequentially, after the fxstream platform has been stopped.
+python_app, sequentially, after the fxstream platform has been stopped (skipped with
+``skip_parsl``). Then Ray (a local runtime of 2 CPUs,
+:func:`~fxstream.ops.bench.stack.ray_local`) runs it as a remote task, one
+``ray.get(f.remote(i))`` at a time (skipped with ``skip_ray``). Both get the same
+warm-up and the same number of samples as fxstream, timed the same way.
 """
 
 from __future__ import annotations
@@ -44,13 +48,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from fxstream.ops.bench.stack import (
+    IDLE_TIMEOUT_S,
     WORKERS,
     BenchError,
     Meter,
@@ -60,6 +65,7 @@ from fxstream.ops.bench.stack import (
     percentile,
     print_secure_vs_plain,
     progress,
+    ray_local,
     result_of,
     secure_and_plain,
 )
@@ -177,6 +183,30 @@ def _htex(console: Console, count: int) -> Figures:
     return _summary("htex", samples.trips)
 
 
+def _ray(console: Console, count: int) -> Figures:
+    """Ray's remote tasks on a local runtime of ``WORKERS`` CPUs, shut down afterwards."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    with ray_local(), progress(console) as display:
+        # noop's argument is optional: typed as taking one, Ray's stubs allow passing it.
+        remote_noop = ray.remote(cast("Callable[[int], None]", noop))
+
+        def trip(i: int, samples: _Samples | None) -> None:
+            start = time.perf_counter()
+            try:
+                ray.get(remote_noop.remote(i), timeout=IDLE_TIMEOUT_S)
+            except GetTimeoutError as exc:
+                raise BenchError(
+                    f"Ray round trip: no result in {IDLE_TIMEOUT_S:.0f} s: the task was lost"
+                ) from exc
+            if samples is not None:
+                samples.trips.append((time.perf_counter() - start) * 1e3)
+
+        samples = _sequential(display, "Ray", trip, count)
+    return _summary("ray", samples.trips)
+
+
 # --- report --------------------------------------------------------------------------------
 
 
@@ -188,7 +218,12 @@ def _print_tables(console: Console, figures: Figures) -> None:
     )
     for column in ("system", "p50 ms", "p95 ms", "p99 ms", "mean ms"):
         table.add_column(column, justify="left" if column == "system" else "right")
-    for label, prefix in (("fxstream", "fxstream"), ("Parsl HTEX (2 workers)", "htex")):
+    systems = (
+        ("fxstream", "fxstream"),
+        ("Parsl HTEX (2 workers)", "htex"),
+        ("Ray (2 CPUs, remote task)", "ray"),
+    )
+    for label, prefix in systems:
         values = [figures.get(f"{prefix}_{stat}_ms") for stat in ("p50", "p95", "p99", "mean")]
         table.add_row(label, *("skipped" if v is None else str(v) for v in values))
     console.print(table)
@@ -202,7 +237,7 @@ def _print_tables(console: Console, figures: Figures) -> None:
     console.print(hops)
 
 
-def _settings(samples: int, skip_parsl: bool) -> Figures:
+def _settings(samples: int, skip_parsl: bool, skip_ray: bool) -> Figures:
     """What was measured, and how, for the report."""
     return {
         "bench": "latency",
@@ -217,13 +252,24 @@ def _settings(samples: int, skip_parsl: bool) -> Figures:
         "htex_p95_ms": None,
         "htex_p99_ms": None,
         "htex_mean_ms": None,
+        "ray": "skipped" if skip_ray else f"local ray.init(num_cpus={WORKERS})",
+        "ray_p50_ms": None,
+        "ray_p95_ms": None,
+        "ray_p99_ms": None,
+        "ray_mean_ms": None,
     }
 
 
 def run_latency_bench(
-    *, console: Console, samples: int, skip_parsl: bool, plain: bool = True
+    *,
+    console: Console,
+    samples: int,
+    skip_parsl: bool,
+    plain: bool = True,
+    skip_ray: bool = False,
 ) -> Figures:
-    """Time ``samples`` sequential round trips on fxstream and (unless skipped) Parsl HTEX.
+    """Time ``samples`` sequential round trips on fxstream and (unless skipped) Parsl HTEX
+    and Ray.
 
     fxstream runs on the secure platform and, if ``plain``, also on an insecure one
     (``secure_vs_plain``).
@@ -234,12 +280,14 @@ def run_latency_bench(
     if samples < 1:
         raise ValueError("samples must be at least 1")
     started = time.perf_counter()
-    figures = _settings(samples, skip_parsl)
+    figures = _settings(samples, skip_parsl, skip_ray)
     figures |= secure_and_plain(
         console, lambda display, platform: _fxstream_on(display, platform, samples), plain=plain
     )
     if not skip_parsl:
         figures |= _htex(console, samples)
+    if not skip_ray:
+        figures |= _ray(console, samples)
     figures["wall_s"] = round(time.perf_counter() - started, 1)
     _print_tables(console, figures)
     print_secure_vs_plain(console, figures)

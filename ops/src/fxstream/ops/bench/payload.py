@@ -17,6 +17,14 @@ length and bytes) is not timed.
    the task graph through the scheduler (what Dask warns about above a few MB).
 3. Parsl's HighThroughputExecutor: 2 workers in one local block on the loopback, the
    same ``echo`` as a python_app.
+4. Ray: a local runtime of 2 CPUs (:func:`~fxstream.ops.bench.stack.ray_local`, an
+   object store of 4 GiB), ``ray.get(echo.remote(data))``: Ray puts an argument above
+   its inline limit (``max_direct_call_object_size``, 100 KiB by default) in its
+   shared-memory object store, and the worker's result too; ``ray.get`` copies it back
+   into this process.
+
+Dask, HTEX and Ray each get the same warm-up; a thread samples the resident set of
+every process the bench started for them (the largest one's peak is reported).
 
 The systems run one after the other, each stopped before the next starts, and the
 data of one size is freed before the next size. Each size has a time limit: a size
@@ -65,6 +73,7 @@ from fxstream.ops.bench.stack import (
     parsl_htex,
     private_platform,
     progress,
+    ray_local,
     sigterm_as_exit,
 )
 from fxstream.ops.platform import Platform
@@ -147,6 +156,7 @@ class PayloadSettings:
         time_limit_s: The longest one size may take on one system.
         skip_dask: Leave Dask distributed out.
         skip_parsl: Leave Parsl HTEX out.
+        skip_ray: Leave Ray out.
         sweep_sizes: Size labels of the threshold sweep; empty skips it.
         sweep_repeats: Round trips per size and mode in the sweep.
         store_url: The proxy store of the client and the endpoint; None: the private
@@ -160,6 +170,7 @@ class PayloadSettings:
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
     skip_dask: bool = False
     skip_parsl: bool = False
+    skip_ray: bool = False
     sweep_sizes: tuple[str, ...] = DEFAULT_SWEEP_SIZES
     sweep_repeats: int = DEFAULT_SWEEP_REPEATS
     store_url: str | None = None
@@ -626,6 +637,33 @@ def _htex(console: Console, settings: PayloadSettings) -> Figures:
     }
 
 
+def _ray(console: Console, settings: PayloadSettings) -> Figures:
+    """Ray's remote tasks on a local runtime of ``WORKERS`` CPUs, shut down afterwards."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    with ray_local(), progress(console) as display:
+        remote_echo = ray.remote(echo)
+        sampler = RssSampler({"processes": _descendants})
+
+        def trip(data: bytes, timeout_s: float) -> Any:
+            ref = remote_echo.remote(data)
+            try:
+                return ray.get(ref, timeout=timeout_s)
+            except GetTimeoutError:
+                ray.cancel(ref, force=True)
+                raise
+
+        with sampler:
+            run = _run_sizes(display, "Ray", trip, settings, sampler)
+    return {
+        "ray_ms": run.medians_ms,
+        "ray_trips_ms": run.trips_ms,
+        "ray_process_peak_rss_mb": sampler.peak_mb("processes"),
+        "failures": {f"ray {label}": why for label, why in run.failures.items()},
+    }
+
+
 # --- report --------------------------------------------------------------------------------
 
 
@@ -640,11 +678,15 @@ def _print_tables(console: Console, figures: Figures) -> None:
         title="round trip of one echo task, bytes argument and result, median ms "
         f"({figures['workers']} workers each, {figures['cpu_count']} cores)"
     )
-    for column in ("size", "repeats", "fxstream", "Dask", "Parsl HTEX", "fxstream / Dask"):
+    columns = ("size", "repeats", "fxstream", "Dask", "Parsl HTEX", "Ray", "fxstream / Dask")
+    for column in columns:
         table.add_column(column, justify="left" if column == "size" else "right")
     for label in figures["sizes"]:
-        values = [figures[key].get(label) for key in ("fxstream_ms", "dask_ms", "htex_ms")]
-        cells = ["-" if value is None else f"{value:,}" for value in values]
+        values = [
+            figures[key].get(label) for key in ("fxstream_ms", "dask_ms", "htex_ms", "ray_ms")
+        ]
+        # One decimal: a 1 GB round trip's ms still fit the console beside four systems.
+        cells = ["-" if value is None else f"{value:,.1f}" for value in values]
         ratio = _ratio(values[0], values[1])
         table.add_row(
             label, str(figures["repeats"][label]), *cells, "-" if ratio is None else str(ratio)
@@ -652,7 +694,10 @@ def _print_tables(console: Console, figures: Figures) -> None:
     console.print(table)
     console.print(
         f"agent peak RSS {figures['agent_peak_rss_mb']} MB, worker peak "
-        f"{figures['worker_peak_rss_mb']} MB, Redis peak {figures['redis_peak_rss_mb']} MB"
+        f"{figures['worker_peak_rss_mb']} MB, Redis peak {figures['redis_peak_rss_mb']} MB; "
+        f"largest process of Dask {figures.get('dask_worker_peak_rss_mb')} MB, "
+        f"of HTEX {figures.get('htex_process_peak_rss_mb')} MB, "
+        f"of Ray {figures.get('ray_process_peak_rss_mb')} MB"
     )
     if figures.get("sweep_inline_ms"):
         sweep = Table(title="fxstream around the proxy threshold: median ms")
@@ -695,8 +740,10 @@ def _settings_figures(settings: PayloadSettings) -> Figures:
         "fxstream_ms": dict(nothing),
         "dask_ms": dict(nothing),
         "htex_ms": dict(nothing),
+        "ray_ms": dict(nothing),
         "dask": "skipped" if settings.skip_dask else "LocalCluster(processes=True)",
         "parsl": "skipped" if settings.skip_parsl else "htex",
+        "ray": "skipped" if settings.skip_ray else f"local ray.init(num_cpus={WORKERS})",
         "sweep_sizes": list(settings.sweep_sizes),
         "store": (
             "platform redis (AOF)" if settings.store_url is None else redact_url(settings.store_url)
@@ -705,7 +752,7 @@ def _settings_figures(settings: PayloadSettings) -> Figures:
 
 
 def run_payload_bench(*, console: Console, settings: PayloadSettings) -> Figures:
-    """Time round trips of each size on fxstream, Dask and Parsl HTEX (unless skipped).
+    """Time round trips of each size on fxstream, Dask, Parsl HTEX and Ray (unless skipped).
 
     Prints the tables and, as the last line of stdout, the figures as one JSON object,
     which is also returned. Every process started here is stopped before it returns.
@@ -717,6 +764,7 @@ def run_payload_bench(*, console: Console, settings: PayloadSettings) -> Figures
     systems = [_fxstream]
     systems += [] if settings.skip_dask else [_dask]
     systems += [] if settings.skip_parsl else [_htex]
+    systems += [] if settings.skip_ray else [_ray]
     for system in systems:
         measured = system(console, settings)
         failures |= measured.pop("failures")

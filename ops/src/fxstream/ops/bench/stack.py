@@ -10,19 +10,25 @@
 - :func:`parsl_htex` loads a Parsl config with one HighThroughputExecutor (a local
   provider, one block of ``workers`` workers, loopback address, run directory in a given
   temp dir) and cleans it up at the end.
+- :func:`ray_local` starts a local Ray runtime (``ray.init``: ``workers`` CPUs, no
+  dashboard, an object store of :data:`RAY_OBJECT_STORE_BYTES`, its session files in a
+  temp dir) and shuts it down at the end; :func:`ray_wait_all` waits for Ray tasks as
+  :func:`wait_all` waits for futures.
 - :func:`noop` is the task every system runs.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 import signal
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future, as_completed
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -48,11 +54,13 @@ from fxstream.ops.private import (
 )
 from fxstream.sdk import Executor
 
-if TYPE_CHECKING:  # parsl is imported only by the benches that run it (it is slow to import)
+if TYPE_CHECKING:  # parsl and ray are imported only by the benches that run them (slow)
     from parsl.config import Config
+    from ray import ObjectRef
 
 __all__ = [
     "IDLE_TIMEOUT_S",
+    "RAY_OBJECT_STORE_BYTES",
     "WORKERS",
     "BenchError",
     "Meter",
@@ -64,6 +72,8 @@ __all__ = [
     "private_platform",
     "progress",
     "rate",
+    "ray_local",
+    "ray_wait_all",
     "result_of",
     "secure_and_plain",
     "secure_vs_plain",
@@ -79,6 +89,10 @@ WORKERS = 2
 IDLE_TIMEOUT_S = 60.0
 # How often a wait for one result looks at how many others arrived meanwhile.
 _CHECK_S = 5.0
+# Ray's shared-memory object store, set explicitly: by default Ray takes 30 % of the free
+# memory, capped by /dev/shm's size (often 64 MB in a container, where it falls back to
+# /tmp). 4 GiB holds the payload bench's 1 GB argument and its 1 GB result at once.
+RAY_OBJECT_STORE_BYTES = 4 * 1024**3
 
 
 class BenchError(RuntimeError):
@@ -320,6 +334,76 @@ def parsl_htex(
             parsl.clear()
 
 
+# --- Ray ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def ray_local(workers: int = WORKERS) -> Iterator[None]:
+    """A local Ray runtime for the block: ``ray.init`` with ``workers`` CPUs (so at most
+    ``workers`` tasks run at once, in as many worker processes), no dashboard, an object
+    store of :data:`RAY_OBJECT_STORE_BYTES`, its session directory (logs, sockets) in a
+    temporary directory; ``ray.shutdown()`` after it stops every process Ray started.
+
+    Ray's usage statistics are off for the block; its own logs stay in its session
+    directory (nothing is forwarded to this console).
+    """
+    import ray
+
+    previous_stats = os.environ.get("RAY_USAGE_STATS_ENABLED")
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    with (
+        sigterm_as_exit(),
+        tempfile.TemporaryDirectory(
+            prefix="fxstream-bench-ray-", ignore_cleanup_errors=True
+        ) as temp_dir,
+    ):
+        try:
+            ray.init(
+                num_cpus=workers,
+                include_dashboard=False,
+                object_store_memory=RAY_OBJECT_STORE_BYTES,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+                _temp_dir=temp_dir,
+            )
+            yield
+        finally:
+            ray.shutdown()
+            if previous_stats is None:
+                os.environ.pop("RAY_USAGE_STATS_ENABLED", None)
+            else:
+                os.environ["RAY_USAGE_STATS_ENABLED"] = previous_stats
+
+
+def ray_wait_all(refs: Sequence[ObjectRef[Any]], meter: Meter) -> None:
+    """Wait for every Ray task of ``refs``, counting them on ``meter`` as they finish (in
+    any order), then get every result (which re-raises a task's own exception).
+
+    Raises :class:`BenchError` when no task at all finishes for :data:`IDLE_TIMEOUT_S`.
+    """
+    import ray
+
+    pending = list(refs)
+    # Each ray.wait looks at every pending ref: wake for about 20 progress updates.
+    step = max(1, len(refs) // 20)
+    since = time.monotonic()
+    while pending:
+        ready, pending = ray.wait(
+            pending, num_returns=min(step, len(pending)), timeout=_CHECK_S, fetch_local=False
+        )
+        now = time.monotonic()
+        if ready:
+            since = now
+            meter.count(len(refs) - len(pending))
+        elif now - since > IDLE_TIMEOUT_S:
+            raise BenchError(
+                f"{len(pending):,} of {len(refs):,} Ray tasks have no result, and none "
+                f"arrived in the last {IDLE_TIMEOUT_S:.0f} s"
+            )
+    ray.get(list(refs))
+    meter.finish(len(refs))
+
+
 def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:
     """Wait for every future's result, counting them on ``meter`` as they finish (in any
     order: a task that waits behind others must not hide the progress of the rest).
@@ -329,11 +413,17 @@ def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:
     """
     idle = _IdleWatch(futures)
     pending = set(futures)
+    # as_completed installs one waiter on the futures and hands them back as they finish:
+    # O(n) for the whole wait. (A loop of wait(FIRST_COMPLETED) walks every pending future
+    # on each call, O(n^2): at 20,000 tasks it capped ProcessPoolExecutor near 250-2,900/s
+    # and held every system the throughput bench timed below its rate.) Its timeout is
+    # for the whole iteration: every _CHECK_S it starts again on what is left.
     while pending:
-        finished, pending = wait(pending, timeout=_CHECK_S, return_when=FIRST_COMPLETED)
-        if finished:
-            meter.count(len(futures) - len(pending))
-        else:
+        try:
+            for future in as_completed(pending, timeout=_CHECK_S):
+                pending.discard(future)
+                meter.count(len(futures) - len(pending))
+        except TimeoutError:
             idle.check()
     for future in futures:
         future.result()
