@@ -298,21 +298,19 @@ class TaskStateTable:
         batch = WriteBatch(raw_mode=True)
         batch.put(_STATE + task_id, encoded)
         known = self._recent.pop(task_id, None)
-        old_group = known[0] if known is not None else self._db.get(_MEMBER + task_id)
+        member = known[0] if known is not None else self._db.get(_MEMBER + task_id)
         new_group = None
         if state.task_group_id is not None:
             new_group = _GROUP + state.task_group_id.encode() + _SEP + state.user_id.encode()
-        if old_group is not None and (
-            new_group is None or not old_group.startswith(new_group + _SEP)
-        ):
-            batch.delete(old_group)
+        if member is not None and (new_group is None or not member.startswith(new_group + _SEP)):
+            batch.delete(member)
             batch.delete(_MEMBER + task_id)
-            old_group = None
-        if new_group is not None and old_group is None:
+            member = None
+        if new_group is not None and member is None:
             self._sequence += 1
-            old_group = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
-            batch.put(old_group, task_id)
-            batch.put(_MEMBER + task_id, old_group)
+            member = new_group + _SEP + self._sequence.to_bytes(_SEQUENCE_BYTES, "big")
+            batch.put(member, task_id)
+            batch.put(_MEMBER + task_id, member)
         if state.state == TaskStateName.ROUTED:
             # Only the router writes "routed", in the transaction of the dispatch itself; a
             # later state's function and endpoint come from the agent's result and are not
@@ -326,7 +324,7 @@ class TaskStateTable:
             if not self._closed:
                 self._db.write(batch)
             self._cache.pop(key, None)
-        self._recent[task_id] = (old_group, summary)
+        self._recent[task_id] = (member, summary)
         if len(self._recent) > self._recent_entries:
             self._recent.popitem(last=False)
 
