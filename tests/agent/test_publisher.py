@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -365,3 +366,90 @@ def test_answers_past_an_unanswered_record_are_named_in_the_committed_offsets_me
     successor = OffsetTracker()
     successor.resume(partition, committed.offset, committed.metadata)
     assert [successor.track(partition, o) for o in offsets] == [True] + [False] * len(answered)
+
+
+@pytest.mark.parametrize("when", ["before its transaction", "while it produces"])
+def test_a_partition_lost_mid_batch_never_commits_an_answer_without_its_offset(
+    kafka: KafkaConnection, topics: tuple[str, str], group_consumer: Consumer, when: str
+) -> None:
+    """The lease-fault duplicate, at the publisher: a zombie wakes with answers in hand and
+    its poll thread notices the lost session (new epoch, the partitions' offsets forgotten)
+    just as the publisher begins their transaction. The answers must then either be dropped
+    (the epoch moved before the offsets were sent) or commit with their offsets, sent with
+    the group metadata the broker checks: never an answer committed with no offset (the
+    tracker no longer knew the partition, so nothing asked the broker), which the
+    partition's new owner answers again."""
+    queue, out = topics
+    _fill(kafka, queue, 4)
+    taken = _take(group_consumer, 4)
+    rebalancing = threading.Lock()
+    epoch = [0]
+    lost = threading.Event()
+
+    def lose() -> None:  # what Intake.lost does on the poll thread
+        with rebalancing:
+            epoch[0] += 1
+            tracker.forget_partitions({0, 1})
+        lost.set()
+
+    def lose_now() -> None:
+        if not lost.is_set() and not getattr(lose_now, "fired", False):
+            lose_now.fired = True  # type: ignore[attr-defined]
+            thread = threading.Thread(target=lose)
+            thread.start()
+            # Give the poll thread its chance: it waits only if the publisher holds the lock.
+            thread.join(0.5)
+
+    class LosingTracker(OffsetTracker):
+        def admit(self, partition: int, offset: int) -> bool:
+            if when == "while it produces":
+                lose_now()
+            return super().admit(partition, offset)
+
+    def current_epoch() -> int:
+        seen = epoch[0]
+        if when == "before its transaction":
+            lose_now()
+        return seen
+
+    tracker = LosingTracker()
+    metadata = group_consumer.consumer_group_metadata()
+    publisher = TransactionalPublisher(
+        {**kafka.confluent(), "log_level": 2},
+        transactional_id=f"t-{uuid.uuid4()}",
+        queue_topic=queue,
+        tracker=tracker,
+        group_metadata=lambda: metadata,
+        epoch=current_epoch,
+        rebalancing=rebalancing,
+    )
+    publisher.start()
+    try:
+        for message in taken:
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            tracker.track(partition, offset)
+            publisher.publish(
+                Answer(out, None, f"{partition}:{offset}".encode(), partition, offset)
+            )
+        assert publisher.flush(30)
+    finally:
+        publisher.close()
+    assert lost.wait(10), "the poll thread never got the lock back"
+    values = _committed_values(kafka, out)
+    committed = {
+        tp.partition: tp.offset
+        for tp in group_consumer.committed(
+            [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+        )
+    }
+    for value in values:
+        partition, offset = map(int, value.split(b":"))
+        assert committed[partition] > offset, (
+            f"the answer of {partition}:{offset} was committed without its offset "
+            f"(committed offsets {committed}): its partition's next owner runs it again"
+        )
+    if when == "before its transaction":
+        assert values == [] and publisher.dropped == 4, "answers of a lost epoch are dropped"
+    else:
+        assert len(values) == 4, "the offsets went with the metadata the broker accepted"

@@ -290,6 +290,7 @@ class Agent:
             on_committed=self._count_committed,
             epoch=lambda: self._held.epoch,
             on_refused=self._answers.quarantine,
+            rebalancing=intake.rebalancing,
         )
         self._engine, self._publisher, self._intake = engine, publisher, intake
         self._feed = EngineFeed(

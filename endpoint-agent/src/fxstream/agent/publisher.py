@@ -25,7 +25,15 @@ The transactional id is stable per agent (endpoint, host, name): a restarted
 agent's ``init_transactions`` fences its predecessor (a zombie can no longer
 commit) and aborts whatever transaction it left open. Offsets are sent with the
 consumer's group metadata, so a member that lost its partitions in a rebalance
-cannot commit for them either (KIP-447).
+cannot commit for them either (KIP-447). That check only holds if the answers, the
+offsets and the metadata belong to one assignment: the poll thread changes the
+assignment (a new epoch, the lost partitions' offsets forgotten, a new member's
+metadata) only under the ``rebalancing`` lock, which the publisher holds from
+checking its answers' epoch until the offsets are sent. Without it a zombie that
+woke could check its answers' epoch before the poll thread noticed the lost
+session, and send them with no offsets (the tracker had forgotten the partition,
+so nothing asked the broker) or with the metadata of the group it had rejoined
+since: results committed a second time.
 
 Quarantine: one answer Kafka refuses must not stop the others. An answer to a
 topic that does not exist is found before its transaction begins (a metadata
@@ -132,6 +140,10 @@ class Refusal:
     topic_missing: bool
 
 
+class _Rebalanced(Exception):
+    """The epoch moved since the batch was checked: nothing was sent, check it again."""
+
+
 class PublisherFenced(RuntimeError):
     """Another agent with this transactional id started: this one must stop."""
 
@@ -170,6 +182,12 @@ class TransactionalPublisher:
     Without this a zombie (a stopped agent that wakes after its lease expired)
     would retry its old transaction after rejoining the group and commit answers
     to tasks that were already answered by their new owner.
+
+    ``rebalancing`` is the lock the poll thread holds while it changes the
+    assignment (bumps the epoch and forgets partitions, or records new group
+    metadata). The publisher holds it from the epoch check to the sending of the
+    offsets, so a transaction's answers, offsets and metadata are of one
+    assignment, which the broker then validates; the commit itself runs without it.
     """
 
     def __init__(
@@ -183,6 +201,7 @@ class TransactionalPublisher:
         on_committed: Callable[[int], None] | None = None,
         epoch: Callable[[], int] = lambda: 0,
         on_refused: OnRefused | None = None,
+        rebalancing: threading.Lock | None = None,
     ) -> None:
         self._producer = Producer(
             {
@@ -208,6 +227,7 @@ class TransactionalPublisher:
         self._on_committed = on_committed
         self._epoch = epoch
         self._on_refused = on_refused
+        self._rebalancing = rebalancing if rebalancing is not None else threading.Lock()
         self._topics_seen: set[str] = set()
         self._answers: queue.SimpleQueue[Answer | None] = queue.SimpleQueue()
         # Answers the last transaction could not record yet (see OffsetTracker.admit).
@@ -370,6 +390,8 @@ class TransactionalPublisher:
                     1 for a in batch if a.topic is not None and a.settles and id(a) not in waiting
                 )
                 return written, deferred
+            except _Rebalanced:
+                continue  # the answers of lost partitions are dropped on the next turn
             except _Refused as refused:
                 self._abort()
                 found = refused.refused
@@ -529,13 +551,51 @@ class TransactionalPublisher:
 
     def _transaction(self, batch: list[Answer]) -> list[Answer]:
         """Commit the answers of ``batch`` the offset metadata has room for; returns the
-        rest. Raises :class:`_Refused` naming the answers Kafka refused (by index)."""
+        rest. Raises :class:`_Refused` naming the answers Kafka refused (by index), and
+        :class:`_Rebalanced` (nothing sent) if an answer's epoch is no longer current."""
         started = time.monotonic()
         producer = self._producer
-        if not any(self._tracker.admit(a.partition, a.offset) for a in batch):
-            return batch  # nothing can be recorded until an earlier record is answered
-        deferred: list[Answer] = []
         refused: dict[int, Refusal] = {}
+        try:
+            # The assignment cannot change from the epoch check until the offsets are sent
+            # (see the module notes); the broker then refuses them if it changed before.
+            with self._rebalancing:
+                epoch = self._epoch()
+                if any(answer.epoch != epoch for answer in batch):
+                    raise _Rebalanced
+                if not any(self._tracker.admit(a.partition, a.offset) for a in batch):
+                    return batch  # nothing can be recorded until an earlier record is answered
+                deferred = self._produce(batch, refused)
+                if refused:
+                    raise _Refused(refused, exact=True)
+                # Each position with the answered records past it, written with the answers.
+                commits = self._tracker.commits()
+                if commits:
+                    offsets = [
+                        TopicPartition(self._queue_topic, p, o, metadata=m)
+                        for p, (o, m) in commits.items()
+                    ]
+                    producer.send_offsets_to_transaction(
+                        offsets, self._group_metadata(), CALL_TIMEOUT_S
+                    )
+            self._commit_transaction(started)
+        except KafkaException:
+            producer.poll(0)  # serve the delivery reports that name the refused answers
+            if refused:
+                raise _Refused(refused, exact=False) from None
+            raise
+        took = time.monotonic() - started
+        if took > SLOW_TRANSACTION_S:
+            log.warning("a transaction of %d answers took %.1f s", len(batch), took)
+        if deferred:
+            log.debug("%d answers wait for earlier records to be answered", len(deferred))
+        return deferred
+
+    def _produce(self, batch: list[Answer], refused: dict[int, Refusal]) -> list[Answer]:
+        """Begin a transaction and produce the answers the offset metadata has room for,
+        marking their records done; returns the others. Answers refused before they were
+        sent, or in a delivery report, are added to ``refused`` by batch index."""
+        producer = self._producer
 
         def reported(index: int) -> Callable[[KafkaError | None, Message], None]:
             def on_delivery(error: KafkaError | None, _message: Message) -> None:
@@ -544,6 +604,7 @@ class TransactionalPublisher:
 
             return on_delivery
 
+        deferred: list[Answer] = []
         producer.begin_transaction()
         for index, answer in enumerate(batch):
             if not self._tracker.admit(answer.partition, answer.offset):
@@ -569,30 +630,6 @@ class TransactionalPublisher:
                 # Done once it is in this transaction: the offset commits with it or not at all.
                 self._tracker.done(answer.partition, answer.offset)
             producer.poll(0)
-        if refused:
-            raise _Refused(refused, exact=True)
-        try:
-            # Each position with the answered records past it, written with the answers.
-            commits = self._tracker.commits()
-            if commits:
-                offsets = [
-                    TopicPartition(self._queue_topic, p, o, metadata=m)
-                    for p, (o, m) in commits.items()
-                ]
-                producer.send_offsets_to_transaction(
-                    offsets, self._group_metadata(), CALL_TIMEOUT_S
-                )
-            self._commit_transaction(started)
-        except KafkaException:
-            producer.poll(0)  # serve the delivery reports that name the refused answers
-            if refused:
-                raise _Refused(refused, exact=False) from None
-            raise
-        took = time.monotonic() - started
-        if took > SLOW_TRANSACTION_S:
-            log.warning("a transaction of %d answers took %.1f s", len(batch), took)
-        if deferred:
-            log.debug("%d answers wait for earlier records to be answered", len(deferred))
         return deferred
 
 

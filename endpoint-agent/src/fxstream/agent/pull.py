@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
@@ -116,6 +117,10 @@ class Intake:
         self._paused = False
         self.group_metadata: object = None
         """The consumer's group metadata as of the last assignment (for the publisher)."""
+        self.rebalancing = threading.Lock()
+        """Held while the assignment changes (a new epoch and forgotten partitions, or new
+        group metadata): the publisher holds it from checking its answers' epoch until
+        their offsets are sent (see fxstream.agent.publisher)."""
         self.answered_before = 0
         """Records settled without running: a previous owner of their partition answered
         them."""
@@ -383,7 +388,9 @@ class Intake:
     def assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions were assigned (on the poll thread: the only one that may call the
         consumer): note the group metadata for the publisher, and resume them."""
-        self.group_metadata = consumer.consumer_group_metadata()
+        metadata = consumer.consumer_group_metadata()
+        with self.rebalancing:
+            self.group_metadata = metadata
         self._resume(consumer, partitions)
 
     def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
@@ -449,8 +456,9 @@ class Intake:
     def give_up(self, partitions: list[TopicPartition]) -> None:
         """Hand back the waiting tasks of revoked or lost partitions, in a new epoch."""
         gone = {p.partition for p in partitions}
-        self._held.give_up(gone)
-        self._tracker.forget_partitions(gone)
+        with self.rebalancing:
+            self._held.give_up(gone)
+            self._tracker.forget_partitions(gone)
 
 
 def _disagrees(dispatch: TaskDispatch, submission: TaskSubmission) -> str:
