@@ -77,6 +77,7 @@ from fxstream.service.memory_report import MemoryReport, report_interval_s, repo
 from fxstream.service.metrics import ApiMetrics, DeadLetterCounter, metrics_access
 from fxstream.service.rate_limit import DEFAULT_LIMITS, RateLimiter, RegistrationLimits
 from fxstream.service.registry import RegistryView
+from fxstream.service.task_expiry import DEFAULT_RETENTION_S, retention_from_env
 from fxstream.service.task_query import decode_cursor, encode_cursor, event_log, parse_tag
 from fxstream.service.task_table import DEFAULT_MAX_SCAN, TaskQuery
 from fxstream.topics import (
@@ -1335,6 +1336,20 @@ def delete_endpoint(endpoint_id: str, caller: CallerDep, runtime: RuntimeDep) ->
     return Response(status_code=204)
 
 
+def _retention_text() -> str:
+    """How long task-state keeps a finished task, in words (the processors' setting, from
+    the same environment)."""
+    try:
+        seconds = retention_from_env()
+    except ValueError:
+        seconds = DEFAULT_RETENTION_S  # the processors refuse to start with it anyway
+    if seconds >= 2 * 86_400:
+        return f"{seconds / 86_400:g} days"
+    if seconds >= 2 * 3_600:
+        return f"{seconds / 3_600:g} hours"
+    return f"{seconds:g} s"
+
+
 @router.get("/tasks/{task_id}", tags=["tasks"])
 def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str, Any]:
     """The latest state of one of the caller's tasks, with its ``events``: the site
@@ -1345,8 +1360,9 @@ def read_task(task_id: str, caller: CallerDep, runtime: RuntimeDep) -> dict[str,
         raise ApiError(
             404,
             "not-found",
-            f"no state for task {task_id!r} (yet): a task appears once the processors "
-            "have seen its submission",
+            f"no state for task {task_id!r}: a task appears once the processors have "
+            "seen its submission, and a finished one is kept for "
+            f"{_retention_text()} after it finished",
         )
     return _task_json(task)
 

@@ -96,6 +96,12 @@ from fxstream.service.quarantine import write_or_quarantine
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
+from fxstream.service.task_expiry import (
+    DEFAULT_RETENTION_S,
+    RETENTION_ENV,
+    TaskExpiry,
+    retention_from_env,
+)
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
@@ -208,6 +214,7 @@ def build_app(
     roles: Sequence[str] = ROLES,
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
+    task_retention_s: float = DEFAULT_RETENTION_S,
 ) -> faust.App:
     """The faust app running ``roles`` (router, task-state, liveness), not yet started.
 
@@ -215,6 +222,8 @@ def build_app(
     store is in memory); by default a directory under the system temp dir, one per
     ``instance`` (the process's number among those running the same roles).
     ``placement`` is how the router chooses among a grouped task's endpoints.
+    ``task_retention_s`` is how long a finished task stays in task-state
+    (:mod:`fxstream.service.task_expiry`).
     """
     unknown = set(roles) - set(ROLES)
     if unknown or not roles:
@@ -237,7 +246,9 @@ def build_app(
     if "ingress" in roles:
         _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
     if "task-state" in roles:
-        _add_task_state(app, kafka, catalogue, app_id, batch_size, stoppers, report)
+        _add_task_state(
+            app, kafka, catalogue, app_id, batch_size, stoppers, report, task_retention_s
+        )
     if "liveness" in roles:
         _add_liveness(app, catalogue, batch_size)
     if "trigger" in roles:
@@ -453,6 +464,7 @@ def _add_task_state(
     batch_size: int,
     stoppers: list[Callable[[], Awaitable[None]]],
     report: MemoryReport,
+    retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     # The planner's memory of tasks: the most recent in memory, the rest read back from
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
@@ -477,7 +489,33 @@ def _add_task_state(
         directory=TopicDirectory(kafka),
     )
 
-    _run_in_app(app, stoppers, follower, lambda: log.info("task-state: %s", planner.stats))
+    # Finished tasks leave task-state after the retention period (tombstones, which every
+    # view of it applies); it looks only once the view it asks has read task-state.
+    expiry = TaskExpiry(
+        kafka,
+        catalogue,
+        lookup=states.task,
+        group_id=f"{app_id}-task-expiry",
+        retention_s=retention_s,
+        ready=lambda timeout_s: (
+            follower.states_started.wait(timeout_s) and states.wait_until_current(timeout_s)
+        ),
+    )
+    expiry.start()
+
+    class _FollowerAndExpiry:
+        async def run(self) -> None:
+            await follower.run()
+
+        async def stop(self) -> None:
+            # The expiry asks the follower's view, which the follower closes as it stops.
+            await asyncio.to_thread(expiry.close)
+            await follower.stop()
+
+    def closed() -> None:
+        log.info("task-state: %s; expiry: %s", planner.stats, expiry.stats)
+
+    _run_in_app(app, stoppers, _FollowerAndExpiry(), closed)
 
 
 def _add_liveness(app: faust.App, catalogue: Catalogue, batch_size: int) -> None:
@@ -572,6 +610,7 @@ def run_processors(
     roles: Sequence[str] = ROLES,
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
+    task_retention_s: float = DEFAULT_RETENTION_S,
 ) -> None:
     """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
 
@@ -591,6 +630,7 @@ def run_processors(
         roles=roles,
         placement=placement,
         instance=instance,
+        task_retention_s=task_retention_s,
     )
     worker = _Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -647,6 +687,13 @@ def _parser() -> argparse.ArgumentParser:
         "backlog, locality, a hash of the task id), backlog, round-robin or random "
         f"(default: ${PLACEMENT_ENV}, else warm)",
     )
+    parser.add_argument(
+        "--task-retention-s",
+        type=float,
+        default=None,
+        help="how long a finished task stays in task-state, in seconds "
+        f"(default: ${RETENTION_ENV}, else {DEFAULT_RETENTION_S:.0f}, 7 days)",
+    )
     return parser
 
 
@@ -672,6 +719,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"placement {args.placement!r} (from ${PLACEMENT_ENV}?) is not one of "
             f"{', '.join(PlacementPolicy)}"
         )
+    try:
+        retention_s = (
+            retention_from_env() if args.task_retention_s is None else args.task_retention_s
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not 0 < retention_s < float("inf"):
+        parser.error(
+            f"--task-retention-s {args.task_retention_s}: write how long a finished task stays "
+            "in task-state, in seconds (a positive number)"
+        )
     run_processors(
         kafka,
         Catalogue(prefix=args.prefix),
@@ -682,6 +740,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         roles=tuple(args.only) if args.only else ROLES,
         placement=placement,
         instance=args.instance,
+        task_retention_s=retention_s,
     )
     return 0
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -406,6 +407,8 @@ class ResultsFollower(StoppableLoop):
     ) -> None:
         super().__init__()
         self._states = states
+        self.states_started = threading.Event()
+        """Set once ``states`` has been started and waited for (see :meth:`run`)."""
         self._directory = directory
         self._reassigned = False
         self.guard = PartitionGuard(self.name, on_assigned=self._assigned)
@@ -436,6 +439,7 @@ class ResultsFollower(StoppableLoop):
         self._consumer = AIOKafkaConsumer(**self._consumer_settings)
         try:
             await self._start_states()
+            self.states_started.set()
             await self._consumer.start()
             self._consumer.subscribe(
                 pattern=_inputs_pattern(self._planner.catalogue), listener=self.guard

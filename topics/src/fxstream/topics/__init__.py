@@ -95,6 +95,7 @@ from fxstream.topics.records import (
     latency_bucket,
     latency_bucket_upper_s,
     record_kind,
+    task_state_glance,
 )
 from fxstream.topics.serialize import (
     PAYLOAD_HEADER_LENGTH,
@@ -238,6 +239,7 @@ __all__ = [
     "register_strategy",
     "registered_strategies",
     "strategy_of",
+    "task_state_glance",
     "truncate_utf8",
     "truncate_utf8_tail",
     "utf8_len",

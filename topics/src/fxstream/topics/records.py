@@ -85,6 +85,7 @@ __all__ = [
     "latency_bucket",
     "latency_bucket_upper_s",
     "record_kind",
+    "task_state_glance",
 ]
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
@@ -1412,6 +1413,31 @@ def record_kind(data: bytes | None) -> str | None:
         return _kind_decoder.decode(data).kind
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+
+
+class _TaskStateGlance(msgspec.Struct):
+    kind: str
+    state: TaskStateName
+    updated_at: float
+
+
+_task_state_glance = msgspec.msgpack.Decoder(_TaskStateGlance)
+
+
+def task_state_glance(data: bytes | None) -> tuple[TaskStateName, float] | None:
+    """A ``task-state`` record's state and ``updated_at``, read without the rest of it
+    (its attempts, error and value are skipped, not decoded); None for bytes that hold
+    no task state. For a reader that looks at every record of ``task-state`` and needs
+    only these two (the expiry of finished tasks); :func:`decode` anything it keeps."""
+    if not data:
+        return None
+    try:
+        glance = _task_state_glance.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if glance.kind != _kind_of[TaskState]:
+        return None
+    return glance.state, glance.updated_at
 
 
 def decode_any(data: bytes | None) -> AnyRecord:
