@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from fxstream.ops.private import private_config
 from tests.conftest import RunningPlatform
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
+# A finished task's time in task-state on the platform `up` starts here.
+RETENTION_S = 2
 
 
 def _cli(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -54,9 +58,15 @@ def test_bad_configuration_is_reported_without_a_traceback(tmp_path: Path) -> No
 
 def test_up_and_down_through_the_cli(tmp_path: Path) -> None:
     """`fxstream up` starts everything and runs the quickstart (smaller than its default:
-    20 tasks and a 1 MiB round trip, still above the proxy threshold, so by reference)."""
+    20 tasks and a 1 MiB round trip, still above the proxy threshold, so by reference).
+
+    With ``task_retention_s`` set in the platform's config file, the quickstart's finished
+    tasks leave task-state that long after they finished: the setting reaches the
+    task-state processor through the supervisor and the processors' CLI."""
     home = tmp_path / "cli"
     private_config(home)
+    with (home / "fxstream.toml").open("a") as config:
+        config.write(f"task_retention_s = {RETENTION_S}\n")
     try:
         up = _cli(home, "up", "--quickstart-tasks", "20", "--quickstart-mb", "1")
         assert up.returncode == 0, up.stdout + up.stderr
@@ -65,9 +75,15 @@ def test_up_and_down_through_the_cli(tmp_path: Path) -> None:
         assert "20 tasks in" in up.stdout and "square(7) = 49" in up.stdout
         assert "1 MB argument and result by reference through redis" in up.stdout, up.stdout
         assert "verified" in up.stdout
+        # Past the retention period, and a poll or two of the expiry after it.
+        time.sleep(RETENTION_S + 4)
     finally:
         down = _cli(home, "down")
     assert down.returncode == 0
+    # The task-state processor logs what its expiry did as it stops.
+    log = (home / "logs" / "service-task-state.log").read_text()
+    expired = [int(n) for n in re.findall(r"ExpiryStats\(looked_at=\d+, expired=(\d+)", log)]
+    assert expired and expired[-1] >= 20, f"the quickstart's tasks did not expire: {expired}"
     assert "stopped kafka node 1" in down.stdout
     assert "stopped redis" in down.stdout
     assert _cli(home, "status").returncode == 1

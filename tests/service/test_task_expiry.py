@@ -15,6 +15,7 @@ from fxstream.service.task_expiry import (
     RETENTION_ENV,
     TaskExpiry,
     retention_from_env,
+    retention_s,
 )
 from fxstream.topics import Catalogue, KafkaConnection, TaskState, TaskStateName
 from tests.service.conftest import Produce, eventually
@@ -114,3 +115,11 @@ def test_the_retention_period_is_read_from_the_environment() -> None:
         with pytest.raises(ValueError, match="a positive number") as raised:
             retention_from_env({RETENTION_ENV: bad})
         assert RETENTION_ENV in str(raised.value)
+
+
+def test_a_command_line_retention_wins_and_is_checked() -> None:
+    assert retention_s(60.0, {RETENTION_ENV: "3600"}) == 60.0
+    assert retention_s(None, {RETENTION_ENV: "3600"}) == 3600.0
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="--task-retention-s"):
+            retention_s(bad, {})

@@ -113,6 +113,9 @@ class PlatformConfig:
     # The analytics processor reads every partition of task-state itself: exactly one
     # (docs/triggers.md, "Windowed analytics").
     analytics_instances: int = 1
+    # How long a finished task stays in task-state, in seconds (docs/lifecycle.md,
+    # "Retention"): the processors and the API are started with it.
+    task_retention_s: int = 7 * 24 * 3600
     # The insecure development platform: PLAINTEXT Kafka, no authentication (./fx up
     # --insecure). Secure is the default everywhere.
     insecure: bool = False
@@ -141,6 +144,7 @@ class PlatformConfig:
         "trigger_instances": "FXSTREAM_TRIGGER_INSTANCES",
         "dependencies_instances": "FXSTREAM_DEPENDENCIES_INSTANCES",
         "analytics_instances": "FXSTREAM_ANALYTICS_INSTANCES",
+        "task_retention_s": "FXSTREAM_TASK_RETENTION_S",
         "insecure": "FXSTREAM_INSECURE",
     }
 
@@ -233,6 +237,12 @@ class PlatformConfig:
             raise ConfigError(
                 "analytics_instances (FXSTREAM_ANALYTICS_INSTANCES) must be 1: the analytics "
                 f"processor reads every partition of task-state itself: {self.analytics_instances}"
+            )
+        if self.task_retention_s < 1:
+            raise ConfigError(
+                "task_retention_s (FXSTREAM_TASK_RETENTION_S) must be at least 1 second "
+                f"(how long a finished task stays in task-state; 604800 is 7 days): "
+                f"{self.task_retention_s}"
             )
         if self.kafka_heap_mb < 256:
             raise ConfigError("kafka_heap_mb (FXSTREAM_KAFKA_HEAP_MB) must be at least 256")

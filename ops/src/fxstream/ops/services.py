@@ -51,6 +51,7 @@ from fxstream.ops.supervisor import (
 )
 from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_token_file
 from fxstream.service.accounts import AccountManager
+from fxstream.service.task_expiry import RETENTION_ENV
 from fxstream.topics import (
     Catalogue,
     CredentialFileError,
@@ -173,9 +174,12 @@ class ServiceSet:
         self.admin_token_file = config.home / "credentials" / ADMIN_TOKEN_FILE_NAME
         worker = [_bin("fxstream-service"), "worker", "--connection", connection, "--only"]
         endpoints_env = {"FXSTREAM_ENDPOINTS_DIR": str(config.home / "endpoints")}
-        service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file)}
+        # How long finished tasks stay in task-state: the task-state processor expires them,
+        # the API says so in its 404 (docs/lifecycle.md, "Retention").
+        retention = {RETENTION_ENV: str(config.task_retention_s)}
+        service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file), **retention}
         # The API manages accounts (credentials, ACLs, topics): it acts as the admin.
-        api_env = {KAFKA_CREDENTIALS_ENV: str(self.api_credentials_file)}
+        api_env = {KAFKA_CREDENTIALS_ENV: str(self.api_credentials_file), **retention}
         self._specs = [
             ChildSpec(
                 name="service api",

@@ -37,6 +37,7 @@ from fxstream.service.account_files import (
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
 from fxstream.service.placement import PlacementPolicy
+from fxstream.service.task_expiry import DEFAULT_RETENTION_S, RETENTION_ENV, retention_s
 from fxstream.topics import (
     Catalogue,
     CredentialFileError,
@@ -474,9 +475,21 @@ def worker(
             "several share each processor's consumer group, each with its own transactional id",
         ),
     ] = 0,
+    task_retention_s: Annotated[
+        float | None,
+        typer.Option(
+            "--task-retention-s",
+            help="how long a finished task stays in task-state, in seconds (default: "
+            f"${RETENTION_ENV}, else {DEFAULT_RETENTION_S:.0f}, 7 days)",
+        ),
+    ] = None,
 ) -> None:
     """Run the stream processors (router, ingress, task state, liveness, trigger, analytics)
     until stopped."""
+    try:
+        retention = retention_s(task_retention_s)
+    except ValueError as exc:
+        fail(str(exc))
     try:
         target = target_from(
             bootstrap,
@@ -492,7 +505,12 @@ def worker(
     roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
         run_processors(
-            target.kafka, target.catalogue, roles=roles, placement=placement, instance=instance
+            target.kafka,
+            target.catalogue,
+            roles=roles,
+            placement=placement,
+            instance=instance,
+            task_retention_s=retention,
         )
     except KeyboardInterrupt:
         raise typer.Exit(0) from None

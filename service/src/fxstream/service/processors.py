@@ -100,7 +100,7 @@ from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
     RETENTION_ENV,
     TaskExpiry,
-    retention_from_env,
+    retention_s,
 )
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
@@ -464,7 +464,7 @@ def _add_task_state(
     batch_size: int,
     stoppers: list[Callable[[], Awaitable[None]]],
     report: MemoryReport,
-    retention_s: float = DEFAULT_RETENTION_S,
+    retention: float = DEFAULT_RETENTION_S,
 ) -> None:
     # The planner's memory of tasks: the most recent in memory, the rest read back from
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
@@ -496,7 +496,7 @@ def _add_task_state(
         catalogue,
         lookup=states.task,
         group_id=f"{app_id}-task-expiry",
-        retention_s=retention_s,
+        retention_s=retention,
         ready=lambda timeout_s: (
             follower.states_started.wait(timeout_s) and states.wait_until_current(timeout_s)
         ),
@@ -720,16 +720,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{', '.join(PlacementPolicy)}"
         )
     try:
-        retention_s = (
-            retention_from_env() if args.task_retention_s is None else args.task_retention_s
-        )
+        retention = retention_s(args.task_retention_s)
     except ValueError as exc:
         parser.error(str(exc))
-    if not 0 < retention_s < float("inf"):
-        parser.error(
-            f"--task-retention-s {args.task_retention_s}: write how long a finished task stays "
-            "in task-state, in seconds (a positive number)"
-        )
     run_processors(
         kafka,
         Catalogue(prefix=args.prefix),
@@ -740,7 +733,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         roles=tuple(args.only) if args.only else ROLES,
         placement=placement,
         instance=args.instance,
-        task_retention_s=retention_s,
+        task_retention_s=retention,
     )
     return 0
 

@@ -49,6 +49,7 @@ __all__ = [
     "ExpiryStats",
     "TaskExpiry",
     "retention_from_env",
+    "retention_s",
 ]
 
 log = logging.getLogger(__name__)
@@ -65,6 +66,20 @@ POLL_S = 1.0
 FLUSH_TIMEOUT_S = 30.0
 
 Lookup = Callable[[str], TaskState | None]
+
+
+def retention_s(option: float | None, environ: dict[str, str] | None = None) -> float:
+    """The retention period: ``option`` (a command-line value) if given, else
+    :func:`retention_from_env`. Raises ValueError, saying what to write, for a value that
+    is not a positive number of seconds."""
+    if option is None:
+        return retention_from_env(environ)
+    if not 0 < option < float("inf"):
+        raise ValueError(
+            f"--task-retention-s {option}: write how long a finished task stays in "
+            f"task-state, in seconds (a positive number; {DEFAULT_RETENTION_S:.0f} is 7 days)"
+        )
+    return option
 
 
 def retention_from_env(environ: dict[str, str] | None = None) -> float:
