@@ -3,6 +3,7 @@ period, unfinished ones never do, and a restarted expiry goes on where it stoppe
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,8 +13,10 @@ import pytest
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
+    EXIT_EXPIRY_FAILED,
     RETENTION_ENV,
     TaskExpiry,
+    exit_when_failed,
     retention_from_env,
     retention_s,
 )
@@ -123,3 +126,38 @@ def test_a_command_line_retention_wins_and_is_checked() -> None:
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="--task-retention-s"):
             retention_s(bad, {})
+
+
+def test_an_expiry_that_fails_stops_and_its_process_exits_to_be_restarted(
+    module_kafka: KafkaConnection, catalogue: Catalogue, view: RegistryView, produce: Produce
+) -> None:
+    # A lookup that fails (as a broken on-disk table would) stops the thread with the error,
+    # and exit_when_failed then exits with EXIT_EXPIRY_FAILED (here recorded, not exited).
+    def broken(task_id: str) -> TaskState | None:
+        raise OSError(f"cannot read {task_id}")
+
+    task_id = f"t-broken-{uuid.uuid4().hex[:8]}"
+    produce(catalogue.task_state, task_id, _state(task_id, TaskStateName.SUCCEEDED))
+    expiry = TaskExpiry(
+        module_kafka,
+        catalogue,
+        lookup=broken,
+        group_id=f"expiry-broken-{uuid.uuid4().hex[:8]}",
+        retention_s=0.5,
+        ready=view.wait_until_current,
+    )
+    exits: list[int] = []
+
+    async def watch() -> None:
+        await asyncio.wait_for(
+            exit_when_failed(expiry, every_s=0.1, exit_process=exits.append), timeout=60
+        )
+
+    expiry.start()
+    try:
+        asyncio.run(watch())
+    finally:
+        expiry.close()
+    assert exits == [EXIT_EXPIRY_FAILED]
+    assert isinstance(expiry.failure, OSError)
+    assert not expiry.alive

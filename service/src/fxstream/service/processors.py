@@ -100,6 +100,7 @@ from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
     RETENTION_ENV,
     TaskExpiry,
+    exit_when_failed,
     retention_s,
 )
 from fxstream.service.task_state import COMPONENT as TASK_STATE
@@ -505,7 +506,12 @@ def _add_task_state(
 
     class _FollowerAndExpiry:
         async def run(self) -> None:
-            await follower.run()
+            # A failed expiry thread exits the process, which the supervisor restarts.
+            watch = asyncio.ensure_future(exit_when_failed(expiry))
+            try:
+                await follower.run()
+            finally:
+                watch.cancel()
 
         async def stop(self) -> None:
             # The expiry asks the follower's view, which the follower closes as it stops.

@@ -31,6 +31,7 @@ expires in turn.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -45,9 +46,11 @@ from fxstream.topics import Catalogue, KafkaConnection, TaskState, task_state_gl
 
 __all__ = [
     "DEFAULT_RETENTION_S",
+    "EXIT_EXPIRY_FAILED",
     "RETENTION_ENV",
     "ExpiryStats",
     "TaskExpiry",
+    "exit_when_failed",
     "retention_from_env",
     "retention_s",
 ]
@@ -64,6 +67,11 @@ POLL_S = 1.0
 # How long delivering a batch's tombstones may take before the loop gives up on the batch
 # (its offsets stay uncommitted, so the records are looked at again).
 FLUSH_TIMEOUT_S = 30.0
+
+# How often exit_when_failed looks at the thread.
+WATCH_S = 5.0
+EXIT_EXPIRY_FAILED = 76
+"""The exit code of a processor process whose expiry thread failed (it is restarted)."""
 
 Lookup = Callable[[str], TaskState | None]
 
@@ -300,3 +308,25 @@ class TaskExpiry:
             return False
         self.stats.expired += 1
         return True
+
+
+async def exit_when_failed(
+    expiry: TaskExpiry,
+    *,
+    every_s: float = WATCH_S,
+    exit_process: Callable[[int], object] | None = None,
+) -> None:
+    """Exit the process (code :data:`EXIT_EXPIRY_FAILED`) once ``expiry``'s thread has
+    stopped on an error, so that the supervisor restarts it: a dead thread would let
+    task-state grow for ever, unnoticed. Runs until cancelled."""
+    while True:
+        await asyncio.sleep(every_s)
+        if expiry.failure is not None:
+            log.critical("the task expiry stopped (%r); exiting to be restarted", expiry.failure)
+            (exit_process or _exit_now)(EXIT_EXPIRY_FAILED)
+            return
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    os._exit(code)
