@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from fxstream.ops.bench.chaos import (
     ChaosCluster,
@@ -23,6 +24,8 @@ from fxstream.ops.bench.chaos import (
     read_result_counts,
 )
 from fxstream.sdk import Executor
+from fxstream.topics import RecordDecodeError, TaskCancel, TaskDispatch, decode
+from fxstream.topics.acls import endpoint_group
 from tests.faults.cluster_stack import chaos_cluster
 
 __all__ = ["chaos_cluster"]
@@ -75,7 +78,81 @@ def _where_outstanding(cluster: ChaosCluster, ledger: ChaosLedger, shown: int = 
                 lines.append(f"{task_id}: {type(error).__name__}: {error}")
     finally:
         client.close()
+    lines.append(_queue_story(cluster, {i for i in ids if i is not None}, shown))
     return "; ".join(lines)
+
+
+def _queue_story(cluster: ChaosCluster, task_ids: set[str], shown: int) -> str:
+    """Where the endpoint queue holds the dispatches and cancels of ``task_ids`` (read
+    uncommitted and committed), and what the agent's group committed on each partition."""
+    topic = cluster.connection.catalogue().endpoint_queue(cluster.endpoint_id)
+    story: list[str] = []
+    for isolation in ("read_uncommitted", "read_committed"):
+        consumer = Consumer(
+            {
+                **cluster.kafka.confluent(),
+                "group.id": f"fxstream-cluster-faults-story-{time.monotonic_ns()}",
+                "enable.auto.commit": False,
+                "isolation.level": isolation,
+                "log_level": 0,
+            }
+        )
+        try:
+            partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+            ends = {
+                p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in partitions
+            }
+            found: dict[str, list[tuple[int, int]]] = {}
+            counts = {"dispatch": 0, "cancel": 0}
+            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+            deadline = time.monotonic() + 30
+            reading = {p for p, end in ends.items() if end > 0}
+            while reading and time.monotonic() < deadline:
+                for message in consumer.consume(1000, timeout=0.5):
+                    value = message.value()
+                    if message.error() is not None or value is None:
+                        continue
+                    for kind, schema in (("dispatch", TaskDispatch), ("cancel", TaskCancel)):
+                        try:
+                            task_id = decode(value, schema).task_id  # type: ignore[attr-defined]
+                        except RecordDecodeError:
+                            continue
+                        if task_id in task_ids:
+                            counts[kind] += 1
+                            found.setdefault(f"{kind}", []).append(
+                                (message.partition() or 0, message.offset() or 0)
+                            )
+                        break
+                for tp in consumer.position([TopicPartition(topic, p) for p in list(reading)]):
+                    if tp.offset >= ends[tp.partition]:
+                        reading.discard(tp.partition)
+            where = {kind: sorted(at)[:shown] for kind, at in found.items()}
+            story.append(f"{isolation}: {counts} of the outstanding, first at {where}; ends {ends}")
+            if isolation == "read_committed":
+                group = Consumer(
+                    {
+                        **cluster.kafka.confluent(),
+                        "group.id": endpoint_group(cluster.endpoint_id),
+                        "enable.auto.commit": False,
+                        "log_level": 0,
+                    }
+                )
+                try:
+                    agent = group.committed(
+                        [TopicPartition(topic, p) for p in partitions], timeout=10
+                    )
+                finally:
+                    group.close()
+                story.append(
+                    "agent committed "
+                    + str({tp.partition: (tp.offset, tp.metadata) for tp in agent})
+                )
+        except Exception as error:  # a diagnostic: say what failed, whatever it is
+            story.append(f"{isolation}: {type(error).__name__}: {error}")
+        finally:
+            consumer.close()
+    return "; ".join(story)
 
 
 def _assert_exactly_once(cluster: ChaosCluster, ledger: ChaosLedger, total: int) -> None:
