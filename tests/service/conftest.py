@@ -59,7 +59,8 @@ def produce(module_kafka: KafkaConnection) -> Iterator[Produce]:
 
     It waits for the broker's acknowledgement, as the service's own writes do.
     """
-    producer = Producer({**module_kafka.confluent(), "acks": "all", "log_level": 2})
+    # As the processors (aiokafka) and every fxstream producer: murmur2 of the key.
+    producer = Producer({**module_kafka.confluent_producer(), "acks": "all", "log_level": 2})
 
     def send(topic: str, key: str, value: Record | bytes | None) -> tuple[int, int]:
         delivered: list[Message] = []

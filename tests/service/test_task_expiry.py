@@ -9,6 +9,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_expiry import (
@@ -48,6 +49,40 @@ def _state(task_id: str, state: TaskStateName) -> TaskState:
     )
 
 
+def _tombstone_partitions(kafka: KafkaConnection, topic: str, key: str) -> list[int]:
+    """The partitions holding a tombstone of ``key`` in ``topic`` (read to its end)."""
+    consumer = Consumer(
+        {
+            **kafka.confluent(),
+            "group.id": f"expiry-audit-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "log_level": 2,
+        }
+    )
+    found: list[int] = []
+    try:
+        partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
+        ends = {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+            for p in partitions
+        }
+        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
+        reading = {p for p, end in ends.items() if end > 0}
+        deadline = time.monotonic() + 30
+        while reading and time.monotonic() < deadline:
+            for message in consumer.consume(500, timeout=0.5):
+                ours = message.error() is None and message.key() == key.encode()
+                if ours and message.value() is None:
+                    found.append(message.partition() or 0)
+            for tp in consumer.position([TopicPartition(topic, p) for p in list(reading)]):
+                if tp.offset >= ends[tp.partition]:
+                    reading.discard(tp.partition)
+        assert not reading, f"could not read {topic} to its end"
+    finally:
+        consumer.close()
+    return found
+
+
 def _expiry(
     kafka: KafkaConnection, catalogue: Catalogue, view: RegistryView, group: str
 ) -> TaskExpiry:
@@ -68,7 +103,7 @@ def test_finished_tasks_leave_task_state_after_the_retention_period_and_no_soone
 ) -> None:
     topic = catalogue.task_state
     done, running, later = (f"task-{uuid.uuid4().hex[:8]}" for _ in range(3))
-    produce(topic, done, _state(done, TaskStateName.SUCCEEDED))
+    done_at, _offset = produce(topic, done, _state(done, TaskStateName.SUCCEEDED))
     produce(topic, running, _state(running, TaskStateName.RUNNING))
     produce(topic, later, _state(later, TaskStateName.ROUTED))
     eventually(
@@ -96,6 +131,9 @@ def test_finished_tasks_leave_task_state_after_the_retention_period_and_no_soone
     finally:
         expiry.close()
     assert not expiry.alive
+    # The tombstone is on the task's own partition (as the processors, which write with
+    # aiokafka, place its states), or compaction would never delete the task's state.
+    assert _tombstone_partitions(module_kafka, topic, done) == [done_at]
 
     # A restarted expiry (same group) goes on after what the first one looked at.
     again = _expiry(module_kafka, catalogue, view, group)

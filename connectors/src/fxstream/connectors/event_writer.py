@@ -125,7 +125,7 @@ class EventWriter:
         self._remembered: OrderedDict[str, None] = OrderedDict()
         self._producer = Producer(
             {
-                **connection.confluent(),
+                **connection.confluent_producer(),
                 "allow.auto.create.topics": False,
                 "transactional.id": self.transactional_id,
                 "acks": "all",

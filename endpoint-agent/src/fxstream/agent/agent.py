@@ -84,7 +84,7 @@ from fxstream.agent.runner import runner_for
 from fxstream.agent.staging import Stager
 from fxstream.agent.worker_process import RunnerSpec
 from fxstream.connectors import FileConnector, StoreSpec
-from fxstream.topics import Catalogue, producer_message_max_bytes
+from fxstream.topics import PRODUCER_PARTITIONER, Catalogue, producer_message_max_bytes
 from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
 __all__ = ["AGENT_VERSION", "Agent"]
@@ -252,6 +252,7 @@ class Agent:
         producer = Producer(
             {
                 **kafka,
+                "partitioner": PRODUCER_PARTITIONER,
                 "acks": "all",
                 "enable.idempotence": True,
                 "linger.ms": 1,

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
 
 from fxstream.agent.offsets import OffsetTracker
+from fxstream.topics import PRODUCER_PARTITIONER
 
 __all__ = ["Answer", "PublisherFenced", "Refusal", "TransactionalPublisher"]
 
@@ -208,6 +209,7 @@ class TransactionalPublisher:
                 # Never create a missing results topic with broker defaults by writing to it.
                 "allow.auto.create.topics": False,
                 **kafka_config,
+                "partitioner": PRODUCER_PARTITIONER,
                 "transactional.id": transactional_id,
                 "acks": "all",
                 "enable.idempotence": True,

@@ -440,7 +440,7 @@ class RecordWriter:
         self._timeout_s = timeout_s
         self._producer = Producer(
             {
-                **kafka.confluent(),
+                **kafka.confluent_producer(),
                 "enable.idempotence": True,
                 "acks": "all",
                 "linger.ms": 0,

@@ -522,7 +522,7 @@ class RegistryView:
         if self._dead_letters is None:
             self._dead_letters = Producer(
                 {
-                    **self._kafka.confluent(),
+                    **self._kafka.confluent_producer(),
                     "enable.idempotence": True,
                     "acks": "all",
                     "message.max.bytes": producer_message_max_bytes(self._catalogue),

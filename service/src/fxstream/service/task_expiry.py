@@ -199,7 +199,7 @@ class TaskExpiry:
         )
         producer = Producer(
             {
-                **self._kafka.confluent(),
+                **self._kafka.confluent_producer(),
                 "client.id": self._group_id,
                 "acks": "all",
                 "enable.idempotence": True,
@@ -220,8 +220,9 @@ class TaskExpiry:
                 if messages:
                     self._look_at(consumer, producer, messages)
         except BaseException as exc:
-            self.failure = exc
             log.exception("task expiry stopped: %s", exc)
+            # Without its traceback, which would keep this frame's clients alive.
+            self.failure = exc.with_traceback(None)
         finally:
             producer.flush(FLUSH_TIMEOUT_S)
             consumer.close()

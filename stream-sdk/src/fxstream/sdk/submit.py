@@ -351,7 +351,7 @@ class TaskProducer:
     ) -> None:
         self.topic = topic
         config: dict[str, Any] = {
-            **kafka.confluent(),
+            **kafka.confluent_producer(),
             "acks": "all",
             "enable.idempotence": True,
             "linger.ms": 1,

@@ -28,6 +28,7 @@ from fxstream.topics.budget import (
 )
 from fxstream.topics.catalogue import Catalogue, CleanupPolicy, InvalidTopicName, TopicSpec
 from fxstream.topics.connection import (
+    PRODUCER_PARTITIONER,
     CredentialFileError,
     KafkaConnection,
     read_secret_json,
@@ -140,6 +141,7 @@ __all__ = [
     "OTHER_KEY",
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
+    "PRODUCER_PARTITIONER",
     "SCHEMA_VERSIONS",
     "STAGE_SCHEMES",
     "Attempt",

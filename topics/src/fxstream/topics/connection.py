@@ -2,9 +2,19 @@
 
 A :class:`KafkaConnection` names the brokers and the principal a client acts as. Every client
 in the service, the agent, the SDK, ops and the benches builds its configuration from one
-(``{**connection.confluent(), ...its own settings}`` for confluent-kafka,
+(``{**connection.confluent(), ...its own settings}`` for a confluent-kafka consumer or admin
+client, ``{**connection.confluent_producer(), ...}`` for a confluent-kafka producer,
 ``**connection.aiokafka()`` for aiokafka), never from a bare bootstrap string, so no client can
-forget to authenticate. A connection without a username is the insecure development platform
+forget to authenticate.
+
+Every producer puts a keyed record on the partition Kafka's Java client and aiokafka choose
+(murmur2 of the key): several writers of different clients write the same keys to one topic
+(``task-state`` from the processors with aiokafka and the task expiry with confluent-kafka;
+``results.<user>`` from the agent and the processors), and a compacted topic keeps a key's
+latest record, and its tombstone deletes the key, only within one partition. librdkafka's
+own default (``consistent_random``, CRC32 of the key) would put three keys in four elsewhere.
+
+A connection without a username is the insecure development platform
 (``./fx up --insecure``): PLAINTEXT, and said loudly by whoever starts it.
 
 Credentials live in JSON files created ``0600`` (see :func:`write_secret_file`); the password
@@ -23,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "PRODUCER_PARTITIONER",
     "SCRAM_MECHANISM",
     "CredentialFileError",
     "KafkaConnection",
@@ -31,6 +42,9 @@ __all__ = [
 ]
 
 SCRAM_MECHANISM = "SCRAM-SHA-512"
+PRODUCER_PARTITIONER = "murmur2_random"
+"""librdkafka's partitioner for every fxstream producer: murmur2 of the key, as the Java
+client and aiokafka (random for a record without a key)."""
 
 
 class CredentialFileError(ValueError):
@@ -81,6 +95,11 @@ class KafkaConnection:
             }
         )
         return config
+
+    def confluent_producer(self) -> dict[str, str | int]:
+        """confluent-kafka settings for a producer: :meth:`confluent` and the partitioner every
+        fxstream writer shares (:data:`PRODUCER_PARTITIONER`)."""
+        return {**self.confluent(), "partitioner": PRODUCER_PARTITIONER}
 
     def aiokafka(self) -> dict[str, Any]:
         """aiokafka keyword arguments (producer, consumer and admin client alike)."""

@@ -100,7 +100,14 @@ from fxstream.sdk import Client, ClientSettings
 from fxstream.service.accounts import AccountManager
 from fxstream.service.auth import new_token, token_sha256
 from fxstream.service.registry import LIVENESS_PERIODS
-from fxstream.topics import Catalogue, EndpointRecord, Heartbeat, WarmAdvert, encode
+from fxstream.topics import (
+    PRODUCER_PARTITIONER,
+    Catalogue,
+    EndpointRecord,
+    Heartbeat,
+    WarmAdvert,
+    encode,
+)
 
 __all__ = ["ServiceScaleSettings", "run_service_scale_bench", "simulate_heartbeats"]
 
@@ -183,6 +190,7 @@ def simulate_heartbeats(
     producer = Producer(
         {
             **kafka_config,
+            "partitioner": PRODUCER_PARTITIONER,
             # The agent's plain producer's settings (fxstream.agent.agent).
             "acks": "all",
             "enable.idempotence": True,
@@ -442,7 +450,9 @@ def _register(
     started = time.monotonic()
     catalogue = private.catalogue
     manager = AccountManager.connect(private.kafka, catalogue, timeout_s=120.0)
-    writer = Producer({**private.kafka.confluent(), "acks": "all", "enable.idempotence": True})
+    writer = Producer(
+        {**private.kafka.confluent_producer(), "acks": "all", "enable.idempotence": True}
+    )
     ids: list[str] = []
     failures: list[str] = []
 

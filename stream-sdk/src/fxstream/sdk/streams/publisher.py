@@ -121,7 +121,7 @@ class KafkaPublisher:
         streams_spec = self.catalogue.spec_for_topic(self.catalogue.stream("x"))
         assert streams_spec is not None
         config: dict[str, Any] = {
-            **kafka.confluent(),
+            **kafka.confluent_producer(),
             # librdkafka's own cap (1,000,000) is below the topic's; records are checked
             # against the topic's limit in send_events, and batches stay within batch.size.
             "message.max.bytes": budget.producer_message_max_bytes(self.catalogue),

@@ -428,7 +428,7 @@ class KafkaSubscriber:
         if self._dead_letters is None:
             self._dead_letters = Producer(
                 {
-                    **self.kafka.confluent(),
+                    **self.kafka.confluent_producer(),
                     "enable.idempotence": True,
                     "acks": "all",
                     "message.max.bytes": producer_message_max_bytes(self.catalogue),
