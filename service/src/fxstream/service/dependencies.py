@@ -94,6 +94,7 @@ from fxstream.topics import (
     record_kind,
     truncate_utf8,
 )
+from fxstream.topics.partitioner import Murmur2Partitioner
 
 __all__ = [
     "COMPONENT",
@@ -408,6 +409,7 @@ class DependencyLoop(StoppableLoop):
             "client_id": transactional_id,
             "transactional_id": transactional_id,
             "enable_idempotence": True,
+            "partitioner": Murmur2Partitioner(),
             "acks": "all",
             "max_request_size": aiokafka_max_request_size(catalogue),
             "max_batch_size": aiokafka_max_batch_size(catalogue),

@@ -4,7 +4,7 @@
 Agents ship their log in :class:`~fxstream.topics.EndpointLogs` batches
 (:mod:`fxstream.agent.log_shipper`); the ingress forwards each, keyed by its endpoint, to
 the shared ``endpoint-logs`` topic, so one endpoint's batches are all in one partition
-(Kafka's default partitioner, which the ingress's producer uses: murmur2 of the key). A
+(murmur2 of the key, as every fxstream producer places keys: fxstream.topics.partitioner). A
 request reads the tail of that partition only, at most ``scan`` batches back (kept for the
 topic's retention, 3 days), and answers the newest ``limit`` lines of the endpoint at or
 above ``level`` and after ``since``, oldest first. Nothing is kept between requests.
@@ -16,11 +16,11 @@ import logging
 import time
 from typing import Any, Final
 
-from aiokafka.partitioner import DefaultPartitioner  # type: ignore[import-untyped]
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 
 from fxstream.topics import EndpointLogs, KafkaConnection, RecordDecodeError, decode
 from fxstream.topics.acls import SERVICE_VIEW_GROUP
+from fxstream.topics.partitioner import murmur2_partition
 
 __all__ = ["DEFAULT_SCAN", "LEVELS", "read_endpoint_logs"]
 
@@ -65,7 +65,7 @@ def read_endpoint_logs(
         if not partitions:
             return {"lines": [], "dropped": 0, "scanned": 0, "complete": True}
         key = endpoint_id.encode()
-        partition = int(DefaultPartitioner()(key, partitions, partitions))
+        partition = partitions[murmur2_partition(key, len(partitions))]
         low, high = consumer.get_watermark_offsets(
             TopicPartition(topic, partition), timeout=timeout_s
         )

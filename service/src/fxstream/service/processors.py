@@ -115,6 +115,7 @@ from fxstream.topics import (
     aiokafka_max_batch_size,
     aiokafka_max_request_size,
 )
+from fxstream.topics.partitioner import Murmur2Partitioner
 
 __all__ = [
     "DEFAULT_APP_ID",
@@ -177,6 +178,8 @@ def _app_settings(catalogue: Catalogue, data_dir: Path) -> dict[str, Any]:
         # aiokafka's default (1 MB) is below the catalogue's largest record (dead letters).
         "producer_max_request_size": aiokafka_max_request_size(catalogue),
         "producer_acks": -1,
+        # Kafka's murmur2 placement, in C (fxstream.topics.partitioner).
+        "producer_partitioner": Murmur2Partitioner(),
         # aiokafka's 16 kB per-partition batches hold ~35 dispatches: a batch of
         # tasks would take many produce requests instead of one. No larger than the
         # smallest topic's limit, which the broker applies to a whole batch.

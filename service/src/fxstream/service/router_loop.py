@@ -98,6 +98,7 @@ from fxstream.topics import (
     dead_letter,
     encode,
 )
+from fxstream.topics.partitioner import Murmur2Partitioner
 
 __all__ = ["EXIT_WRITE_FAILED", "Planner", "RouterLoop"]
 
@@ -189,6 +190,8 @@ class RouterLoop(StoppableLoop):
             "client_id": group_id,
             "transactional_id": self.transactional_id,
             "enable_idempotence": True,
+            # Kafka's murmur2 placement, in C (fxstream.topics.partitioner).
+            "partitioner": Murmur2Partitioner(),
             "acks": "all",
             # aiokafka's default (1 MB) is below the catalogue's largest record.
             "max_request_size": aiokafka_max_request_size(catalogue),
