@@ -15,13 +15,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from fxstream.ops.bench.chaos import (
     ChaosCluster,
     ChaosLedger,
     chaos_task,
     read_result_counts,
+    read_topic,
 )
 from fxstream.sdk import Executor
 from fxstream.topics import RecordDecodeError, TaskCancel, TaskDispatch, decode
@@ -88,70 +89,43 @@ def _queue_story(cluster: ChaosCluster, task_ids: set[str], shown: int) -> str:
     topic = cluster.connection.catalogue().endpoint_queue(cluster.endpoint_id)
     story: list[str] = []
     for isolation in ("read_uncommitted", "read_committed"):
-        consumer = Consumer(
-            {
-                **cluster.kafka.confluent(),
-                "group.id": f"fxstream-cluster-faults-story-{time.monotonic_ns()}",
-                "enable.auto.commit": False,
-                "isolation.level": isolation,
-                "log_level": 0,
-            }
-        )
         try:
-            partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-            ends = {
-                p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                for p in partitions
-            }
             found: dict[str, list[tuple[int, int]]] = {}
-            counts = {"dispatch": 0, "cancel": 0}
-            consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-            deadline = time.monotonic() + 30
-            reading = {p for p, end in ends.items() if end > 0}
-            while reading and time.monotonic() < deadline:
-                for message in consumer.consume(1000, timeout=0.5):
-                    value = message.value()
-                    if message.error() is not None or value is None:
+            for message in read_topic(cluster.kafka, topic, isolation=isolation, timeout_s=30):
+                value = message.value() or b""
+                for kind, schema in (("dispatch", TaskDispatch), ("cancel", TaskCancel)):
+                    try:
+                        task_id = decode(value, schema).task_id  # type: ignore[attr-defined]
+                    except RecordDecodeError:
                         continue
-                    for kind, schema in (("dispatch", TaskDispatch), ("cancel", TaskCancel)):
-                        try:
-                            task_id = decode(value, schema).task_id  # type: ignore[attr-defined]
-                        except RecordDecodeError:
-                            continue
-                        if task_id in task_ids:
-                            counts[kind] += 1
-                            found.setdefault(f"{kind}", []).append(
-                                (message.partition() or 0, message.offset() or 0)
-                            )
-                        break
-                for tp in consumer.position([TopicPartition(topic, p) for p in list(reading)]):
-                    if tp.offset >= ends[tp.partition]:
-                        reading.discard(tp.partition)
+                    if task_id in task_ids:
+                        found.setdefault(kind, []).append(
+                            (message.partition() or 0, message.offset() or 0)
+                        )
+                    break
+            counts = {kind: len(at) for kind, at in found.items()}
             where = {kind: sorted(at)[:shown] for kind, at in found.items()}
-            story.append(f"{isolation}: {counts} of the outstanding, first at {where}; ends {ends}")
-            if isolation == "read_committed":
-                group = Consumer(
-                    {
-                        **cluster.kafka.confluent(),
-                        "group.id": endpoint_group(cluster.endpoint_id),
-                        "enable.auto.commit": False,
-                        "log_level": 0,
-                    }
-                )
-                try:
-                    agent = group.committed(
-                        [TopicPartition(topic, p) for p in partitions], timeout=10
-                    )
-                finally:
-                    group.close()
-                story.append(
-                    "agent committed "
-                    + str({tp.partition: (tp.offset, tp.metadata) for tp in agent})
-                )
+            story.append(f"{isolation}: {counts} of the outstanding, first at {where}")
         except Exception as error:  # a diagnostic: say what failed, whatever it is
             story.append(f"{isolation}: {type(error).__name__}: {error}")
-        finally:
-            consumer.close()
+    group = Consumer(
+        {
+            **cluster.kafka.confluent(),
+            "group.id": endpoint_group(cluster.endpoint_id),
+            "enable.auto.commit": False,
+            "log_level": 0,
+        }
+    )
+    try:
+        partitions = group.list_topics(topic, timeout=10).topics[topic].partitions
+        agent = group.committed([TopicPartition(topic, p) for p in partitions], timeout=10)
+        story.append(
+            "agent committed " + str({tp.partition: (tp.offset, tp.metadata) for tp in agent})
+        )
+    except Exception as error:  # a diagnostic: say what failed, whatever it is
+        story.append(f"agent committed: {type(error).__name__}: {error}")
+    finally:
+        group.close()
     return "; ".join(story)
 
 

@@ -9,8 +9,8 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
+from fxstream.ops.bench.chaos import read_topic
 from fxstream.service.registry import RegistryView
 from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
@@ -51,36 +51,11 @@ def _state(task_id: str, state: TaskStateName) -> TaskState:
 
 def _tombstone_partitions(kafka: KafkaConnection, topic: str, key: str) -> list[int]:
     """The partitions holding a tombstone of ``key`` in ``topic`` (read to its end)."""
-    consumer = Consumer(
-        {
-            **kafka.confluent(),
-            "group.id": f"expiry-audit-{uuid.uuid4().hex[:8]}",
-            "enable.auto.commit": False,
-            "log_level": 2,
-        }
-    )
-    found: list[int] = []
-    try:
-        partitions = list(consumer.list_topics(topic, timeout=10).topics[topic].partitions)
-        ends = {
-            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-            for p in partitions
-        }
-        consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in partitions])
-        reading = {p for p, end in ends.items() if end > 0}
-        deadline = time.monotonic() + 30
-        while reading and time.monotonic() < deadline:
-            for message in consumer.consume(500, timeout=0.5):
-                ours = message.error() is None and message.key() == key.encode()
-                if ours and message.value() is None:
-                    found.append(message.partition() or 0)
-            for tp in consumer.position([TopicPartition(topic, p) for p in list(reading)]):
-                if tp.offset >= ends[tp.partition]:
-                    reading.discard(tp.partition)
-        assert not reading, f"could not read {topic} to its end"
-    finally:
-        consumer.close()
-    return found
+    return [
+        message.partition() or 0
+        for message in read_topic(kafka, topic, isolation="read_uncommitted", timeout_s=30)
+        if message.key() == key.encode() and message.value() is None
+    ]
 
 
 def _expiry(

@@ -22,7 +22,7 @@ from confluent_kafka import KafkaException, Producer
 from fxstream.ops.platform import Platform, PlatformError
 from fxstream.service.accounts import AccountError, AccountManager
 from fxstream.service.auth import DEFAULT_TOKEN_LIFETIME_S, new_token, token_sha256
-from fxstream.topics import PRODUCER_PARTITIONER, UserRecord, encode, write_secret_file
+from fxstream.topics import UserRecord, encode, write_secret_file
 
 __all__ = ["AddedUser", "UserAddError", "add_user"]
 
@@ -72,7 +72,7 @@ def add_user(
         created_at=now,
         token_expires_at=now + DEFAULT_TOKEN_LIFETIME_S,
     )
-    _write_record(admin.confluent(), catalogue.users, user_id, encode(record), timeout_s)
+    _write_record(admin.confluent_producer(), catalogue.users, user_id, encode(record), timeout_s)
     fields: dict[str, object] = {
         **principal.connection(admin).to_json(),
         "bootstrap_servers": admin.bootstrap,
@@ -91,15 +91,7 @@ def add_user(
 def _write_record(
     settings: dict[str, str | int], topic: str, key: str, value: bytes, timeout_s: float
 ) -> None:
-    producer = Producer(
-        {
-            **settings,
-            "partitioner": PRODUCER_PARTITIONER,
-            "acks": "all",
-            "enable.idempotence": True,
-            "log_level": 2,
-        }
-    )
+    producer = Producer({**settings, "acks": "all", "enable.idempotence": True, "log_level": 2})
     errors: list[str] = []
     producer.produce(
         topic,

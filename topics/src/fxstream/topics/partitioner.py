@@ -92,7 +92,7 @@ def _librdkafka_partition() -> PartitionFunction | None:
     try:
         function = ctypes.CDLL(str(path)).rd_kafka_msg_partitioner_murmur2
     except (OSError, AttributeError) as exc:
-        log.info("librdkafka's murmur2 partitioner not usable (%s): using aiokafka's", exc)
+        log.info("librdkafka's murmur2 partitioner not usable (%s): murmur2 in Python", exc)
         return None
     function.restype = ctypes.c_int32
     # (topic, key, key length, partition count, topic opaque, message opaque): the topic
@@ -114,7 +114,7 @@ def _librdkafka_partition() -> PartitionFunction | None:
     for probe in (b"", b"a", b"ab", b"abc", b"task-0001", bytes(range(256))):
         for count in (1, 3, 4, 7, 100):
             if partition(probe, count) != _python_partition(probe, count):
-                log.warning("librdkafka's murmur2 disagrees with Kafka's: using aiokafka's")
+                log.warning("librdkafka's murmur2 disagrees with Kafka's: murmur2 in Python")
                 return None
     return partition
 

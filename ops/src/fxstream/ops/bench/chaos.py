@@ -48,7 +48,7 @@ from typing import Any
 
 import psutil
 import yaml
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaException, Message, TopicPartition
 from confluent_kafka.admin import AdminClient
 from rich.console import Console
 
@@ -75,6 +75,7 @@ __all__ = [
     "expected_value",
     "private_cluster",
     "read_result_counts",
+    "read_topic",
     "run_chaos_bench",
 ]
 
@@ -544,30 +545,29 @@ class Killer:
 # --- reading the results topic back -----------------------------------------------------------
 
 
-def read_result_counts(
-    cluster: ChaosCluster, task_ids: Sequence[str], timeout_s: float = 60.0
-) -> Counter[str]:
-    """Committed result records per task id on the user's results topic (``read_committed``).
-
-    Only records of ``task_ids`` are counted; the topic is read from the start to its end.
-    """
-    wanted = set(task_ids)
-    topic = cluster.connection.catalogue().results(cluster.credentials.user_id)
+def read_topic(
+    kafka: KafkaConnection,
+    topic: str,
+    *,
+    isolation: str = "read_committed",
+    timeout_s: float = 60.0,
+) -> Iterator[Message]:
+    """Every record of ``topic`` from its start to its end as of the call (an audit: no
+    group offsets committed). Raises :class:`BenchError` if the end is not reached in
+    ``timeout_s``."""
     consumer = Consumer(
         {
-            **cluster.kafka.confluent(),
-            "group.id": f"fxstream-chaos-audit-{time.monotonic_ns()}",
+            **kafka.confluent(),
+            "group.id": f"fxstream-audit-{time.monotonic_ns()}",
             "enable.auto.commit": False,
-            "isolation.level": "read_committed",
+            "isolation.level": isolation,
             "log_level": 0,
         }
     )
-    counts: Counter[str] = Counter()
     try:
         metadata = consumer.list_topics(topic, timeout=10)
-        partitions = list(metadata.topics[topic].partitions)
         ends: dict[int, int] = {}
-        for partition in partitions:
+        for partition in metadata.topics[topic].partitions:
             low, high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=10)
             if high > low:
                 ends[partition] = high
@@ -575,12 +575,8 @@ def read_result_counts(
         deadline = time.monotonic() + timeout_s
         while ends and time.monotonic() < deadline:
             for message in consumer.consume(1000, timeout=0.5):
-                value = message.value()
-                if message.error() is None and value is not None:
-                    with contextlib.suppress(Exception):  # not a result: not ours to count
-                        result = decode(value, TaskResult)
-                        if result.task_id in wanted:
-                            counts[result.task_id] += 1
+                if message.error() is None:
+                    yield message
             # Transaction markers and aborted records take offsets too: the consumer's
             # position, not the last record read, says whether a partition is read.
             for tp in consumer.position([TopicPartition(topic, p) for p in list(ends)]):
@@ -590,6 +586,25 @@ def read_result_counts(
             raise BenchError(f"could not read {topic} to its end in {timeout_s:.0f} s")
     finally:
         consumer.close()
+
+
+def read_result_counts(
+    cluster: ChaosCluster, task_ids: Sequence[str], timeout_s: float = 60.0
+) -> Counter[str]:
+    """Committed result records per task id on the user's results topic (``read_committed``).
+
+    Only records of ``task_ids`` are counted; the topic is read from the start to its end.
+    """
+    wanted = set(task_ids)
+    topic = cluster.connection.catalogue().results(cluster.credentials.user_id)
+    counts: Counter[str] = Counter()
+    for message in read_topic(cluster.kafka, topic, timeout_s=timeout_s):
+        value = message.value()
+        if value is not None:
+            with contextlib.suppress(Exception):  # not a result: not ours to count
+                result = decode(value, TaskResult)
+                if result.task_id in wanted:
+                    counts[result.task_id] += 1
     return counts
 
 
