@@ -109,3 +109,13 @@ def test_cluster_catalogue_replicates_three_ways_with_two_in_sync() -> None:
 def test_min_insync_cannot_exceed_replication() -> None:
     with pytest.raises(ValueError, match="cannot exceed"):
         Catalogue(replication_factor=1, min_insync_replicas=2)
+
+
+def test_busy_compacted_topics_roll_segments_hourly_so_the_cleaner_can_compact() -> None:
+    """Kafka compacts only rolled segments: without segment.ms a compacted topic keeps
+    every superseded state and tombstone for up to a week (or 1 GiB a partition)."""
+    catalogue = Catalogue()
+    for name in ("task-state", "warm", "data-locations"):
+        configs = catalogue.spec(name).kafka_configs(min_insync_replicas=1)
+        assert configs["segment.ms"] == str(3_600_000), name
+    assert "segment.ms" not in catalogue.spec("users").kafka_configs(min_insync_replicas=1)

@@ -628,8 +628,15 @@ def bench_soak(
     max_growth: Annotated[
         float, typer.Option(min=0.0, help="Flat: end at most (1 + this) x post-warm-up RSS.")
     ] = 0.10,
+    task_retention_s: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="The platform's task retention (default a week): finished tasks expire."
+        ),
+    ] = None,
 ) -> None:
-    """RSS of every process (broker, Redis, service, agent, workers, SDK) under steady load."""
+    """RSS and disk of every process (broker, Redis, service, agent, workers, SDK) under
+    steady load."""
     from fxstream.ops.bench.soak import SoakSettings, run_soak_bench
 
     settings = SoakSettings(
@@ -639,6 +646,7 @@ def bench_soak(
         interval_s=interval,
         max_slope_mb=max_slope,
         max_growth=max_growth,
+        task_retention_s=task_retention_s,
     )
     _run_task_bench("soak", settings, run_soak_bench)
 

@@ -52,13 +52,18 @@ class PrivatePlatformError(RuntimeError):
 
 
 def private_config(
-    home: Path, *, cluster_base_port: int | None = None, insecure: bool = False
+    home: Path,
+    *,
+    cluster_base_port: int | None = None,
+    insecure: bool = False,
+    settings: Mapping[str, int] | None = None,
 ) -> PlatformConfig:
     """A platform config in ``home`` on free ports, also written to ``home/fxstream.toml``.
 
     The TOML file lets a subprocess (the real CLI) find the same platform with only
     ``FXSTREAM_HOME`` set. Every process started from it dies with the caller. The platform
     is the secure one unless ``insecure`` (the benches' plain comparison only).
+    ``settings`` are more of the file's integer settings (e.g. ``task_retention_s``).
     """
     kafka, controller, redis, service = free_ports(4)
     home.mkdir(parents=True, exist_ok=True)
@@ -72,6 +77,7 @@ def private_config(
         lines.append(f"cluster_base_port = {cluster_base_port}")
     if insecure:
         lines.append("insecure = true")
+    lines.extend(f"{name} = {int(value)}" for name, value in (settings or {}).items())
     (home / "fxstream.toml").write_text("\n".join(lines) + "\n")
     return PlatformConfig.load(env={}, home=home, tie_to_caller=True)
 

@@ -61,6 +61,11 @@ class TopicSpec:
     retention_ms: int
     max_message_bytes: int = 1_048_576
     template_field: str | None = None
+    # Kafka's segment.ms: how often the active segment rolls. Only a rolled segment is
+    # compacted (or deleted), so a compacted topic written all the time sets it; Kafka's
+    # default (7 days, or 1 GiB a partition) would keep every superseded record and
+    # tombstone that long.
+    segment_ms: int | None = None
 
     @property
     def is_template(self) -> bool:
@@ -74,7 +79,7 @@ class TopicSpec:
             "retention.ms": str(self.retention_ms),
             "max.message.bytes": str(self.max_message_bytes),
             "min.insync.replicas": str(min_insync_replicas),
-        }
+        } | ({} if self.segment_ms is None else {"segment.ms": str(self.segment_ms)})
 
 
 USERS = TopicSpec(
@@ -167,6 +172,7 @@ WARM = TopicSpec(
     cleanup_policy=CleanupPolicy.COMPACT,
     partitions=4,
     retention_ms=-1,
+    segment_ms=HOUR_MS,
 )
 DATA_LOCATIONS = TopicSpec(
     name="data-locations",
@@ -177,6 +183,7 @@ DATA_LOCATIONS = TopicSpec(
     cleanup_policy=CleanupPolicy.COMPACT,
     partitions=4,
     retention_ms=-1,
+    segment_ms=HOUR_MS,
 )
 RESULTS = TopicSpec(
     name="results.{user_id}",
@@ -198,6 +205,7 @@ TASK_STATE = TopicSpec(
     cleanup_policy=CleanupPolicy.COMPACT,
     partitions=8,
     retention_ms=-1,
+    segment_ms=HOUR_MS,
 )
 TASK_EVENTS = TopicSpec(
     name="task-events",

@@ -17,6 +17,14 @@ A process is flat when ``slope <= max_slope_mb`` and ``ratio <= 1 + max_growth``
 end, the first task of the run is read back from the service (``get_task``): a view that
 bounds its memory must still answer for a task long evicted from its cache.
 
+Disk is sampled beside memory (``disk``): the size of each process's on-disk task
+tables (RocksDB, :mod:`fxstream.service.task_table`) and of the broker's ``task-state``
+partitions. With ``task_retention_s`` (the platform's task retention, default a week)
+set shorter than the run, finished tasks expire during it (docs/lifecycle.md
+"Retention"): the tables should then stop growing once the first tasks expire, and the
+first task of the run is expected to be gone when it is read back (``expired``). The
+broker's log shrinks only when a segment rolls and its cleaner compacts it.
+
 To tell a leak from memory the allocator keeps, the report also holds the SDK's own heap
 figures at each sample (``sdk_heap``: Python's allocated blocks, the objects the
 collector tracks, glibc's heap in use and free) and every service's ``memory:`` log
@@ -30,10 +38,12 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -50,9 +60,10 @@ from fxstream.ops.bench.stack import (
     private_platform,
 )
 from fxstream.ops.platform import Platform
-from fxstream.sdk import Client, Executor, TaskFuture
+from fxstream.sdk import Client, Executor, NotFound, TaskFuture
 from fxstream.sdk.heap import trim_count
 from fxstream.service.memory_report import MemoryReport
+from fxstream.service.task_table import TABLE_DIR_PREFIX
 
 __all__ = ["ProcessFigures", "SoakSettings", "judge", "run_soak_bench", "slope_per_10min"]
 
@@ -71,6 +82,7 @@ class SoakSettings:
     interval_s: float = 10.0
     max_slope_mb: float = 5.0
     max_growth: float = 0.10
+    task_retention_s: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the option that is out of range."""
@@ -87,6 +99,14 @@ class SoakSettings:
             raise ValueError("--interval must be positive")
         if self.minutes * 60 / self.interval_s < 6:
             raise ValueError("--interval too long for --minutes: fewer than 6 samples")
+        if self.task_retention_s is not None and self.task_retention_s < 1:
+            raise ValueError("--task-retention-s must be at least 1 second")
+
+    def platform_settings(self) -> dict[str, int]:
+        """The private platform's settings this run asks for (``fxstream.toml``)."""
+        if self.task_retention_s is None:
+            return {}
+        return {"task_retention_s": self.task_retention_s}
 
 
 @dataclass
@@ -164,6 +184,33 @@ def _walk(platform: Platform) -> Iterator[tuple[str, int, int]]:
             continue
 
 
+def _tree_bytes(directory: Path) -> int:
+    """Bytes of the regular files below ``directory`` (files vanishing meanwhile skipped)."""
+    total = 0
+    for path in directory.rglob("*"):
+        try:
+            if path.is_file():
+                total += path.stat().st_size
+        except OSError:
+            continue
+    return total
+
+
+def _disk(platform: Platform) -> Iterator[tuple[str, int]]:
+    """``(label, bytes)``: the on-disk task tables of every platform process, and the
+    broker's ``task-state`` partitions."""
+    temp = Path(tempfile.gettempdir())
+    for label, process in platform_processes(platform):
+        tables = list(temp.glob(f"{TABLE_DIR_PREFIX}{process.pid}-*"))
+        if tables:
+            yield f"{label}: task tables", sum(_tree_bytes(table) for table in tables)
+    prefix = platform.config.topic_prefix + "task-state-"
+    for node in platform.nodes(cluster=False):
+        partitions = [d for d in node.data_dir.glob(f"{prefix}*") if d.is_dir()]
+        if partitions:
+            yield f"broker: {prefix}* logs", sum(_tree_bytes(d) for d in partitions)
+
+
 # --- the run -------------------------------------------------------------------------------
 
 
@@ -196,6 +243,7 @@ class _Samples:
     rss: dict[str, dict[int, float]] = field(default_factory=dict)  # label -> index -> MB
     pids: dict[str, list[int]] = field(default_factory=dict)
     backlog: list[int] = field(default_factory=list)
+    disk: dict[str, dict[int, float]] = field(default_factory=dict)  # label -> index -> MB
     # This process's (the SDK's) heap figures at each sample (fxstream.service.memory_report).
     sdk_heap: list[dict[str, int]] = field(default_factory=list)
     _report: MemoryReport = field(default_factory=lambda: MemoryReport(trim=False))
@@ -212,10 +260,38 @@ class _Samples:
             pids = self.pids.setdefault(label, [])
             if pid not in pids:
                 pids.append(pid)
+        for label, size in _disk(platform):
+            self.disk.setdefault(label, {})[index] = size / MB
 
     def series(self, label: str) -> list[tuple[float, float | None]]:
         values = self.rss[label]
         return [(t, values.get(i)) for i, t in enumerate(self.times)]
+
+    def disk_figures(self) -> list[dict[str, Any]]:
+        """Per disk label: first, max and end MB, the slope over the run's second half,
+        and every sample (None where absent)."""
+        half_s = self.times[-1] / 2 if self.times else 0.0
+        figures = []
+        for label, values in self.disk.items():
+            present = [(t, values[i]) for i, t in enumerate(self.times) if i in values]
+            if not present:
+                continue
+            figures.append(
+                {
+                    "label": label,
+                    "first_mb": round(present[0][1], 1),
+                    "max_mb": round(max(v for _, v in present), 1),
+                    "end_mb": round(present[-1][1], 1),
+                    "slope_mb_per_10min": round(
+                        slope_per_10min([(t, v) for t, v in present if t >= half_s]), 2
+                    ),
+                    "series_mb": [
+                        None if (v := values.get(i)) is None else round(v, 1)
+                        for i in range(len(self.times))
+                    ],
+                }
+            )
+        return figures
 
 
 def _load(
@@ -256,7 +332,7 @@ def _load(
         load_s = time.monotonic() - start
         samples.take(platform, load_s, counts.submitted - counts.finished)
         drained = _drain(executor, counts)
-        first_state = _read_back(private, first_task)
+        first_state = _read_back(private, first_task, expect_expired=_expired(settings, start))
     return {
         "submitted": counts.submitted,
         "succeeded": counts.succeeded,
@@ -287,16 +363,28 @@ def _drain(executor: Executor, counts: _Counts) -> float:
     return round(time.monotonic() - start, 1)
 
 
-def _read_back(private: PrivatePlatform, first: TaskFuture | None) -> str:
-    """The service's state of the run's first task (asked over REST, not the future)."""
+def _expired(settings: SoakSettings, start: float) -> bool:
+    """Whether the run's first task should have expired by now (with a margin of a
+    minute for the expiry's own schedule)."""
+    retention = settings.task_retention_s
+    return retention is not None and time.monotonic() - start > retention + 60
+
+
+def _read_back(private: PrivatePlatform, first: TaskFuture | None, *, expect_expired: bool) -> str:
+    """The service's state of the run's first task (asked over REST, not the future):
+    its state, or ``expired`` when the service no longer knows it."""
     if first is None:
         return "none submitted"
     client: Client = private.client()
+    wanted = "expired" if expect_expired else "succeeded"
     try:
         deadline = time.monotonic() + 30
         while True:
-            state = str(client.get_task(first.task_id).get("state"))
-            if state == "succeeded" or time.monotonic() > deadline:
+            try:
+                state = str(client.get_task(first.task_id).get("state"))
+            except NotFound:
+                state = "expired"
+            if state == wanted or time.monotonic() > deadline:
                 return state
             time.sleep(0.5)
     finally:
@@ -342,6 +430,22 @@ def _print_table(console: Console, figures: list[ProcessFigures], settings: Soak
     wide.print(table)
 
 
+def _print_disk(console: Console, disk: list[dict[str, Any]]) -> None:
+    table = Table(title="Disk: on-disk task tables and the broker's task-state log (MB)")
+    for column in ("where", "first", "max", "end", "slope MB/10 min (2nd half)"):
+        table.add_column(column, justify="left" if column == "where" else "right")
+    for d in disk:
+        table.add_row(
+            d["label"],
+            f"{d['first_mb']:,.1f}",
+            f"{d['max_mb']:,.1f}",
+            f"{d['end_mb']:,.1f}",
+            f"{d['slope_mb_per_10min']:+.1f}",
+        )
+    wide = console if console.is_terminal else Console(file=console.file, width=150)
+    wide.print(table)
+
+
 def _memory_lines(platform: Platform) -> dict[str, list[str]]:
     """Each service's ``memory:`` log lines (:mod:`fxstream.service.memory_report`), read
     before the platform's home goes: where its RSS went, Python's heap or the allocator's
@@ -363,11 +467,16 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
     settings.validate()
     started = time.perf_counter()
     samples = _Samples()
-    with private_platform(console, services=True) as private:
+    with private_platform(console, services=True, settings=settings.platform_settings()) as private:
         platform = Platform(private.config)
+        retention = (
+            f", task retention {settings.task_retention_s:,} s"
+            if settings.task_retention_s is not None
+            else ""
+        )
         console.print(
-            f"soak: {settings.rate:,} tasks/s for {settings.minutes:g} min, RSS every "
-            f"{settings.interval_s:g} s"
+            f"soak: {settings.rate:,} tasks/s for {settings.minutes:g} min, RSS and disk "
+            f"every {settings.interval_s:g} s{retention}"
         )
         load = _load(console, private, platform, settings, samples)
         memory_lines = _memory_lines(platform)
@@ -378,6 +487,8 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
         is not None
     ]
     _print_table(console, figures, settings)
+    disk = samples.disk_figures()
+    _print_disk(console, disk)
     flat = all(f.flat for f in figures)
     report: dict[str, Any] = {
         "bench": "soak",
@@ -390,6 +501,7 @@ def run_soak_bench(*, console: Console, settings: SoakSettings) -> dict[str, Any
         "sample_times_s": samples.times,
         "backlog": samples.backlog,
         "processes": [asdict(f) for f in figures],
+        "disk": disk,
         "sdk_heap": samples.sdk_heap,
         "memory_lines": memory_lines,
         "wall_s": round(time.perf_counter() - started, 1),

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, as_completed
 from contextlib import contextmanager
 from pathlib import Path
@@ -186,13 +186,18 @@ def sigterm_as_exit() -> Iterator[None]:
 
 @contextmanager
 def private_platform(
-    console: Console, *, services: bool, insecure: bool = False
+    console: Console,
+    *,
+    services: bool,
+    insecure: bool = False,
+    settings: Mapping[str, int] | None = None,
 ) -> Iterator[PrivatePlatform]:
     """A platform of our own in a temporary home (:mod:`fxstream.ops.private`), started
     under a spinner and stopped (every process) after the block.
 
     Without ``services`` only the broker and Redis run. It is the secure platform unless
     ``insecure`` (PLAINTEXT Kafka, no credentials: only for the ``secure_vs_plain`` figures).
+    ``settings`` are platform settings of ``fxstream.toml`` (e.g. ``task_retention_s``).
     """
     what = (
         "a private platform (broker, Redis, service, local endpoint)"
@@ -203,7 +208,7 @@ def private_platform(
         what = f"{what}, INSECURE for the comparison"
     with sigterm_as_exit(), tempfile.TemporaryDirectory(prefix="fxstream-bench-") as directory:
         home = Path(directory)
-        platform = Platform(private_config(home, insecure=insecure))
+        platform = Platform(private_config(home, insecure=insecure, settings=settings))
         started = None
         try:
             with console.status(f"[bold]starting {what}") as status:
