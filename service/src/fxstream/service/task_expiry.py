@@ -58,6 +58,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_RETENTION_S = 7 * 24 * 3600.0
+# The expiry consumer's prefetch bound, in KiB (librdkafka's queued.max.messages.kbytes).
+EXPIRY_PREFETCH_KB = 4096
 """How long a finished task stays in task-state by default: as long as its result."""
 RETENTION_ENV = "FXSTREAM_TASK_RETENTION_S"
 """The environment variable that sets the retention period, in seconds."""
@@ -194,6 +196,10 @@ class TaskExpiry:
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
+                # Prefetch little: a partition paused at a young record drops what was
+                # fetched past it, and librdkafka's default (64 MiB queued) held about
+                # 90 MB of the process's heap for that (docs/benchmarks.md, soak).
+                "queued.max.messages.kbytes": EXPIRY_PREFETCH_KB,
                 "log_level": 3,
             }
         )

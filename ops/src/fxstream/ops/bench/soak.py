@@ -185,12 +185,14 @@ def _walk(platform: Platform) -> Iterator[tuple[str, int, int]]:
 
 
 def _tree_bytes(directory: Path) -> int:
-    """Bytes of the regular files below ``directory`` (files vanishing meanwhile skipped)."""
+    """Bytes of disk the regular files below ``directory`` take (blocks allocated, so
+    Kafka's preallocated, sparse index files count what they use; files vanishing
+    meanwhile skipped)."""
     total = 0
     for path in directory.rglob("*"):
         try:
             if path.is_file():
-                total += path.stat().st_size
+                total += path.stat().st_blocks * 512
         except OSError:
             continue
     return total
