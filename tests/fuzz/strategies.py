@@ -23,6 +23,7 @@ from fxstream.topics import (
     SCHEMA_VERSIONS,
     Heartbeat,
     Record,
+    RoutingKeys,
     TaskDispatch,
     TaskLease,
     TaskResult,
@@ -60,6 +61,7 @@ BAD_KINDS = (
     "huge-id",
     "invalid-id",
     "non-finite",
+    "huge-stamp",
 )
 
 # Longer than any id or text limit of the schemas (ids: 128, texts: 65,536).
@@ -92,6 +94,10 @@ class FuzzRecord:
     timestamp: int = 0
 
 
+# The samples' routing stamps are made with a key of their own (no test shares it).
+SAMPLE_KEYS = RoutingKeys.generate()
+
+
 def new_id() -> str:
     """A fresh uuid4, as fxstream issues ids."""
     return str(uuid.uuid4())
@@ -122,17 +128,21 @@ def valid_submission(
 
 
 def valid_result(*, user_id: str, task_id: str | None = None) -> TaskResult:
-    """A well-formed success result."""
+    """A well-formed success result, stamped as routed (with :data:`SAMPLE_KEYS`)."""
+    task_id, function_id, endpoint_id = task_id or new_id(), new_id(), new_id()
     return TaskResult(
-        task_id=task_id or new_id(),
+        task_id=task_id,
         user_id=user_id,
-        function_id=new_id(),
-        endpoint_id=new_id(),
+        function_id=function_id,
+        endpoint_id=endpoint_id,
         task_group_id=new_id(),
         outcome="success",
         value=b"a value",
         worker="host:1",
         timings=TaskTimings(submitted_at=time.time(), finished_at=time.time()),
+        routing_stamp=SAMPLE_KEYS.stamp(
+            task_id=task_id, endpoint_id=endpoint_id, user_id=user_id, function_id=function_id
+        ),
     )
 
 
@@ -156,7 +166,8 @@ def valid_heartbeat(*, endpoint_id: str | None = None) -> Heartbeat:
 
 
 def valid_dispatch(submission: TaskSubmission) -> TaskDispatch:
-    """A well-formed dispatch of ``submission``, as the router writes it."""
+    """A well-formed dispatch of ``submission``, as the router writes it (stamped with
+    :data:`SAMPLE_KEYS`, which no service holds)."""
     return TaskDispatch(
         task_id=submission.task_id,
         endpoint_id=submission.endpoint_id,
@@ -164,6 +175,12 @@ def valid_dispatch(submission: TaskSubmission) -> TaskDispatch:
         function_sha256=submission.function_sha256,
         routed_at=time.time(),
         submission=encode(submission),
+        routing_stamp=SAMPLE_KEYS.stamp(
+            task_id=submission.task_id,
+            endpoint_id=submission.endpoint_id,
+            user_id=submission.user_id,
+            function_id=submission.function_id,
+        ),
     )
 
 
@@ -282,6 +299,13 @@ def _non_finite(draw: st.DrawFn, record: Record) -> BadValue:
 
 
 @st.composite
+def _huge_stamp(draw: st.DrawFn, record: Record) -> BadValue:
+    fields = _as_map(record)
+    fields["routing_stamp"] = draw(st.sampled_from(["v1.k." + "A" * 59, "x" * HUGE]))
+    return BadValue("huge-stamp", _pack(fields))
+
+
+@st.composite
 def _wrong_kind(draw: st.DrawFn, record: Record) -> BadValue:
     fields = _as_map(record)
     own = fields["kind"]
@@ -330,6 +354,7 @@ _not_a_map = st.one_of(
 
 def bad_values(record: Record) -> st.SearchStrategy[BadValue]:
     """Every kind of bad value, most of them derived from ``record`` (a valid one)."""
+    stamped = [_huge_stamp(record)] if "routing_stamp" in _as_map(record) else []
     return st.one_of(
         st.just(BadValue("tombstone", None)),
         st.just(BadValue("empty", b"")),
@@ -346,6 +371,7 @@ def bad_values(record: Record) -> st.SearchStrategy[BadValue]:
         _huge_id(record),
         _invalid_id(record),
         _non_finite(record),
+        *stamped,
     )
 
 

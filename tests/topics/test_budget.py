@@ -14,7 +14,10 @@ from fxstream.topics import (
     Catalogue,
     DeadLetter,
     DeadLetterReason,
+    RecordDecodeError,
     RecordTooLarge,
+    RoutingKey,
+    TaskDispatch,
     TaskError,
     TaskResult,
     TaskState,
@@ -28,22 +31,36 @@ from fxstream.topics import (
     fits,
     producer_message_max_bytes,
     record_bytes,
+    routing_stamp,
     truncate_utf8,
     truncate_utf8_tail,
     utf8_len,
 )
 from fxstream.topics.budget import (
+    DISPATCH_OVERHEAD_BYTES,
     ERROR_MESSAGE_MAX_BYTES,
     OUTPUT_MAX_BYTES,
     TRACEBACK_MAX_BYTES,
+    max_submission_bytes,
 )
-from fxstream.topics.records import LATENCY_BUCKETS
+from fxstream.topics.records import LATENCY_BUCKETS, LATEST_TIMESTAMP
+from fxstream.topics.routing_stamp import MAX_KEY_ID_CHARS, ROUTING_STAMP_MAX_CHARS
 
 CATALOGUE = Catalogue()
 RESULTS = CATALOGUE.spec("results.{user_id}")
 TASK_STATE = CATALOGUE.spec("task-state")
 DEAD_LETTER = CATALOGUE.spec("dead-letter")
+QUEUE = CATALOGUE.spec("tasks.ep.{endpoint_id}")
 TASK = "7d1c1f44-3b55-4f2a-9d0e-4c1f1f0e2a11"
+# The longest stamp a record may carry: the longest key id (results and events carry
+# the dispatch's stamp, so every budget must leave room for it).
+LONGEST_STAMP = routing_stamp(
+    RoutingKey("k" * MAX_KEY_ID_CHARS, b"s" * 32),
+    task_id=TASK,
+    endpoint_id="e-1",
+    user_id="u-1",
+    function_id="f-1",
+)
 EMOJI = "\U0001f600"
 
 
@@ -71,6 +88,7 @@ def _result(
         error=error,
         attempt=attempts + 1,
         earlier_attempts=earlier,
+        routing_stamp=LONGEST_STAMP,
     )
 
 
@@ -107,6 +125,74 @@ def test_headers_count_against_the_topic() -> None:
     value = b"x" * (RESULTS.max_message_bytes - 2000)
     assert fits(RESULTS, b"k", value)
     assert not fits(RESULTS, b"k", value, [("trace", b"t" * 2000)])
+
+
+def test_the_longest_stamp_is_the_schemas_bound() -> None:
+    assert len(LONGEST_STAMP) == ROUTING_STAMP_MAX_CHARS
+    # One character more is refused by the schema, wherever the stamp is carried.
+    with pytest.raises(RecordDecodeError, match="routing_stamp"):
+        decode(encode(msgspec.structs.replace(_result(), routing_stamp="x" * 64)), TaskResult)
+
+
+ids = st.integers(min_value=1, max_value=128).map(lambda n: "a" * n)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    task=ids,
+    endpoint=ids,
+    user=ids,
+    stamp_chars=st.integers(min_value=0, max_value=ROUTING_STAMP_MAX_CHARS),
+    attempt=st.one_of(st.just(1), st.integers(min_value=1, max_value=2**63 - 1)),
+    routed_at=st.floats(min_value=0, max_value=LATEST_TIMESTAMP),
+    # Across msgpack's bin8, bin16 and bin32 headers.
+    submission_bytes=st.sampled_from([0, 1, 255, 256, 65_535, 65_536, 1_000_000]),
+)
+def test_a_dispatch_adds_at_most_its_overhead_around_the_submission(
+    task: str,
+    endpoint: str,
+    user: str,
+    stamp_chars: int,
+    attempt: int,
+    routed_at: float,
+    submission_bytes: int,
+) -> None:
+    """What the SDK, the trigger and dependencies processors leave room for
+    (max_submission_bytes) covers every dispatch the router can write: the longest ids,
+    stamp, attempt and timestamp, whatever the submission's size."""
+    dispatch = TaskDispatch(
+        task_id=task,
+        endpoint_id=endpoint,
+        user_id=user,
+        function_sha256="0" * 64,
+        routed_at=routed_at,
+        attempt=attempt,
+        submission=b"s" * submission_bytes,
+        routing_stamp="v" * stamp_chars,
+    )
+    assert len(encode(dispatch)) - submission_bytes <= DISPATCH_OVERHEAD_BYTES
+
+
+@settings(max_examples=30, deadline=None)
+@given(key_chars=st.integers(min_value=1, max_value=128), header_bytes=st.integers(0, 100_000))
+def test_the_largest_submission_the_sdk_sends_fits_the_queue_once_stamped(
+    key_chars: int, header_bytes: int
+) -> None:
+    key = ("t" * key_chars).encode()
+    headers = [("trace", b"h" * header_bytes)] if header_bytes else []
+    room = max_submission_bytes(CATALOGUE, key, headers)
+    longest = "a" * 128
+    dispatch = TaskDispatch(
+        task_id=longest,
+        endpoint_id=longest,
+        user_id=longest,
+        function_sha256="0" * 64,
+        routed_at=LATEST_TIMESTAMP,
+        attempt=1,
+        submission=b"s" * room,
+        routing_stamp=LONGEST_STAMP,
+    )
+    assert fits(QUEUE, key, encode(dispatch), headers)
 
 
 def test_producers_let_through_every_record_some_topic_accepts() -> None:

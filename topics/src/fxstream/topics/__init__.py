@@ -9,6 +9,7 @@
 - :mod:`~fxstream.topics.serialize`: how code, arguments and results are encoded in payloads.
 - :mod:`~fxstream.topics.parents`: task DAGs: the placeholder for a parent task's result.
 - :mod:`~fxstream.topics.staging`: staged files (``stage_in``, ``stage_out``): URLs and bounds.
+- :mod:`~fxstream.topics.routing_stamp`: the router's HMAC routing stamps, their keys and key file.
 """
 
 from fxstream.topics.budget import (
@@ -98,6 +99,18 @@ from fxstream.topics.records import (
     record_kind,
     task_state_glance,
 )
+from fxstream.topics.routing_stamp import (
+    ROUTING_KEYS_ENV,
+    ROUTING_KEYS_FILE_NAME,
+    ROUTING_STAMP_MAX_CHARS,
+    RoutingKey,
+    RoutingKeys,
+    RoutingStampError,
+    ensure_routing_keys,
+    read_routing_keys,
+    routing_stamp,
+    write_routing_keys,
+)
 from fxstream.topics.serialize import (
     PAYLOAD_HEADER_LENGTH,
     PAYLOAD_MAGIC,
@@ -142,6 +155,9 @@ __all__ = [
     "PAYLOAD_HEADER_LENGTH",
     "PAYLOAD_MAGIC",
     "PRODUCER_PARTITIONER",
+    "ROUTING_KEYS_ENV",
+    "ROUTING_KEYS_FILE_NAME",
+    "ROUTING_STAMP_MAX_CHARS",
     "SCHEMA_VERSIONS",
     "STAGE_SCHEMES",
     "Attempt",
@@ -181,6 +197,9 @@ __all__ = [
     "RecordDecodeError",
     "RecordTooLarge",
     "ResourceSpecification",
+    "RoutingKey",
+    "RoutingKeys",
+    "RoutingStampError",
     "SerializationError",
     "Serializer",
     "StageItem",
@@ -221,6 +240,7 @@ __all__ = [
     "decode_any",
     "describe_exception",
     "encode",
+    "ensure_routing_keys",
     "ensure_topics",
     "explain_load_failure",
     "fit_result",
@@ -235,16 +255,19 @@ __all__ = [
     "parse_stage_url",
     "payload_references",
     "producer_message_max_bytes",
+    "read_routing_keys",
     "read_secret_json",
     "record_bytes",
     "record_kind",
     "register_strategy",
     "registered_strategies",
+    "routing_stamp",
     "strategy_of",
     "task_state_glance",
     "truncate_utf8",
     "truncate_utf8_tail",
     "utf8_len",
     "wrap_references",
+    "write_routing_keys",
     "write_secret_file",
 ]

@@ -152,9 +152,11 @@ def fits(
     return record_bytes(key, value, headers) <= limit_of(topic)
 
 
-DISPATCH_OVERHEAD_BYTES: Final = 640
+DISPATCH_OVERHEAD_BYTES: Final = 704
 """What the router's dispatch adds around the submission it carries (its routing fields:
-ids, the submitter and the code digest: 283 bytes with UUIDs, 559 with 128-character ids)."""
+ids, the submitter, the code digest and the routing stamp: about 360 bytes with UUIDs, at
+most 649 with 128-character ids, the longest stamp and the largest attempt number, the
+submission's msgpack header included; ``tests/topics/test_budget.py`` checks the bound)."""
 
 
 def max_submission_bytes(catalogue: Catalogue, key: bytes, headers: Headers | None = None) -> int:

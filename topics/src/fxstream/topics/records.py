@@ -24,6 +24,7 @@ import msgspec
 from msgspec import Meta
 
 from fxstream.topics.parents import MAX_PARENTS
+from fxstream.topics.routing_stamp import ROUTING_STAMP_MAX_CHARS
 from fxstream.topics.staging import MAX_STAGE_ITEMS, StageItem
 
 __all__ = [
@@ -132,6 +133,17 @@ Tags = Annotated[
         "queries (GET /v1/tasks?tag=key:value); set once, at submission; at most 8, keys "
         "of 1-32 letters, digits, '_', '.' or '-', values of 1-64 characters without "
         "control characters",
+    ),
+]
+
+
+RoutingStamp = Annotated[
+    str,
+    Meta(
+        max_length=ROUTING_STAMP_MAX_CHARS,
+        description="the router's routing stamp of the task (fxstream.topics.routing_stamp): "
+        "set on the dispatch, copied unchanged by the agent into the task's results and "
+        "events, verified by the ingress; empty from an older router or agent",
     ),
 ]
 
@@ -453,6 +465,10 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
     them: the router adds routing facts around them and never re-encodes arguments.
     ``user_id`` and ``function_sha256`` are the router's: the agent trusts them (only
     the service may write an endpoint queue), not the submission's own fields.
+    ``routing_stamp`` (:mod:`fxstream.topics.routing_stamp`) authenticates the task's
+    routing (task, endpoint, user, function) under the service's key; the agent cannot
+    check it (it holds no key) and copies it into each result and event of the task, where
+    the ingress does.
     """
 
     v: SchemaVersion = 2
@@ -467,6 +483,7 @@ class TaskDispatch(Record, tag="dispatch", kw_only=True, frozen=True):
     routed_at: Timestamp
     attempt: Annotated[int, Meta(ge=1, description="1 for the first delivery")] = 1
     submission: Annotated[bytes, Meta(description="an encoded TaskSubmission record")]
+    routing_stamp: RoutingStamp = ""
 
 
 class TaskCancel(Record, tag="cancel", kw_only=True, frozen=True):
@@ -586,7 +603,14 @@ class Attempt(msgspec.Struct, kw_only=True, frozen=True):
 
 
 class TaskResult(Record, tag="result", kw_only=True, frozen=True):
-    """The outcome of one attempt of a task (topic ``results.<user_id>``, key: task id)."""
+    """The outcome of one attempt of a task (topic ``results.<user_id>``, key: task id).
+
+    An agent writes it to its ``from.ep.<endpoint>`` with its dispatch's
+    ``routing_stamp``; the ingress forwards it (bytes unchanged) only if the stamp is the
+    router's for this task, endpoint, user and function. The router's and the
+    dependencies processor's own results (written straight to ``results.<user>``) carry
+    none.
+    """
 
     task_id: Id
     user_id: Id
@@ -625,6 +649,7 @@ class TaskResult(Record, tag="result", kw_only=True, frozen=True):
         ),
     ] = ""
     stderr: Annotated[str, Meta(description="the same for sys.stderr")] = ""
+    routing_stamp: RoutingStamp = ""
 
 
 class TaskStateName(enum.StrEnum):
@@ -668,10 +693,12 @@ class TaskState(Record, tag="task-state", kw_only=True, frozen=True):
 class TaskEvent(Record, tag="task-event", kw_only=True, frozen=True):
     """A lifecycle step other than the result (topic ``task-events``, key: task id).
 
-    Written by agents (``retrying``, ``cancelled``) and the liveness processor
+    Written by agents (``retrying``, ``cancelled``), with their dispatch's
+    ``routing_stamp`` (checked by the ingress, as a result's), and the liveness processor
     (``running`` while an agent's heartbeats lease the task, ``waiting-for-endpoint``
-    once that agent is lost); the task-state processor applies it to the task's
-    state if the lifecycle allows the step, and dead-letters it if not.
+    once that agent is lost; no stamp: it writes ``task-events`` itself); the task-state
+    processor applies it to the task's state if the lifecycle allows the step, and
+    dead-letters it if not.
     """
 
     task_id: Id
@@ -686,6 +713,7 @@ class TaskEvent(Record, tag="task-event", kw_only=True, frozen=True):
         Attempt | None, Meta(description="the attempt this step ends or starts, with its error")
     ] = None
     reason: Text = ""
+    routing_stamp: RoutingStamp = ""
 
 
 class HeldTask(Record, tag="held-task", kw_only=True, frozen=True):
