@@ -23,6 +23,7 @@ from fxstream.service.router import COMPONENT, Router
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
+    RoutingKeys,
     TaskDispatch,
     TaskState,
     TaskStateName,
@@ -58,6 +59,8 @@ FUZZ = settings(
 UNROUTABLE = ("unknown-function", "unknown-endpoint", "stale-digest", "huge-payload")
 # On the user's own topic but naming another user: dead-lettered, never a state of theirs.
 FORGED = ("foreign-user",)
+# The router's routing keys, this module's own.
+KEYS = RoutingKeys.generate()
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +81,7 @@ def router(
     """A started router on the fuzz deployment."""
     kafka = kafka_platform.kafka
     view = RegistryView(kafka, fuzz_catalogue, follow=("users", "functions", "endpoints"))
-    router = Router(fuzz_catalogue, view, TopicDirectory(kafka), catch_up_s=0.5)
+    router = Router(fuzz_catalogue, view, TopicDirectory(kafka), keys=KEYS, catch_up_s=0.5)
     loop.run_until_complete(router.start())
     assert view.user(registry.user_id) is not None
     assert view.endpoint(registry.endpoint_id) is not None
@@ -159,6 +162,15 @@ def test_fuzz_router_plan(
         dispatched = [decode(d.value, TaskDispatch) for d in plan.dispatches]
         assert all(d.topic == queue for d in plan.dispatches)
         assert sorted(d.task_id for d in dispatched) == sorted(g.task_id for g in goods)
+        by_id = {g.task_id: g for g in goods}
+        for d in dispatched:  # each stamped: the routing of its task, under the router's key
+            KEYS.verify(
+                d.routing_stamp,
+                task_id=d.task_id,
+                endpoint_id=d.endpoint_id,
+                user_id=d.user_id,
+                function_id=by_id[d.task_id].function_id,
+            )
         states = [decode(r.value, TaskState) for r in plan.first if r.topic == catalogue.task_state]
         rejected = {s.task_id for s in states if s.state == TaskStateName.REJECTED}
         for record, value in bad.values():

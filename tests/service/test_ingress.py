@@ -1,136 +1,314 @@
-"""The ingress decides from what task-state held when a result arrived, never from less.
+"""The ingress forwards a task's result or event only with the router's routing stamp of it.
 
-Found by the 1-hour soak (`./fx bench soak --rate 350`): once the machine was
-saturated, the ingress's task-state view fell more than its 2 s catch-up budget
-behind, and the ingress dead-lettered valid results as ``NotRoutedHere`` (808 in
-four minutes): their tasks never completed. A lagging view must delay the
-decision, not turn it into a refusal.
+A result (or task event) on ``from.ep.<E>`` is forwarded only when its ``routing_stamp``
+is the router's HMAC of (its task, ``E``, its user, its function) under a key the
+ingress holds; anything else is dead-lettered ``NotRoutedHere`` saying what is wrong, and
+forwarded nowhere. The ingress follows no task-state: nothing here writes any.
 
-Here the lag is made certain, not raced for: the task's ``routed`` state is written
-inside a transaction left open, so the (read_committed) view cannot read it until
-the test commits. The real broker, topics and view; the ingress is driven directly.
+The real broker and topics throughout: the first tests drive the ingress planner
+directly (its results-topic lookups are the broker's), the last runs the ingress
+processor (a subprocess reading its keys from ``FXSTREAM_ROUTING_KEYS``) and reads what
+it committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
-from confluent_kafka import Producer
-from confluent_kafka.admin import NewTopic
 
 from fxstream.service.ingress import Ingress
-from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
     DeadLetter,
     DeadLetterReason,
+    RoutingKeys,
+    TaskEvent,
     TaskResult,
-    TaskState,
     TaskStateName,
     TaskTimings,
     decode,
     encode,
+    ensure_topics,
 )
 from tests.conftest import RunningPlatform
+from tests.e2e.stack import committed_records
 from tests.service.test_lifecycle import Record
+from tests.service.test_router import Deployment, Processors, decoded, key_is
 
-# The view is waited for this long before the wait is logged as a lag (kept short here so
-# the old behaviour, deciding when this budget ran out, would show within the test).
-CATCH_UP_S = 0.05
-HELD_OPEN_S = 1.5
+KEYS = RoutingKeys.generate()  # the service's keys in this module (never a default)
+USER, OTHER_USER = f"u-{uuid.uuid4().hex[:8]}", f"u-{uuid.uuid4().hex[:8]}"
+FUNCTION, ENDPOINT, OTHER_ENDPOINT = "fn-1", "ep-1", "ep-2"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def loop() -> Iterator[asyncio.AbstractEventLoop]:
     loop = asyncio.new_event_loop()
     yield loop
     loop.close()
 
 
-def _result(task_id: str, user: str, function: str, endpoint: str) -> TaskResult:
+@pytest.fixture(scope="module")
+def results_topics(kafka_platform: RunningPlatform, catalogue: Catalogue) -> None:
+    """``results.<USER>`` exists (``OTHER_USER`` has none); deleted with the module's prefix."""
+    # ensure_topics waits until the broker's metadata shows it, as the API does.
+    report = ensure_topics(
+        kafka_platform.admin(),
+        catalogue,
+        {catalogue.results(USER): catalogue.spec("results.{user_id}")},
+    )
+    assert report.ok, report
+
+
+def stamp_of(
+    task_id: str,
+    *,
+    endpoint: str = ENDPOINT,
+    user: str = USER,
+    function: str = FUNCTION,
+    keys: RoutingKeys = KEYS,
+) -> str:
+    """The router's stamp of ``task_id`` routed to ``endpoint`` for ``user`` and ``function``."""
+    return keys.stamp(task_id=task_id, endpoint_id=endpoint, user_id=user, function_id=function)
+
+
+def result(task_id: str, stamp: str, *, user: str = USER, endpoint: str = ENDPOINT) -> TaskResult:
+    """An agent's answer to ``task_id`` carrying ``stamp``."""
     return TaskResult(
         task_id=task_id,
         user_id=user,
-        function_id=function,
+        function_id=FUNCTION,
         endpoint_id=endpoint,
         outcome="success",
         value=b"a value",
         worker="host:1",
         timings=TaskTimings(submitted_at=time.time(), finished_at=time.time()),
+        routing_stamp=stamp,
     )
 
 
-def test_a_result_waits_for_a_lagging_view_and_only_an_unrouted_one_is_refused(
+def on_topic(catalogue: Catalogue, value: TaskResult | TaskEvent, endpoint: str) -> Record:
+    """``value`` as the ingress reads it from ``from.ep.<endpoint>``, keyed by its task."""
+    return Record(
+        value=encode(value),
+        topic=catalogue.from_endpoint(endpoint),
+        key=value.task_id.encode(),
+    )
+
+
+def plan(
+    ingress: Ingress, loop: asyncio.AbstractEventLoop, records: list[Record]
+) -> list[tuple[str, bytes | None, bytes]]:
+    """(topic, key, value) of everything the ingress writes for ``records``."""
+    planned = loop.run_until_complete(asyncio.wait_for(ingress.plan(records), 30))
+    assert not planned.dispatches
+    return [(o.topic, o.key, o.value) for o in planned.first]
+
+
+def only_dead_letter(
+    catalogue: Catalogue, written: list[tuple[str, bytes | None, bytes]]
+) -> DeadLetter:
+    """The one dead letter ``written`` holds (and nothing else)."""
+    assert [topic for topic, _, _ in written] == [catalogue.dead_letter], written
+    return decode(written[0][2], DeadLetter)
+
+
+def test_a_result_with_its_routers_stamp_is_forwarded_to_its_users_results(
     kafka_platform: RunningPlatform,
     catalogue: Catalogue,
+    results_topics: None,
     loop: asyncio.AbstractEventLoop,
 ) -> None:
-    kafka = kafka_platform.kafka
-    user, function, endpoint = (str(uuid.uuid4()) for _ in range(3))
-    results = catalogue.results(user)
-    admin = kafka_platform.admin()
-    for future in admin.create_topics([NewTopic(results, 1, 1)]).values():
-        future.result(timeout=30)  # deleted with the module's prefix
-    view = RegistryView(kafka, catalogue, follow=("task-state",), component=None)
-    ingress = Ingress(catalogue, view, TopicDirectory(kafka), catch_up_s=CATCH_UP_S)
-    loop.run_until_complete(ingress.start())
-    producer = Producer(
-        {**kafka.confluent(), "transactional.id": f"test-ingress-{uuid.uuid4()}", "log_level": 2}
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=KEYS)
+    task_id = str(uuid.uuid4())
+    answer = result(task_id, stamp_of(task_id))
+    event = TaskEvent(
+        task_id=task_id,
+        user_id=USER,
+        function_id=FUNCTION,
+        endpoint_id=ENDPOINT,
+        state=TaskStateName.RETRYING,
+        at=time.time(),
+        source="agent",
+        routing_stamp=stamp_of(task_id),
     )
+    began = time.monotonic()
+    written = plan(
+        ingress, loop, [on_topic(catalogue, answer, ENDPOINT), on_topic(catalogue, event, ENDPOINT)]
+    )
+    # Decided from the records alone: no task-state was ever written for this task.
+    assert time.monotonic() - began < 10
+    assert written == [
+        (catalogue.results(USER), task_id.encode(), encode(answer)),
+        (catalogue.task_events, task_id.encode(), encode(event)),
+    ]
+    assert ingress.stats.forwarded == 2 and ingress.stats.dead_lettered == 0
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("no stamp", "carries no routing stamp"),
+        ("another endpoint's stamp", "does not match"),
+        ("another user's stamp", "does not match"),
+        ("another function's stamp", "does not match"),
+        ("another task's stamp", "does not match"),
+        ("an unknown key's stamp", "which this ingress does not hold"),
+        ("a malformed stamp", "is not a v1 stamp"),
+    ],
+)
+def test_a_result_without_a_valid_stamp_is_dead_lettered_and_forwarded_nowhere(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+    case: str,
+    words: str,
+) -> None:
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=KEYS)
+    task_id = str(uuid.uuid4())
+    stamp = {
+        "no stamp": "",
+        "another endpoint's stamp": stamp_of(task_id, endpoint=OTHER_ENDPOINT),
+        "another user's stamp": stamp_of(task_id, user=OTHER_USER),
+        "another function's stamp": stamp_of(task_id, function="fn-2"),
+        "another task's stamp": stamp_of(str(uuid.uuid4())),
+        "an unknown key's stamp": stamp_of(task_id, keys=RoutingKeys.generate()),
+        "a malformed stamp": "v1." + "A" * 50,
+    }[case]
+    forged = result(task_id, stamp)
+    letter = only_dead_letter(
+        catalogue, plan(ingress, loop, [on_topic(catalogue, forged, ENDPOINT)])
+    )
+    assert letter.error_type == DeadLetterReason.NOT_ROUTED_HERE
+    assert (letter.component, letter.task_id) == ("ingress", task_id)
+    assert words in letter.reason, letter.reason
+    assert f"endpoint {ENDPOINT!r} sent a result for task {task_id}" in letter.reason
+    assert letter.original_value == encode(forged)
+    if case == "no stamp":
+        assert "upgrade fxstream on the endpoint" in letter.reason
+    assert ingress.stats.not_routed_here == 1 and ingress.stats.forwarded == 0
+
+
+def test_a_genuine_stamp_copied_to_another_endpoint_or_user_does_not_verify(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """The stamp of a task routed to ENDPOINT for USER, as USER reads it on its results,
+    replayed: from OTHER_ENDPOINT's topic, or with the result redirected to OTHER_USER."""
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=KEYS)
+    task_id = str(uuid.uuid4())
+    genuine = stamp_of(task_id)
+    elsewhere = result(task_id, genuine, endpoint=OTHER_ENDPOINT)
+    redirected = result(task_id, genuine, user=OTHER_USER)
+    misnamed = result(task_id, genuine)  # ENDPOINT's own result, on OTHER_ENDPOINT's topic
+    written = plan(
+        ingress,
+        loop,
+        [
+            on_topic(catalogue, elsewhere, OTHER_ENDPOINT),
+            on_topic(catalogue, redirected, ENDPOINT),
+            on_topic(catalogue, misnamed, OTHER_ENDPOINT),
+        ],
+    )
+    assert {topic for topic, _, _ in written} == {catalogue.dead_letter}
+    letters = [decode(value, DeadLetter) for _, _, value in written]
+    assert [(d.error_type, d.original_value) for d in letters] == [
+        (DeadLetterReason.NOT_ROUTED_HERE, encode(elsewhere)),
+        (DeadLetterReason.NOT_ROUTED_HERE, encode(redirected)),
+        (DeadLetterReason.IDENTITY_MISMATCH, encode(misnamed)),
+    ]
+    assert "names endpoint 'ep-1': an endpoint reports only for itself" in letters[2].reason
+
+
+def test_old_and_new_keys_are_accepted_during_a_rotation(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    old = RoutingKeys.generate()
+    rotated = old.rotated()
+    before, after = str(uuid.uuid4()), str(uuid.uuid4())
+    from_old = result(before, stamp_of(before, keys=old))  # routed before the rotation
+    from_new = result(after, stamp_of(after, keys=rotated))
+    records = [on_topic(catalogue, from_old, ENDPOINT), on_topic(catalogue, from_new, ENDPOINT)]
+    directory = TopicDirectory(kafka_platform.kafka)
+
+    # An ingress given the rotated file: both verify.
+    both = Ingress(catalogue, directory, keys=rotated)
+    assert [topic for topic, _, _ in plan(both, loop, records)] == [catalogue.results(USER)] * 2
+    # One not yet restarted with it: the new key is unknown to it (why ingresses restart
+    # before routers).
+    stale = plan(Ingress(catalogue, directory, keys=old), loop, records)
+    assert [topic for topic, _, _ in stale] == [catalogue.results(USER), catalogue.dead_letter]
+    assert "does not hold" in decode(stale[1][2], DeadLetter).reason
+    # The old key retired: only what the new one stamped verifies.
+    retired = plan(Ingress(catalogue, directory, keys=RoutingKeys(rotated.signing)), loop, records)
+    assert [topic for topic, _, _ in retired] == [catalogue.dead_letter, catalogue.results(USER)]
+
+
+def test_the_other_checks_stay(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=KEYS)
+    task_id = str(uuid.uuid4())
+    # A valid stamp, but the user has no results topic (deleted since): undeliverable.
+    orphan = result(task_id, stamp_of(task_id, user=OTHER_USER), user=OTHER_USER)
+    letter = only_dead_letter(
+        catalogue, plan(ingress, loop, [on_topic(catalogue, orphan, ENDPOINT)])
+    )
+    assert letter.error_type == DeadLetterReason.TASK_UNDELIVERABLE
+    assert f"user {OTHER_USER!r} has no results topic" in letter.reason
+    # A valid result keyed by something else than its task: a compacted topic's key.
+    genuine = result(task_id, stamp_of(task_id))
+    wrong_key = dataclasses.replace(on_topic(catalogue, genuine, ENDPOINT), key=b"other")
+    letter = only_dead_letter(catalogue, plan(ingress, loop, [wrong_key]))
+    assert letter.error_type == DeadLetterReason.IDENTITY_MISMATCH
+    assert "must be keyed" in letter.reason
+
+
+def test_the_ingress_processor_reads_its_keys_and_forwards_only_stamped_results(
+    kafka_platform: RunningPlatform, tmp_path: Path
+) -> None:
+    """The real ingress process (keys from FXSTREAM_ROUTING_KEYS) and what it committed."""
+    dep = Deployment.provision(kafka_platform, users=[USER], endpoints=[ENDPOINT])
+    processors = Processors(dep.kafka, dep.catalogue, tmp_path, roles=("ingress",))
+    keys = processors.routing_keys
     try:
-        task_id = str(uuid.uuid4())
-        routed = TaskState(
-            task_id=task_id,
-            user_id=user,
-            function_id=function,
-            endpoint_id=endpoint,
-            state=TaskStateName.ROUTED,
-            updated_at=time.time(),
-            timings=TaskTimings(submitted_at=time.time(), routed_at=time.time()),
-        )
-        producer.init_transactions(30)
-        producer.begin_transaction()
-        producer.produce(catalogue.task_state, key=task_id.encode(), value=encode(routed))
-        producer.flush(30)
+        processors.wait_for_log("ingress: accepting routing stamps of keys")
+        genuine_id, forged_id = str(uuid.uuid4()), str(uuid.uuid4())
+        genuine = result(genuine_id, stamp_of(genuine_id, keys=keys))
+        forged = result(forged_id, stamp_of(forged_id, endpoint=OTHER_ENDPOINT, keys=keys))
+        topic = dep.catalogue.from_endpoint(ENDPOINT)
+        dep.produce(topic, forged_id, encode(forged))
+        dep.produce(topic, genuine_id, encode(genuine))
 
-        answer = Record(
-            value=encode(_result(task_id, user, function, endpoint)),
-            topic=catalogue.from_endpoint(endpoint),
-            key=task_id.encode(),
+        results = dep.reader(dep.catalogue.results(USER))
+        assert results.wait_for(key_is(genuine_id)).value() == encode(genuine)
+        letter = decoded(
+            dep.reader(dep.catalogue.dead_letter).wait_for(key_is(forged_id)), DeadLetter
         )
-        planning = loop.create_task(ingress.plan([answer]))
-        loop.run_until_complete(asyncio.sleep(HELD_OPEN_S))
-        assert view.task(task_id) is None, "the view read an uncommitted state"
-        assert not planning.done(), (
-            f"the ingress decided after {HELD_OPEN_S} s from a view that had not read the "
-            f"task's routed state; it wrote to {[o.topic for o in planning.result().first]}"
-        )
-
-        producer.commit_transaction(30)
-        plan = loop.run_until_complete(asyncio.wait_for(planning, 30))
-        assert [(o.topic, o.key) for o in plan.first] == [(results, task_id.encode())]
-        assert ingress.stats.not_routed_here == 0
-
-        # A result for a task nobody routed is still refused, and promptly: the view is
-        # current, so one catch-up to the topic's end settles it.
-        forged_id = str(uuid.uuid4())
-        forged = Record(
-            value=encode(_result(forged_id, user, function, endpoint)),
-            topic=catalogue.from_endpoint(endpoint),
-            key=forged_id.encode(),
-        )
-        began = time.monotonic()
-        plan = loop.run_until_complete(asyncio.wait_for(ingress.plan([forged]), 30))
-        assert time.monotonic() - began < 10
-        (letter,) = plan.first
-        assert letter.topic == catalogue.dead_letter
-        dead = decode(letter.value, DeadLetter)
-        assert dead.error_type == DeadLetterReason.NOT_ROUTED_HERE
-        assert dead.task_id == forged_id
+        assert letter.error_type == DeadLetterReason.NOT_ROUTED_HERE
+        assert "does not match" in letter.reason
+        # The forged result was decided (dead-lettered), so it is on no results topic.
+        assert not committed_records(dep.kafka, dep.catalogue.results(USER), forged_id)
+        # Nothing wrote task-state: the ingress decided from the records and its keys.
+        assert not committed_records(dep.kafka, dep.catalogue.task_state)
+        assert keys.signing.key_id in processors.log()
+        assert keys.signing.secret.hex() not in processors.log()
     finally:
-        ingress.close()
+        code = processors.stop()
+        dep.close(kafka_platform)
+    assert code == 0, processors.log()[-3000:]

@@ -25,6 +25,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, Topic
 
 from fxstream.service.auth import token_sha256
 from fxstream.topics import (
+    ROUTING_KEYS_ENV,
     Catalogue,
     DeadLetter,
     EndpointRecord,
@@ -42,6 +43,7 @@ from fxstream.topics import (
     client_info,
     decode,
     encode,
+    ensure_routing_keys,
     ensure_topics,
     record_kind,
 )
@@ -100,7 +102,11 @@ def key_is(key: str) -> Callable[[Message], bool]:
 
 
 class Processors:
-    """``python -m fxstream.service.processors`` in a subprocess, stopped by PID."""
+    """``python -m fxstream.service.processors`` in a subprocess, stopped by PID.
+
+    Its routing keys are ``routing_keys`` (made there, 0600, if missing; by default a file
+    of the workdir's own), named by ``FXSTREAM_ROUTING_KEYS`` as the platform does.
+    """
 
     def __init__(
         self,
@@ -108,10 +114,14 @@ class Processors:
         catalogue: Catalogue,
         workdir: Path,
         roles: tuple[str, ...] = (),
+        routing_keys: Path | None = None,
     ) -> None:
         self.log_path = workdir / f"processors{'-'.join(('', *roles))}.log"
         app_id = "test-processors-" + catalogue.prefix.strip(".")
         credentials = write_kafka_credentials(kafka, workdir / "kafka-credentials.json")
+        self.routing_keys_file = routing_keys or workdir / "routing-keys.json"
+        self.routing_keys = ensure_routing_keys(self.routing_keys_file)
+        env = {**os.environ, ROUTING_KEYS_ENV: str(self.routing_keys_file)}
         command = [
             sys.executable,
             "-m",
@@ -127,7 +137,7 @@ class Processors:
             *(arg for role in roles for arg in ("--only", role)),
         ]
         with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def log(self) -> str:
         """Everything the processors wrote so far."""
@@ -333,7 +343,7 @@ def submit(deployment: Deployment, task: TaskSubmission, *, sender: str | None =
 def test_valid_submission_is_dispatched_with_its_bytes_untouched(
     deployment: tuple[Deployment, Processors],
 ) -> None:
-    dep, _ = deployment
+    dep, processors = deployment
     task = submission()
     value = encode(task)
     dep.produce(
@@ -348,8 +358,16 @@ def test_valid_submission_is_dispatched_with_its_bytes_untouched(
         PUBLIC_EP,
         1,
     )
-    # Stamped by the router: the topic's user and the registered code's digest.
+    # Stamped by the router: the topic's user and the registered code's digest, and the
+    # routing stamp (under the processors' key) of this task, endpoint, user and function.
     assert (dispatch.user_id, dispatch.function_sha256) == (BOB, CODE_DIGEST)
+    processors.routing_keys.verify(
+        dispatch.routing_stamp,
+        task_id=task.task_id,
+        endpoint_id=PUBLIC_EP,
+        user_id=BOB,
+        function_id=PUBLIC_FN,
+    )
     assert dispatch.routed_at >= task.submitted_at
     assert ("traceparent", b"00-abc-def-01") in (message.headers() or [])
 

@@ -8,6 +8,10 @@ so the answer and its queue offset commit in one transaction; task events
 (``RETRYING``) and data locations (where a result stored by reference lives)
 are best-effort hints on the agent's plain producer, never delaying a commit.
 
+Every result and task event carries the dispatch's ``routing_stamp`` unchanged: the
+agent cannot check it (it holds no key), and the ingress forwards nothing of a task
+without the router's stamp of it for this endpoint.
+
 A result is fitted to the results topic (:func:`~fxstream.topics.fit_result`);
 one above the endpoint's ``max_result_bytes`` or the topic's limit is answered
 ``ResultTooLarge`` and its original dead-lettered as a digest. An answer Kafka
@@ -125,6 +129,8 @@ class Answerer:
             source=self._source,
             attempt=attempt,
             reason=reason,
+            # The router's stamp of the task, unchanged: the ingress checks it.
+            routing_stamp=held.dispatch.routing_stamp,
         )
         try:
             events.produce(self._out_topic, key=submission.task_id.encode(), value=encode(event))
@@ -139,8 +145,8 @@ class Answerer:
         assert publisher is not None
         submission = held.submission
         key = submission.task_id.encode()
-        # Forwarded to results.<user> by the ingress, once it has checked the task was
-        # routed here.
+        # Forwarded to results.<user> by the ingress, once it has checked the result's
+        # routing stamp (the task was routed here).
         topic = self._out_topic
         result, oversized = self._fitted_result(held, outcome, key)
         value = encode(result)
@@ -316,6 +322,9 @@ class Answerer:
             tags=submission.tags,
             stdout=outcome.stdout,
             stderr=outcome.stderr,
+            # The router's stamp of the task, unchanged: the ingress forwards the result only
+            # with it (fit_result sizes the record with it).
+            routing_stamp=held.dispatch.routing_stamp,
         )
 
     def dead_letter_message(

@@ -7,7 +7,8 @@ runs and whether it answers. Where to connect is written to
 secret. The secrets are in ``<home>/credentials/`` (0700), one 0600 JSON file per principal
 (:meth:`~fxstream.topics.KafkaConnection.to_json` fields): ``admin.json`` (the Kafka admin,
 the only super user), ``api.json`` (the REST API, which makes accounts, acts as the admin)
-and ``service.json`` (what the service processes connect as) once the services start. The
+and ``service.json`` (what the service processes connect as) once the services start, with
+``routing-keys.json`` (the router's and the ingress's routing keys, made once). The
 local endpoint connects as its own principal, in its own credentials file
 (:mod:`fxstream.ops.services`).
 

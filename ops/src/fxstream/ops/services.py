@@ -19,6 +19,10 @@ configured under ``<home>/endpoints``.
 
 Kafka credentials reach the processes as file paths, never secrets on a command line: the
 API and the processors get ``FXSTREAM_KAFKA_CREDENTIALS=<home>/credentials/service.json``.
+The router and the ingress also get ``FXSTREAM_ROUTING_KEYS=<home>/credentials/routing-keys.json``
+(0600, made with one random 32-byte key at the first start and kept after: the router
+stamps every dispatch with it and the ingress verifies every result and task event with
+it; :mod:`fxstream.topics.routing_stamp`).
 The local endpoint's agent connects as its own principal ``ep.<endpoint id>`` and fetches
 code with its own API token, both issued when it is registered and kept in its 0600
 ``<home>/endpoints/local/credentials.json``: never the admin's or its owner's.
@@ -53,9 +57,12 @@ from fxstream.service.account_files import ADMIN_TOKEN_FILE_NAME, ensure_admin_t
 from fxstream.service.accounts import AccountManager
 from fxstream.service.task_expiry import RETENTION_ENV
 from fxstream.topics import (
+    ROUTING_KEYS_ENV,
+    ROUTING_KEYS_FILE_NAME,
     Catalogue,
     CredentialFileError,
     KafkaConnection,
+    ensure_routing_keys,
     read_secret_json,
     write_secret_file,
 )
@@ -178,6 +185,8 @@ class ServiceSet:
         # the API says so in its 404 (docs/lifecycle.md, "Retention").
         retention = {RETENTION_ENV: str(config.task_retention_s)}
         service_env = {KAFKA_CREDENTIALS_ENV: str(self.service_credentials_file), **retention}
+        # Only the router (stamps) and the ingress (verifies) are told where the keys are.
+        keyed_env = {**service_env, ROUTING_KEYS_ENV: str(self.routing_keys_file)}
         # The API manages accounts (credentials, ACLs, topics): it acts as the admin.
         api_env = {KAFKA_CREDENTIALS_ENV: str(self.api_credentials_file), **retention}
         self._specs = [
@@ -205,7 +214,7 @@ class ServiceSet:
                     log_file=str(logs / f"service-{instance_name(role, n)}.log"),
                     cwd=str(self.state_dir),
                     stop_wave=1,
-                    env=service_env,
+                    env=keyed_env if role in ("router", "ingress") else service_env,
                     metrics=True,
                 )
                 for role in INSTANCE_SETTINGS
@@ -280,6 +289,11 @@ class ServiceSet:
         return self.config.home / "credentials" / "service.json"
 
     @property
+    def routing_keys_file(self) -> Path:
+        """The router's and the ingress's routing keys (written by the platform, 0600)."""
+        return self.config.home / "credentials" / ROUTING_KEYS_FILE_NAME
+
+    @property
     def api_credentials_file(self) -> Path:
         """The REST API's Kafka principal: the admin, which makes accounts (0600)."""
         return self.config.home / "credentials" / "api.json"
@@ -334,6 +348,8 @@ class ServiceSet:
         """
         self.state_dir.mkdir(parents=True, exist_ok=True)
         admin_token = ensure_admin_token_file(self.admin_token_file)
+        # Made once, then kept: a new key would refuse the results of tasks in flight.
+        ensure_routing_keys(self.routing_keys_file)
         text = (json.dumps(kafka.to_json(), indent=2) + "\n").encode()
         write_secret_file(self.api_credentials_file, text)
         # The processors act as fxstream-service, with only the ACL table's rights; a new

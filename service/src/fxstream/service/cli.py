@@ -6,7 +6,9 @@ principal, password and the platform's CA) comes from a credentials file, 0600 J
 as ``fxstream`` writes it, named by ``--kafka-credentials`` or the
 ``FXSTREAM_KAFKA_CREDENTIALS`` variable: never a password on the command line.
 Without one the process connects unauthenticated (the insecure development
-platform only). Before serving, each command checks that Kafka answers and the
+platform only). The router and the ingress also read the service's routing keys from a
+0600 file (``--routing-keys`` or ``FXSTREAM_ROUTING_KEYS``); ``routing-keys FILE`` makes,
+rotates and retires them. Before serving, each command checks that Kafka answers and the
 topics exist, so a start failure is one line saying what to do (exit status 1)
 rather than a traceback.
 """
@@ -37,14 +39,20 @@ from fxstream.service.account_files import (
 )
 from fxstream.service.body_limit import DEFAULT_MAX_BODY_BYTES, MAX_BODY_ENV, MAX_BODY_OPTION
 from fxstream.service.placement import PlacementPolicy
+from fxstream.service.routing_keys import RoutingKeysUnavailable, routing_keys_for
 from fxstream.service.task_expiry import DEFAULT_RETENTION_S, RETENTION_ENV, retention_s
 from fxstream.topics import (
+    ROUTING_KEYS_ENV,
     Catalogue,
     CredentialFileError,
     InvalidTopicName,
     KafkaConnection,
     ProvisionError,
+    RoutingKey,
+    RoutingKeys,
+    ensure_routing_keys,
     ensure_topics,
+    write_routing_keys,
 )
 
 __all__ = ["KAFKA_CREDENTIALS_ENV", "Target", "app", "main", "target_from"]
@@ -483,12 +491,27 @@ def worker(
             f"${RETENTION_ENV}, else {DEFAULT_RETENTION_S:.0f}, 7 days)",
         ),
     ] = None,
+    routing_keys: Annotated[
+        Path | None,
+        typer.Option(
+            "--routing-keys",
+            envvar=ROUTING_KEYS_ENV,
+            help="the service's 0600 routing keys file (the router stamps dispatches, the "
+            "ingress verifies results with it); `fxstream-service routing-keys FILE` makes one",
+            dir_okay=False,
+        ),
+    ] = None,
 ) -> None:
     """Run the stream processors (router, ingress, task state, liveness, trigger, analytics)
     until stopped."""
     try:
         retention = retention_s(task_retention_s)
     except ValueError as exc:
+        fail(str(exc))
+    roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
+    try:
+        keys = routing_keys_for(roles, routing_keys)
+    except RoutingKeysUnavailable as exc:
         fail(str(exc))
     try:
         target = target_from(
@@ -502,7 +525,6 @@ def worker(
     except StartError as exc:
         fail(str(exc))
     run_processors = _load_processors()
-    roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
     try:
         run_processors(
             target.kafka,
@@ -511,9 +533,67 @@ def worker(
             placement=placement,
             instance=instance,
             task_retention_s=retention,
+            routing_keys=keys,
         )
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+
+
+@app.command("routing-keys")
+def routing_keys_command(
+    file: Annotated[
+        Path,
+        typer.Argument(
+            help="the routing keys file (made 0600 if it does not exist)", dir_okay=False
+        ),
+    ],
+    rotate: Annotated[
+        bool,
+        typer.Option(
+            "--rotate",
+            help="add a new signing key; the current keys are still accepted. Restart the "
+            "ingress processes first, then the routers",
+        ),
+    ] = False,
+    retire: Annotated[
+        str | None,
+        typer.Option(
+            "--retire",
+            metavar="KEY_ID",
+            help="stop accepting a key that no longer signs (once no task routed under it "
+            "is queued or running), then restart the ingress processes",
+        ),
+    ] = None,
+) -> None:
+    """Make, rotate or retire the service's routing keys (their ids are shown, never the keys).
+
+    Without options: make FILE with one new random key unless it exists, and show its keys.
+    """
+    try:
+        keys = ensure_routing_keys(file)
+        if rotate:
+            keys = keys.rotated()
+            write_routing_keys(file, keys)
+        if retire is not None:
+            keys = _retired(keys, retire)
+            write_routing_keys(file, keys)
+    except (CredentialFileError, ValueError) as exc:
+        fail(str(exc))
+    retired = ", ".join(k.key_id for k in keys.retired) or "none"
+    typer.echo(f"{file}: signing key {keys.signing.key_id}; also accepted: {retired}")
+
+
+def _retired(keys: RoutingKeys, key_id: str) -> RoutingKeys:
+    """``keys`` without the accepted-only key ``key_id`` (the signing key cannot be retired)."""
+    if key_id == keys.signing.key_id:
+        raise ValueError(
+            f"key {key_id} signs the dispatches: rotate first (--rotate), restart the "
+            "processors, and retire it once no task routed under it is in flight"
+        )
+    kept: tuple[RoutingKey, ...] = tuple(k for k in keys.retired if k.key_id != key_id)
+    if len(kept) == len(keys.retired):
+        raise ValueError(f"no key {key_id!r} to retire; the keys are {', '.join(keys.key_ids)}")
+    return RoutingKeys(keys.signing, kept)
 
 
 def _load_processors() -> Callable[..., None]:

@@ -7,9 +7,9 @@ up within ``metadata_max_age_ms``) and, for each record, checks it against the
 endpoint ``E`` of the topic it is on:
 
 - a :class:`~fxstream.topics.TaskResult` or :class:`~fxstream.topics.TaskEvent`
-  only for a task the router routed to ``E``, naming ``E`` and the task's own
-  user and function; it goes to ``results.<user>`` (the user the task was routed
-  for, not the one the record names) or ``task-events``;
+  only naming ``E`` and carrying the router's routing stamp of its task, ``E``, its
+  user and its function; it goes to ``results.<user>`` (the user the stamp
+  authenticates) or ``task-events``;
 - a :class:`~fxstream.topics.Heartbeat`, :class:`~fxstream.topics.EndpointLogs` or
   :class:`~fxstream.topics.WarmAdvert` only for ``E``; a
   :class:`~fxstream.topics.DataLocation` only at site ``E``; they go to ``heartbeats``,
@@ -24,18 +24,17 @@ advert. Anything else is dead-lettered (``NotRoutedHere``, ``IdentityMismatch``,
 ``RecordDecodeError``) and forwarded nowhere, so no SDK, task-state or liveness
 reader ever sees it.
 
-Where the routing fact lives: the router writes a task's ``routed`` state (with
-its endpoint and user) to ``task-state`` in the same transaction as its dispatch,
-so by the time any agent can answer a task, that fact is committed. The ingress
-follows ``task-state`` with the same :class:`~fxstream.service.registry.RegistryView`
-the API uses (states on disk in RocksDB, memory bounded by its settings, not by the
-number of tasks) and looks each task up there: no second copy of the routing
-table, no join against the dispatch topics (which hold the payloads). A task the
-view does not know yet makes it wait until the view has read what ``task-state``
-held at that moment, however long a loaded machine makes that (a lagging view once
-turned valid results into ``NotRoutedHere`` dead letters under a steady 350 tasks/s);
-only partitions that grew since the last completed wait are waited for, so a flood of
-forged task ids costs one end-offset request each while the view is current.
+Where the routing fact lives: in the records themselves. A task is routed once, to one
+endpoint, and the router's dispatch carries a *routing stamp*, an HMAC-SHA256 under the
+service's key over (task, endpoint, user, function)
+(:mod:`fxstream.topics.routing_stamp`); the agent copies it into every result and event
+of the task. The ingress recomputes it for ``E`` (the topic's endpoint) and the record's
+task, user and function: a valid stamp is the router's word that it routed this task to
+``E`` for that user and function, so the record's ``user_id`` names the results topic. A
+missing stamp (an agent older than stamps), one under a key the ingress does not hold,
+or one for another task, endpoint, user or function is dead-lettered ``NotRoutedHere``
+with what is wrong. No view of ``task-state`` and no wait for one: each record is decided
+from itself and the keys, in a few microseconds.
 
 The writes of a batch and its input offsets are one Kafka transaction (the
 router's loop, :class:`~fxstream.service.router_loop.RouterLoop`, with this
@@ -50,10 +49,8 @@ from dataclasses import dataclass
 
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.quarantine import OUTPUT_REFUSED
-from fxstream.service.registry import RegistryView
 from fxstream.service.router import RoutePlan
 from fxstream.service.topic_directory import TopicDirectory
-from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
     Catalogue,
     DataLocation,
@@ -63,10 +60,10 @@ from fxstream.topics import (
     Heartbeat,
     RawRecord,
     RecordDecodeError,
+    RoutingKeys,
+    RoutingStampError,
     TaskEvent,
     TaskResult,
-    TaskState,
-    TaskStateName,
     WarmAdvert,
     dead_letter_for,
     decode_any,
@@ -80,10 +77,6 @@ __all__ = ["COMPONENT", "Ingress", "IngressStats"]
 log = logging.getLogger(__name__)
 
 COMPONENT = "ingress"
-# A task in these states was never dispatched: no endpoint may answer it.
-_NOT_DISPATCHED = frozenset(
-    {TaskStateName.SUBMITTED, TaskStateName.REJECTED, TaskStateName.WAITING_FOR_PARENTS}
-)
 
 
 @dataclass
@@ -94,41 +87,28 @@ class IngressStats:
     not_routed_here: int = 0
     identity_mismatches: int = 0
     dead_lettered: int = 0
-    catch_ups: int = 0
 
 
 class Ingress:
     """Plans, per batch of ``from.ep.<endpoint>`` records, what to forward and what to refuse."""
 
     def __init__(
-        self,
-        catalogue: Catalogue,
-        states: RegistryView,
-        directory: TopicDirectory,
-        *,
-        catch_up_s: float = 2.0,
+        self, catalogue: Catalogue, directory: TopicDirectory, *, keys: RoutingKeys
     ) -> None:
-        """``states`` must follow ``task-state`` (``follow=("task-state",)``)."""
+        """``keys`` are the service's routing keys: a stamp under any of them verifies
+        (the signing key and those retired but still accepted during a rotation)."""
         self._catalogue = catalogue
-        self._states = states
         self._directory = directory
-        self._follower = ViewFollower(
-            states,
-            directory,
-            (catalogue.task_state,),
-            name="ingress",
-            catch_up_s=catch_up_s,
-            start_timeout_s=120.0,
-        )
+        self._keys = keys
         self.stats = IngressStats()
 
     async def start(self) -> None:
-        """Start following task-state and wait until the view holds what it held at start."""
-        await self._follower.start()
+        """Nothing to catch up with: every record is checked on its own (the key ids are
+        logged, never the keys)."""
+        log.info("ingress: accepting routing stamps of keys %s", ", ".join(self._keys.key_ids))
 
     def close(self) -> None:
-        """Stop following task-state."""
-        self._follower.close()
+        """Nothing to release."""
 
     async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
         """What to forward (and dead-letter) for a batch of ``from.ep.<endpoint>`` records."""
@@ -148,24 +128,19 @@ class Ingress:
                 decoded.append((record, endpoint, decode_any(record.value)))
             except RecordDecodeError as exc:
                 self._refuse(plan, record, str(exc), DeadLetterReason.DECODE_ERROR)
-        # A task held for its parents (issue 15) is routed later, by a state the view may
-        # not have read yet: like a task it does not know, it makes the view catch up.
-        unknown = any(
-            isinstance(r, TaskResult | TaskEvent) and _not_yet_routed(self._states.task(r.task_id))
-            for _, _, r in decoded
-        )
-        if unknown:
-            await self._catch_up()
+        # Results and events are checked first: only a routed task's user (the stamp
+        # authenticates it) makes the results topics below be looked up.
+        refusals = [self._verdict(value, endpoint) for _, endpoint, value in decoded]
         # A user deleted since its task was routed has no results topic: its results are
         # dead-lettered here rather than refused by Kafka mid-transaction.
         present = await self._directory.present(
-            self._catalogue.results(state.user_id)
-            for _, _, r in decoded
-            if isinstance(r, TaskResult) and (state := self._states.task(r.task_id)) is not None
+            self._catalogue.results(value.user_id)
+            for (_, _, value), refusal in zip(decoded, refusals, strict=True)
+            if isinstance(value, TaskResult) and refusal is None
         )
-        for record, endpoint, value in decoded:
+        for (record, endpoint, value), refusal in zip(decoded, refusals, strict=True):
             try:
-                self._plan_one(plan, record, endpoint, value, present)
+                self._plan_one(plan, record, endpoint, value, refusal, present)
             except Exception as exc:  # a bug here must cost one record, not the ingress
                 log.exception("ingress: cannot check %s@%d", record.topic, record.offset)
                 self._refuse(
@@ -187,19 +162,24 @@ class Ingress:
     # --- one record ----------------------------------------------------------------------
 
     def _plan_one(
-        self, plan: RoutePlan, record: RawRecord, endpoint: str, value: object, present: set[str]
+        self,
+        plan: RoutePlan,
+        record: RawRecord,
+        endpoint: str,
+        value: object,
+        refusal: tuple[str, DeadLetterReason] | None,
+        present: set[str],
     ) -> None:
+        """Forward or refuse one record; ``refusal`` is a result's or event's verdict."""
         catalogue = self._catalogue
         if isinstance(value, TaskResult | TaskEvent):
-            why = self._not_routed_here(value, endpoint)
-            if why is not None:
-                reason, kind = why
+            if refusal is not None:
+                reason, kind = refusal
                 self._refuse(plan, record, reason, kind, value.task_id)
                 return
-            state = self._states.task(value.task_id)
-            assert state is not None  # checked by _not_routed_here
+            # The stamp authenticated the record's user: the task was routed for them.
             topic = (
-                catalogue.results(state.user_id)
+                catalogue.results(value.user_id)
                 if isinstance(value, TaskResult)
                 else catalogue.task_events
             )
@@ -208,7 +188,7 @@ class Ingress:
                     plan,
                     record,
                     f"the result of task {value.task_id} cannot be delivered: user "
-                    f"{state.user_id!r} has no results topic {topic!r} (deleted since the task "
+                    f"{value.user_id!r} has no results topic {topic!r} (deleted since the task "
                     "was routed?)",
                     DeadLetterReason.TASK_UNDELIVERABLE,
                     value.task_id,
@@ -239,27 +219,43 @@ class Ingress:
                 DeadLetterReason.IDENTITY_MISMATCH,
             )
 
+    def _verdict(self, value: object, endpoint: str) -> tuple[str, DeadLetterReason] | None:
+        """Why a result or event must not be forwarded (None: it may; or not one)."""
+        if not isinstance(value, TaskResult | TaskEvent):
+            return None
+        try:
+            return self._not_routed_here(value, endpoint)
+        except Exception as exc:  # a bug here must cost one record, not the ingress
+            log.exception("ingress: cannot check task %s", value.task_id)
+            return f"ingress failed: {exc!r}", DeadLetterReason.ROUTER_ERROR
+
     def _not_routed_here(
         self, value: TaskResult | TaskEvent, endpoint: str
     ) -> tuple[str, DeadLetterReason] | None:
+        """Why ``value`` (on ``endpoint``'s topic) must not be forwarded, or None."""
         what = "result" if isinstance(value, TaskResult) else "task event"
-        state = self._states.task(value.task_id)
-        if state is None or state.state in _NOT_DISPATCHED or state.endpoint_id != endpoint:
-            self.stats.not_routed_here += 1
-            return (
-                f"endpoint {endpoint!r} sent a {what} for task {value.task_id}, which the "
-                "router did not route to it",
-                DeadLetterReason.NOT_ROUTED_HERE,
-            )
-        claimed = (value.endpoint_id, value.user_id, value.function_id)
-        if claimed != (endpoint, state.user_id, state.function_id):
+        if value.endpoint_id != endpoint:
             self.stats.identity_mismatches += 1
             return (
                 f"a {what} on endpoint {endpoint!r}'s topic for task {value.task_id} names "
-                f"endpoint {value.endpoint_id!r}, user {value.user_id!r} and function "
-                f"{value.function_id!r}; the task was routed to {state.endpoint_id!r} for "
-                f"user {state.user_id!r} to run {state.function_id!r}",
+                f"endpoint {value.endpoint_id!r}: an endpoint reports only for itself",
                 DeadLetterReason.IDENTITY_MISMATCH,
+            )
+        try:
+            self._keys.verify(
+                value.routing_stamp,
+                task_id=value.task_id,
+                endpoint_id=endpoint,
+                user_id=value.user_id,
+                function_id=value.function_id,
+            )
+        except RoutingStampError as exc:
+            self.stats.not_routed_here += 1
+            return (
+                f"endpoint {endpoint!r} sent a {what} for task {value.task_id} (user "
+                f"{value.user_id!r}, function {value.function_id!r}) that the router did not "
+                f"route to it: {exc}",
+                DeadLetterReason.NOT_ROUTED_HERE,
             )
         return None
 
@@ -319,13 +315,3 @@ class Ingress:
             error_type,
             reason,
         )
-
-    async def _catch_up(self) -> None:
-        """Wait until the task-state view has read what the topic holds now."""
-        self.stats.catch_ups += 1
-        await self._follower.catch_up()
-
-
-def _not_yet_routed(state: TaskState | None) -> bool:
-    """True for a task the view holds no routed (or later) state of yet."""
-    return state is None or state.state is TaskStateName.WAITING_FOR_PARENTS

@@ -6,10 +6,11 @@
   :mod:`fxstream.service.router`), each batch in one Kafka transaction with its
   input offsets (:mod:`fxstream.service.router_loop`).
 - The *ingress* reads every ``from.ep.<endpoint>`` topic (by pattern), checks
-  each record against the endpoint that wrote it (a result only for a task
-  routed there) and forwards it to ``results.<user>``, ``task-events``,
-  ``heartbeats``, ``warm``, ``data-locations`` or ``dead-letter``, each batch
-  in one transaction with its input offsets (:mod:`fxstream.service.ingress`).
+  each record against the endpoint that wrote it (a result or task event only with
+  the router's routing stamp of its task for that endpoint) and forwards it to
+  ``results.<user>``, ``task-events``, ``heartbeats``, ``warm``, ``data-locations`` or
+  ``dead-letter``, each batch in one transaction with its input offsets
+  (:mod:`fxstream.service.ingress`).
 - The *task-state* processor follows every ``results.<user>`` topic and
   ``task-events`` and folds them into ``task-state`` under the task lifecycle
   (:mod:`fxstream.service.task_state`, :mod:`fxstream.service.lifecycle`).
@@ -52,7 +53,10 @@ partitions it gives up.
 Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
 --prefix fx. [--only router|ingress|task-state|liveness|trigger|analytics]`` (``FILE``: the service
 principal's 0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure
-development platform); SIGTERM or SIGINT stops it
+development platform). The router and the ingress also need the service's routing keys,
+a 0600 file named by ``--routing-keys`` or ``FXSTREAM_ROUTING_KEYS``
+(:mod:`fxstream.service.routing_keys`): without a readable one they do not start.
+SIGTERM or SIGINT stops it
 cleanly (the batch in hand is finished and committed). An input whose output
 Kafka refuses for a reason of its own (too large, invalid, topic gone) is
 dead-lettered and the processor goes on (:mod:`fxstream.service.quarantine`).
@@ -96,6 +100,7 @@ from fxstream.service.quarantine import write_or_quarantine
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
+from fxstream.service.routing_keys import RoutingKeysUnavailable, routing_keys_for
 from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
     RETENTION_ENV,
@@ -108,10 +113,12 @@ from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recal
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner
 from fxstream.topics import (
+    ROUTING_KEYS_ENV,
     Catalogue,
     CredentialFileError,
     KafkaConnection,
     RawRecord,
+    RoutingKeys,
     aiokafka_max_batch_size,
     aiokafka_max_request_size,
 )
@@ -219,8 +226,13 @@ def build_app(
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
     task_retention_s: float = DEFAULT_RETENTION_S,
+    routing_keys: RoutingKeys | None = None,
 ) -> faust.App:
     """The faust app running ``roles`` (router, task-state, liveness), not yet started.
+
+    ``routing_keys`` are the service's routing keys: the router stamps dispatches with
+    them and the ingress verifies results and events with them, so both roles need them
+    (``ValueError`` without; there is no default key). Other roles never use them.
 
     ``data_dir`` is faust's working directory (nothing durable lives there: the
     store is in memory); by default a directory under the system temp dir, one per
@@ -234,6 +246,8 @@ def build_app(
         raise ValueError(f"roles must be some of {', '.join(ROLES)}; got {list(roles)}")
     if instance < 0:
         raise ValueError(f"instance must be 0 or more; got {instance}")
+    if routing_keys is None and {"router", "ingress"} & set(roles):
+        raise ValueError("the router and the ingress need the service's routing keys")
     faust_id = faust_app_id(app_id, roles)
     own_dir = faust_id if instance == 0 else f"{faust_id}-{instance}"
     data_dir = data_dir or Path(tempfile.gettempdir()) / "fxstream" / own_dir
@@ -246,9 +260,13 @@ def build_app(
     stoppers: list[Callable[[], Awaitable[None]]] = []
     report = MemoryReport()
     if "router" in roles:
-        _add_router(app, kafka, catalogue, app_id, batch_size, instance, stoppers, placement)
+        assert routing_keys is not None
+        _add_router(
+            app, kafka, catalogue, app_id, batch_size, instance, stoppers, routing_keys, placement
+        )
     if "ingress" in roles:
-        _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers, report)
+        assert routing_keys is not None
+        _add_ingress(app, kafka, catalogue, app_id, batch_size, instance, stoppers, routing_keys)
     if "task-state" in roles:
         _add_task_state(
             app, kafka, catalogue, app_id, batch_size, stoppers, report, task_retention_s
@@ -307,6 +325,7 @@ def _add_router(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
+    keys: RoutingKeys,
     policy: PlacementPolicy = PlacementPolicy.WARM,
 ) -> None:
     # Heartbeats and warm adverts: what placement chooses by (fxstream.service.placement).
@@ -316,7 +335,9 @@ def _add_router(
         follow=("users", "functions", "endpoints", "heartbeats", "warm"),
         component="router's registry view",
     )
-    router = Router(catalogue, view, TopicDirectory(kafka), placement=Placement(view, policy))
+    router = Router(
+        catalogue, view, TopicDirectory(kafka), keys=keys, placement=Placement(view, policy)
+    )
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
     # with faust's assignor.
     router_loop = RouterLoop(
@@ -343,20 +364,11 @@ def _add_ingress(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
-    report: MemoryReport,
+    keys: RoutingKeys,
 ) -> None:
-    # The routing facts (task -> endpoint, user) are the router's routed states, read
-    # back from task-state into an on-disk table (see fxstream.service.ingress).
-    # A task's routed state is written a few ms before its result can arrive: the view's
-    # fetches end as soon as it is written (fetch.min.bytes 1), so results rarely wait.
-    states = RegistryView(
-        kafka,
-        catalogue,
-        follow=("task-state",),
-        component="ingress's task-state view",
-    )
-    report.add_table("view", states.memory_figures)
-    ingress = Ingress(catalogue, states, TopicDirectory(kafka))
+    # Each result and task event carries the router's routing stamp of its task: checked
+    # against the keys, with no view of task-state (see fxstream.service.ingress).
+    ingress = Ingress(catalogue, TopicDirectory(kafka), keys=keys)
     loop = RouterLoop(
         kafka,
         catalogue,
@@ -620,11 +632,13 @@ def run_processors(
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
     task_retention_s: float = DEFAULT_RETENTION_S,
+    routing_keys: RoutingKeys | None = None,
 ) -> None:
     """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
 
     ``instance`` numbers this process among those running the same roles (0, 1, ...):
-    each needs its own.
+    each needs its own. ``routing_keys``: the service's routing keys, which the router
+    and the ingress need (:func:`build_app`).
 
     Raises what crashed the worker, if something did. With ``FXSTREAM_METRICS_PORT`` set
     (the supervisor sets it), its metrics are served there (:mod:`fxstream.service.metrics`).
@@ -640,6 +654,7 @@ def run_processors(
         placement=placement,
         instance=instance,
         task_retention_s=task_retention_s,
+        routing_keys=routing_keys,
     )
     worker = _Worker(app, loglevel=log_level, quiet=True, redirect_stdouts=False)
     # At WARNING and above faust's terminal spinner sets the root logger to DEBUG, and
@@ -663,6 +678,13 @@ def _parser() -> argparse.ArgumentParser:
         default=os.environ.get(KAFKA_CREDENTIALS_ENV) or None,
         help="the Kafka principal's 0600 JSON credentials file "
         f"(default: ${KAFKA_CREDENTIALS_ENV})",
+    )
+    parser.add_argument(
+        "--routing-keys",
+        type=Path,
+        default=os.environ.get(ROUTING_KEYS_ENV) or None,
+        help="the service's 0600 routing keys file, which the router and the ingress need "
+        f"(default: ${ROUTING_KEYS_ENV})",
     )
     parser.add_argument(
         "--bootstrap",
@@ -732,6 +754,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         retention = retention_s(args.task_retention_s)
     except ValueError as exc:
         parser.error(str(exc))
+    roles = tuple(args.only) if args.only else ROLES
+    try:
+        keys = routing_keys_for(roles, args.routing_keys)
+    except RoutingKeysUnavailable as exc:
+        parser.error(str(exc))
     run_processors(
         kafka,
         Catalogue(prefix=args.prefix),
@@ -739,10 +766,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         data_dir=args.data_dir,
         log_level=args.log_level,
         batch_size=args.batch_size,
-        roles=tuple(args.only) if args.only else ROLES,
+        roles=roles,
         placement=placement,
         instance=args.instance,
         task_retention_s=retention,
+        routing_keys=keys,
     )
     return 0
 

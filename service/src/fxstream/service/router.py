@@ -13,7 +13,10 @@ code's digest (``FunctionChanged`` otherwise). What it writes:
 
 - allowed: a :class:`TaskDispatch` on ``tasks.ep.<endpoint>`` carrying the
   submission's bytes exactly as read (and its headers), stamped with the
-  submitter and the checked code digest, and a ``routed`` :class:`TaskState`;
+  submitter, the checked code digest and the routing stamp (an HMAC under the
+  service's signing key over the task, the endpoint, the user and the function:
+  :mod:`fxstream.topics.routing_stamp`, which the ingress verifies on every result
+  and event the agent answers with), and a ``routed`` :class:`TaskState`;
 - refused: an error :class:`TaskResult` (``TaskRejected``) on
   ``results.<user>`` when that topic exists, a ``rejected`` state, and a
   dead letter;
@@ -67,12 +70,14 @@ from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
+    ROUTING_STAMP_MAX_CHARS,
     Catalogue,
     DeadLetterReason,
     FunctionRecord,
     HeldTask,
     RawRecord,
     RecordDecodeError,
+    RoutingKeys,
     TaskCancel,
     TaskDispatch,
     TaskError,
@@ -161,13 +166,17 @@ class Router:
         view: RegistryView,
         directory: TopicDirectory,
         *,
+        keys: RoutingKeys,
         catch_up_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         placement: Placement | None = None,
     ) -> None:
-        """``placement`` chooses among a grouped submission's endpoints (default: the
-        ``warm`` policy over ``view``, which should then follow ``heartbeats`` and
-        ``warm``; a view that does not sees no candidate live and no warmth)."""
+        """``keys`` are the service's routing keys: every dispatch is stamped with their
+        signing key (there is no default key). ``placement`` chooses among a grouped
+        submission's endpoints (default: the ``warm`` policy over ``view``, which should
+        then follow ``heartbeats`` and ``warm``; a view that does not sees no candidate
+        live and no warmth)."""
+        self._keys = keys
         self._catalogue = catalogue
         self._view = view
         self._directory = directory
@@ -186,6 +195,7 @@ class Router:
 
     async def start(self) -> None:
         """Start the registry view and wait until it holds everything registered so far."""
+        log.info("router: stamping dispatches with routing key %s", self._keys.signing.key_id)
         await self._follower.start()
 
     def close(self) -> None:
@@ -455,8 +465,11 @@ class Router:
             user_id=submission.user_id,
             function_sha256=submission.function_sha256,
             routed_at=now,
+            # Always 1: a task is routed once, to one endpoint (a retry is a redelivery
+            # within its queue), which is what lets its stamp stand for the routing.
             attempt=1,
             submission=record.value or b"",
+            routing_stamp=self._stamp(submission, endpoint_id),
         )
         state = _state(
             submission,
@@ -475,6 +488,16 @@ class Router:
             )
         )
         self.stats.routed += 1
+
+    def _stamp(self, submission: TaskSubmission, endpoint_id: str) -> str:
+        """The routing stamp of ``submission`` routed to ``endpoint_id`` (its user is the
+        topic's, its function the one authorised)."""
+        return self._keys.stamp(
+            task_id=submission.task_id,
+            endpoint_id=endpoint_id,
+            user_id=submission.user_id,
+            function_id=submission.function_id,
+        )
 
     def _plan_held(
         self, plan: RoutePlan, record: RawRecord, submission: TaskSubmission, now: float
@@ -586,7 +609,8 @@ def _state(
 
 
 def _dispatch_bytes(submission: TaskSubmission, endpoint_id: str, submission_bytes: int) -> int:
-    """The encoded size of the dispatch of a submission of ``submission_bytes`` bytes."""
+    """The encoded size of the dispatch of a submission of ``submission_bytes`` bytes (with
+    the longest routing stamp: a few bytes more than its real one, and no HMAC spent)."""
     empty = TaskDispatch(
         task_id=submission.task_id,
         endpoint_id=endpoint_id,
@@ -595,6 +619,7 @@ def _dispatch_bytes(submission: TaskSubmission, endpoint_id: str, submission_byt
         routed_at=0.0,
         attempt=1,
         submission=b"",
+        routing_stamp="x" * ROUTING_STAMP_MAX_CHARS,
     )
     # msgpack's bin header grows from 2 to at most 5 bytes with the payload's length.
     return len(encode(empty)) + submission_bytes + 5
