@@ -10,7 +10,7 @@ from pathlib import Path
 from fxstream.ops.private import private_config
 from fxstream.ops.services import KAFKA_CREDENTIALS_ENV, Credentials, ServiceSet
 from fxstream.sdk import ClientSettings
-from fxstream.topics import KafkaConnection, write_secret_file
+from fxstream.topics import ROUTING_KEYS_ENV, KafkaConnection, write_secret_file
 
 
 def _secure(tmp_path: Path, username: str) -> KafkaConnection:
@@ -62,3 +62,15 @@ def test_a_credentials_file_of_the_older_layout_is_still_loaded(tmp_path: Path) 
     write_secret_file(path, json.dumps(old).encode())
     loaded = Credentials.load(path)
     assert loaded is not None and loaded.kafka == KafkaConnection("k:1")
+
+
+def test_only_the_router_and_the_ingress_are_named_the_routing_keys_file(tmp_path: Path) -> None:
+    services = ServiceSet(private_config(tmp_path / "home"))
+    named = {
+        child.key: child.env.get(ROUTING_KEYS_ENV) for child in services.supervisor_spec().children
+    }
+    assert services.routing_keys_file == tmp_path / "home" / "credentials" / "routing-keys.json"
+    for role in ("router", "ingress"):
+        assert named[role] == str(services.routing_keys_file)
+    for key in ("api", "endpoint", "task-state", "liveness", "trigger", "dependencies"):
+        assert named[key] is None, key
