@@ -36,8 +36,17 @@ from fxstream.sdk import (
     TaskRejected,
     WorkerLost,
 )
-from fxstream.topics import DeadLetter, decode
-from tests.e2e.stack import Stack, other_user_client, running_stack
+from fxstream.topics import (
+    DeadLetter,
+    TaskDispatch,
+    TaskEvent,
+    TaskResult,
+    TaskStateName,
+    TaskSubmission,
+    decode,
+    read_routing_keys,
+)
+from tests.e2e.stack import Stack, committed_records, other_user_client, running_stack
 
 pytestmark = pytest.mark.platform
 
@@ -158,6 +167,57 @@ def test_a_lost_worker_is_retried_up_to_max_retries(stack: Stack, tmp_path: Path
         a.error is not None and a.error.type == "WorkerLost" for a in failure.earlier_attempts
     )
     assert "attempt 1 on" in str(failure) and "attempt 2 on" in str(failure)
+
+
+def test_the_agent_answers_with_the_routers_stamp_which_the_platforms_key_verifies(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """The router stamps the dispatch with the key ./fx up made (0600, in credentials/); the
+    agent copies the stamp into its retrying event and its result; the ingress forwards
+    both (it holds the key, no view of task-state)."""
+    keys_file = stack.home / "credentials" / "routing-keys.json"
+    assert keys_file.stat().st_mode & 0o077 == 0
+    keys = read_routing_keys(keys_file)
+    client = stack.client()
+    try:
+        with Executor(endpoint_id=stack.endpoint_id, client=client, max_retries=1) as executor:
+            future = executor.submit(crash_first_time, str(tmp_path / "once"), 5)
+            assert future.result(timeout=60) == 5
+        task_id, user_id = future.task_id, client.user_id
+    finally:
+        client.close()
+    catalogue = stack.catalogue
+    (dispatch,) = [
+        decode(m.value(), TaskDispatch)
+        for m in committed_records(
+            stack.kafka, catalogue.endpoint_queue(stack.endpoint_id), task_id
+        )
+    ]
+    submission_function = decode(dispatch.submission, TaskSubmission).function_id
+    keys.verify(
+        dispatch.routing_stamp,
+        task_id=task_id,
+        endpoint_id=stack.endpoint_id,
+        user_id=user_id,
+        function_id=submission_function,
+    )
+    (result,) = [
+        decode(m.value(), TaskResult)
+        for m in committed_records(stack.kafka, catalogue.results(user_id), task_id)
+    ]
+    assert result.routing_stamp == dispatch.routing_stamp and result.attempt == 2
+    deadline = time.monotonic() + 30
+    while True:  # the event goes on the agent's plain producer, a hint: it may trail
+        events = [
+            decode(m.value(), TaskEvent)
+            for m in committed_records(stack.kafka, catalogue.task_events, task_id)
+        ]
+        retrying = [e for e in events if e.state is TaskStateName.RETRYING]
+        if retrying or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert retrying, f"no retrying event forwarded; saw {[e.state for e in events]}"
+    assert all(e.routing_stamp == dispatch.routing_stamp for e in retrying)
 
 
 def test_user_errors_are_retried_only_when_asked(stack: Stack, tmp_path: Path) -> None:

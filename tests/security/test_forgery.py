@@ -7,12 +7,14 @@ broker's own refusals (ACLs: who may write which topic) are tests/security/
 test_acl_matrix.py's; these checks must hold even where the broker lets the record in
 (the insecure development platform), because they do not trust what a record says
 about who wrote it: the router believes the ``from.user.<U>`` topic a submission is on,
-the ingress the ``from.ep.<E>`` topic a result is on, and the agent the router's stamps.
+the ingress the ``from.ep.<E>`` topic a result is on and the router's routing stamp it
+carries, and the agent the router's stamps.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import pathlib
 import time
 import uuid
@@ -45,6 +47,7 @@ from fxstream.topics import (
     decode,
     encode,
     ensure_topics,
+    read_routing_keys,
 )
 from tests.e2e.stack import committed_records
 
@@ -217,6 +220,54 @@ def test_a_forged_result_from_another_endpoint_is_dead_lettered_and_never_reache
     mine = [decode(m.value(), TaskResult) for m in results if m.key() == task_id.encode()]
     assert [r.value for r in mine] == [client.serializer.serialize_value("genuine")]
     assert client.get_result(task_id) == "genuine"
+
+
+def test_a_genuine_stamp_replayed_elsewhere_or_for_another_user_is_dead_lettered(
+    stack: PrivatePlatform, client: Client, other_endpoint: str
+) -> None:
+    # The task's genuine routing stamp, as its dispatch (and later its result) carries it:
+    # not a secret, so the attacker is assumed to hold it.
+    function_id = client.register_function(sleep_then)
+    task_id = client.run(4.0, "genuine", endpoint_id=stack.endpoint_id, function_id=function_id)
+    queue = stack.catalogue.endpoint_queue(stack.endpoint_id)
+    deadline = time.monotonic() + WAIT_S
+    while not (dispatches := committed_records(stack.kafka, queue, task_id)):
+        assert time.monotonic() < deadline, "the task was never dispatched"
+        time.sleep(0.2)
+    stamp = decode(dispatches[0].value(), TaskDispatch).routing_stamp
+    assert stamp.startswith("v1.")
+    victim = f"victim-{uuid.uuid4().hex[:8]}"
+
+    def forged(**fields: str) -> bytes:
+        result = TaskResult(
+            task_id=task_id,
+            user_id=client.user_id,
+            function_id=function_id,
+            endpoint_id=stack.endpoint_id,
+            outcome="success",
+            value=client.serializer.serialize_value("forged"),
+            routing_stamp=stamp,
+        )
+        return encode(msgspec.structs.replace(result, **fields))
+
+    # From the other endpoint (its own topic, naming itself), and from the task's own
+    # endpoint redirecting the result to another user's results topic.
+    replayed = forged(endpoint_id=other_endpoint)
+    redirected = forged(user_id=victim)
+    produce(stack, stack.catalogue.from_endpoint(other_endpoint), task_id, replayed)
+    produce(stack, stack.catalogue.from_endpoint(stack.endpoint_id), task_id, redirected)
+    for value in (replayed, redirected):
+        letter = dead_letter_of(stack, value, error_type="NotRoutedHere", component="ingress")
+        assert "its routing stamp does not match" in letter.reason
+
+    assert client.future(task_id).result(timeout=WAIT_S) == "genuine"
+    mine = [
+        decode(m.value(), TaskResult)
+        for m in records(stack, stack.catalogue.results(client.user_id))
+        if m.key() == task_id.encode()
+    ]
+    assert [r.value for r in mine] == [client.serializer.serialize_value("genuine")]
+    assert [r.routing_stamp for r in mine] == [stamp]
 
 
 def test_a_result_for_a_task_nobody_routed_is_dead_lettered(
@@ -478,3 +529,15 @@ def test_no_token_is_in_any_kafka_segment_after_a_workload(
     assert any(p.suffix == ".log" for p in files)
     holding = [p for p in files if token.encode() in p.read_bytes()]
     assert holding == [], f"the API token is on disk in {holding}"
+    # Nor the routing keys (the stamps are in the records; the keys only in their file),
+    # in any Kafka segment or any platform log.
+    keys_file = stack.home / "credentials" / "routing-keys.json"
+    secrets = [
+        form
+        for encoded in json.loads(keys_file.read_text())["keys"].values()
+        for form in (encoded.encode(), read_routing_keys(keys_file).signing.secret)
+    ]
+    logs = [p for p in (stack.home / "logs").rglob("*") if p.is_file()]
+    assert logs, f"no platform log under {stack.home}"
+    leaked = [p for p in [*files, *logs] if any(k in p.read_bytes() for k in secrets)]
+    assert leaked == [], f"a routing key is on disk in {leaked}"

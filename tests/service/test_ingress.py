@@ -209,14 +209,15 @@ def test_a_genuine_stamp_copied_to_another_endpoint_or_user_does_not_verify(
     genuine = stamp_of(task_id)
     elsewhere = result(task_id, genuine, endpoint=OTHER_ENDPOINT)
     redirected = result(task_id, genuine, user=OTHER_USER)
-    misnamed = result(task_id, genuine)  # ENDPOINT's own result, on OTHER_ENDPOINT's topic
+    # ENDPOINT's own stamp on its own topic, the result naming another endpoint.
+    misnamed = result(task_id, genuine, endpoint=OTHER_ENDPOINT)
     written = plan(
         ingress,
         loop,
         [
             on_topic(catalogue, elsewhere, OTHER_ENDPOINT),
             on_topic(catalogue, redirected, ENDPOINT),
-            on_topic(catalogue, misnamed, OTHER_ENDPOINT),
+            on_topic(catalogue, misnamed, ENDPOINT),
         ],
     )
     assert {topic for topic, _, _ in written} == {catalogue.dead_letter}
@@ -226,7 +227,7 @@ def test_a_genuine_stamp_copied_to_another_endpoint_or_user_does_not_verify(
         (DeadLetterReason.NOT_ROUTED_HERE, encode(redirected)),
         (DeadLetterReason.IDENTITY_MISMATCH, encode(misnamed)),
     ]
-    assert "names endpoint 'ep-1': an endpoint reports only for itself" in letters[2].reason
+    assert "names endpoint 'ep-2': an endpoint reports only for itself" in letters[2].reason
 
 
 def test_old_and_new_keys_are_accepted_during_a_rotation(

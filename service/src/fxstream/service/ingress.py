@@ -234,13 +234,6 @@ class Ingress:
     ) -> tuple[str, DeadLetterReason] | None:
         """Why ``value`` (on ``endpoint``'s topic) must not be forwarded, or None."""
         what = "result" if isinstance(value, TaskResult) else "task event"
-        if value.endpoint_id != endpoint:
-            self.stats.identity_mismatches += 1
-            return (
-                f"a {what} on endpoint {endpoint!r}'s topic for task {value.task_id} names "
-                f"endpoint {value.endpoint_id!r}: an endpoint reports only for itself",
-                DeadLetterReason.IDENTITY_MISMATCH,
-            )
         try:
             self._keys.verify(
                 value.routing_stamp,
@@ -256,6 +249,13 @@ class Ingress:
                 f"{value.user_id!r}, function {value.function_id!r}) that the router did not "
                 f"route to it: {exc}",
                 DeadLetterReason.NOT_ROUTED_HERE,
+            )
+        if value.endpoint_id != endpoint:
+            self.stats.identity_mismatches += 1
+            return (
+                f"a {what} on endpoint {endpoint!r}'s topic for task {value.task_id} names "
+                f"endpoint {value.endpoint_id!r}: an endpoint reports only for itself",
+                DeadLetterReason.IDENTITY_MISMATCH,
             )
         return None
 
