@@ -508,11 +508,6 @@ def worker(
         retention = retention_s(task_retention_s)
     except ValueError as exc:
         fail(str(exc))
-    roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
-    try:
-        keys = routing_keys_for(roles, routing_keys)
-    except RoutingKeysUnavailable as exc:
-        fail(str(exc))
     try:
         target = target_from(
             bootstrap,
@@ -523,6 +518,11 @@ def worker(
         )
         check_topics(target, target.catalogue.static_topics())
     except StartError as exc:
+        fail(str(exc))
+    roles = tuple(p.value for p in only) if only else tuple(p.value for p in Processor)
+    try:
+        keys = routing_keys_for(roles, routing_keys)
+    except RoutingKeysUnavailable as exc:
         fail(str(exc))
     run_processors = _load_processors()
     try:

@@ -289,8 +289,9 @@ FROM_ENDPOINT = TopicSpec(
     key="task id (results, task events); endpoint id (heartbeats); as the shared topic",
     summary="The only topic endpoint E's agent writes: results, task events, heartbeats, warm "
     "adverts, data locations and its dead letters. The ingress processor checks each "
-    "against E (a result only for a task routed to E, a heartbeat only for E) and forwards "
-    "it to results.<user>, task-events, heartbeats, warm, data-locations or dead-letter.",
+    "against E (a result or task event only with the router's routing stamp of its task for "
+    "E, a heartbeat only for E) and forwards it to results.<user>, task-events, heartbeats, "
+    "warm, data-locations or dead-letter.",
     written_by="that endpoint's agent only",
     read_by="ingress processor (all of them, by pattern)",
     cleanup_policy=CleanupPolicy.DELETE,
