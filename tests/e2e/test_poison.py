@@ -43,11 +43,10 @@ from fxstream.topics import (
     DeadLetterReason,
     KafkaConnection,
     TaskDispatch,
-    TaskState,
-    TaskStateName,
     TaskSubmission,
     decode,
     encode,
+    read_routing_keys,
     utf8_len,
 )
 from fxstream.topics.budget import ERROR_MESSAGE_MAX_BYTES
@@ -289,9 +288,10 @@ def test_a_result_above_the_limits_is_an_error_naming_the_setting(
 def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
     stack: Stack, pids: dict[str, int | None]
 ) -> None:
-    """As the router would write it (its routed state, then its dispatch), for a user whose
-    results topic is gone: the ingress cannot forward the agent's result and dead-letters it,
-    and the agent's queue record is settled (the next task runs)."""
+    """As the router would write it (its dispatch, with the routing stamp the platform's key
+    makes), for a user whose results topic is gone: the ingress cannot forward the agent's
+    result and dead-letters it, and the agent's queue record is settled (the next task
+    runs)."""
     catalogue = Catalogue(prefix=stack.prefix)
     client = stack.client()
     try:
@@ -302,6 +302,7 @@ def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
     submission = decode(prepared.record, TaskSubmission)
     ghost = f"ghost-{uuid.uuid4().hex[:12]}"
     orphan = msgspec.structs.replace(submission, user_id=ghost)
+    keys = read_routing_keys(stack.home / "credentials" / "routing-keys.json")
     dispatch = TaskDispatch(
         task_id=orphan.task_id,
         endpoint_id=stack.endpoint_id,
@@ -309,17 +310,14 @@ def test_a_dispatch_for_a_user_without_a_results_topic_is_settled(
         function_sha256=orphan.function_sha256,
         routed_at=time.time(),
         submission=encode(orphan),
+        routing_stamp=keys.stamp(
+            task_id=orphan.task_id,
+            endpoint_id=stack.endpoint_id,
+            user_id=ghost,
+            function_id=orphan.function_id,
+        ),
     )
     key = orphan.task_id.encode()
-    routed = TaskState(
-        task_id=orphan.task_id,
-        user_id=ghost,
-        function_id=orphan.function_id,
-        endpoint_id=stack.endpoint_id,
-        state=TaskStateName.ROUTED,
-        updated_at=time.time(),
-    )
-    _produce(stack, catalogue.task_state, key, encode(routed))
     _produce(stack, catalogue.endpoint_queue(stack.endpoint_id), key, encode(dispatch))
     letter = _dead_letter(stack, key)
     assert letter.error_type == DeadLetterReason.TASK_UNDELIVERABLE
