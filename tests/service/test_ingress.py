@@ -8,13 +8,15 @@ forwarded nowhere. The ingress follows no task-state: nothing here writes any.
 The real broker and topics throughout: the first tests drive the ingress planner
 directly (its results-topic lookups are the broker's), the last runs the ingress
 processor (a subprocess reading its keys from ``FXSTREAM_ROUTING_KEYS``) and reads what
-it committed.
+it committed. The rotation tests give the planner a real keys file
+(``RoutingKeyFile``), rewritten on disk while it runs, as the keys command does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,6 +25,7 @@ from pathlib import Path
 import pytest
 
 from fxstream.service.ingress import Ingress
+from fxstream.service.routing_keys import CHECK_INTERVAL_S, RoutingKeyFile
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
@@ -36,11 +39,13 @@ from fxstream.topics import (
     decode,
     encode,
     ensure_topics,
+    write_routing_keys,
 )
 from tests.conftest import RunningPlatform
 from tests.e2e.stack import committed_records
 from tests.service.test_lifecycle import Record
 from tests.service.test_router import Deployment, Processors, decoded, key_is
+from tests.service.test_routing_keys import secrets_of, write_loose
 
 KEYS = RoutingKeys.generate()  # the service's keys in this module (never a default)
 USER, OTHER_USER = f"u-{uuid.uuid4().hex[:8]}", f"u-{uuid.uuid4().hex[:8]}"
@@ -247,14 +252,133 @@ def test_old_and_new_keys_are_accepted_during_a_rotation(
     # An ingress given the rotated file: both verify.
     both = Ingress(catalogue, directory, keys=rotated)
     assert [topic for topic, _, _ in plan(both, loop, records)] == [catalogue.results(USER)] * 2
-    # One not yet restarted with it: the new key is unknown to it (why ingresses restart
-    # before routers).
+    # Fixed keys without the new one (the processors pass a RoutingKeyFile instead, which
+    # is re-read: the tests below): the new key is unknown to it.
     stale = plan(Ingress(catalogue, directory, keys=old), loop, records)
     assert [topic for topic, _, _ in stale] == [catalogue.results(USER), catalogue.dead_letter]
     assert "does not hold" in decode(stale[1][2], DeadLetter).reason
     # The old key retired: only what the new one stamped verifies.
     retired = plan(Ingress(catalogue, directory, keys=RoutingKeys(rotated.signing)), loop, records)
     assert [topic for topic, _, _ in retired] == [catalogue.dead_letter, catalogue.results(USER)]
+
+
+def test_an_ingress_accepts_at_once_a_stamp_under_a_key_added_after_it_started(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The rotation's hazard, gone: a router that read the rotated file first stamps with
+    the new key before this ingress has looked at the file again; the ingress looks again
+    (within its once-a-second limit) before refusing, and forwards the result."""
+    path = tmp_path / "routing-keys.json"
+    old = RoutingKeys.generate()
+    write_routing_keys(path, old)
+    caplog.set_level(logging.INFO, logger="fxstream.service.routing_keys")
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=RoutingKeyFile(path))
+    before = str(uuid.uuid4())
+    from_old = result(before, stamp_of(before, keys=old))
+    assert plan(ingress, loop, [on_topic(catalogue, from_old, ENDPOINT)])[0][0] == (
+        catalogue.results(USER)
+    )
+
+    rotated = old.rotated()
+    write_routing_keys(path, rotated)  # what `routing-keys --rotate` does
+    after = str(uuid.uuid4())
+    from_new = result(after, stamp_of(after, keys=rotated))  # the router read it first
+    again = str(uuid.uuid4())
+    from_old_again = result(again, stamp_of(again, keys=old))  # routed before the rotation
+    began = time.monotonic()
+    written = plan(
+        ingress,
+        loop,
+        [on_topic(catalogue, from_new, ENDPOINT), on_topic(catalogue, from_old_again, ENDPOINT)],
+    )
+    assert written == [
+        (catalogue.results(USER), after.encode(), encode(from_new)),
+        (catalogue.results(USER), again.encode(), encode(from_old_again)),
+    ]
+    # At most the rest of the second since its last look, then one look.
+    assert time.monotonic() - began < CHECK_INTERVAL_S + 5
+    assert ingress.stats.not_routed_here == 0 and ingress.stats.dead_lettered == 0
+    assert ingress.keys == rotated
+    assert f"signing key {rotated.signing.key_id}" in caplog.text
+    assert not any(secret in caplog.text for secret in secrets_of(rotated))
+
+
+def test_a_retired_key_is_refused_once_the_ingress_has_re_read_its_file(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "routing-keys.json"
+    rotated = RoutingKeys.generate().rotated()  # a new signing key, the old one accepted
+    old_key = rotated.retired[0]
+    write_routing_keys(path, rotated)
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=RoutingKeyFile(path))
+    old_ring = RoutingKeys(old_key)
+    first = str(uuid.uuid4())
+    accepted = plan(
+        ingress,
+        loop,
+        [on_topic(catalogue, result(first, stamp_of(first, keys=old_ring)), ENDPOINT)],
+    )
+    assert [topic for topic, _, _ in accepted] == [catalogue.results(USER)]
+
+    write_routing_keys(path, RoutingKeys(rotated.signing))  # what `--retire <old>` does
+    time.sleep(CHECK_INTERVAL_S + 0.05)
+    late, current = str(uuid.uuid4()), str(uuid.uuid4())
+    from_old = result(late, stamp_of(late, keys=old_ring))
+    from_new = result(current, stamp_of(current, keys=rotated))
+    written = plan(
+        ingress,
+        loop,
+        [on_topic(catalogue, from_old, ENDPOINT), on_topic(catalogue, from_new, ENDPOINT)],
+    )
+    assert [topic for topic, _, _ in written] == [catalogue.dead_letter, catalogue.results(USER)]
+    letter = decode(written[0][2], DeadLetter)
+    assert letter.error_type == DeadLetterReason.NOT_ROUTED_HERE
+    assert f"made with key {old_key.key_id!r}, which this ingress does not hold" in letter.reason
+    assert ingress.keys.key_ids == (rotated.signing.key_id,)
+
+
+def test_a_loose_new_keys_file_leaves_the_ingress_on_its_last_good_keys(
+    kafka_platform: RunningPlatform,
+    catalogue: Catalogue,
+    results_topics: None,
+    loop: asyncio.AbstractEventLoop,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A new file others may read is never used: its keys verify nothing, the old ones
+    still do, and the ingress says why (and keeps going)."""
+    path = tmp_path / "routing-keys.json"
+    good = RoutingKeys.generate()
+    write_routing_keys(path, good)
+    ingress = Ingress(catalogue, TopicDirectory(kafka_platform.kafka), keys=RoutingKeyFile(path))
+    caplog.set_level(logging.INFO, logger="fxstream.service.routing_keys")
+    loose = RoutingKeys.generate()
+    write_loose(path, loose)
+    time.sleep(CHECK_INTERVAL_S + 0.05)
+    kept, refused = str(uuid.uuid4()), str(uuid.uuid4())
+    written = plan(
+        ingress,
+        loop,
+        [
+            on_topic(catalogue, result(kept, stamp_of(kept, keys=good)), ENDPOINT),
+            on_topic(catalogue, result(refused, stamp_of(refused, keys=loose)), ENDPOINT),
+        ],
+    )
+    assert [topic for topic, _, _ in written] == [catalogue.results(USER), catalogue.dead_letter]
+    assert "which this ingress does not hold" in decode(written[1][2], DeadLetter).reason
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert any(f"chmod 600 {path}" in e and "still using the last good keys" in e for e in errors)
+    assert ingress.keys == good
+    assert not any(secret in caplog.text for secret in secrets_of(good, loose))
 
 
 def test_the_other_checks_stay(

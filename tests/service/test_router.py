@@ -24,6 +24,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Message, Producer, TopicPartition
 
 from fxstream.service.auth import token_sha256
+from fxstream.service.routing_keys import CHECK_INTERVAL_S
 from fxstream.topics import (
     ROUTING_KEYS_ENV,
     Catalogue,
@@ -45,6 +46,7 @@ from fxstream.topics import (
     encode,
     ensure_routing_keys,
     ensure_topics,
+    read_routing_keys,
     record_kind,
 )
 from tests.conftest import RunningPlatform, write_kafka_credentials
@@ -621,3 +623,46 @@ def test_a_record_naming_another_user_than_its_topics_is_dead_lettered(
     )
     if kind == "submission":
         assert not dep.reader(dep.catalogue.task_state).keyed(forged.task_id)
+
+
+def test_a_running_router_stamps_with_a_rotated_key_without_a_restart(
+    deployment: tuple[Deployment, Processors],
+) -> None:
+    """`fxstream-service routing-keys FILE --rotate` while the processors run: within about
+    a second the router stamps with the new key (the file is looked at once a second)."""
+    dep, processors = deployment
+    old = read_routing_keys(processors.routing_keys_file)
+    rotate = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "fxstream-service"),
+            "routing-keys",
+            str(processors.routing_keys_file),
+            "--rotate",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert rotate.returncode == 0, rotate.stderr
+    rotated = read_routing_keys(processors.routing_keys_file)
+    assert rotated.signing != old.signing and old.signing in rotated.retired
+    # Later tests of this module verify with these (the old key is still accepted).
+    processors.routing_keys = rotated
+    # The file is looked at when a key is needed, at most once a second: a second after
+    # the rotation, the next dispatch is stamped with the new key.
+    time.sleep(CHECK_INTERVAL_S + 0.05)
+    task = submission()
+    submit(dep, task)
+    message = dep.reader(dep.catalogue.endpoint_queue(PUBLIC_EP)).wait_for(key_is(task.task_id))
+    stamp = decoded(message, TaskDispatch).routing_stamp
+    assert stamp.split(".")[1] == rotated.signing.key_id, stamp
+    rotated.verify(
+        stamp, task_id=task.task_id, endpoint_id=PUBLIC_EP, user_id=BOB, function_id=PUBLIC_FN
+    )
+    processors.wait_for_log(
+        f"routing keys re-read from {processors.routing_keys_file}: signing key "
+        f"{rotated.signing.key_id}; also accepted: {old.signing.key_id}"
+    )
+    log = processors.log()
+    for key in (old.signing, rotated.signing):
+        assert key.secret.hex() not in log

@@ -1,9 +1,14 @@
 """The routing keys reach the router and the ingress as a 0600 file, and nothing starts
-without one; the remedy each refusal names works (real processes, real broker)."""
+without one; the remedy each refusal names works (real processes, real broker). A running
+router or ingress re-reads the file when it changes (``RoutingKeyFile``, real files on
+disk): a rotation is picked up within about a second, and a bad new file keeps the last
+good keys and is logged."""
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
 import signal
 import stat
@@ -14,8 +19,22 @@ from pathlib import Path
 
 import pytest
 
-from fxstream.service.routing_keys import RoutingKeysUnavailable, routing_keys_for
-from fxstream.topics import ROUTING_KEYS_ENV, Catalogue, KafkaConnection, read_routing_keys
+from fxstream.service.routing_keys import (
+    CHECK_INTERVAL_S,
+    RoutingKeyFile,
+    RoutingKeysUnavailable,
+    routing_keys_for,
+)
+from fxstream.topics import (
+    ROUTING_KEYS_ENV,
+    Catalogue,
+    KafkaConnection,
+    RoutingKeys,
+    ensure_routing_keys,
+    read_routing_keys,
+    write_routing_keys,
+    write_secret_file,
+)
 from tests.conftest import RunningPlatform, write_kafka_credentials
 
 SERVICE = Path(sys.executable).parent / "fxstream-service"
@@ -26,6 +45,31 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     return subprocess.run(
         [str(SERVICE), *args], capture_output=True, text=True, env=env, timeout=120
     )
+
+
+def write_loose(path: Path, keys: RoutingKeys) -> None:
+    """Replace ``path`` (by rename, as the keys command does) with ``keys`` in a file that
+    group and others may read."""
+    temp = path.with_name(f".{path.name}.loose")
+    temp.write_text(keys.to_json())
+    temp.chmod(0o644)
+    os.replace(temp, path)
+
+
+def after_a_look(keys_file: RoutingKeyFile) -> RoutingKeys:
+    """The keys once the rate limit lets ``keys_file`` look at its file again."""
+    time.sleep(CHECK_INTERVAL_S + 0.05)
+    return keys_file.current()
+
+
+def secrets_of(*rings: RoutingKeys) -> list[str]:
+    """Every way a key of ``rings`` could be written: hex, and the file's base64url."""
+    return [
+        text
+        for ring in rings
+        for key in (ring.signing, *ring.retired)
+        for text in (key.secret.hex(), base64.urlsafe_b64encode(key.secret).decode())
+    ]
 
 
 def _worker_env(credentials: Path, keys: Path | None) -> dict[str, str]:
@@ -134,3 +178,92 @@ def test_a_worker_without_readable_keys_stops_saying_what_to_do_and_the_remedy_w
             os.kill(process.pid, signal.SIGTERM)
         code = process.wait(timeout=60)
     assert code == 0, log_path.read_text(errors="replace")[-3000:]
+
+
+def test_a_rotation_is_picked_up_within_a_second_without_a_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "routing-keys.json"
+    old = ensure_routing_keys(path)
+    caplog.set_level(logging.INFO, logger="fxstream.service.routing_keys")
+    began = time.monotonic()
+    keys_file = RoutingKeyFile(path)
+    assert keys_file.current() == old
+    rotated = old.rotated()
+    write_routing_keys(path, rotated)  # what `routing-keys --rotate` does
+    seen = keys_file.current()
+    if time.monotonic() - began < CHECK_INTERVAL_S:
+        assert seen == old  # looked at most once a second: not yet
+    written = time.monotonic()
+    while keys_file.current() != rotated:
+        assert time.monotonic() - written < CHECK_INTERVAL_S + 2, "the rotation was not read"
+        time.sleep(0.02)
+    assert keys_file.keys.signing == rotated.signing  # the router signs with the new key
+    assert keys_file.keys.key_ids == (rotated.signing.key_id, old.signing.key_id)
+    assert (
+        f"routing keys re-read from {path}: signing key {rotated.signing.key_id}; "
+        f"also accepted: {old.signing.key_id}"
+    ) in caplog.text
+
+    # The keys command itself, as an operator runs it: picked up the same way.
+    again = _run("routing-keys", str(path), "--rotate")
+    assert again.returncode == 0, again.stderr
+    latest = read_routing_keys(path)
+    assert after_a_look(keys_file) == latest and latest.signing != rotated.signing
+    assert not any(secret in caplog.text for secret in secrets_of(old, latest))
+
+
+def test_a_broken_loose_or_missing_new_file_keeps_the_last_good_keys_and_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "routing-keys.json"
+    good = ensure_routing_keys(path)
+    keys_file = RoutingKeyFile(path)
+    caplog.set_level(logging.INFO, logger="fxstream.service.routing_keys")
+    still = f"still using the last good keys (signing {good.signing.key_id}"
+
+    def errors() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+
+    # Not JSON.
+    write_secret_file(path, b'{"signing": "k1", "keys": ')
+    assert after_a_look(keys_file) == good
+    assert len(errors()) == 1 and "is not a JSON credentials file" in errors()[0], errors()
+    assert still in errors()[0]
+    assert after_a_look(keys_file) == good
+    assert len(errors()) == 1, "an unchanged bad file is logged once, not every second"
+
+    # JSON, but not a keys file (no keys).
+    write_secret_file(path, json.dumps({"signing": "nope", "keys": {}}).encode())
+    assert after_a_look(keys_file) == good
+    assert "is not a routing keys file" in errors()[-1] and still in errors()[-1]
+
+    # A valid ring, but readable by others: refused as at start, its keys never used.
+    loose = RoutingKeys.generate()
+    write_loose(path, loose)
+    assert after_a_look(keys_file) == good
+    assert f"run `chmod 600 {path}`" in errors()[-1] and still in errors()[-1]
+
+    # Gone.
+    path.unlink()
+    assert after_a_look(keys_file) == good
+    assert f"cannot stat {path}" in errors()[-1] and still in errors()[-1]
+    assert len(errors()) == 4
+
+    # Fixed: the new good file is read, and says so.
+    fixed = good.rotated()
+    write_routing_keys(path, fixed)
+    assert after_a_look(keys_file) == fixed
+    assert f"signing key {fixed.signing.key_id}" in caplog.text
+    assert len(errors()) == 4
+    assert not any(secret in caplog.text for secret in secrets_of(good, loose, fixed))
+
+
+def test_routing_keys_for_names_a_file_that_is_re_read(tmp_path: Path) -> None:
+    path = tmp_path / "routing-keys.json"
+    made = ensure_routing_keys(path)
+    keys_file = routing_keys_for(("router", "task-state"), path)
+    assert isinstance(keys_file, RoutingKeyFile) and keys_file.path == path
+    assert keys_file.current() == made
+    write_routing_keys(path, RoutingKeys(made.rotated().signing))
+    assert after_a_look(keys_file).key_ids != made.key_ids

@@ -551,8 +551,10 @@ def routing_keys_command(
         bool,
         typer.Option(
             "--rotate",
-            help="add a new signing key; the current keys are still accepted. Restart the "
-            "ingress processes first, then the routers",
+            help="add a new signing key; the current keys are still accepted. The routers "
+            "and the ingresses re-read the file within about a second, in any order (an "
+            "ingress handed a stamp under a key it does not hold re-reads it first): no "
+            "restart",
         ),
     ] = False,
     retire: Annotated[
@@ -560,14 +562,17 @@ def routing_keys_command(
         typer.Option(
             "--retire",
             metavar="KEY_ID",
-            help="stop accepting a key that no longer signs (once no task routed under it "
-            "is queued or running), then restart the ingress processes",
+            help="stop accepting a key that no longer signs, only once no task routed "
+            "under it is queued or running (their results would be refused); the ingresses "
+            "re-read the file within about a second",
         ),
     ] = None,
 ) -> None:
     """Make, rotate or retire the service's routing keys (their ids are shown, never the keys).
 
     Without options: make FILE with one new random key unless it exists, and show its keys.
+    The file is replaced whole (renamed into place); running routers and ingresses re-read
+    it within about a second.
     """
     try:
         keys = ensure_routing_keys(file)
@@ -587,8 +592,9 @@ def _retired(keys: RoutingKeys, key_id: str) -> RoutingKeys:
     """``keys`` without the accepted-only key ``key_id`` (the signing key cannot be retired)."""
     if key_id == keys.signing.key_id:
         raise ValueError(
-            f"key {key_id} signs the dispatches: rotate first (--rotate), restart the "
-            "processors, and retire it once no task routed under it is in flight"
+            f"key {key_id} signs the dispatches: rotate first (--rotate; the routers sign "
+            "with the new key within about a second), and retire it once no task routed "
+            "under it is queued or running"
         )
     kept: tuple[RoutingKey, ...] = tuple(k for k in keys.retired if k.key_id != key_id)
     if len(kept) == len(keys.retired):

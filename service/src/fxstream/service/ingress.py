@@ -36,6 +36,14 @@ or one for another task, endpoint, user or function is dead-lettered ``NotRouted
 with what is wrong. No view of ``task-state`` and no wait for one: each record is decided
 from itself and the keys, in a few microseconds.
 
+The keys are the routing keys file's, re-read when it changes
+(:class:`~fxstream.service.routing_keys.RoutingKeyFile`: a look at most once a second).
+A stamp under a key id the ingress does not hold makes it look at the file again before
+refusing, waiting out the rest of that second if it looked less than a second ago: a
+router that read a rotated file first (its new key signing) loses no result to an
+ingress that has not read it yet. One look per batch at most; a batch with such a stamp
+(a forgery, or a key retired too early) waits up to a second for it.
+
 The writes of a batch and its input offsets are one Kafka transaction (the
 router's loop, :class:`~fxstream.service.router_loop.RouterLoop`, with this
 planner): a crash forwards a batch entirely or not at all.
@@ -44,12 +52,14 @@ planner): a crash forwards a batch entirely or not at all.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.router import RoutePlan
+from fxstream.service.routing_keys import RoutingKeyFile
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Catalogue,
@@ -64,6 +74,7 @@ from fxstream.topics import (
     RoutingStampError,
     TaskEvent,
     TaskResult,
+    UnknownRoutingKeyError,
     WarmAdvert,
     dead_letter_for,
     decode_any,
@@ -93,19 +104,32 @@ class Ingress:
     """Plans, per batch of ``from.ep.<endpoint>`` records, what to forward and what to refuse."""
 
     def __init__(
-        self, catalogue: Catalogue, directory: TopicDirectory, *, keys: RoutingKeys
+        self,
+        catalogue: Catalogue,
+        directory: TopicDirectory,
+        *,
+        keys: RoutingKeyFile | RoutingKeys,
     ) -> None:
         """``keys`` are the service's routing keys: a stamp under any of them verifies
-        (the signing key and those retired but still accepted during a rotation)."""
+        (the signing key and those retired but still accepted during a rotation). A
+        :class:`~fxstream.service.routing_keys.RoutingKeyFile` (what the processors pass)
+        is re-read when it changes; fixed :class:`~fxstream.topics.RoutingKeys` never
+        change."""
         self._catalogue = catalogue
         self._directory = directory
         self._keys = keys
         self.stats = IngressStats()
 
+    @property
+    def keys(self) -> RoutingKeys:
+        """The keys stamps are verified with now (the key file looked at if a second has
+        passed since the last look)."""
+        return self._keys.current() if isinstance(self._keys, RoutingKeyFile) else self._keys
+
     async def start(self) -> None:
         """Nothing to catch up with: every record is checked on its own (the key ids are
         logged, never the keys)."""
-        log.info("ingress: accepting routing stamps of keys %s", ", ".join(self._keys.key_ids))
+        log.info("ingress: accepting routing stamps of keys %s", ", ".join(self.keys.key_ids))
 
     def close(self) -> None:
         """Nothing to release."""
@@ -113,6 +137,7 @@ class Ingress:
     async def plan(self, records: Sequence[RawRecord]) -> RoutePlan:
         """What to forward (and dead-letter) for a batch of ``from.ep.<endpoint>`` records."""
         plan = RoutePlan()
+        started = time.monotonic()
         decoded: list[tuple[RawRecord, str, object]] = []
         for record in records:
             endpoint = self._catalogue.endpoint_of(record.topic)
@@ -130,7 +155,24 @@ class Ingress:
                 self._refuse(plan, record, str(exc), DeadLetterReason.DECODE_ERROR)
         # Results and events are checked first: only a routed task's user (the stamp
         # authenticates it) makes the results topics below be looked up.
-        refusals = [self._verdict(value, endpoint) for _, endpoint, value in decoded]
+        keys = self.keys
+        verdicts = [self._verdict(keys, value, endpoint) for _, endpoint, value in decoded]
+        if isinstance(self._keys, RoutingKeyFile) and any(
+            isinstance(v, UnknownRoutingKeyError) for v in verdicts
+        ):
+            # A key the file may have gained since the last look (a rotation the router
+            # read first): look again, at most once a second, before refusing.
+            keys = await self._keys.rechecked(since=started)
+            verdicts = [
+                self._verdict(keys, value, endpoint)
+                if isinstance(verdict, UnknownRoutingKeyError)
+                else verdict
+                for (_, endpoint, value), verdict in zip(decoded, verdicts, strict=True)
+            ]
+        refusals = [
+            self._refusal(value, endpoint, verdict)
+            for (_, endpoint, value), verdict in zip(decoded, verdicts, strict=True)
+        ]
         # A user deleted since its task was routed has no results topic: its results are
         # dead-lettered here rather than refused by Kafka mid-transaction.
         present = await self._directory.present(
@@ -219,35 +261,51 @@ class Ingress:
                 DeadLetterReason.IDENTITY_MISMATCH,
             )
 
-    def _verdict(self, value: object, endpoint: str) -> tuple[str, DeadLetterReason] | None:
-        """Why a result or event must not be forwarded (None: it may; or not one)."""
+    @staticmethod
+    def _verdict(keys: RoutingKeys, value: object, endpoint: str) -> Exception | None:
+        """What verifying a result's or event's stamp under ``keys`` raised (None: it
+        verified, or ``value`` is neither)."""
         if not isinstance(value, TaskResult | TaskEvent):
             return None
         try:
-            return self._not_routed_here(value, endpoint)
-        except Exception as exc:  # a bug here must cost one record, not the ingress
-            log.exception("ingress: cannot check task %s", value.task_id)
-            return f"ingress failed: {exc!r}", DeadLetterReason.ROUTER_ERROR
-
-    def _not_routed_here(
-        self, value: TaskResult | TaskEvent, endpoint: str
-    ) -> tuple[str, DeadLetterReason] | None:
-        """Why ``value`` (on ``endpoint``'s topic) must not be forwarded, or None."""
-        what = "result" if isinstance(value, TaskResult) else "task event"
-        try:
-            self._keys.verify(
+            keys.verify(
                 value.routing_stamp,
                 task_id=value.task_id,
                 endpoint_id=endpoint,
                 user_id=value.user_id,
                 function_id=value.function_id,
             )
-        except RoutingStampError as exc:
+        except Exception as exc:  # a bug here must cost one record, not the ingress
+            return exc
+        return None
+
+    def _refusal(
+        self, value: object, endpoint: str, verdict: Exception | None
+    ) -> tuple[str, DeadLetterReason] | None:
+        """Why a result or event must not be forwarded (None: it may; or not one)."""
+        if not isinstance(value, TaskResult | TaskEvent):
+            return None
+        if verdict is not None and not isinstance(verdict, RoutingStampError):
+            log.error("ingress: cannot check task %s", value.task_id, exc_info=verdict)
+            return f"ingress failed: {verdict!r}", DeadLetterReason.ROUTER_ERROR
+        try:
+            return self._not_routed_here(value, endpoint, verdict)
+        except Exception as exc:  # a bug here must cost one record, not the ingress
+            log.exception("ingress: cannot check task %s", value.task_id)
+            return f"ingress failed: {exc!r}", DeadLetterReason.ROUTER_ERROR
+
+    def _not_routed_here(
+        self, value: TaskResult | TaskEvent, endpoint: str, verdict: RoutingStampError | None
+    ) -> tuple[str, DeadLetterReason] | None:
+        """Why ``value`` (on ``endpoint``'s topic, its stamp's ``verdict``: None if it
+        verified) must not be forwarded, or None."""
+        what = "result" if isinstance(value, TaskResult) else "task event"
+        if verdict is not None:
             self.stats.not_routed_here += 1
             return (
                 f"endpoint {endpoint!r} sent a {what} for task {value.task_id} (user "
                 f"{value.user_id!r}, function {value.function_id!r}) that the router did not "
-                f"route to it: {exc}",
+                f"route to it: {verdict}",
                 DeadLetterReason.NOT_ROUTED_HERE,
             )
         if value.endpoint_id != endpoint:

@@ -55,7 +55,8 @@ Run it with ``python -m fxstream.service.processors --kafka-credentials FILE
 principal's 0600 credentials file; ``--bootstrap HOST:PORT`` instead on the insecure
 development platform). The router and the ingress also need the service's routing keys,
 a 0600 file named by ``--routing-keys`` or ``FXSTREAM_ROUTING_KEYS``
-(:mod:`fxstream.service.routing_keys`): without a readable one they do not start.
+(:mod:`fxstream.service.routing_keys`): without a readable one they do not start, and
+they re-read it within about a second of a change (a rotation), without a restart.
 SIGTERM or SIGINT stops it
 cleanly (the batch in hand is finished and committed). An input whose output
 Kafka refuses for a reason of its own (too large, invalid, topic gone) is
@@ -100,7 +101,11 @@ from fxstream.service.quarantine import write_or_quarantine
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import Router
 from fxstream.service.router_loop import EXIT_WRITE_FAILED, RouterLoop
-from fxstream.service.routing_keys import RoutingKeysUnavailable, routing_keys_for
+from fxstream.service.routing_keys import (
+    RoutingKeyFile,
+    RoutingKeysUnavailable,
+    routing_keys_for,
+)
 from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
     RETENTION_ENV,
@@ -226,13 +231,15 @@ def build_app(
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
     task_retention_s: float = DEFAULT_RETENTION_S,
-    routing_keys: RoutingKeys | None = None,
+    routing_keys: RoutingKeyFile | RoutingKeys | None = None,
 ) -> faust.App:
     """The faust app running ``roles`` (router, task-state, liveness), not yet started.
 
     ``routing_keys`` are the service's routing keys: the router stamps dispatches with
     them and the ingress verifies results and events with them, so both roles need them
-    (``ValueError`` without; there is no default key). Other roles never use them.
+    (``ValueError`` without; there is no default key). Other roles never use them. A
+    :class:`~fxstream.service.routing_keys.RoutingKeyFile` (what :func:`main` passes) is
+    re-read when the file changes; the router and the ingress of one app share it.
 
     ``data_dir`` is faust's working directory (nothing durable lives there: the
     store is in memory); by default a directory under the system temp dir, one per
@@ -325,7 +332,7 @@ def _add_router(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
-    keys: RoutingKeys,
+    keys: RoutingKeyFile | RoutingKeys,
     policy: PlacementPolicy = PlacementPolicy.WARM,
 ) -> None:
     # Heartbeats and warm adverts: what placement chooses by (fxstream.service.placement).
@@ -364,7 +371,7 @@ def _add_ingress(
     batch_size: int,
     instance: int,
     stoppers: list[Callable[[], Awaitable[None]]],
-    keys: RoutingKeys,
+    keys: RoutingKeyFile | RoutingKeys,
 ) -> None:
     # Each result and task event carries the router's routing stamp of its task: checked
     # against the keys, with no view of task-state (see fxstream.service.ingress).
@@ -632,7 +639,7 @@ def run_processors(
     placement: PlacementPolicy = PlacementPolicy.WARM,
     instance: int = 0,
     task_retention_s: float = DEFAULT_RETENTION_S,
-    routing_keys: RoutingKeys | None = None,
+    routing_keys: RoutingKeyFile | RoutingKeys | None = None,
 ) -> None:
     """Run the processors of ``roles`` until SIGTERM or SIGINT, then stop cleanly and return.
 

@@ -67,6 +67,7 @@ from fxstream.service.outgoing import Outgoing
 from fxstream.service.placement import Choice, Placement, tie_break
 from fxstream.service.quarantine import OUTPUT_REFUSED
 from fxstream.service.registry import RegistryView
+from fxstream.service.routing_keys import RoutingKeyFile
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
@@ -166,13 +167,16 @@ class Router:
         view: RegistryView,
         directory: TopicDirectory,
         *,
-        keys: RoutingKeys,
+        keys: RoutingKeyFile | RoutingKeys,
         catch_up_s: float = 2.0,
         clock: Callable[[], float] = time.time,
         placement: Placement | None = None,
     ) -> None:
         """``keys`` are the service's routing keys: every dispatch is stamped with their
-        signing key (there is no default key). ``placement`` chooses among a grouped
+        signing key (there is no default key); a
+        :class:`~fxstream.service.routing_keys.RoutingKeyFile` (what the processors pass)
+        is re-read when it changes, so a rotation's new signing key is used within about a
+        second, without a restart. ``placement`` chooses among a grouped
         submission's endpoints (default: the ``warm`` policy over ``view``, which should
         then follow ``heartbeats`` and ``warm``; a view that does not sees no candidate
         live and no warmth)."""
@@ -193,9 +197,15 @@ class Router:
         self._queue_limit = catalogue.spec("tasks.ep.{endpoint_id}").max_message_bytes
         self.stats = RouterStats()
 
+    @property
+    def keys(self) -> RoutingKeys:
+        """The keys dispatches are stamped with now (the key file looked at if a second has
+        passed since the last look)."""
+        return self._keys.current() if isinstance(self._keys, RoutingKeyFile) else self._keys
+
     async def start(self) -> None:
         """Start the registry view and wait until it holds everything registered so far."""
-        log.info("router: stamping dispatches with routing key %s", self._keys.signing.key_id)
+        log.info("router: stamping dispatches with routing key %s", self.keys.signing.key_id)
         await self._follower.start()
 
     def close(self) -> None:
@@ -491,8 +501,8 @@ class Router:
 
     def _stamp(self, submission: TaskSubmission, endpoint_id: str) -> str:
         """The routing stamp of ``submission`` routed to ``endpoint_id`` (its user is the
-        topic's, its function the one authorised)."""
-        return self._keys.stamp(
+        topic's, its function the one authorised), with the latest good signing key."""
+        return self.keys.stamp(
             task_id=submission.task_id,
             endpoint_id=endpoint_id,
             user_id=submission.user_id,

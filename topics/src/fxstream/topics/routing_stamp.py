@@ -32,7 +32,8 @@ a command line: ``{"signing": "<key id>", "keys": {"<key id>": "<base64url of 32
 bytes>", ...}}``. The router stamps with the ``signing`` key; the ingress accepts every
 key of the file. The platform writes it (:func:`ensure_routing_keys`) in its credentials
 directory; the processors read it (:func:`read_routing_keys`) from the file named by
-:data:`ROUTING_KEYS_ENV` or ``--routing-keys``.
+:data:`ROUTING_KEYS_ENV` or ``--routing-keys``, and again whenever it changes
+(``fxstream.service.routing_keys.RoutingKeyFile``), so a rotation needs no restart.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ __all__ = [
     "RoutingKey",
     "RoutingKeys",
     "RoutingStampError",
+    "UnknownRoutingKeyError",
     "ensure_routing_keys",
     "read_routing_keys",
     "routing_stamp",
@@ -92,6 +94,22 @@ class RoutingStampError(ValueError):
     The message says what is wrong (missing, malformed, an unknown key, or a stamp for
     another task, endpoint, user or function), in words fit for a dead letter.
     """
+
+
+class UnknownRoutingKeyError(RoutingStampError):
+    """A well-formed stamp made with a key id the verifier does not hold (``key_id``).
+
+    A key retired too early, another platform's key, a forgery, or a key added to the
+    key file since the verifier last read it: a verifier that re-reads its file
+    (:class:`fxstream.service.routing_keys.RoutingKeyFile`) checks the file again before
+    refusing.
+    """
+
+    def __init__(self, message: str, key_id: str) -> None:
+        super().__init__(message)
+        self.key_id = key_id
+        """The stamp's key id (at most :data:`MAX_KEY_ID_CHARS` characters shown in the
+        message; this is the whole of it)."""
 
 
 @dataclass(frozen=True)
@@ -195,7 +213,8 @@ class RoutingKeys:
         self, stamp: str, *, task_id: str, endpoint_id: str, user_id: str, function_id: str
     ) -> None:
         """Return if ``stamp`` is a stamp of this ``(task, endpoint, user, function)`` under
-        any of these keys; raise :class:`RoutingStampError` saying what is wrong otherwise.
+        any of these keys; raise :class:`RoutingStampError` saying what is wrong otherwise
+        (:class:`UnknownRoutingKeyError` when its key id is none of these keys').
 
         The MACs are compared in constant time (:func:`hmac.compare_digest`).
         """
@@ -215,10 +234,11 @@ class RoutingKeys:
         _, key_id, encoded = parts
         key = self._by_id.get(key_id)
         if key is None:
-            raise RoutingStampError(
+            raise UnknownRoutingKeyError(
                 f"its routing stamp was made with key {key_id[:MAX_KEY_ID_CHARS]!r}, which this "
                 f"ingress does not hold (it holds {', '.join(self.key_ids)}): a key retired "
-                "too early, another platform's key, or a forgery"
+                "too early, another platform's key, or a forgery",
+                key_id,
             )
         expected = _encoded_mac(key, task_id, endpoint_id, user_id, function_id)
         given = encoded.encode("utf-8", "surrogatepass")
