@@ -14,15 +14,14 @@ looked at (``stat``) at most once a second, and read again when its inode, size,
 mode changed, with the same checks as at start (0600, the format). So a rotation
 (``fxstream-service routing-keys FILE --rotate``) reaches the routers and the ingresses
 within about a second, in any order: an ingress handed a stamp under a key id it does not
-hold looks at the file again (waiting out the rest of that second if it looked less than
-a second ago) before refusing it. A new file that fails the checks is logged as an error
+hold looks at the file again at once (:meth:`RoutingKeyFile.recheck`, never waiting)
+before refusing it. A new file that fails the checks is logged as an error
 and the last good keys stay in use (the process neither stops nor takes the bad file);
 fixing the file is picked up the same way.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -108,21 +107,17 @@ class RoutingKeyFile:
             self._check()
         return self._keys
 
-    async def rechecked(self, since: float) -> RoutingKeys:
-        """The last good keys as of a look at the file made at or after ``since`` (a
-        :func:`time.monotonic` reading): if the last look was earlier, look again, first
-        waiting out the rest of ``check_interval_s`` since it (the rate limit holds).
+    def recheck(self) -> RoutingKeys:
+        """The last good keys after looking at the file now, whatever the interval (one
+        ``stat``; the file is read again only if it changed).
 
-        For a verifier handed a stamp under a key id it does not hold: a stamp made before
-        ``since`` was made with a key the file held then, so if the file looked at after
-        ``since`` holds no such key, the key was retired (or never the platform's).
+        For a verifier handed a stamp under a key id it does not hold: the stamp was made
+        with a key the file held when its router looked (the file is replaced whole, by a
+        rename), so if the file as it is now holds no such key, the key was retired (or
+        never the platform's). Never waits: a flood of stamps under made-up key ids costs
+        one ``stat`` a batch, not a stalled ingress.
         """
-        if self._checked_at < since:
-            wait = self._checked_at + self._interval - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            if self._checked_at < since:  # no other task looked meanwhile
-                self._check()
+        self._check()
         return self._keys
 
     def _check(self) -> None:
