@@ -48,6 +48,8 @@ from fxstream.topics import (
     decode_any,
     encode,
     record_kind,
+    task_state_glance,
+    task_state_group,
 )
 
 NOW = time.time()
@@ -494,3 +496,78 @@ def test_well_formed_msgpack_with_wrong_fields_is_refused_or_valid(
         return
     assert isinstance(decoded, Record)
     assert decode_any(encode(decoded)) == decoded
+
+
+# --- glances: a task state's few fields without decoding the rest ----------------------------
+
+ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9-]{0,40}\Z")
+task_states = st.builds(
+    TaskState,
+    task_id=ids,
+    user_id=ids,
+    function_id=ids,
+    endpoint_id=ids,
+    task_group_id=st.none() | ids,
+    state=st.sampled_from(list(TaskStateName)),
+    updated_at=st.floats(min_value=0, max_value=4e9),
+    timings=st.just(TaskTimings()) | st.just(TIMINGS),
+    attempts=st.lists(
+        st.builds(Attempt, attempt=st.integers(1, 9), error=st.none() | st.just(ERROR)),
+        max_size=3,
+    ),
+    error=st.none() | st.just(ERROR),
+    value=st.none() | st.binary(max_size=64),
+    tags=st.dictionaries(
+        st.from_regex(r"\A[a-z][a-z0-9_.-]{0,8}\Z"),
+        st.from_regex(r"\A[a-z0-9]{1,8}\Z"),
+        max_size=3,
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(task_states)
+def test_the_glances_agree_with_the_full_decode(state: TaskState) -> None:
+    encoded = encode(state)
+    decoded = decode(encoded, TaskState)
+    assert task_state_group(encoded) == (decoded.user_id, decoded.task_group_id)
+    assert task_state_glance(encoded) == (decoded.state, decoded.updated_at)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    task_states,
+    st.dictionaries(
+        st.sampled_from(["kind", "user_id", "task_group_id", "state", "x"]),
+        msgpack_values | ids,
+        max_size=2,
+    ),
+)
+def test_a_task_state_the_full_decode_accepts_glances_the_same(
+    state: TaskState, changes: dict[str, object]
+) -> None:
+    # Fields overwritten by arbitrary values: whatever the full decode accepts, the glance
+    # reads the same user and group from (it may read more than the full decode accepts:
+    # it checks nothing else, and a view decodes what it keeps).
+    raw = msgspec.msgpack.decode(encode(state))
+    raw.update(changes)
+    encoded = msgspec.msgpack.encode(raw)
+    try:
+        decoded = decode(encoded, TaskState)
+    except RecordDecodeError:
+        return
+    assert task_state_group(encoded) == (decoded.user_id, decoded.task_group_id)
+
+
+@pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
+def test_the_group_glance_reads_no_other_kind(record: Record) -> None:
+    glance = task_state_group(encode(record))
+    if isinstance(record, TaskState):
+        assert glance == (record.user_id, record.task_group_id)
+    else:
+        assert glance is None
+
+
+@pytest.mark.parametrize("data", [None, b"", b"\x93\x01\x02", msgspec.msgpack.encode({"v": 1})])
+def test_the_group_glance_of_bytes_holding_no_task_state_is_none(data: bytes | None) -> None:
+    assert task_state_group(data) is None

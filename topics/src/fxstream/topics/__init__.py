@@ -98,6 +98,7 @@ from fxstream.topics.records import (
     latency_bucket_upper_s,
     record_kind,
     task_state_glance,
+    task_state_group,
 )
 from fxstream.topics.routing_stamp import (
     ROUTING_KEYS_ENV,
@@ -266,6 +267,7 @@ __all__ = [
     "routing_stamp",
     "strategy_of",
     "task_state_glance",
+    "task_state_group",
     "truncate_utf8",
     "truncate_utf8_tail",
     "utf8_len",

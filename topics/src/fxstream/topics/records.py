@@ -87,6 +87,7 @@ __all__ = [
     "latency_bucket_upper_s",
     "record_kind",
     "task_state_glance",
+    "task_state_group",
 ]
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
@@ -1466,6 +1467,32 @@ def task_state_glance(data: bytes | None) -> tuple[TaskStateName, float] | None:
     if glance.kind != _kind_of[TaskState]:
         return None
     return glance.state, glance.updated_at
+
+
+class _TaskStateGroup(msgspec.Struct):
+    kind: str
+    user_id: str
+    task_group_id: str | None = None
+
+
+_task_state_group = msgspec.msgpack.Decoder(_TaskStateGroup)
+
+
+def task_state_group(data: bytes | None) -> tuple[str, str | None] | None:
+    """A ``task-state`` record's ``user_id`` and ``task_group_id``, read without the rest
+    of it (nothing else is decoded or checked); None for bytes that hold no task state.
+    For a view that keeps only some groups' tasks (the trigger processor's: a rule's
+    tasks are its task group) and would otherwise decode every state to drop most of
+    them; :func:`decode` anything it keeps."""
+    if not data:
+        return None
+    try:
+        glance = _task_state_group.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    if glance.kind != _kind_of[TaskState]:
+        return None
+    return glance.user_id, glance.task_group_id
 
 
 def decode_any(data: bytes | None) -> AnyRecord:
