@@ -346,11 +346,15 @@ class TaskStateTable:
         if len(self._recent) > self._recent_entries:
             self._recent.popitem(last=False)
 
-    def delete(self, task_id: str) -> None:
-        """Forget a task (its tombstone)."""
+    def delete(self, task_id: str, *, if_held: bool = False) -> None:
+        """Forget a task (its tombstone). ``if_held``: write nothing unless the table holds
+        a state of it (a filtered view's tombstones are mostly of tasks it never kept):
+        a Bloom-filter probe, and a read only when the key may be there."""
         if self._closed:
             return
         key = task_id.encode()
+        if if_held and key not in self._recent and not self._holds(key):
+            return
         batch = WriteBatch(raw_mode=True)
         batch.delete(_STATE + key)
         known = self._recent.pop(key, None)
@@ -369,6 +373,15 @@ class TaskStateTable:
             if not self._closed:
                 self._db.write(batch)
             self._cache.pop(task_id, None)
+
+    def _holds(self, task_id: bytes) -> bool:
+        """Whether a state of ``task_id`` is stored (its group entry and summary are
+        written and deleted with it)."""
+        state_key = _STATE + task_id
+        with self._lock:
+            if self._closed or not self._db.key_may_exist(state_key):
+                return False
+            return self._db.get(state_key) is not None
 
     def _summary(self, task_id: bytes) -> _Summary | None:
         raw = self._db.get(_SUMMARY + task_id)
@@ -550,6 +563,19 @@ class TaskStateTable:
                 return
             last = prefix + chunk[-1][0]
             start, skip = (last, last) if descending else (last + b"\x00", None)
+
+    def count_tasks(self) -> int:
+        """How many tasks the table holds a state of, exactly (a scan of every state key:
+        for tests and diagnostics, not a hot path)."""
+        count = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for key in self._db.keys(from_key=_STATE):
+                if not isinstance(key, bytes) or not key.startswith(_STATE):
+                    break
+                count += 1
+        return count
 
     def approximate_tasks(self) -> int:
         """RocksDB's estimate of the keys held (states and index entries)."""
