@@ -37,6 +37,7 @@ from fxstream.topics import (
     TaskStateName,
     decode,
     encode,
+    task_state_group,
 )
 from tests.service.conftest import Produce, eventually
 
@@ -112,6 +113,44 @@ def test_groups_keep_first_seen_order_and_follow_a_task_that_moves(
     assert table.get("a") is None
     assert table.group("g-1", "u-1") == []
     assert table.group_users("g-1") == {"u-10"}
+
+
+def memtable_entries(table: TaskStateTable) -> int:
+    """The writes (puts and deletes) in the table's active memtable: what a write costs."""
+    return table._db.property_int_value("rocksdb.num-entries-active-mem-table") or 0
+
+
+@pytest.mark.parametrize("recent_entries", [0, DEFAULT_RECENT_ENTRIES])
+def test_a_tombstone_if_held_writes_nothing_for_a_task_the_table_does_not_hold(
+    tmp_path: Path, recent_entries: int
+) -> None:
+    # recent_entries=0: whether the task is held is asked of RocksDB (key_may_exist, then a
+    # read), not of the memo of recent writes.
+    made = TaskStateTable(tmp_path / "t", recent_entries=recent_entries)
+    try:
+        put(made, state("kept", S.RUNNING))
+        put(made, state("gone", S.RUNNING))
+        made.delete("gone")
+        before = memtable_entries(made)
+        for i in range(50):
+            made.delete(f"never-held-{i}", if_held=True)
+        made.delete("gone", if_held=True)  # deleted before: not held either
+        assert memtable_entries(made) == before, "a tombstone of an unheld task was written"
+        made.delete("kept", if_held=True)
+        assert memtable_entries(made) > before
+        assert made.get("kept") is None and made.group("g-1", "u-1") == []
+        assert made.count_tasks() == 0
+    finally:
+        made.close()
+
+
+def test_count_tasks_counts_the_states_held(table: TaskStateTable) -> None:
+    assert table.count_tasks() == 0
+    for i in range(5):
+        put(table, state(f"t-{i}", S.RUNNING))
+    put(table, state("t-0", S.SUCCEEDED))
+    table.delete("t-1")
+    assert table.count_tasks() == 4
 
 
 def test_close_removes_the_directory_and_reads_after_it_find_nothing(tmp_path: Path) -> None:
@@ -213,6 +252,45 @@ def test_the_view_holds_task_states_on_disk_not_in_python_memory(
     produce(catalogue.task_state, f"{group}-0", None)
     eventually(lambda: view.task(f"{group}-0") is None, what="the tombstone folded")
     assert view.task_group(group, "u-1") == [m for m in members if m != f"{group}-0"]
+
+
+def test_a_filtered_view_keeps_only_the_states_its_filter_keeps(
+    module_kafka: KafkaConnection, catalogue: Catalogue, produce: Produce
+) -> None:
+    group = f"kept-{uuid.uuid4().hex[:8]}"
+    seen: list[bytes] = []
+
+    def keep(value: bytes) -> bool:
+        seen.append(value)
+        glance = task_state_group(value)
+        return glance is not None and glance[1] == group
+
+    kept = [state(f"{group}-{i}", S.RUNNING, group=group) for i in range(3)]
+    dropped = [state(f"other-{group}-{i}", S.RUNNING, group=None) for i in range(20)]
+    for record in [*kept, *dropped]:
+        produce(catalogue.task_state, record.task_id, record)
+    view = RegistryView(module_kafka, catalogue, follow=("task-state",), keep_task_state=keep)
+    try:
+        view.start()
+        assert view.wait_until_current(timeout_s=30)
+        assert len(seen) >= len(kept) + len(dropped)
+        assert sorted(view.task_group(group, "u-1")) == sorted(r.task_id for r in kept)
+        assert all(view.task(r.task_id) is None for r in dropped)
+        assert view.count_tasks() == len(kept)
+        table = view._task_table
+        assert table is not None
+        before = memtable_entries(table)
+        # Tombstones: of tasks the view never kept, nothing is written; a kept one's goes.
+        for record in dropped:
+            produce(catalogue.task_state, record.task_id, None)
+        partition, offset = produce(catalogue.task_state, kept[0].task_id, None)
+        assert view.wait_for_offset(catalogue.task_state, partition, offset, timeout_s=30)
+        assert view.task(kept[0].task_id) is None
+        assert view.count_tasks() == len(kept) - 1
+        # The kept task's tombstone: a state delete, its group entry and member entry.
+        assert memtable_entries(table) == before + 3
+    finally:
+        view.close()
 
 
 # --- the planner's memory recalls evicted tasks from the table ---------------------------------

@@ -116,7 +116,7 @@ from fxstream.service.task_expiry import (
 from fxstream.service.task_state import COMPONENT as TASK_STATE
 from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
 from fxstream.service.topic_directory import TopicDirectory
-from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner
+from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner, trigger_view
 from fxstream.topics import (
     ROUTING_KEYS_ENV,
     Catalogue,
@@ -404,13 +404,9 @@ def _add_trigger(
     stoppers: list[Callable[[], Awaitable[None]]],
     report: MemoryReport,
 ) -> None:
-    # The rules, and the task states that say which of a rule's tasks are still in flight.
-    view = RegistryView(
-        kafka,
-        catalogue,
-        follow=("triggers", "task-state"),
-        component="trigger processor's view",
-    )
+    # The rules, and the states of the rules' tasks (which are still in flight): the view
+    # keeps no other task's state (trigger_view).
+    view = trigger_view(kafka, catalogue)
     report.add_table("view", view.memory_figures)
     planner = TriggerPlanner(catalogue, view, TopicDirectory(kafka))
     loop = TriggerLoop(

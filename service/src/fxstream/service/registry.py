@@ -16,7 +16,11 @@ Task states are not held in memory: ``task-state`` grows with every task ever
 run, so the view folds it into a :class:`~fxstream.service.task_table.TaskStateTable`
 (RocksDB on local disk, rebuilt at every start) whose memory is bounded by its
 settings. The other tables grow with the registry (users, functions, endpoints),
-not with tasks.
+not with tasks. A view that needs only some tasks' states (the trigger processor's: its
+rules' tasks) passes ``keep_task_state``, which sees each record's bytes before they are
+decoded; the states it refuses cost a glance, not a decode and a table write. What such
+a filter asks about (the rules) can be read to its end before ``task-state`` is assigned
+(``read_first``), so a state read at start is never judged before what it belongs to.
 
 A record on users, functions, endpoints or triggers that does not decode, or whose Kafka
 key is not the id inside it, is ignored (the key keeps what it had) and
@@ -154,6 +158,8 @@ class RegistryView:
         fetch_wait_max_ms: int = 500,
         index_tasks: bool = False,
         on_task_state: Callable[[str, TaskState], None] | None = None,
+        keep_task_state: Callable[[bytes], bool] | None = None,
+        read_first: Iterable[Followed] = (),
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
         dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
@@ -161,7 +167,15 @@ class RegistryView:
         wait at once). ``index_tasks``: keep the task-state table's query index (the
         API's view, for :meth:`query_tasks`; the processors' views need none).
         ``on_task_state`` is called, from the view's thread, with each task state once it
-        is in the table (so a lookup from the callback, or after it, finds it)."""
+        is in the table (so a lookup from the callback, or after it, finds it).
+
+        ``keep_task_state``: which task states the view keeps (None: every one). It is
+        given each ``task-state`` record's bytes before they are decoded (so it should
+        glance, e.g. :func:`~fxstream.topics.task_state_group`); a record it refuses is
+        neither decoded nor stored, and a tombstone costs a write only for a task the
+        table holds. ``read_first``: followed topics read to their ends (as at
+        :meth:`start`) before the others are assigned, e.g. the rules a filter of task
+        states asks about."""
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -191,6 +205,11 @@ class RegistryView:
         self._stop = threading.Event()
         self._on_bad_record = on_bad_record
         self._on_task_state = on_task_state
+        self._keep_task_state = keep_task_state
+        self._read_first = frozenset(read_first)
+        # Assigned once the read-first topics reach their ends as at start.
+        self._later: list[TopicPartition] = []
+        self._first_targets: dict[tuple[str, int], int] = {}
         self._component = component
         self._kafka = kafka
         self._dead_letters: Producer | None = None
@@ -221,20 +240,31 @@ class RegistryView:
     # --- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Assign every partition from the beginning and start following."""
+        """Assign every partition from the beginning and start following (the
+        ``read_first`` topics' alone until they are read to their ends as now)."""
         partitions: list[TopicPartition] = []
+        later: list[TopicPartition] = []
         metadata = self._consumer.list_topics(timeout=30)
-        for topic in self._kinds:
+        for topic, (followed, _) in self._kinds.items():
             described = metadata.topics.get(topic)
             if described is None or described.error is not None:
                 raise RuntimeError(f"registry topic {topic} is missing: run ./fx up first")
+            first = followed in self._read_first
             for partition in described.partitions:
-                partitions.append(TopicPartition(topic, partition, OFFSET_BEGINNING))
+                (partitions if first else later).append(
+                    TopicPartition(topic, partition, OFFSET_BEGINNING)
+                )
                 low, high = self._watermarks(TopicPartition(topic, partition), timeout_s=30)
                 # A partition whose records all expired or were deleted (low == high) has
                 # nothing to read: waiting for its high watermark would never end.
                 if high > low:
                     self._targets[(topic, partition)] = high
+                    if first:
+                        self._first_targets[(topic, partition)] = high
+        if self._first_targets:
+            self._later = later
+        else:
+            partitions += later
         self._assigned = [TopicPartition(tp.topic, tp.partition) for tp in partitions]
         self._consumer.assign(partitions)
         self._thread.start()
@@ -346,6 +376,11 @@ class RegistryView:
         """The latest state of a task (None unless this view follows task-state)."""
         return None if self._task_table is None else self._task_table.get(task_id)
 
+    def count_tasks(self) -> int:
+        """How many tasks its task-state table holds, exactly (0 unless this view follows
+        task-state; a scan: for tests and diagnostics)."""
+        return 0 if self._task_table is None else self._task_table.count_tasks()
+
     def memory_figures(self) -> dict[str, int]:
         """Its on-disk task table's memory in bytes, RocksDB's own account (empty unless
         this view follows task-state); see :meth:`TaskStateTable.memory_figures`."""
@@ -415,8 +450,16 @@ class RegistryView:
                 for message in messages:
                     self._fold(message)
                 advanced = self._advance_past_gaps()
+                if self._later and self._reached(self._first_targets):
+                    self._assign_later()
                 if messages or advanced:
                     self._changed.notify_all()
+
+    def _assign_later(self) -> None:
+        """The read-first topics are read to their ends as at start: add the others."""
+        self._consumer.incremental_assign(self._later)
+        self._assigned += [TopicPartition(tp.topic, tp.partition) for tp in self._later]
+        self._later = []
 
     def _advance_past_gaps(self) -> bool:
         # The consumer's position moves past records it never hands over (transaction
@@ -449,9 +492,12 @@ class RegistryView:
             if followed == "warm":
                 self.warm.fold(key, None)
             elif followed == "task-state" and self._task_table is not None:
-                self._task_table.delete(key)
+                self._task_table.delete(key, if_held=self._keep_task_state is not None)
             else:
                 self._remove(followed, key)
+            return
+        keep = self._keep_task_state
+        if followed == "task-state" and keep is not None and value is not None and not keep(value):
             return
         try:
             record = decode(value, record_type)

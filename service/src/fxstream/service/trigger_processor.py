@@ -2,7 +2,16 @@
 
 It reads every source's ``events.<source>`` topic (by pattern, ``read_committed``) and
 follows the compacted ``triggers`` topic (the rules) and ``task-state`` (for the tasks
-in flight) in a :class:`~fxstream.service.registry.RegistryView`. For each event, in
+in flight) in a :class:`~fxstream.service.registry.RegistryView` (:func:`trigger_view`)
+that keeps only the states of rules' tasks: those whose task group is a rule it holds
+and whose user is that rule's owner, told from each record's bytes by a glance
+(:func:`~fxstream.topics.task_state_group`) before anything else is decoded, so any
+other task costs this process a glance, not a decode and a table write. At start the
+view reads ``triggers`` to its end before it reads ``task-state``, so no state of a
+rule's task is judged before its rule is known; after that a rule is in the view before
+the processor fires its first task (it fires only rules the view holds), so before any
+of its tasks' states is written. States of a deleted rule's tasks are dropped from then
+on: the processor forgets a deleted rule's tasks in flight. For each event, in
 order per partition, the rules that fire are those of its source that are not paused,
 were registered at or before the event's Kafka timestamp and whose filter matches
 (:meth:`~fxstream.topics.TriggerRule.matches`). For each, the processor writes a
@@ -56,6 +65,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer  # type: ignore[import-untyped]
@@ -85,6 +95,7 @@ from fxstream.topics import (
     decode,
     encode,
     max_submission_bytes,
+    task_state_group,
 )
 
 __all__ = [
@@ -94,6 +105,7 @@ __all__ = [
     "TriggerPlanner",
     "TriggerStats",
     "firing_task_id",
+    "trigger_view",
 ]
 
 log = logging.getLogger(__name__)
@@ -105,6 +117,44 @@ RECHECK_S = 0.1
 IDLE_COMMIT_S = 1.0
 # A fixed namespace: the same rule and event give the same task id in every process.
 _FIRING_NAMESPACE = uuid.UUID("6f1c9c52-3c1e-4f0a-9d51-7b9a0f3e2a15")
+
+
+def trigger_view(
+    kafka: KafkaConnection, catalogue: Catalogue, *, task_table_dir: Path | None = None
+) -> RegistryView:
+    """The trigger processor's view: the rules, and the states of the rules' tasks only
+    (read after the rules at start; see the module)."""
+    rule_tasks = _RuleTasks()
+    view = RegistryView(
+        kafka,
+        catalogue,
+        follow=("triggers", "task-state"),
+        component="trigger processor's view",
+        task_table_dir=task_table_dir,
+        keep_task_state=rule_tasks.keep,
+        read_first=("triggers",),
+    )
+    rule_tasks.view = view
+    return view
+
+
+class _RuleTasks:
+    """Which task states the trigger processor's view keeps: a live rule's tasks'."""
+
+    def __init__(self) -> None:
+        self.view: RegistryView | None = None
+
+    def keep(self, value: bytes) -> bool:
+        """Whether the ``task-state`` record ``value`` is of a task of a rule the view
+        holds (its task group the rule id, its user the rule's owner)."""
+        glance = task_state_group(value)
+        if glance is None:
+            return True  # no task state: the view's decode skips it and says why
+        user_id, task_group_id = glance
+        if task_group_id is None or self.view is None:
+            return False
+        rule = self.view.trigger(task_group_id)
+        return rule is not None and rule.owner_id == user_id
 
 
 def firing_task_id(rule_id: str, topic: str, partition: int, offset: int) -> str:
