@@ -52,8 +52,9 @@ is dead-lettered (``TriggerUnfireable``) and the event's other firings go on.
 
 Run one trigger processor per platform: the tasks in flight and the rate are counted
 per process. After a restart, the tasks in flight are read back from ``task-state``;
-a task fired just before the restart and not yet routed by the router is not counted
-until it is.
+a task fired just before the restart and not yet routed when they are read is not
+counted at all (in-flight tasks are added only at start and when this process fires
+one), so it can take its rule one over its limit: a known gap.
 """
 
 from __future__ import annotations
