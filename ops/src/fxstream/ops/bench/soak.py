@@ -405,6 +405,12 @@ def _progress(console: Console, samples: _Samples, at: float, counts: _Counts) -
 # --- report --------------------------------------------------------------------------------
 
 
+def _wide(console: Console) -> Console:
+    """``console``, or one 150 columns wide on its file when it is not a terminal (rich then
+    assumes 80 columns): one line per table row in a log."""
+    return console if console.is_terminal else Console(file=console.file, width=150)
+
+
 def _print_table(console: Console, figures: list[ProcessFigures], settings: SoakSettings) -> None:
     table = Table(
         title=f"RSS under {settings.rate:,} no-op tasks/s for {settings.minutes:g} min "
@@ -427,9 +433,7 @@ def _print_table(console: Console, figures: list[ProcessFigures], settings: Soak
             f"{f.ratio:.3f}",
             "[green]yes[/green]" if f.flat else "[red]NO[/red]",
         )
-    # One line per process also when stdout is not a terminal (rich then assumes 80 columns).
-    wide = console if console.is_terminal else Console(file=console.file, width=150)
-    wide.print(table)
+    _wide(console).print(table)
 
 
 def _print_disk(console: Console, disk: list[dict[str, Any]]) -> None:
@@ -444,8 +448,7 @@ def _print_disk(console: Console, disk: list[dict[str, Any]]) -> None:
             f"{d['end_mb']:,.1f}",
             f"{d['slope_mb_per_10min']:+.1f}",
         )
-    wide = console if console.is_terminal else Console(file=console.file, width=150)
-    wide.print(table)
+    _wide(console).print(table)
 
 
 def _memory_lines(platform: Platform) -> dict[str, list[str]]:
