@@ -227,6 +227,26 @@ def test_a_commit_without_metadata_or_with_another_clients_resumes_with_nothing_
         tracker.resume(4, 5, METADATA_TAG + "gA==")  # one varint byte saying "more follows"
 
 
+def test_resuming_a_partition_forgets_what_was_tracked_of_it_before() -> None:
+    """A partition assigned again starts at its committed offset, whatever was tracked of
+    it before (records taken in an earlier assignment, or fetched before it was lost):
+    before 2026-11-29 a partition already tracked was left as it was, so the committed
+    offset was never resumed and its records, delivered again from it, were refused as
+    "not after the last tracked offset"."""
+    tracker = OffsetTracker()
+    for offset in range(20, 25):
+        tracker.track(0, offset)
+    tracker.track(1, 7)
+    assert tracker.pending_count == 6
+    position, metadata = 10, encode_answered(10, [(12, 13)])
+    assert tracker.resume(0, position, metadata) == [(12, 13)]
+    assert tracker.pending_count == 1  # partition 1's record is still in flight
+    assert [tracker.track(0, o) for o in (10, 11, 12, 13, 14)] == [True, True, False, False, True]
+    assert tracker.done(0, 10) and tracker.done(0, 11)
+    assert tracker.positions()[0] == 14
+    assert not tracker.done(0, 20), "a record of the earlier assignment no longer commits"
+
+
 def test_encoding_round_trips_and_refuses_unsorted_runs() -> None:
     runs = [(3, 3), (5, 9), (1_000_000, 1_000_500), (2**40, 2**40 + 1)]
     assert decode_answered(2, encode_answered(2, runs)) == runs

@@ -260,15 +260,25 @@ class OffsetTracker:
         """Start ``partition`` at its committed ``offset``, whose ``metadata`` says which
         records past it were answered; returns those runs.
 
-        Call it on assignment, before the partition's first record is tracked (a
-        partition already being tracked is left as it is). A negative ``offset`` (no
-        commit yet) records nothing. Raises ValueError for unreadable metadata
-        (the partition then starts with nothing answered).
+        Call it on assignment, before the partition's first record is tracked; the
+        consumer must then start the partition at ``offset``. Whatever was tracked of
+        the partition before is forgotten (records taken in an earlier assignment are
+        not this one's: their results no longer commit here). A negative ``offset`` (no
+        commit yet) records nothing. Raises ValueError for unreadable metadata (the
+        partition then starts at ``offset`` with nothing answered).
         """
         with self._lock:
-            state = self._partitions.get(partition)
-            if state is not None and state.last_tracked >= 0:
-                return []
+            earlier = self._partitions.get(partition)
+            if earlier is not None:
+                if earlier.last_tracked >= 0:
+                    log.warning(
+                        "partition %d resumed at offset %d while records up to %d were "
+                        "tracked: forgotten",
+                        partition,
+                        offset,
+                        earlier.last_tracked,
+                    )
+                self._pending -= len(earlier.outstanding)
             state = self._partitions[partition] = _Partition()
             if offset < 0:
                 return []

@@ -45,7 +45,14 @@ import logging
 import threading
 import time
 
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_INVALID,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from fxstream.agent.answer import Answerer, cancelled_outcome, failed_outcome
 from fxstream.agent.config import EndpointConfig
@@ -124,21 +131,27 @@ class Intake:
         self.answered_before = 0
         """Records settled without running: a previous owner of their partition answered
         them."""
+        self.stale_records = 0
+        """Records left untaken: fetched before their partition was revoked or lost."""
+        # The partitions assigned now (their records are taken; others' are stale).
+        self._owned: set[int] = set()
 
     def pull(self, consumer: Consumer) -> None:
         """Pause or resume the queue for the local queue's room, then take what Kafka has,
-        waiting at most ``POLL_S`` for the first record."""
-        self._flow_control(consumer)
-        for message in self._poll(consumer):
-            self._take(message)
+        waiting at most ``POLL_S`` for the first record.
 
-    def _poll(self, consumer: Consumer) -> list[Message]:
-        """What Kafka has now, waiting at most ``POLL_S`` for the first record."""
+        Each record is taken before the consumer is called again: a call may serve a
+        rebalance (the partitions revoked or lost, then perhaps assigned again), and a
+        record polled before it but taken after it would be tracked in the next
+        assignment, past the committed offset its records start again from."""
+        self._flow_control(consumer)
         first = consumer.poll(POLL_S)
         if first is None:
-            return []
+            return
+        self._take(first)
         room = self._config.max_local_queue - self._held.queued
-        return [first, *consumer.consume(num_messages=min(max(room, 1), 500), timeout=0)]
+        for message in consumer.consume(num_messages=min(max(room, 1), 500), timeout=0):
+            self._take(message)
 
     def _flow_control(self, consumer: Consumer) -> None:
         # Paused partitions keep the group membership alive while we do not fetch.
@@ -172,6 +185,12 @@ class Intake:
             return
         partition, offset = message.partition(), message.offset()
         assert partition is not None and offset is not None
+        if partition not in self._owned:
+            # Fetched before its partition was revoked or lost: its new owner (or this
+            # agent, assigned it again) takes it from the committed offset.
+            self.stale_records += 1
+            log.debug("record %d:%d of a partition no longer assigned: left", partition, offset)
+            return
         if not self._tracker.track(partition, offset):
             # Answered (and committed) by this partition's previous owner, past its commit
             # position: settled, never run again.
@@ -387,17 +406,36 @@ class Intake:
 
     def assigned(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
         """Partitions were assigned (on the poll thread: the only one that may call the
-        consumer): note the group metadata for the publisher, and resume them."""
+        consumer, inside its rebalance callback): note the group metadata for the
+        publisher, resume the partitions where they were committed, and start fetching
+        each exactly there.
+
+        The start offsets are given to the consumer, not left to its own look-up of the
+        committed offsets: the tracker counts from the offsets read here, and a fetch that
+        started anywhere else (a client keeping its position across a lost and regained
+        assignment) would skip tasks for good or meet offsets the tracker is past. The
+        agent's group uses the eager protocol (every assignment is the whole one), so
+        ``assign`` is the call; a partition whose committed offset could not be read
+        starts where the client finds it."""
         metadata = consumer.consumer_group_metadata()
         with self.rebalancing:
             self.group_metadata = metadata
-        self._resume(consumer, partitions)
+            self._owned = {p.partition for p in partitions}
+        starts = self._resume(consumer, partitions)
+        consumer.assign(
+            [
+                TopicPartition(p.topic, p.partition, starts.get(p.partition, OFFSET_INVALID))
+                for p in partitions
+            ]
+        )
 
-    def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> None:
+    def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> dict[int, int]:
         """Read the assigned partitions' committed offsets and the records past them their
-        previous owner answered (the commit metadata), so those are not run again."""
+        previous owner answered (the commit metadata), so those are not run again; returns
+        the committed offsets read (``OFFSET_INVALID`` where none was committed yet)."""
+        starts: dict[int, int] = {}
         if not partitions:
-            return
+            return starts
         try:
             committed = consumer.committed(partitions, timeout=COMMITTED_TIMEOUT_S)
         except KafkaException as exc:
@@ -409,7 +447,7 @@ class Intake:
                 exc,
                 sorted(p.partition for p in partitions),
             )
-            return
+            return starts
         for tp in committed:
             if tp.error is not None:
                 log.error(
@@ -420,6 +458,7 @@ class Intake:
                     tp.error,
                 )
                 continue
+            starts[tp.partition] = tp.offset if tp.offset >= 0 else OFFSET_INVALID
             try:
                 runs = self._tracker.resume(tp.partition, tp.offset, tp.metadata)
             except ValueError as exc:
@@ -442,6 +481,7 @@ class Intake:
                     runs[-1][1],
                     len(runs),
                 )
+        return starts
 
     def lost(self, partitions: list[TopicPartition]) -> None:
         """The session expired (the process was stopped or hung past its lease): the
@@ -457,6 +497,7 @@ class Intake:
         """Hand back the waiting tasks of revoked or lost partitions, in a new epoch."""
         gone = {p.partition for p in partitions}
         with self.rebalancing:
+            self._owned -= gone
             self._held.give_up(gone)
             self._tracker.forget_partitions(gone)
 
