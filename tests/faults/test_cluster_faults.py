@@ -148,9 +148,16 @@ def _assert_exactly_once(cluster: ChaosCluster, ledger: ChaosLedger, total: int)
     )
 
 
+@pytest.mark.parametrize("victim_of", ["task-leader", "agent-coordinator"])
 def test_leader_broker_killed_and_not_restarted_then_restarted(
-    chaos_cluster: ChaosCluster,
+    chaos_cluster: ChaosCluster, victim_of: str
 ) -> None:
+    """``task-leader`` kills the broker leading the most partitions of the task topics;
+    ``agent-coordinator`` kills the one coordinating the agent's consumer group, so the
+    agent loses its partitions with its session and is assigned them again mid-flight
+    (the loss of 2026-11-29: after regaining its partitions the agent read on past 443
+    dispatches it had taken before, their answers dropped, and never ran them). When one
+    broker is both, the two runs kill the same one."""
     cluster = chaos_cluster
     assert cluster.under_replicated() == 0
     ledger = ChaosLedger()
@@ -161,7 +168,10 @@ def test_leader_broker_killed_and_not_restarted_then_restarted(
             time.sleep(0.02)
         assert 0 < ledger.done < TASKS, "the kill must land while tasks are in flight"
 
-        victim = cluster.broker_leading(cluster.task_topics)
+        if victim_of == "task-leader":
+            victim = cluster.broker_leading(cluster.task_topics)
+        else:
+            victim = cluster.group_coordinator(endpoint_group(cluster.endpoint_id))
         assert cluster.kill_broker(victim)
         _wait_settled(ledger)
         _assert_exactly_once(cluster, ledger, TASKS)

@@ -210,6 +210,12 @@ class ChaosCluster:
             raise BenchError(f"no partition of {', '.join(topics)} has a leader")
         return self.node(leaders.most_common(1)[0][0])
 
+    def group_coordinator(self, group_id: str) -> KafkaNode:
+        """The broker coordinating consumer group ``group_id`` (its sessions and offsets)."""
+        admin = self.admin()  # kept alive until the answer: its futures die with it
+        future = admin.describe_consumer_groups([group_id], request_timeout=10)[group_id]
+        return self.node(future.result(timeout=15).coordinator.id)
+
     def under_replicated(self) -> int:
         """Partitions (of every topic) whose in-sync replicas are fewer than their replicas."""
         metadata = self.admin().list_topics(timeout=10)
