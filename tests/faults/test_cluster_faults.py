@@ -1,4 +1,6 @@
-"""In cluster mode, the broker leading the task topics is SIGKILLed mid-flight and stays down.
+"""In cluster mode, a broker is SIGKILLed mid-flight and stays down: the one leading the task
+topics, or the one coordinating the agent's consumer group (the agent then loses its
+partitions with its session and is assigned them again).
 
 The two remaining brokers (replication 3, ``min.insync.replicas=2``) carry on:
 every future completes exactly once with its own value, and the user's results
