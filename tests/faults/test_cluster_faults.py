@@ -174,9 +174,19 @@ def test_leader_broker_killed_and_not_restarted_then_restarted(
             victim = cluster.broker_leading(cluster.task_topics)
         else:
             victim = cluster.group_coordinator(endpoint_group(cluster.endpoint_id))
+        agent_log = cluster.agent.log_file
+        logged_before = agent_log.stat().st_size
         assert cluster.kill_broker(victim)
         _wait_settled(ledger)
         _assert_exactly_once(cluster, ledger, TASKS)
+        if victim_of == "agent-coordinator":
+            with agent_log.open("rb") as log:
+                log.seek(logged_before)
+                since = log.read().decode(errors="replace")
+            assert "lost partitions" in since, (
+                "the agent kept its session when its group coordinator died: this run did "
+                "not stage the loss and regain of its partitions"
+            )
         # The survivors took over every partition: none is led by the dead broker.
         leaders = cluster.partition_leaders(cluster.task_topics)
         assert victim.node_id not in leaders
