@@ -135,6 +135,8 @@ class Intake:
         """Records left untaken: fetched before their partition was revoked or lost."""
         # The partitions assigned now (their records are taken; others' are stale).
         self._owned: set[int] = set()
+        # Where each partition started, by assignment (logged once, with its first record).
+        self._starts: dict[int, int] = {}
 
     def pull(self, consumer: Consumer) -> None:
         """Pause or resume the queue for the local queue's room, then take what Kafka has,
@@ -189,8 +191,17 @@ class Intake:
             # Fetched before its partition was revoked or lost: its new owner (or this
             # agent, assigned it again) takes it from the committed offset.
             self.stale_records += 1
-            log.debug("record %d:%d of a partition no longer assigned: left", partition, offset)
+            log.info("record %d:%d of a partition no longer assigned: left", partition, offset)
             return
+        start = self._starts.pop(partition, None)
+        if start is not None:
+            # One line per partition and assignment: where its records really started.
+            log.info(
+                "partition %d: first record taken at offset %d (start asked: %s)",
+                partition,
+                offset,
+                "the reset policy" if start < 0 else start,
+            )
         if not self._tracker.track(partition, offset):
             # Answered (and committed) by this partition's previous owner, past its commit
             # position: settled, never run again.
@@ -243,6 +254,14 @@ class Intake:
         earlier = self._held.hold(held)
         if earlier is not None:
             # The same task twice in one assignment (a redelivery): one run answers both.
+            log.info(
+                "task %s at %d:%d is held already (from %d:%d): answered by that run",
+                held.task_id,
+                partition,
+                offset,
+                earlier.partition,
+                earlier.offset,
+            )
             self._answers.settle_with(earlier, partition, offset)
             return
         refusal = self._policy.refusal(submission)
@@ -422,6 +441,7 @@ class Intake:
             self.group_metadata = metadata
             self._owned = {p.partition for p in partitions}
         starts = self._resume(consumer, partitions)
+        self._starts = {p.partition: starts.get(p.partition, OFFSET_INVALID) for p in partitions}
         consumer.assign(
             [
                 TopicPartition(p.topic, p.partition, starts.get(p.partition, OFFSET_INVALID))
