@@ -8,7 +8,8 @@ its group coordinator was killed, was assigned them again 10 s later, and went o
 443 dispatches it had taken before the loss (their answers dropped, as they must be)
 without ever taking them again. Since then the intake gives the consumer the committed
 offsets it read as the start offsets, the tracker always starts a resumed partition
-afresh, and a record fetched before the loss is left untaken.
+afresh, and a record fetched before the loss is left untaken; that did not cure the
+loss, which was seen again the same day (docs/faults.md, "Not cured").
 
 This drives a real :class:`~fxstream.agent.pull.Intake` with a real consumer. The
 records are not dispatches, so each is dead-lettered into a publisher that is never
