@@ -193,7 +193,7 @@ class Intake:
             self.stale_records += 1
             log.info("record %d:%d of a partition no longer assigned: left", partition, offset)
             return
-        start = self._starts.pop(partition, None)
+        start = self._starts.pop(partition, None) if self._starts else None
         if start is not None:
             # One line per partition and assignment: where its records really started.
             log.info(
@@ -440,13 +440,10 @@ class Intake:
         with self.rebalancing:
             self.group_metadata = metadata
             self._owned = {p.partition for p in partitions}
-        starts = self._resume(consumer, partitions)
-        self._starts = {p.partition: starts.get(p.partition, OFFSET_INVALID) for p in partitions}
+        read = self._resume(consumer, partitions)
+        self._starts = {p.partition: read.get(p.partition, OFFSET_INVALID) for p in partitions}
         consumer.assign(
-            [
-                TopicPartition(p.topic, p.partition, starts.get(p.partition, OFFSET_INVALID))
-                for p in partitions
-            ]
+            [TopicPartition(p.topic, p.partition, self._starts[p.partition]) for p in partitions]
         )
 
     def _resume(self, consumer: Consumer, partitions: list[TopicPartition]) -> dict[int, int]:
