@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer
 
-from fxstream.agent.config import ConfigError, EndpointConfig
+from fxstream.agent.config import KAFKA_DEBUG_CONTEXTS, ConfigError, EndpointConfig
 from fxstream.agent.credentials import EndpointCredentials
 from fxstream.topics import KafkaConnection, write_secret_file
 
@@ -99,6 +100,10 @@ def test_bad_files_name_the_problem(endpoints_dir: Path, text: str, message: str
         ({"workers": 0}, "workers"),
         ({"engine": "slurm"}, "is not available: 'process'"),
         ({"name": "bad name"}, "not usable"),
+        (
+            {"kafka_debug": "cgrp,bogus"},
+            r"kafka_debug: unknown librdkafka debug context\(s\) \['bogus'\]",
+        ),
     ],
 )
 def test_invalid_values_are_refused(
@@ -106,6 +111,16 @@ def test_invalid_values_are_refused(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         _config(**changes).save()
+
+
+def test_every_debug_context_the_config_offers_is_one_librdkafka_takes(
+    endpoints_dir: Path,
+) -> None:
+    """The contexts the kafka_debug error lists (its remedy) are all accepted by the
+    consumer the agent builds from them."""
+    offered = ",".join(KAFKA_DEBUG_CONTEXTS)
+    _config(kafka_debug=offered).save()
+    Consumer({"group.id": "g", "debug": offered, "log_level": 0}).close()
 
 
 def test_cli_start_of_unconfigured_endpoint_says_why(endpoints_dir: Path) -> None:

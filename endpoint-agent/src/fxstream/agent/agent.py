@@ -275,7 +275,8 @@ class Agent:
                 # this process lives; a stopped or hung process loses its partitions.
                 "session.timeout.ms": int(self.config.lease_timeout_s * 1000),
                 "heartbeat.interval.ms": max(1000, int(self.config.lease_timeout_s * 1000 / 10)),
-                "log_level": 3,
+                "log_level": 7 if self.config.kafka_debug else 3,
+                **({"debug": self.config.kafka_debug} if self.config.kafka_debug else {}),
             }
         )
         publisher = TransactionalPublisher(

@@ -82,7 +82,14 @@ from fxstream.topics import (
 )
 from fxstream.topics.connection import write_secret_file
 
-__all__ = ["ENGINES", "ConfigError", "EndpointConfig", "endpoint_dir", "endpoints_root"]
+__all__ = [
+    "ENGINES",
+    "KAFKA_DEBUG_CONTEXTS",
+    "ConfigError",
+    "EndpointConfig",
+    "endpoint_dir",
+    "endpoints_root",
+]
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -107,6 +114,14 @@ def endpoint_dir(name: str) -> Path:
             "starting with a letter or digit"
         )
     return endpoints_root() / name
+
+
+KAFKA_DEBUG_CONTEXTS = (
+    "generic", "broker", "topic", "metadata", "feature", "queue", "msg", "protocol", "cgrp",
+    "security", "fetch", "interceptor", "plugin", "consumer", "admin", "eos", "assignor",
+    "conf", "all",
+)  # fmt: skip
+"""librdkafka's debug contexts, for ``kafka_debug``."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +191,10 @@ class EndpointConfig:
     # Staged files (fxstream.agent.staging): the tasks' working directories, the roots
     # file:// URLs may use, the transfer slots and the Globus collection. None: no staging.
     staging: StagingSettings | None = None
+    # librdkafka debug contexts for the agent's queue consumer (e.g. "cgrp,topic": group
+    # membership, assignments, fetch starts, offset resets, pauses), written to the
+    # agent's log; empty: none. For diagnosing a queue that stops being read.
+    kafka_debug: str = ""
 
     def kafka(self, credentials: EndpointCredentials | None = None) -> KafkaConnection:
         """How the agent connects to Kafka, to ``bootstrap_servers``: as the principal of
@@ -224,6 +243,14 @@ class EndpointConfig:
             raise ConfigError("retry_backoff_s must be >= 0 and <= retry_backoff_max_s")
         if self.proxy_threshold < 0:
             raise ConfigError("proxy_threshold must be 0 or more bytes")
+        unknown = {c.strip() for c in self.kafka_debug.split(",") if c.strip()} - set(
+            KAFKA_DEBUG_CONTEXTS
+        )
+        if unknown:
+            raise ConfigError(
+                f"kafka_debug: unknown librdkafka debug context(s) {sorted(unknown)}; use a "
+                f"comma-separated list of {', '.join(KAFKA_DEBUG_CONTEXTS)}"
+            )
         if self.store_url is not None:
             try:
                 StoreSpec.parse(self.store_url)

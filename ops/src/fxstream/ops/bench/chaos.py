@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -284,16 +285,25 @@ class ChaosCluster:
 
 
 def _shorten_lease(services: ServiceSet) -> None:
-    """Give the local endpoint Kafka's shortest lease and restart it with it."""
+    """Give the local endpoint Kafka's shortest lease and restart it with it (and the
+    librdkafka debug contexts ``FXSTREAM_CHAOS_KAFKA_DEBUG`` names for its queue consumer,
+    to diagnose a fault run)."""
     path = services.endpoints_dir / LOCAL_ENDPOINT / "config.yaml"
     settings = yaml.safe_load(path.read_text())
-    if (settings.get("lease_timeout_s"), settings.get("heartbeat_period_s")) == (
-        LEASE_S,
-        HEARTBEAT_S,
-    ):
+    debug = os.environ.get("FXSTREAM_CHAOS_KAFKA_DEBUG", "")
+    wanted = (LEASE_S, HEARTBEAT_S, debug)
+    if (
+        settings.get("lease_timeout_s"),
+        settings.get("heartbeat_period_s"),
+        settings.get("kafka_debug", ""),
+    ) == wanted:
         return
     settings["lease_timeout_s"] = LEASE_S
     settings["heartbeat_period_s"] = HEARTBEAT_S
+    if debug:
+        settings["kafka_debug"] = debug
+    else:
+        settings.pop("kafka_debug", None)
     path.write_text(yaml.safe_dump(settings, sort_keys=False))
     path.chmod(0o600)
     services.endpoint.stop()
