@@ -8,11 +8,18 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka import Consumer, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
+from fxstream.agent import publisher as publisher_module
 from fxstream.agent.offsets import OffsetTracker, decode_answered
-from fxstream.agent.publisher import Answer, PublisherFenced, Refusal, TransactionalPublisher
+from fxstream.agent.publisher import (
+    Answer,
+    PublisherFenced,
+    PublisherWedged,
+    Refusal,
+    TransactionalPublisher,
+)
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform
 
@@ -34,12 +41,19 @@ def topics(
 
 
 @pytest.fixture
-def group_consumer(kafka: KafkaConnection, topics: tuple[str, str]) -> Iterator[Consumer]:
+def group_id() -> str:
+    return f"g-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def group_consumer(
+    kafka: KafkaConnection, topics: tuple[str, str], group_id: str
+) -> Iterator[Consumer]:
     queue, _ = topics
     consumer = Consumer(
         {
             **kafka.confluent(),
-            "group.id": f"g-{uuid.uuid4().hex[:8]}",
+            "group.id": group_id,
             "enable.auto.commit": False,
             "auto.offset.reset": "earliest",
             "log_level": 2,
@@ -453,3 +467,139 @@ def test_a_partition_lost_mid_batch_never_commits_an_answer_without_its_offset(
         assert values == [] and publisher.dropped == 4, "answers of a lost epoch are dropped"
     else:
         assert len(values) == 4, "the offsets went with the metadata the broker accepted"
+
+
+# --- a transactional call that never returns -------------------------------------------
+
+
+def _hanging_producer(method: str, release: threading.Event, *, after_real: bool) -> type:
+    """A real producer class whose first instance blocks in its first ``method`` call until
+    ``release`` (after making the real call, if ``after_real``). It stands in for
+    librdkafka's own hang there (confluentinc/librdkafka#5456, #5511), which needs the
+    consumer group's coordinator broker to die mid-transaction: the 3-broker test
+    (tests/faults/test_cluster_faults.py) meets the real one."""
+    made: list[Producer] = []
+    hung: list[bool] = []
+
+    class Hanging(Producer):  # type: ignore[misc]
+        def __init__(self, config: dict[str, object]) -> None:
+            super().__init__(config)
+            made.append(self)
+
+    real = getattr(Producer, method)
+
+    def call(self: Producer, *args: object) -> object:
+        if self is not made[0] or hung:
+            return real(self, *args)
+        hung.append(True)
+        if after_real:
+            real(self, *args)
+        release.wait(120)
+        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "released at teardown"))
+
+    setattr(Hanging, method, call)
+    return Hanging
+
+
+@pytest.mark.parametrize(
+    ("method", "after_real", "outcome"),
+    [
+        ("send_offsets_to_transaction", False, "did not commit"),
+        ("commit_transaction", True, "went through"),
+        ("commit_transaction", False, "did not go through"),
+    ],
+)
+def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_commits_once(
+    kafka: KafkaConnection,
+    topics: tuple[str, str],
+    group_consumer: Consumer,
+    group_id: str,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    after_real: bool,
+    outcome: str,
+) -> None:
+    """The publisher waits for a transactional call its timeout and a grace, then leaves
+    the producer hung there for a new one (same transactional id: the old one is fenced,
+    its transaction ended); the answers commit exactly once, including after a hung commit
+    that went through (read back from the group's committed offsets)."""
+    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
+    release = threading.Event()
+    monkeypatch.setattr(
+        publisher_module, "Producer", _hanging_producer(method, release, after_real=after_real)
+    )
+    queue, out = topics
+    _fill(kafka, queue, 20)
+    tracker = OffsetTracker()
+    metadata = group_consumer.consumer_group_metadata()
+    publisher = TransactionalPublisher(
+        {**kafka.confluent(), "log_level": 2},
+        transactional_id=f"t-{uuid.uuid4()}",
+        queue_topic=queue,
+        tracker=tracker,
+        group_metadata=lambda: metadata,
+        group_id=group_id,
+    )
+    publisher.start()
+    try:
+        for message in _take(group_consumer, 20):
+            partition, offset = message.partition(), message.offset()
+            assert partition is not None and offset is not None
+            tracker.track(partition, offset)
+            publisher.publish(
+                Answer(out, message.key(), b"answer " + message.value(), partition, offset)
+            )
+        assert publisher.flush(60), publisher.failure
+        assert publisher.replaced == 1
+    finally:
+        publisher.close()
+        release.set()
+    assert "replacing the producer" in caplog.text
+    if outcome != "did not commit":
+        assert f"the hung commit {outcome}" in caplog.text
+    values = _committed_values(kafka, out)
+    assert sorted(values) == sorted(f"answer task {i}".encode() for i in range(20)), (
+        "every answer committed exactly once"
+    )
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(tp.offset for tp in committed) == 20, "every queue record's offset committed"
+
+
+def test_a_hung_commit_without_a_group_to_read_back_stops_the_publisher(
+    kafka: KafkaConnection,
+    topics: tuple[str, str],
+    group_consumer: Consumer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether the hung commit went through cannot be learned: the publisher stops rather
+    than risk a second committed result (the agent exits; its successor resumes from the
+    group's committed offsets)."""
+    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
+    release = threading.Event()
+    monkeypatch.setattr(
+        publisher_module,
+        "Producer",
+        _hanging_producer("commit_transaction", release, after_real=False),
+    )
+    queue, out = topics
+    _fill(kafka, queue, 1)
+    (message,) = _take(group_consumer, 1)
+    tracker = OffsetTracker()
+    publisher = _publisher(kafka, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
+    publisher.start()
+    try:
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        tracker.track(partition, offset)
+        publisher.publish(Answer(out, None, b"answer", partition, offset))
+        assert not publisher.flush(30)
+        assert isinstance(publisher.failure, PublisherWedged)
+        assert "commit_transaction did not return" in str(publisher.failure)
+    finally:
+        publisher.close()
+        release.set()

@@ -293,6 +293,7 @@ class Agent:
             epoch=lambda: self._held.epoch,
             on_refused=self._answers.quarantine,
             rebalancing=intake.rebalancing,
+            group_id=endpoint_group(self.config.endpoint_id),
         )
         self._engine, self._publisher, self._intake = engine, publisher, intake
         self._feed = EngineFeed(

@@ -49,11 +49,23 @@ then committed again without it. A failure no answer is to blame for (the broker
 is unreachable) is retried after an abort; a batch is never re-sent in a state
 the producer refuses (``_STATE``), and a replacement that is refused in turn
 settles its offset with nothing written, so no answer can wedge the publisher.
+
+Hung calls: librdkafka does not time out every transactional call (a dead group
+coordinator leaves ``send_offsets_to_transaction`` waiting for good; see
+:mod:`fxstream.agent.bounded_calls`). Each call is waited for at most its own
+timeout and ``HUNG_GRACE_S``; past that the producer is left where it hangs and a
+new one registers the same transactional id, which fences the old one and ends
+its transaction (aborted, unless its commit had begun on the coordinator, which
+then completes it). The answers are sent again, except after a hung commit that
+went through: the group's committed offsets, read back, are then the ones it
+carried. If that cannot be read, the publisher stops (the agent's successor
+resumes from the committed offsets, whichever way it went).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -61,12 +73,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from confluent_kafka import KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
+from fxstream.agent.bounded_calls import BoundedCaller, CallHung
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.topics import PRODUCER_PARTITIONER
 
-__all__ = ["Answer", "PublisherFenced", "Refusal", "TransactionalPublisher"]
+__all__ = ["Answer", "PublisherFenced", "PublisherWedged", "Refusal", "TransactionalPublisher"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +87,9 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
+# How much longer than its own timeout a transactional call is waited for before the
+# producer is taken to be wedged in it and replaced (see fxstream.agent.bounded_calls).
+HUNG_GRACE_S = 5.0
 # The coordinator aborts (and fences) a transaction open longer than this
 # (``transaction.timeout.ms``, set to match); commits are retried only within it.
 TRANSACTION_TIMEOUT_S = 60.0
@@ -149,6 +165,11 @@ class PublisherFenced(RuntimeError):
     """Another agent with this transactional id started: this one must stop."""
 
 
+class PublisherWedged(RuntimeError):
+    """A commit hung and whether it went through cannot be learned: the agent must stop
+    (its successor resumes from the group's committed offsets, whichever way it went)."""
+
+
 class _Refused(Exception):
     """Answers of the running transaction that Kafka refused for good, by batch index.
 
@@ -203,25 +224,35 @@ class TransactionalPublisher:
         epoch: Callable[[], int] = lambda: 0,
         on_refused: OnRefused | None = None,
         rebalancing: threading.Lock | None = None,
+        group_id: str | None = None,
     ) -> None:
-        self._producer = Producer(
-            {
-                # Never create a missing results topic with broker defaults by writing to it.
-                "allow.auto.create.topics": False,
-                **kafka_config,
-                "partitioner": PRODUCER_PARTITIONER,
-                "transactional.id": transactional_id,
-                "acks": "all",
-                "enable.idempotence": True,
-                "linger.ms": 0,
-                "transaction.timeout.ms": int(TRANSACTION_TIMEOUT_S * 1000),
-                # A transaction begun while the last one's markers are still being written
-                # is refused (CONCURRENT_TRANSACTIONS) and retried after this backoff; at
-                # librdkafka's default (100 ms) every lone result paid it.
-                "retry.backoff.ms": 5,
-                "retry.backoff.max.ms": 100,
-            }
-        )
+        # The group whose offsets the transactions commit: read back after a commit hung,
+        # to learn whether it went through (None: such a hang stops the publisher).
+        self._group_id = group_id
+        self._kafka_config = kafka_config
+        # The offsets sent with the transaction being committed, and its deferred answers.
+        self._in_flight: tuple[list[TopicPartition], list[Answer]] = ([], [])
+        self._producer_config: dict[str, object] = {
+            # Never create a missing results topic with broker defaults by writing to it.
+            "allow.auto.create.topics": False,
+            **kafka_config,
+            "partitioner": PRODUCER_PARTITIONER,
+            "transactional.id": transactional_id,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 0,
+            "transaction.timeout.ms": int(TRANSACTION_TIMEOUT_S * 1000),
+            # A transaction begun while the last one's markers are still being written
+            # is refused (CONCURRENT_TRANSACTIONS) and retried after this backoff; at
+            # librdkafka's default (100 ms) every lone result paid it.
+            "retry.backoff.ms": 5,
+            "retry.backoff.max.ms": 100,
+        }
+        self._producer = Producer(self._producer_config)
+        # The transactional calls librdkafka may not return from (see bounded_calls), and
+        # the producers left wedged in one: kept, as destroying one mid-call crashes.
+        self._calls = BoundedCaller("fxstream-agent-publisher")
+        self._wedged: list[Producer] = []
         self.transactional_id = transactional_id
         self._queue_topic = queue_topic
         self._tracker = tracker
@@ -243,6 +274,8 @@ class TransactionalPublisher:
         self.aborted = 0
         self.dropped = 0
         self.refused = 0
+        self.replaced = 0
+        """Producers replaced after a transactional call hung past its deadline."""
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -252,22 +285,60 @@ class TransactionalPublisher:
         A retriable failure (the transaction coordinator is moving after a broker
         died) is tried again for up to ``timeout_s`` before it is raised.
         """
+        self._init_transactions(timeout_s)
+        self._thread = threading.Thread(
+            target=self._run, name="fxstream-agent-publisher", daemon=True
+        )
+        self._thread.start()
+
+    def _init_transactions(self, timeout_s: float) -> None:
+        """Register the transactional id (fencing any other producer of it, and aborting the
+        transaction it left open), retried while the coordinator is moving; a producer
+        that hangs in it is replaced, until ``timeout_s`` has passed."""
         deadline = time.monotonic() + timeout_s
         while True:
             left = deadline - time.monotonic()
+            call_s = max(min(CALL_TIMEOUT_S, left), 1.0)
+            producer = self._producer
             try:
-                self._producer.init_transactions(max(min(CALL_TIMEOUT_S, left), 1.0))
-                break
+                self._calls.call(
+                    "init_transactions",
+                    functools.partial(producer.init_transactions, call_s),
+                    call_s + HUNG_GRACE_S,
+                )
+                return
+            except CallHung as hung:
+                if time.monotonic() > deadline:
+                    raise KafkaException(
+                        KafkaError(KafkaError._TIMED_OUT, f"producer {hung}", fatal=True)
+                    ) from hung
+                self._abandon_producer(hung)
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
                 if error.fatal() or not error.retriable() or time.monotonic() > deadline:
                     raise
                 log.warning("cannot register the transactional id yet, trying again: %s", error)
                 time.sleep(1.0)
-        self._thread = threading.Thread(
-            target=self._run, name="fxstream-agent-publisher", daemon=True
+
+    def _abandon_producer(self, hung: CallHung) -> None:
+        """Leave the producer wedged in ``hung`` (referenced, never called again) for a new
+        one with the same transactional id: its registration fences the old one, so
+        nothing the old one had sent can commit, and aborts the old one's transaction."""
+        self.replaced += 1
+        log.error(
+            "the transactional producer's %s; replacing the producer (librdkafka does not "
+            "time out some transactional calls while a coordinator broker is gone: "
+            "confluentinc/librdkafka#5456, #5511). The open transaction is aborted and "
+            "its answers sent again.",
+            hung,
         )
-        self._thread.start()
+        self._wedged.append(self._producer)
+        self._producer = Producer(self._producer_config)
+
+    def _replace_producer(self, hung: CallHung) -> None:
+        """A transactional call hung: a new producer, registered, for the next attempt."""
+        self._abandon_producer(hung)
+        self._init_transactions(INIT_TIMEOUT_S)
 
     def publish(self, answer: Answer) -> None:
         """Queue ``answer`` for the next transaction."""
@@ -394,6 +465,24 @@ class TransactionalPublisher:
                 return written, deferred
             except _Rebalanced:
                 continue  # the answers of lost partitions are dropped on the next turn
+            except CallHung as hung:
+                # The new producer's registration ends the hung transaction: it aborts one
+                # that was not being committed, and completes a commit the coordinator had
+                # begun. Only a hung commit can have gone through; else (or if it did not)
+                # the answers go again in the new producer's first transaction.
+                offsets, deferred = (
+                    self._in_flight if hung.what == "commit_transaction" else ([], [])
+                )
+                self._replace_producer(hung)
+                if offsets and self._went_through(offsets, hung):
+                    waiting = {id(a) for a in deferred}
+                    written = sum(
+                        1
+                        for a in batch
+                        if a.topic is not None and a.settles and id(a) not in waiting
+                    )
+                    return written, deferred
+                self.aborted += 1
             except _Refused as refused:
                 self._abort()
                 found = refused.refused
@@ -421,6 +510,36 @@ class TransactionalPublisher:
                         continue
                 log.warning("transaction of %d answers failed, retrying: %s", len(batch), error)
                 time.sleep(0.1)
+
+    def _went_through(self, offsets: list[TopicPartition], hung: CallHung) -> bool:
+        """Whether the transaction whose commit hung committed: the group's committed
+        offsets are the ones it carried (read once the transaction has ended)."""
+        if self._group_id is None:
+            raise PublisherWedged(f"{hung}; no consumer group to learn whether it went through")
+        reader = Consumer(
+            {
+                **self._kafka_config,
+                "group.id": self._group_id,
+                "enable.auto.commit": False,
+                "isolation.level": "read_committed",
+            }
+        )
+        try:
+            committed = reader.committed(offsets, timeout=CALL_TIMEOUT_S)
+        except KafkaException as exc:
+            raise PublisherWedged(
+                f"{hung}, and whether it went through cannot be read ({exc})"
+            ) from exc
+        finally:
+            reader.close()
+        now = {tp.partition: (tp.offset, tp.metadata or "") for tp in committed}
+        went = all(now.get(tp.partition) == (tp.offset, tp.metadata or "") for tp in offsets)
+        log.warning(
+            "the hung commit %s: its answers are %s",
+            "went through" if went else "did not go through",
+            "not sent again" if went else "sent again",
+        )
+        return went
 
     def _probe(self, batch: list[Answer]) -> dict[int, Refusal]:
         """The answers Kafka refuses when each is sent alone, in a transaction that is
@@ -473,8 +592,14 @@ class TransactionalPublisher:
         """
         while True:
             left = TRANSACTION_TIMEOUT_S - SAFETY_MARGIN_S - (time.monotonic() - began)
+            call_s = max(min(CALL_TIMEOUT_S, left), 0.1)
+            producer = self._producer
             try:
-                self._producer.commit_transaction(max(min(CALL_TIMEOUT_S, left), 0.1))
+                self._calls.call(
+                    "commit_transaction",
+                    functools.partial(producer.commit_transaction, call_s),
+                    call_s + HUNG_GRACE_S,
+                )
                 return
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -487,8 +612,13 @@ class TransactionalPublisher:
 
     def _abort(self) -> None:
         """Abort the open transaction, if any (a no-op error when none is open)."""
+        producer = self._producer
         try:
-            self._producer.abort_transaction(CALL_TIMEOUT_S)
+            self._calls.call(
+                "abort_transaction",
+                functools.partial(producer.abort_transaction, CALL_TIMEOUT_S),
+                CALL_TIMEOUT_S + HUNG_GRACE_S,
+            )
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal() or error.code() == KafkaError._FENCED:
@@ -577,9 +707,18 @@ class TransactionalPublisher:
                         TopicPartition(self._queue_topic, p, o, metadata=m)
                         for p, (o, m) in commits.items()
                     ]
-                    producer.send_offsets_to_transaction(
-                        offsets, self._group_metadata(), CALL_TIMEOUT_S
+                    metadata = self._group_metadata()
+                    self._calls.call(
+                        "send_offsets_to_transaction",
+                        functools.partial(
+                            producer.send_offsets_to_transaction,
+                            offsets,
+                            metadata,
+                            CALL_TIMEOUT_S,
+                        ),
+                        CALL_TIMEOUT_S + HUNG_GRACE_S,
                     )
+            self._in_flight = (offsets if commits else [], deferred)
             self._commit_transaction(started)
         except KafkaException:
             producer.poll(0)  # serve the delivery reports that name the refused answers
