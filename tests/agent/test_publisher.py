@@ -534,6 +534,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
     _fill(kafka, queue, 20)
     tracker = OffsetTracker()
     metadata = group_consumer.consumer_group_metadata()
+    replaced: list[int] = []
     publisher = TransactionalPublisher(
         {**kafka.confluent(), "log_level": 2},
         transactional_id=f"t-{uuid.uuid4()}",
@@ -541,6 +542,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
         tracker=tracker,
         group_metadata=lambda: metadata,
         group_id=group_id,
+        on_replaced=lambda: replaced.append(1),
     )
     publisher.start()
     try:
@@ -553,6 +555,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
             )
         assert publisher.flush(60), publisher.failure
         assert publisher.replaced == 1
+        assert replaced == [1], "the replacement is reported (the agent counts it in metrics)"
     finally:
         publisher.close()
         release.set()

@@ -74,6 +74,7 @@ from fxstream.agent.heartbeat import AGENT_VERSION, Heartbeats
 from fxstream.agent.held import HeldTasks
 from fxstream.agent.image_pools import ImagePools
 from fxstream.agent.log_shipper import LogShipper
+from fxstream.agent.metrics import AgentMetrics
 from fxstream.agent.offsets import OffsetTracker
 from fxstream.agent.policy import TaskPolicy
 from fxstream.agent.process_engine import ProcessEngine
@@ -294,6 +295,7 @@ class Agent:
             on_refused=self._answers.quarantine,
             rebalancing=intake.rebalancing,
             group_id=endpoint_group(self.config.endpoint_id),
+            on_replaced=AgentMetrics(self.config.endpoint_id).producer_replaced,
         )
         self._engine, self._publisher, self._intake = engine, publisher, intake
         self._feed = EngineFeed(

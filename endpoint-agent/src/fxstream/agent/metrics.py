@@ -76,6 +76,12 @@ class _Series:
             [*label, "outcome"],
             registry=registry,
         )
+        self.replaced = Counter(
+            "fxstream_agent_producers_replaced",
+            "Transactional producers replaced after a call hung past its deadline",
+            label,
+            registry=registry,
+        )
         self.run = Histogram(
             "fxstream_agent_task_run_seconds",
             "Time a worker ran a task (started to finished)",
@@ -108,6 +114,7 @@ class AgentMetrics:
         self._error = self._s.answered.labels(endpoint=endpoint_id, outcome="error")
         self._run = self._s.run.labels(endpoint=endpoint_id)
         self._beats = self._s.heartbeats.labels(endpoint=endpoint_id)
+        self._replaced = self._s.replaced.labels(endpoint=endpoint_id)
 
     def heartbeat(
         self,
@@ -126,6 +133,10 @@ class AgentMetrics:
             self._s.blocks.labels(endpoint=e, state=state).set(value)
         self._s.containers.labels(endpoint=e).set(containers)
         self._beats.inc()
+
+    def producer_replaced(self) -> None:
+        """Count one transactional producer replaced (a call of it hung)."""
+        self._replaced.inc()
 
     def answered(self, ok: bool, started_at: float | None, finished_at: float | None) -> None:
         """Count one answered task and, when it ran, its run time."""

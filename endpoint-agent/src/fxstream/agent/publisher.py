@@ -225,10 +225,12 @@ class TransactionalPublisher:
         on_refused: OnRefused | None = None,
         rebalancing: threading.Lock | None = None,
         group_id: str | None = None,
+        on_replaced: Callable[[], None] | None = None,
     ) -> None:
         # The group whose offsets the transactions commit: read back after a commit hung,
         # to learn whether it went through (None: such a hang stops the publisher).
         self._group_id = group_id
+        self._on_replaced = on_replaced
         self._kafka_config = kafka_config
         # The offsets sent with the transaction being committed, and its deferred answers.
         self._in_flight: tuple[list[TopicPartition], list[Answer]] = ([], [])
@@ -334,6 +336,8 @@ class TransactionalPublisher:
         )
         self._wedged.append(self._producer)
         self._producer = Producer(self._producer_config)
+        if self._on_replaced is not None:
+            self._on_replaced()
 
     def _replace_producer(self, hung: CallHung) -> None:
         """A transactional call hung: a new producer, registered, for the next attempt."""
