@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import Consumer, Message, Producer, TopicPartition
 from confluent_kafka.admin import NewTopic
 
 from fxstream.agent import publisher as publisher_module
@@ -22,6 +22,7 @@ from fxstream.agent.publisher import (
 )
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform
+from tests.hung_calls import hanging_producer
 
 pytestmark = pytest.mark.platform
 
@@ -472,35 +473,6 @@ def test_a_partition_lost_mid_batch_never_commits_an_answer_without_its_offset(
 # --- a transactional call that never returns -------------------------------------------
 
 
-def _hanging_producer(method: str, release: threading.Event, *, after_real: bool) -> type:
-    """A real producer class whose first instance blocks in its first ``method`` call until
-    ``release`` (after making the real call, if ``after_real``). It stands in for
-    librdkafka's own hang there (confluentinc/librdkafka#5456, #5511), which needs the
-    consumer group's coordinator broker to die mid-transaction: the 3-broker test
-    (tests/faults/test_cluster_faults.py) meets the real one."""
-    made: list[Producer] = []
-    hung: list[bool] = []
-
-    class Hanging(Producer):  # type: ignore[misc]
-        def __init__(self, config: dict[str, object]) -> None:
-            super().__init__(config)
-            made.append(self)
-
-    real = getattr(Producer, method)
-
-    def call(self: Producer, *args: object) -> object:
-        if self is not made[0] or hung:
-            return real(self, *args)
-        hung.append(True)
-        if after_real:
-            real(self, *args)
-        release.wait(120)
-        raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "released at teardown"))
-
-    setattr(Hanging, method, call)
-    return Hanging
-
-
 @pytest.mark.parametrize(
     ("method", "after_real", "outcome"),
     [
@@ -528,7 +500,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
     monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
     release = threading.Event()
     monkeypatch.setattr(
-        publisher_module, "Producer", _hanging_producer(method, release, after_real=after_real)
+        publisher_module, "Producer", hanging_producer(method, release, after_real=after_real)
     )
     queue, out = topics
     _fill(kafka, queue, 20)
@@ -587,7 +559,7 @@ def test_a_hung_commit_without_a_group_to_read_back_stops_the_publisher(
     monkeypatch.setattr(
         publisher_module,
         "Producer",
-        _hanging_producer("commit_transaction", release, after_real=False),
+        hanging_producer("commit_transaction", release, after_real=False),
     )
     queue, out = topics
     _fill(kafka, queue, 1)

@@ -5,6 +5,7 @@ repeats an event; an event source's own principal writes only its own events top
 from __future__ import annotations
 
 import os
+import threading
 import time
 import uuid
 from collections import Counter
@@ -14,10 +15,12 @@ from pathlib import Path
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from fxstream.connectors import event_writer as event_writer_module
 from fxstream.connectors.event_writer import EventTopicMissing, EventWriter
 from fxstream.connectors.file_watcher import FILE_EVENT_TYPE, FileWatcher, file_event_key
 from fxstream.service.accounts import AccountManager
-from fxstream.topics import Catalogue, Event, KafkaConnection
+from fxstream.topics import CallHung, Catalogue, Event, KafkaConnection
+from tests.hung_calls import hanging_producer
 from tests.triggers.support import read_events, running, start_source, wait_for_events
 
 CHUNK = b"x" * 4096
@@ -247,3 +250,48 @@ def test_a_source_principal_writes_its_own_events_topic_only(
         assert read_events(kafka, other) == []
     finally:
         manager.delete_source_principal(source_name)
+
+
+def test_an_event_writer_whose_producer_hangs_refuses_to_write_on_and_a_restart_recovers(
+    kafka: KafkaConnection,
+    event_topic: Callable[[str], str],
+    source_name: str,
+    catalogue: Catalogue,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A transactional call that never returns (librdkafka's, stood in for: see
+    tests/hung_calls.py) is given up at its deadline: the write raises CallHung, later
+    writes are refused saying to restart the source, and the restarted writer fences the
+    hung producer, so nothing of the hung transaction is ever committed."""
+    topic = event_topic(source_name)
+    monkeypatch.setattr(event_writer_module, "HUNG_GRACE_S", 1.0)
+    release = threading.Event()
+    monkeypatch.setattr(
+        event_writer_module,
+        "Producer",
+        hanging_producer("commit_transaction", release, after_real=False),
+    )
+
+    def event(key: str) -> Event:
+        return Event(
+            source=source_name, event_key=key, event_type="created", occurred_at=time.time()
+        )
+
+    hung = EventWriter(kafka, source_name, role="watcher", catalogue=catalogue)
+    hung.start(scan=False)
+    try:
+        began = time.monotonic()
+        with pytest.raises(CallHung, match="commit_transaction did not return"):
+            hung.write([event("first")], timeout_s=2.0)
+        assert time.monotonic() - began < 15
+        with pytest.raises(RuntimeError, match="restart the source"):
+            hung.write([event("second")])
+        hung.close()
+        monkeypatch.setattr(event_writer_module, "Producer", Producer)
+        restarted = EventWriter(kafka, source_name, role="watcher", catalogue=catalogue)
+        assert "first" not in restarted.start()  # its transaction was never committed
+        restarted.write([event("second")])
+        restarted.close()
+    finally:
+        release.set()
+    assert [e.event_key for e in read_events(kafka, topic)] == ["second"]

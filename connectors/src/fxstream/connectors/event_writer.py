@@ -20,20 +20,31 @@ Who may write: the admin, or the source's own principal ``src.<source>`` (the AC
 :mod:`fxstream.topics.acls`: WRITE and READ on its ``events.<source>``, READ on groups and
 WRITE on transactional ids starting ``fxstream-source.<source>.``). The topic is created by
 the admin (:func:`ensure_event_topic`, or ``fxstream-source create-topic``).
+
+A hung client. librdkafka does not time out every transactional call (a dead group
+coordinator leaves ``send_offsets_to_transaction`` waiting for good; see
+:mod:`fxstream.topics.bounded_calls`): each is waited for at most its timeout and
+``HUNG_GRACE_S``, then :exc:`~fxstream.topics.CallHung` is raised and the writer refuses
+every later write. Whether a commit that hung went through is unknown here, so the only
+safe continuation is the restart the guarantee above already covers: the source exits,
+and its next run's registration fences the hung producer and ends its transaction.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Final
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
 from fxstream.topics import (
+    BoundedCaller,
+    CallHung,
     Catalogue,
     Event,
     KafkaConnection,
@@ -62,6 +73,8 @@ DEFAULT_SCAN_RECORDS: Final = 50_000
 # How many keys a running source remembers (emitted or read at start), oldest forgotten first.
 _REMEMBERED_KEYS: Final = 1_000_000
 _CALL_TIMEOUT_S: Final = 30.0
+HUNG_GRACE_S: Final = 5.0
+"""How much longer than its own timeout a transactional call is waited for."""
 
 
 def source_transactional_id(source: str, role: str) -> str:
@@ -136,6 +149,10 @@ class EventWriter:
             }
         )
         self._started = False
+        # Transactional calls, waited for at most a deadline; the one that hung, if any
+        # (its producer is then never called again, and kept: see bounded_calls).
+        self._calls = BoundedCaller(f"fxstream-source-{source}")
+        self._hung: CallHung | None = None
         self.written = 0
         """Events committed by this writer."""
 
@@ -151,8 +168,13 @@ class EventWriter:
         self._check_topic(timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
+            call_s = max(1.0, deadline - time.monotonic())
             try:
-                self._producer.init_transactions(max(1.0, deadline - time.monotonic()))
+                self._bounded(
+                    "init_transactions",
+                    functools.partial(self._producer.init_transactions, call_s),
+                    call_s,
+                )
                 break
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -272,6 +294,11 @@ class EventWriter:
         """
         if not self._started:
             raise RuntimeError("EventWriter.start() must be called before write()")
+        if self._hung is not None:
+            raise RuntimeError(
+                f"this event writer's producer hung ({self._hung}): restart the source, "
+                "which resumes exactly where the committed events end"
+            )
         if not events and not offsets:
             return
         records = [self.check(event) for event in events]
@@ -280,12 +307,31 @@ class EventWriter:
             for key, value in records:
                 self._produce(key, value)
             if offsets:
-                self._producer.send_offsets_to_transaction(list(offsets), group_metadata, timeout_s)
-            self._producer.commit_transaction(timeout_s)
+                self._bounded(
+                    "send_offsets_to_transaction",
+                    functools.partial(
+                        self._producer.send_offsets_to_transaction,
+                        list(offsets),
+                        group_metadata,
+                        timeout_s,
+                    ),
+                    timeout_s,
+                )
+            self._bounded(
+                "commit_transaction",
+                functools.partial(self._producer.commit_transaction, timeout_s),
+                timeout_s,
+            )
+        except CallHung:
+            raise  # nothing more may be asked of the hung producer
         except BaseException:
             try:
-                self._producer.abort_transaction(timeout_s)
-            except KafkaException as exc:
+                self._bounded(
+                    "abort_transaction",
+                    functools.partial(self._producer.abort_transaction, timeout_s),
+                    timeout_s,
+                )
+            except (KafkaException, CallHung) as exc:
                 log.warning("could not abort the event transaction: %s", exc)
             raise
         self._remember(event.event_key for event in events)
@@ -299,6 +345,25 @@ class EventWriter:
             except BufferError:
                 self._producer.poll(0.1)
 
+    def _bounded(self, what: str, call: Callable[[], object], timeout_s: float) -> None:
+        """``call()``, waited for at most ``timeout_s`` and the grace; a hang is remembered
+        (the writer refuses later writes) and raised."""
+        try:
+            self._calls.call(what, call, timeout_s + HUNG_GRACE_S)
+        except CallHung as hung:
+            self._hung = hung
+            log.error(
+                "event source %s: the producer's %s (librdkafka does not time out some "
+                "transactional calls while a coordinator broker is gone: "
+                "confluentinc/librdkafka#5456, #5511); restart the source",
+                self.source,
+                hung,
+            )
+            raise
+
     def close(self, timeout_s: float = 10.0) -> None:
-        """Flush and drop the producer (nothing is pending after :meth:`write` returns)."""
-        self._producer.flush(timeout_s)
+        """Flush and drop the producer (nothing is pending after :meth:`write` returns); a
+        producer that hung is left alone."""
+        self._calls.close()
+        if self._hung is None:
+            self._producer.flush(timeout_s)

@@ -52,7 +52,7 @@ settles its offset with nothing written, so no answer can wedge the publisher.
 
 Hung calls: librdkafka does not time out every transactional call (a dead group
 coordinator leaves ``send_offsets_to_transaction`` waiting for good; see
-:mod:`fxstream.agent.bounded_calls`). Each call is waited for at most its own
+:mod:`fxstream.topics.bounded_calls`). Each call is waited for at most its own
 timeout and ``HUNG_GRACE_S``; past that the producer is left where it hangs and a
 new one registers the same transactional id, which fences the old one and ends
 its transaction (aborted, unless its commit had begun on the coordinator, which
@@ -75,9 +75,8 @@ from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 
-from fxstream.agent.bounded_calls import BoundedCaller, CallHung
 from fxstream.agent.offsets import OffsetTracker
-from fxstream.topics import PRODUCER_PARTITIONER
+from fxstream.topics import PRODUCER_PARTITIONER, BoundedCaller, CallHung
 
 __all__ = ["Answer", "PublisherFenced", "PublisherWedged", "Refusal", "TransactionalPublisher"]
 
@@ -88,7 +87,7 @@ MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
 # How much longer than its own timeout a transactional call is waited for before the
-# producer is taken to be wedged in it and replaced (see fxstream.agent.bounded_calls).
+# producer is taken to be wedged in it and replaced (see fxstream.topics.bounded_calls).
 HUNG_GRACE_S = 5.0
 # The coordinator aborts (and fences) a transaction open longer than this
 # (``transaction.timeout.ms``, set to match); commits are retried only within it.

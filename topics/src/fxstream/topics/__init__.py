@@ -12,6 +12,7 @@
 - :mod:`~fxstream.topics.routing_stamp`: the router's HMAC routing stamps, their keys and key file.
 """
 
+from fxstream.topics.bounded_calls import BoundedCaller, CallHung
 from fxstream.topics.budget import (
     RecordTooLarge,
     aiokafka_max_batch_size,
@@ -163,6 +164,8 @@ __all__ = [
     "SCHEMA_VERSIONS",
     "STAGE_SCHEMES",
     "Attempt",
+    "BoundedCaller",
+    "CallHung",
     "Catalogue",
     "CleanupPolicy",
     "ClientInfo",

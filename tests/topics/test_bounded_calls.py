@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from fxstream.agent.bounded_calls import BoundedCaller, CallHung
+from fxstream.topics.bounded_calls import BoundedCaller, CallHung
 
 
 def test_a_call_returns_its_value_and_raises_its_exception() -> None:

@@ -13,9 +13,10 @@ agent's ``rebalancing`` lock, the agent cannot even hand its partitions back.
 at most a deadline; past it, it raises :exc:`CallHung` and abandons that thread
 (a call cannot be interrupted; the thread stays blocked, or returns later to
 nobody), and the next call runs on a fresh thread. The caller must then stop
-using the client the hung call was made on (see
-:meth:`fxstream.agent.publisher.TransactionalPublisher`), and keep a reference to
-it: destroying a client while a thread is inside one of its calls crashes.
+using the client the hung call was made on (the agent's publisher replaces its
+producer; an event source's writer refuses further writes, and the source restarts),
+and keep a reference to it: destroying a client while a thread is inside one of its
+calls crashes.
 """
 
 from __future__ import annotations
