@@ -329,8 +329,8 @@ class TransactionalPublisher:
         log.error(
             "the transactional producer's %s; replacing the producer (librdkafka does not "
             "time out some transactional calls while a coordinator broker is gone: "
-            "confluentinc/librdkafka#5456, #5511). The open transaction is aborted and "
-            "its answers sent again.",
+            "confluentinc/librdkafka#5456, #5511). The new one's registration fences it "
+            "and ends its open transaction.",
             hung,
         )
         self._wedged.append(self._producer)
