@@ -497,6 +497,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
     its transaction ended); the answers commit exactly once, including after a hung commit
     that went through (read back from the group's committed offsets)."""
     monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "SEND_OFFSETS_TIMEOUT_S", 3.0)
     monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
     release = threading.Event()
     monkeypatch.setattr(

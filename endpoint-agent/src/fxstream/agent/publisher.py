@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 MAX_ANSWERS_PER_TRANSACTION = 2_000
 # How long one transactional call may take before the batch is retried.
 CALL_TIMEOUT_S = 30.0
+# send_offsets_to_transaction's own timeout: shorter, as the publisher holds the agent's
+# rebalancing lock while it runs (a retriable timeout only costs an abort and a retry).
+SEND_OFFSETS_TIMEOUT_S = 10.0
 # How much longer than its own timeout a transactional call is waited for before the
 # producer is taken to be wedged in it and replaced (see fxstream.topics.bounded_calls).
 HUNG_GRACE_S = 5.0
@@ -717,9 +720,9 @@ class TransactionalPublisher:
                             producer.send_offsets_to_transaction,
                             offsets,
                             metadata,
-                            CALL_TIMEOUT_S,
+                            SEND_OFFSETS_TIMEOUT_S,
                         ),
-                        CALL_TIMEOUT_S + HUNG_GRACE_S,
+                        SEND_OFFSETS_TIMEOUT_S + HUNG_GRACE_S,
                     )
             self._in_flight = (offsets if commits else [], deferred)
             self._commit_transaction(started)
