@@ -116,6 +116,19 @@ def _committed_values(kafka: KafkaConnection, topic: str) -> list[bytes]:
     return values
 
 
+def _answer_each(
+    publisher: TransactionalPublisher, tracker: OffsetTracker, messages: list[Message], out: str
+) -> None:
+    """Track each queue record and publish its answer ("answer " + its value) to ``out``."""
+    for message in messages:
+        partition, offset = message.partition(), message.offset()
+        assert partition is not None and offset is not None
+        tracker.track(partition, offset)
+        publisher.publish(
+            Answer(out, message.key(), b"answer " + (message.value() or b""), partition, offset)
+        )
+
+
 def _publisher(
     kafka: KafkaConnection, consumer: Consumer, queue: str, tracker: OffsetTracker, txn_id: str
 ) -> TransactionalPublisher:
@@ -138,13 +151,7 @@ def test_answers_and_their_offsets_commit_together(
     publisher = _publisher(kafka, group_consumer, queue, tracker, f"t-{uuid.uuid4()}")
     publisher.start()
     try:
-        for message in _take(group_consumer, 20):
-            partition, offset = message.partition(), message.offset()
-            assert partition is not None and offset is not None
-            tracker.track(partition, offset)
-            publisher.publish(
-                Answer(out, message.key(), b"answer " + message.value(), partition, offset)
-            )
+        _answer_each(publisher, tracker, _take(group_consumer, 20), out)
         assert publisher.flush(30)
     finally:
         publisher.close()
@@ -519,13 +526,7 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
     )
     publisher.start()
     try:
-        for message in _take(group_consumer, 20):
-            partition, offset = message.partition(), message.offset()
-            assert partition is not None and offset is not None
-            tracker.track(partition, offset)
-            publisher.publish(
-                Answer(out, message.key(), b"answer " + message.value(), partition, offset)
-            )
+        _answer_each(publisher, tracker, _take(group_consumer, 20), out)
         assert publisher.flush(60), publisher.failure
         assert publisher.replaced == 1
         assert replaced == [1], "the replacement is reported (the agent counts it in metrics)"

@@ -305,11 +305,7 @@ class TransactionalPublisher:
             call_s = max(min(CALL_TIMEOUT_S, left), 1.0)
             producer = self._producer
             try:
-                self._calls.call(
-                    "init_transactions",
-                    functools.partial(producer.init_transactions, call_s),
-                    call_s + HUNG_GRACE_S,
-                )
+                self._bounded("init_transactions", producer.init_transactions, call_s)
                 return
             except CallHung as hung:
                 if time.monotonic() > deadline:
@@ -323,6 +319,13 @@ class TransactionalPublisher:
                     raise
                 log.warning("cannot register the transactional id yet, trying again: %s", error)
                 time.sleep(1.0)
+
+    def _bounded(
+        self, what: str, call: Callable[..., object], timeout_s: float, *args: object
+    ) -> None:
+        """``call(*args, timeout_s)`` (the producer's call ``what``) on the caller thread,
+        waited for at most ``timeout_s`` and ``HUNG_GRACE_S`` (:exc:`CallHung` past that)."""
+        self._calls.call(what, functools.partial(call, *args, timeout_s), timeout_s + HUNG_GRACE_S)
 
     def _abandon_producer(self, hung: CallHung) -> None:
         """Leave the producer wedged in ``hung`` (referenced, never called again) for a new
@@ -601,11 +604,7 @@ class TransactionalPublisher:
             call_s = max(min(CALL_TIMEOUT_S, left), 0.1)
             producer = self._producer
             try:
-                self._calls.call(
-                    "commit_transaction",
-                    functools.partial(producer.commit_transaction, call_s),
-                    call_s + HUNG_GRACE_S,
-                )
+                self._bounded("commit_transaction", producer.commit_transaction, call_s)
                 return
             except KafkaException as exc:
                 error: KafkaError = exc.args[0]
@@ -620,11 +619,7 @@ class TransactionalPublisher:
         """Abort the open transaction, if any (a no-op error when none is open)."""
         producer = self._producer
         try:
-            self._calls.call(
-                "abort_transaction",
-                functools.partial(producer.abort_transaction, CALL_TIMEOUT_S),
-                CALL_TIMEOUT_S + HUNG_GRACE_S,
-            )
+            self._bounded("abort_transaction", producer.abort_transaction, CALL_TIMEOUT_S)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal() or error.code() == KafkaError._FENCED:
@@ -714,15 +709,12 @@ class TransactionalPublisher:
                         for p, (o, m) in commits.items()
                     ]
                     metadata = self._group_metadata()
-                    self._calls.call(
+                    self._bounded(
                         "send_offsets_to_transaction",
-                        functools.partial(
-                            producer.send_offsets_to_transaction,
-                            offsets,
-                            metadata,
-                            SEND_OFFSETS_TIMEOUT_S,
-                        ),
-                        SEND_OFFSETS_TIMEOUT_S + HUNG_GRACE_S,
+                        producer.send_offsets_to_transaction,
+                        SEND_OFFSETS_TIMEOUT_S,
+                        offsets,
+                        metadata,
                     )
             self._in_flight = (offsets if commits else [], deferred)
             self._commit_transaction(started)
