@@ -580,3 +580,51 @@ def test_a_hung_commit_without_a_group_to_read_back_stops_the_publisher(
     finally:
         publisher.close()
         release.set()
+
+
+def test_a_producer_hung_in_the_abort_of_a_refused_answer_is_replaced_and_the_rest_commit(
+    kafka: KafkaConnection,
+    topics: tuple[str, str],
+    group_consumer: Consumer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An answer too large for the producer fails its transaction, whose abort hangs (the
+    first producer's, stood in for: see tests/hung_calls.py): the producer is replaced,
+    the answer quarantined, and the rest commit once."""
+    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
+    release = threading.Event()
+    monkeypatch.setattr(
+        publisher_module,
+        "Producer",
+        hanging_producer("abort_transaction", release, after_real=True),
+    )
+    queue, out = topics
+    _fill(kafka, queue, 10)
+    tracker = OffsetTracker()
+    refusals: list[tuple[Answer, Refusal]] = []
+    publisher = _quarantining_publisher(
+        kafka, group_consumer, queue, tracker, refusals, out, message_max_bytes=50_000
+    )
+    publisher.start()
+    try:
+        _answer_all(
+            publisher,
+            tracker,
+            _take(group_consumer, 10),
+            lambda i: (out, b"x" * 100_000) if i == 3 else (out, f"ok {i}".encode()),
+        )
+        assert publisher.flush(60), publisher.failure
+        assert publisher.replaced == 1
+    finally:
+        publisher.close()
+        release.set()
+    assert len(refusals) == 1
+    values = _committed_values(kafka, out)
+    assert sorted(v for v in values if v.startswith(b"ok")) == sorted(
+        f"ok {i}".encode() for i in range(10) if i != 3
+    ), "every other answer committed exactly once"
+    committed = group_consumer.committed(
+        [TopicPartition(queue, 0), TopicPartition(queue, 1)], timeout=10
+    )
+    assert sum(max(tp.offset, 0) for tp in committed) == 10, "every offset settled"

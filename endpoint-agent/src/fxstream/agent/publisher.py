@@ -555,10 +555,10 @@ class TransactionalPublisher:
         then aborted (so nothing of it is ever visible, and no offset moves)."""
         log.warning("finding which of %d answers Kafka refuses, one at a time", len(batch))
         refused: dict[int, Refusal] = {}
-        producer = self._producer
         for index, answer in enumerate(batch):
             if answer.topic is None:
                 continue
+            producer = self._producer  # replaced if an abort below hung
             reports: list[KafkaError] = []
             try:
                 producer.begin_transaction()
@@ -616,10 +616,13 @@ class TransactionalPublisher:
                 time.sleep(0.1)
 
     def _abort(self) -> None:
-        """Abort the open transaction, if any (a no-op error when none is open)."""
+        """Abort the open transaction, if any (a no-op error when none is open); a producer
+        that hangs in the abort is replaced (the new one's registration ends it)."""
         producer = self._producer
         try:
             self._bounded("abort_transaction", producer.abort_transaction, CALL_TIMEOUT_S)
+        except CallHung as hung:
+            self._replace_producer(hung)
         except KafkaException as exc:
             error: KafkaError = exc.args[0]
             if error.fatal() or error.code() == KafkaError._FENCED:
