@@ -12,10 +12,12 @@ real (the broker, the transactions, the fencing).
 from __future__ import annotations
 
 import threading
+from types import ModuleType
 
+import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-__all__ = ["hanging_producer"]
+__all__ = ["hang_first_call", "hanging_producer"]
 
 
 def hanging_producer(method: str, release: threading.Event, *, after_real: bool) -> type:
@@ -41,3 +43,15 @@ def hanging_producer(method: str, release: threading.Event, *, after_real: bool)
 
     setattr(Hanging, method, call)
     return Hanging
+
+
+def hang_first_call(
+    monkeypatch: pytest.MonkeyPatch, module: ModuleType, method: str, *, after_real: bool = False
+) -> threading.Event:
+    """Make ``module`` build its producers from :func:`hanging_producer`; returns the event
+    that releases the hung call (set it at the end of the test)."""
+    release = threading.Event()
+    monkeypatch.setattr(
+        module, "Producer", hanging_producer(method, release, after_real=after_real)
+    )
+    return release

@@ -22,7 +22,7 @@ from fxstream.agent.publisher import (
 )
 from fxstream.topics import KafkaConnection
 from tests.conftest import RunningPlatform
-from tests.hung_calls import hanging_producer
+from tests.hung_calls import hang_first_call
 
 pytestmark = pytest.mark.platform
 
@@ -480,6 +480,13 @@ def test_a_partition_lost_mid_batch_never_commits_an_answer_without_its_offset(
 # --- a transactional call that never returns -------------------------------------------
 
 
+def _short_deadlines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Transactional calls time out at 3 s, and a hung one is given up 1 s later."""
+    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "SEND_OFFSETS_TIMEOUT_S", 3.0)
+    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
+
+
 @pytest.mark.parametrize(
     ("method", "after_real", "outcome"),
     [
@@ -503,13 +510,8 @@ def test_a_producer_hung_in_a_transactional_call_is_replaced_and_every_answer_co
     the producer hung there for a new one (same transactional id: the old one is fenced,
     its transaction ended); the answers commit exactly once, including after a hung commit
     that went through (read back from the group's committed offsets)."""
-    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(publisher_module, "SEND_OFFSETS_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
-    release = threading.Event()
-    monkeypatch.setattr(
-        publisher_module, "Producer", hanging_producer(method, release, after_real=after_real)
-    )
+    _short_deadlines(monkeypatch)
+    release = hang_first_call(monkeypatch, publisher_module, method, after_real=after_real)
     queue, out = topics
     _fill(kafka, queue, 20)
     tracker = OffsetTracker()
@@ -555,14 +557,8 @@ def test_a_hung_commit_without_a_group_to_read_back_stops_the_publisher(
     """Whether the hung commit went through cannot be learned: the publisher stops rather
     than risk a second committed result (the agent exits; its successor resumes from the
     group's committed offsets)."""
-    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
-    release = threading.Event()
-    monkeypatch.setattr(
-        publisher_module,
-        "Producer",
-        hanging_producer("commit_transaction", release, after_real=False),
-    )
+    _short_deadlines(monkeypatch)
+    release = hang_first_call(monkeypatch, publisher_module, "commit_transaction", after_real=False)
     queue, out = topics
     _fill(kafka, queue, 1)
     (message,) = _take(group_consumer, 1)
@@ -591,14 +587,8 @@ def test_a_producer_hung_in_the_abort_of_a_refused_answer_is_replaced_and_the_re
     """An answer too large for the producer fails its transaction, whose abort hangs (the
     first producer's, stood in for: see tests/hung_calls.py): the producer is replaced,
     the answer quarantined, and the rest commit once."""
-    monkeypatch.setattr(publisher_module, "CALL_TIMEOUT_S", 3.0)
-    monkeypatch.setattr(publisher_module, "HUNG_GRACE_S", 1.0)
-    release = threading.Event()
-    monkeypatch.setattr(
-        publisher_module,
-        "Producer",
-        hanging_producer("abort_transaction", release, after_real=True),
-    )
+    _short_deadlines(monkeypatch)
+    release = hang_first_call(monkeypatch, publisher_module, "abort_transaction", after_real=True)
     queue, out = topics
     _fill(kafka, queue, 10)
     tracker = OffsetTracker()

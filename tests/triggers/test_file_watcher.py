@@ -5,7 +5,6 @@ repeats an event; an event source's own principal writes only its own events top
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections import Counter
@@ -20,7 +19,7 @@ from fxstream.connectors.event_writer import EventTopicMissing, EventWriter
 from fxstream.connectors.file_watcher import FILE_EVENT_TYPE, FileWatcher, file_event_key
 from fxstream.service.accounts import AccountManager
 from fxstream.topics import CallHung, Catalogue, Event, KafkaConnection
-from tests.hung_calls import hanging_producer
+from tests.hung_calls import hang_first_call
 from tests.triggers.support import read_events, running, start_source, wait_for_events
 
 CHUNK = b"x" * 4096
@@ -265,12 +264,7 @@ def test_an_event_writer_whose_producer_hangs_refuses_to_write_on_and_a_restart_
     hung producer, so nothing of the hung transaction is ever committed."""
     topic = event_topic(source_name)
     monkeypatch.setattr(event_writer_module, "HUNG_GRACE_S", 1.0)
-    release = threading.Event()
-    monkeypatch.setattr(
-        event_writer_module,
-        "Producer",
-        hanging_producer("commit_transaction", release, after_real=False),
-    )
+    release = hang_first_call(monkeypatch, event_writer_module, "commit_transaction")
 
     def event(key: str) -> Event:
         return Event(

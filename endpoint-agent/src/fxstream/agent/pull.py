@@ -191,7 +191,7 @@ class Intake:
             # Fetched before its partition was revoked or lost: its new owner (or this
             # agent, assigned it again) takes it from the committed offset.
             self.stale_records += 1
-            log.info("record %d:%d of a partition no longer assigned: left", partition, offset)
+            log.debug("record %d:%d of a partition no longer assigned: left", partition, offset)
             return
         start = self._starts.pop(partition, None) if self._starts else None
         if start is not None:
