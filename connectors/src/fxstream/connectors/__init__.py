@@ -4,6 +4,8 @@
   connectors (Redis with chunking and leases; a directory on shared or node-local disk).
 - :mod:`~fxstream.connectors.stores`: store URLs (``redis://``, ``file://``) and tiers.
 - :mod:`~fxstream.connectors.reference`: automatic pass-by-reference of large values.
+- :mod:`~fxstream.connectors.node_local`: the node-local tier (shared memory) when a
+  client and a worker share a node, recognised by their node key.
 - :mod:`~fxstream.connectors.futures`: proxy futures, references to values not yet
   written (``ProxyFuture``; a consumer blocks on first use until a producer sets it).
 - :mod:`~fxstream.connectors.locations`: the ``data-locations`` publisher.
@@ -67,6 +69,7 @@ from fxstream.connectors.named_objects import (
     NamedObjects,
     NamedObjectTooLarge,
 )
+from fxstream.connectors.node_local import NodeLocal, node_local
 from fxstream.connectors.redis import RedisConnector, RedisObjectKey, redact_url
 from fxstream.connectors.reference import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
@@ -136,6 +139,7 @@ __all__ = [
     "LocationPublisher",
     "NamedObjectTooLarge",
     "NamedObjects",
+    "NodeLocal",
     "ObjectDescription",
     "ObjectOnOtherNode",
     "Packed",
@@ -160,6 +164,7 @@ __all__ = [
     "hold_futures",
     "load_payload",
     "location_of",
+    "node_local",
     "open_store",
     "proxies_by_value",
     "redact_url",

@@ -41,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol, runtime_checkable
 
@@ -221,6 +221,10 @@ class ByReference:
         serializer: The payload serializer (its data strategy must be able to
             pickle a proxy: pickle or dill).
         site: What data-locations calls the writer (an endpoint id, or '' for a client).
+        fallback: Where a large value goes instead when ``has_room`` says ``store`` has
+            no room for it (the node-local tier, :mod:`fxstream.connectors.node_local`,
+            falls back to Redis).
+        has_room: Asked with each value's size before it is put in ``store``.
     """
 
     def __init__(
@@ -230,6 +234,8 @@ class ByReference:
         threshold_bytes: int = DEFAULT_PROXY_THRESHOLD_BYTES,
         serializer: Serializer | None = None,
         site: str = "",
+        fallback: Store[Any] | None = None,
+        has_room: Callable[[int], bool] | None = None,
     ) -> None:
         if threshold_bytes < 0:
             raise ValueError(f"threshold_bytes must not be negative, not {threshold_bytes}")
@@ -237,6 +243,8 @@ class ByReference:
         self.threshold_bytes = threshold_bytes
         self.serializer = serializer or _SERIALIZER
         self.site = site
+        self.fallback = fallback
+        self._has_room = has_room
         self._node = socket.gethostname()
 
     def pack_arguments(
@@ -297,13 +305,20 @@ class ByReference:
 
     def _put(self, payload: bytes) -> tuple[StoredObject, StoreFactory[Any, Any]]:
         assert self.store is not None
-        connector = self.store.connector
+        store = self.store
+        if (
+            self._has_room is not None
+            and self.fallback is not None
+            and not self._has_room(len(payload))
+        ):
+            store = self.fallback
+        connector = store.connector
         key = connector.put(payload)
         digest = getattr(key, "sha256", "")
         if not isinstance(digest, str) or not SHA256_PATTERN.match(digest):
             connector.evict(key)
             raise TypeError(
-                f"the store {self.store.name!r} ({type(connector).__name__}) does not record a "
+                f"the store {store.name!r} ({type(connector).__name__}) does not record a "
                 "digest of what it stores, so a value passed by reference could not be verified "
                 "before it is loaded: use one of fxstream's stores (redis://, file://, adios2://, "
                 "Globus; see fxstream.connectors.open_store)"
@@ -312,7 +327,7 @@ class ByReference:
         object_key = _object_key(connector, key)
         reference = ObjectReference(
             object_key=object_key,
-            store=self.store.name,
+            store=store.name,
             size_bytes=len(payload),
             tier=StorageTier(tier),
             site=self.site,
@@ -320,6 +335,6 @@ class ByReference:
             sha256=digest,
         )
         factory: StoreFactory[Any, Any] = StoreFactory(
-            key, store_config=self.store.config(), deserializer=load_payload
+            key, store_config=store.config(), deserializer=load_payload
         )
-        return StoredObject(self.store, key, reference), factory
+        return StoredObject(store, key, reference), factory

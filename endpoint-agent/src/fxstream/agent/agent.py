@@ -84,7 +84,7 @@ from fxstream.agent.python_envs import probe_environments
 from fxstream.agent.runner import runner_for
 from fxstream.agent.staging import Stager
 from fxstream.agent.worker_process import RunnerSpec
-from fxstream.connectors import FileConnector, StoreSpec
+from fxstream.connectors import FileConnector, NodeLocal, StoreSpec, node_local
 from fxstream.topics import PRODUCER_PARTITIONER, Catalogue, producer_message_max_bytes
 from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
@@ -129,6 +129,17 @@ class Agent:
         # The one topic this endpoint writes (the ingress checks and forwards it).
         self.out_topic = self.catalogue.from_endpoint(config.endpoint_id)
         staging_root = config.staging_root()
+        # The node-local tier (shared memory), for clients on this node as this user: only
+        # when the workers are plain processes beside the agent (a container's or a batch
+        # block's workers do not share its /dev/shm directory; docs/data-plane.md, "Tiers").
+        self.node: NodeLocal | None = (
+            node_local()
+            if config.engine == "process"
+            and config.runtime == "process"
+            and not config.images
+            and runner is None
+            else None
+        )
         self._runner: RunnerSpec = (
             runner
             if runner is not None
@@ -137,6 +148,7 @@ class Agent:
                 proxy_threshold=config.proxy_threshold,
                 site=config.endpoint_id,
                 task_root=None if staging_root is None else str(staging_root),
+                node=self.node,
             )
         )
         # Staged files (fxstream.agent.staging): in and out of each task's directory.
@@ -157,6 +169,7 @@ class Agent:
         self._beats = Heartbeats(
             config, self.catalogue, agent_id=self.agent_id, hostname=self._hostname, held=self._held
         )
+        self._beats.node_key = "" if self.node is None else self.node.key
         # The agent's log for its owner (fxstream.agent.log_shipper): shipped with each
         # heartbeat once a logger has it (the CLI's `start` adds it to the root logger).
         self.log_shipper = LogShipper(
@@ -352,23 +365,29 @@ class Agent:
         self.results_published += answers
 
     def _start_lease_sweeper(self) -> None:
-        """A file store has no TTLs: a thread deletes its objects past their lease."""
-        if self.config.store_url is None:
+        """A file store has no TTLs: a thread deletes its objects past their lease (the
+        endpoint's file store, and the node-local store its clients on this node use)."""
+        urls = [] if self.config.store_url is None else [self.config.store_url]
+        if self.node is not None:
+            urls.append(self.node.store_url)
+        connectors = []
+        for url in urls:
+            spec = StoreSpec.parse(url)
+            if spec.connector_type() is FileConnector:
+                connectors.append((spec.url, FileConnector.from_config(spec.options)))
+        if not connectors:
             return
-        spec = StoreSpec.parse(self.config.store_url)
-        if spec.connector_type() is not FileConnector:
-            return
-        connector = FileConnector.from_config(spec.options)
 
         def sweep() -> None:
             while not self._stop.wait(SWEEP_PERIOD_S):
-                try:
-                    removed = connector.sweep_expired()
-                except OSError as exc:
-                    log.warning("cannot sweep the file store %s: %s", connector.store_dir, exc)
-                    continue
-                if removed:
-                    log.info("swept %d objects past their lease from %s", removed, spec.url)
+                for url, connector in connectors:
+                    try:
+                        removed = connector.sweep_expired()
+                    except OSError as exc:
+                        log.warning("cannot sweep the file store %s: %s", connector.store_dir, exc)
+                        continue
+                    if removed:
+                        log.info("swept %d objects past their lease from %s", removed, url)
 
         threading.Thread(target=sweep, name="fxstream-lease-sweeper", daemon=True).start()
 

@@ -62,6 +62,8 @@ class Heartbeats:
         self._metrics = AgentMetrics(config.endpoint_id)
         self.python_versions: list[str] = []
         """The major.minor versions the workers run (set once they are probed)."""
+        self.node_key = ""
+        """The workers' node key when they share the agent's node-local store, else ''."""
 
     def send(self, producer: Producer, engine: Engine) -> None:
         """Produce a heartbeat, and a warm advert if what ``engine`` holds warm changed."""
@@ -83,6 +85,7 @@ class Heartbeats:
             leases=leases,
             leases_truncated=truncated,
             agent_version=AGENT_VERSION,
+            node_key=self.node_key,
             python_versions=self.python_versions,
             pool_slots=self._config.pool_slots(),
             blocks_pending=counts.blocks_pending,

@@ -11,7 +11,11 @@ Bulk data never passes through the agent: arguments sent by reference are
 fetched here from the proxy store (lazily, on first use, except bytes-like
 values, fetched as the payload loads), and with the endpoint's ``store_url``
 set a result above ``proxy_threshold`` is written to that store here and only
-its reference goes back to the agent (:mod:`fxstream.connectors.reference`).
+its reference goes back to the agent (:mod:`fxstream.connectors.reference`). A task
+whose client runs on this node as this user (``TaskSubmission.client_node`` is the
+node key the agent advertises) has its large result written to the node-local store
+instead, in shared memory (:mod:`fxstream.connectors.node_local`), or to the endpoint's
+store when that has no room.
 
 A task with parents (issue 15's task DAGs) carries each parent's serialized result
 (``TaskSubmission.parent_results``, inline or the by-reference envelope of an object in
@@ -49,11 +53,13 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Final, TypeVar
 
 from fxstream.connectors import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
     ByReference,
+    NodeLocal,
     ProxyFutureError,
     open_store,
     proxies_by_value,
@@ -114,6 +120,28 @@ def _results_by_reference(
 
 
 @functools.cache
+def _results_node_local(
+    node_store_dir: str,
+    node_key: str,
+    store_url: str | None,
+    threshold: int,
+    site: str,
+    strategy_id: str,
+) -> ByReference:
+    # Results for a client on this node (its task's client_node is this node's key): the
+    # node-local store, else the endpoint's store when the node has no room.
+    node = NodeLocal(Path(node_store_dir), node_key)
+    return ByReference(
+        node.store(),
+        threshold_bytes=threshold,
+        serializer=_serializer_for(strategy_id),
+        site=site,
+        fallback=None if store_url is None else _store(store_url),
+        has_room=node.has_room,
+    )
+
+
+@functools.cache
 def _serializer_for(strategy_id: str) -> Serializer:
     return _serializer.with_data(strategy_id)
 
@@ -133,10 +161,12 @@ def runner_for(
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES,
     site: str = "",
     task_root: str | None = None,
+    node: NodeLocal | None = None,
 ) -> Callable[[bytes], Callable[[bytes], bytes]] | str:
     """The runner spec for an endpoint: results by reference through ``store_url`` if set,
-    staged tasks run in their directories under ``task_root`` if set."""
-    if store_url is None and task_root is None:
+    staged tasks run in their directories under ``task_root`` if set, and a client's on
+    this node through the node-local store ``node`` if given."""
+    if store_url is None and task_root is None and node is None:
         return RUNNER
     return functools.partial(
         load_function,
@@ -144,6 +174,8 @@ def runner_for(
         proxy_threshold=proxy_threshold,
         site=site,
         task_root=task_root,
+        node_store_dir=None if node is None else str(node.directory),
+        node_key="" if node is None else node.key,
     )
 
 
@@ -183,12 +215,17 @@ def load_function(
     proxy_threshold: int = DEFAULT_PROXY_THRESHOLD_BYTES,
     site: str = "",
     task_root: str | None = None,
+    node_store_dir: str | None = None,
+    node_key: str = "",
 ) -> Callable[[bytes], bytes]:
     """Loader for the worker pool: ``code`` is a serialized function (any code strategy).
 
     The function itself is deserialized at the first call, where the
     submitter's versions are known for the error message; it is kept after that. A task
-    with staged files runs in ``<task_root>/<task id>`` (:func:`in_task_dir`).
+    with staged files runs in ``<task_root>/<task id>`` (:func:`in_task_dir`). A task
+    whose ``client_node`` is ``node_key`` (its client runs on this node, as this user)
+    gets a large result through the node-local store in ``node_store_dir``
+    (:mod:`fxstream.connectors.node_local`).
     """
     loaded: list[Callable[..., Any]] = []
     if store_url is not None:
@@ -234,6 +271,11 @@ def load_function(
                 raise waited from None
             _attach_serialized(exc, _serializer_for(strategy_id))
             raise
+        if node_store_dir is not None and node_key and submission.client_node == node_key:
+            by_reference = _results_node_local(
+                node_store_dir, node_key, store_url, proxy_threshold, site, strategy_id
+            )
+            return by_reference.pack_value(value).payload
         if store_url is None:
             return _serializer_for(strategy_id).serialize_value(value, substitute=proxies_by_value)
         by_reference = _results_by_reference(store_url, proxy_threshold, site, strategy_id)

@@ -131,7 +131,13 @@ class EndpointStatus:
     blocks_pending: int = 0
     blocks_running: int = 0
     blocks_idle: int = 0
+    # The node key every live agent of the endpoint advertises (its workers share that
+    # node-local store, fxstream.connectors.node_local); '' when none does or they differ.
+    node_key: str = ""
 
+
+# The most agents per endpoint whose node keys the view remembers (the newest kept).
+_MAX_AGENT_NODES = 16
 
 BadRecord = Callable[[Message, str], None]
 # The id field each registry topic's key must equal.
@@ -196,6 +202,9 @@ class RegistryView:
         self._token_index: dict[str, UserRecord] = {}
         self._endpoint_token_index: dict[str, EndpointRecord] = {}
         self._identity_index: dict[str, UserRecord] = {}
+        # Endpoint -> agent -> (its node key, until when it counts as live): kept only for
+        # endpoints one of whose agents ever advertised a key.
+        self._agent_nodes: dict[str, dict[str, tuple[str, float]]] = {}
         # Task states and task groups live on disk (a temporary directory by default).
         self._task_table: TaskStateTable | None = None
         if "task-state" in (followed for followed, _ in self._kinds.values()):
@@ -433,7 +442,27 @@ class RegistryView:
             blocks_pending=beat.blocks_pending,
             blocks_running=beat.blocks_running,
             blocks_idle=beat.blocks_idle,
+            node_key=self._node_key(endpoint_id, now) if online else "",
         )
+
+    def _node_key(self, endpoint_id: str, now: float) -> str:
+        """The node key all of the endpoint's live agents advertise, or ''."""
+        agents = self._agent_nodes.get(endpoint_id)
+        if not agents:
+            return ""
+        keys = {key for key, until in list(agents.values()) if until >= now}
+        return keys.pop() if len(keys) == 1 else ""
+
+    def _fold_node_key(self, beat: Heartbeat) -> None:
+        agents = self._agent_nodes.get(beat.endpoint_id)
+        if agents is None:
+            if not beat.node_key:
+                return
+            agents = self._agent_nodes[beat.endpoint_id] = {}
+        agents.pop(beat.agent_id, None)  # re-inserted last: the newest stay
+        agents[beat.agent_id] = (beat.node_key, beat.sent_at + LIVENESS_PERIODS * beat.period_s)
+        while len(agents) > _MAX_AGENT_NODES:
+            del agents[next(iter(agents))]
 
     # --- the follower thread -------------------------------------------------------------
 
@@ -517,6 +546,7 @@ class RegistryView:
             previous = _as(table.get(record.endpoint_id), Heartbeat)
             if previous is None or previous.sent_at <= record.sent_at:
                 table[record.endpoint_id] = record
+            self._fold_node_key(record)
             return
         if isinstance(record, WarmAdvert):
             if not self.warm.fold(key, record):

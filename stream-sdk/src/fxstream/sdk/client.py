@@ -37,12 +37,14 @@ from fxstream.connectors import (
     ByReference,
     FutureHold,
     NamedObjects,
+    NodeLocal,
     Packed,
     ProducerHold,
     ProxyFuture,
     ProxyFutureError,
     evict_objects,
     hold_futures,
+    node_local,
     open_store,
 )
 from fxstream.sdk.batch import Batch, refuse_user_endpoint_config
@@ -52,6 +54,7 @@ from fxstream.sdk.errors import (
     SubmissionFailed,
 )
 from fxstream.sdk.futures import TaskFuture
+from fxstream.sdk.node_tier import EndpointNodes
 from fxstream.sdk.registry_calls import RegistryCalls
 from fxstream.sdk.replay import Replay, check_group_id
 from fxstream.sdk.rest import DEFAULT_TIMEOUT_S, RestClient
@@ -228,6 +231,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
         self.catalogue = Catalogue(prefix=topic_prefix)
         self.serializer = serializer if serializer is not None else Serializer()
         self.max_inline_bytes = max_inline_bytes
+        self._proxy_threshold = proxy_threshold
         self.store: Store[Any] | None = open_store(store) if isinstance(store, str) else store
         # Kept for store:// objects (put_object); it may hold a password: never shown.
         self._store_url = store if isinstance(store, str) else None
@@ -242,6 +246,12 @@ class Client(RegistryCalls, TaskStatus, Replay):
         self._token = token
         self._kafka_config = dict(kafka_config or {})
         self._rest = RestClient(service_url, token=token, timeout=request_timeout)
+        # The node-local tier (shared memory) for endpoints on this node: looked at when
+        # first needed (fxstream.connectors.node_local, fxstream.sdk.node_tier).
+        self._node: NodeLocal | None = None
+        self._node_looked = False
+        self._node_by_reference: ByReference | None = None
+        self._endpoint_nodes = EndpointNodes(self._endpoint_node_key)
         self._lock = threading.Lock()
         self._producer: TaskProducer | None = None
         self._listener: ResultListener | None = None
@@ -375,13 +385,55 @@ class Client(RegistryCalls, TaskStatus, Replay):
 
     # --- submitting --------------------------------------------------------------------
 
+    def local_node(self, endpoint_id: str) -> NodeLocal | None:
+        """This client's node-local tier when ``endpoint_id``'s workers share it (same
+        machine, boot and OS user: the node key its heartbeats advertise), else None.
+
+        Large arguments to such an endpoint go to shared memory instead of the store,
+        and its workers put large results there too (docs/data-plane.md, "Tiers");
+        ``FXSTREAM_NODE_STORE=off`` turns this off."""
+        with self._lock:
+            if not self._node_looked:
+                self._node = node_local()
+                self._node_looked = True
+            node = self._node
+        if node is None:
+            return None
+        return node if self._endpoint_nodes.key_of(endpoint_id) == node.key else None
+
+    def _endpoint_node_key(self, endpoint_id: str) -> str:
+        status = self._rest.get(f"/endpoints/{endpoint_id}").get("status") or {}
+        key = status.get("node_key", "") if isinstance(status, dict) else ""
+        return key if isinstance(key, str) else ""
+
+    def _by_reference_to(self, node: NodeLocal | None) -> ByReference | None:
+        """Where large arguments go: the node-local store (the usual one when it has no
+        room for a value), or the usual store."""
+        if node is None:
+            return self._by_reference
+        with self._lock:
+            if self._node_by_reference is None:
+                self._node_by_reference = ByReference(
+                    node.store(),
+                    threshold_bytes=self._proxy_threshold,
+                    serializer=self.serializer,
+                    fallback=self.store,
+                    has_room=node.has_room,
+                )
+            return self._node_by_reference
+
     def pack(
         self,
         function_id: str,
         args: Iterable[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        endpoint_id: str | None = None,
     ) -> Packed:
         """Serialize one task's arguments, large ones by reference (see the class docs).
+
+        With ``endpoint_id`` given and that endpoint's workers on this node
+        (:meth:`local_node`), large arguments go to the node-local store in shared memory.
 
         A :class:`~fxstream.sdk.futures.TaskFuture` given as a top-level argument (or
         keyword argument) makes the task depend on that task (issue 15's task DAGs): the
@@ -414,7 +466,9 @@ class Client(RegistryCalls, TaskStatus, Replay):
             args,
             kwargs,
             max_inline_bytes=self.max_inline_bytes,
-            by_reference=self._by_reference,
+            by_reference=self._by_reference_to(
+                None if endpoint_id is None else self.local_node(endpoint_id)
+            ),
         )
         if parents:
             packed = dataclasses.replace(packed, parents=tuple(parents))
@@ -507,9 +561,14 @@ class Client(RegistryCalls, TaskStatus, Replay):
         tags = budget.check_tags(tags)  # before the arguments are packed (and stored)
         if function_sha256 is None:
             function_sha256 = self.function_sha256(function_id)
+        # One endpoint on this node (a group may run it elsewhere): shared memory.
+        node = None if set(endpoint_group or ()) - {endpoint_id} else self.local_node(endpoint_id)
         if payload is None:
-            payload = self.pack(function_id, args, kwargs)
+            payload = self.pack(
+                function_id, args, kwargs, endpoint_id=None if node is None else endpoint_id
+            )
         return build_task(
+            client_node="" if node is None else node.key,
             catalogue=self.catalogue,
             user_id=self.user_id,
             endpoint_id=endpoint_id,

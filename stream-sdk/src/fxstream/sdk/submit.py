@@ -164,6 +164,7 @@ def build_task(
     tags: Mapping[str, str] | None = None,
     staging: StagingSpec | None = None,
     resource_specification: Mapping[str, int] | ResourceSpecification | None = None,
+    client_node: str = "",
 ) -> PreparedTask:
     """Build a valid ``submission`` record around a packed payload; nothing is sent.
 
@@ -178,7 +179,9 @@ def build_task(
     out after it succeeded (:class:`~fxstream.sdk.staging.StagingSpec`).
     ``resource_specification``: what an MPI task needs (Globus Compute's dict of
     ``num_nodes``, ``ranks_per_node``, ``num_ranks``; completed and checked by
-    :meth:`~fxstream.topics.ResourceSpecification.from_mapping`).
+    :meth:`~fxstream.topics.ResourceSpecification.from_mapping`). ``client_node``: this
+    client's node key when the endpoint's workers share its node-local store (they then
+    put a large result there; :mod:`fxstream.connectors.node_local`).
 
     Raises :class:`PayloadTooLarge` when the record exceeds the limit of
     ``from.user.<user>``, and ``ValueError`` when a field is invalid (an id that
@@ -202,6 +205,7 @@ def build_task(
             tags=tags,
             staging=staging,
             resource_specification=resource_specification,
+            client_node=client_node,
         )
     except (PayloadTooLarge, ValueError):
         evict_objects(packed.stored)
@@ -226,6 +230,7 @@ def _build_task(
     tags: Mapping[str, str] | None,
     staging: StagingSpec | None,
     resource_specification: Mapping[str, int] | ResourceSpecification | None,
+    client_node: str,
 ) -> PreparedTask:
     payload = packed.payload
     checked_tags = budget.check_tags(tags)
@@ -265,6 +270,7 @@ def _build_task(
         stage_in=list(staging.stage_in) if staging is not None else [],
         stage_out=list(staging.stage_out) if staging is not None else [],
         resource_specification=resources,
+        client_node=client_node,
     )
     record = encode(submission)
     spec = catalogue.spec("from.user.{user_id}")

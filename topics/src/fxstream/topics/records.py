@@ -429,6 +429,16 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
             "of one block of the endpoint's MPI engine; refused by an endpoint without one"
         ),
     ] = None
+    client_node: Annotated[
+        str,
+        Meta(
+            pattern=r"^([0-9a-f]{32})?$",
+            description="the submitting client's node key (fxstream.connectors.node_local), "
+            "set when the endpoint's heartbeats advertise the same one: a worker with that "
+            "key writes a large result to the node-local store instead of the endpoint's; "
+            "'' for any other client",
+        ),
+    ] = ""
 
     def __post_init__(self) -> None:
         stage_paths = [item.path for item in self.stage_in]
@@ -848,6 +858,15 @@ class Heartbeat(Record, tag="heartbeat", kw_only=True, frozen=True):
         bool, Meta(description="true when the agent held more tasks than it listed")
     ] = False
     agent_version: Annotated[str, Meta(max_length=64)] = ""
+    node_key: Annotated[
+        str,
+        Meta(
+            pattern=r"^([0-9a-f]{32})?$",
+            description="the node key of this agent's workers (fxstream.connectors.node_local: "
+            "machine, boot, OS user and node-local directory) when they run on its node and "
+            "share its node-local store; '' otherwise (a batch engine's remote blocks)",
+        ),
+    ] = ""
     python_versions: Annotated[
         list[Annotated[str, Meta(max_length=16)]],
         Meta(
