@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import uuid
 from collections.abc import Iterator
@@ -18,12 +19,20 @@ from pathlib import Path
 import pytest
 from confluent_kafka.admin import AdminClient
 
+from fxstream.connectors.node_local import NODE_STORE_ENV
 from fxstream.ops import ConnectionInfo, Platform, PlatformConfig
 from fxstream.ops.private import PrivatePlatform, private_config, private_platform
 from fxstream.ops.process import free_ports
 from fxstream.topics import KafkaConnection, write_secret_file
 
 pytest_plugins = ["tests.cpu_report", "tests.log_report"]
+
+# The node-local tier (fxstream.connectors.node_local) is on by default wherever a client and
+# an endpoint's workers share a node, as every platform of this suite does: it would take
+# the by-reference path of every test written for the store (Redis, files). It is off for
+# the whole session (every platform, agent and client inherits this), and on only in the
+# tests of the tier itself (tests/e2e/test_node_tier.py, tests/connectors/test_node_local.py).
+os.environ[NODE_STORE_ENV] = "off"
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
 _SLOW_MARKS = ("platform", "faults", "cluster", "hpc")

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
+import msgspec
 import pytest
 from confluent_kafka import OFFSET_END, Consumer, Message, Producer, TopicPartition
 
@@ -307,3 +308,33 @@ def test_start_names_a_missing_topic(module_kafka: KafkaConnection) -> None:
             view.start()
     finally:
         view.close()
+
+
+def test_an_endpoints_node_key_is_shown_only_while_every_live_agent_advertises_it(
+    start_view: ViewFactory, catalogue: Catalogue, produce: Produce
+) -> None:
+    """The node-local tier (fxstream.connectors.node_local): a client may put an argument
+    in shared memory only when whichever agent takes the task shares its node."""
+    view = start_view()
+    endpoint_id, topic = new_id(), catalogue.heartbeats
+    key_a, key_b = "a" * 32, "b" * 32
+
+    def send(agent: str, at: float, key: str) -> None:
+        record = msgspec.structs.replace(beat(endpoint_id, at), agent_id=agent, node_key=key)
+        partition, offset = produce(topic, endpoint_id, record)
+        assert view.wait_for_offset(topic, partition, offset, timeout_s=10)
+
+    send("agent-a", 1_000.0, key_a)
+    assert view.endpoint_status(endpoint_id, now=1_001.0).node_key == key_a
+    # A second live agent on another node: neither key is safe to use.
+    send("agent-b", 1_001.0, key_b)
+    assert view.endpoint_status(endpoint_id, now=1_002.0).node_key == ""
+    # One without a node-local store (a batch engine's remote workers) counts as another.
+    send("agent-b", 1_002.0, "")
+    assert view.endpoint_status(endpoint_id, now=1_003.0).node_key == ""
+    # Once agent-b is silent past its liveness periods, agent-a's key holds again.
+    send("agent-a", 1_000.0 + LIVENESS_PERIODS * 10.0 + 1.0, key_a)
+    now = 1_002.0 + LIVENESS_PERIODS * 10.0 + 0.5
+    assert view.endpoint_status(endpoint_id, now=now).node_key == key_a
+    # A lost endpoint shows none.
+    assert view.endpoint_status(endpoint_id, now=now + 10 * LIVENESS_PERIODS * 10.0).node_key == ""

@@ -69,7 +69,7 @@ from fxstream.connectors.named_objects import (
     NamedObjects,
     NamedObjectTooLarge,
 )
-from fxstream.connectors.node_local import NodeLocal, node_local
+from fxstream.connectors.node_local import NodeLocal, find_node_local
 from fxstream.connectors.redis import RedisConnector, RedisObjectKey, redact_url
 from fxstream.connectors.reference import (
     DEFAULT_PROXY_THRESHOLD_BYTES,
@@ -161,10 +161,10 @@ __all__ = [
     "TopicEventSource",
     "collect_references",
     "evict_objects",
+    "find_node_local",
     "hold_futures",
     "load_payload",
     "location_of",
-    "node_local",
     "open_store",
     "proxies_by_value",
     "redact_url",

@@ -6,7 +6,7 @@ directory in ``/dev/shm`` (memory, no socket, no append-only file), the worker r
 from there, and writes a large result there for the client. Ray's object store and
 ProxyStore's shared-memory connectors take the same shortcut.
 
-Which node: :func:`node_local` gives the tier of the calling process, a
+Which node: :func:`find_node_local` gives the tier of the calling process, a
 :class:`NodeLocal` with its directory and its *node key*, a digest of the machine's
 ``/etc/machine-id``, the kernel's boot id, the OS user and the directory. Two processes
 with the same key can read each other's objects there: same machine, same boot (a
@@ -48,7 +48,8 @@ __all__ = [
     "NODE_STORE_ENV",
     "RESERVE_FRACTION",
     "NodeLocal",
-    "node_local",
+    "check_node_directory",
+    "find_node_local",
 ]
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class NodeLocal:
         return free - size_bytes >= total * RESERVE_FRACTION
 
 
-def node_local(env: Mapping[str, str] | None = None) -> NodeLocal | None:
+def find_node_local(env: Mapping[str, str] | None = None) -> NodeLocal | None:
     """The node-local tier of this process, or None when it is off or cannot be used
     safely here (the reason is logged once at info level)."""
     env = os.environ if env is None else env
@@ -114,7 +115,7 @@ def node_local(env: Mapping[str, str] | None = None) -> NodeLocal | None:
         directory = Path("/dev/shm") / f"fxstream-{uid}"
     else:
         return None
-    problem = _prepare(directory, uid)
+    problem = check_node_directory(directory, uid)
     if problem is not None:
         log.info("node-local store off: %s", problem)
         return None
@@ -127,8 +128,10 @@ def node_local(env: Mapping[str, str] | None = None) -> NodeLocal | None:
     return NodeLocal(directory, hashlib.sha256(material.encode()).hexdigest()[:32])
 
 
-def _prepare(directory: Path, uid: int) -> str | None:
-    """Make the directory (0700) if missing; why it cannot be used, or None."""
+def check_node_directory(directory: Path, uid: int | None = None) -> str | None:
+    """Make the tier's directory (0700) if missing; why it cannot be used by ``uid``
+    (default: this process's user) and what to do, or None when it can."""
+    uid = os.geteuid() if uid is None else uid
     if not directory.is_absolute():
         return f"{NODE_STORE_DIR_ENV} must be an absolute directory, not {str(directory)!r}"
     try:

@@ -84,7 +84,7 @@ from fxstream.agent.python_envs import probe_environments
 from fxstream.agent.runner import runner_for
 from fxstream.agent.staging import Stager
 from fxstream.agent.worker_process import RunnerSpec
-from fxstream.connectors import FileConnector, NodeLocal, StoreSpec, node_local
+from fxstream.connectors import FileConnector, NodeLocal, StoreSpec, find_node_local
 from fxstream.topics import PRODUCER_PARTITIONER, Catalogue, producer_message_max_bytes
 from fxstream.topics.acls import endpoint_group, endpoint_transactional_prefix
 
@@ -133,7 +133,7 @@ class Agent:
         # when the workers are plain processes beside the agent (a container's or a batch
         # block's workers do not share its /dev/shm directory; docs/data-plane.md, "Tiers").
         self.node: NodeLocal | None = (
-            node_local()
+            find_node_local()
             if config.engine == "process"
             and config.runtime == "process"
             and not config.images

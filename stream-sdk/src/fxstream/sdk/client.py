@@ -43,8 +43,8 @@ from fxstream.connectors import (
     ProxyFuture,
     ProxyFutureError,
     evict_objects,
+    find_node_local,
     hold_futures,
-    node_local,
     open_store,
 )
 from fxstream.sdk.batch import Batch, refuse_user_endpoint_config
@@ -394,7 +394,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
         ``FXSTREAM_NODE_STORE=off`` turns this off."""
         with self._lock:
             if not self._node_looked:
-                self._node = node_local()
+                self._node = find_node_local()
                 self._node_looked = True
             node = self._node
         if node is None:
