@@ -6,7 +6,9 @@ busy, from the engine's :meth:`~fxstream.agent.engine.Engine.counts`), its
 queue depth (the engine's queue plus the local queue) and the lease of every
 held task (at most ``MAX_LEASES_PER_HEARTBEAT``, fewer when long ids would
 overflow the heartbeats topic's records; the group session renews the rest) and
-the Python versions its workers run (:mod:`fxstream.agent.python_envs`).
+the Python versions its workers run (:mod:`fxstream.agent.python_envs`), and, when its
+workers share its node-local store, its node key (:mod:`fxstream.connectors.node_local`:
+clients with the same key then pass bulk data through shared memory).
 Whenever what the engine holds warm changes
 (:meth:`~fxstream.agent.engine.Engine.warm`: each live worker, the image its pool runs,
 the functions it has loaded and whether it is idle; a released pool's workers drop out),

@@ -534,7 +534,13 @@ def _fxstream(console: Console, settings: PayloadSettings) -> Figures:
             _configure_endpoint(platform, store_url=settings.store_url)
         with _executor(platform, settings) as executor:
             run = _run_sizes(display, "fxstream", _fxstream_trip(executor), settings, sampler)
+            # Client and endpoint share this node: the node-local tier carries the bytes
+            # unless FXSTREAM_NODE_STORE=off (docs/data-plane.md, "The node-local tier").
+            node = executor.client.local_node(platform.endpoint_id)
         figures: Figures = {
+            "fxstream_data_path": (
+                "store" if node is None else f"node-local tier {node.directory} (store as fallback)"
+            ),
             "fxstream_ms": run.medians_ms,
             "fxstream_trips_ms": run.trips_ms,
             "agent_peak_rss_mb": sampler.peak_mb("agent"),
