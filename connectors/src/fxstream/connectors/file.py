@@ -129,7 +129,9 @@ class FileConnector:
                     f"object {key.filename} is in the ephemeral store {self.store_dir} on node "
                     f"{key.node}, and this is {self.node}: ephemeral objects are node-local and "
                     "not replicated. Run the consumer on that node, or use a durable store "
-                    "(shared files or Redis)."
+                    "(shared files or Redis); for fxstream's node-local tier (a client and "
+                    "an endpoint sharing a node), FXSTREAM_NODE_STORE=off in the client "
+                    "keeps its data in the store."
                 ) from None
             return None
         verify_digest(sha256_of(data), key.sha256, key=str(path), store=repr(self))
