@@ -78,9 +78,14 @@ def run_quickstart(
                     raise RuntimeError(
                         f"the {large_mb} MB quickstart task returned the wrong bytes"
                     )
+                node = client.local_node(endpoint_id)
+                path = (
+                    redact_url(settings.store_url)
+                    if node is None
+                    else f"the node-local tier {node.directory} (shared memory)"
+                )
                 console.print(
-                    f"{large_mb} MB argument and result by reference through "
-                    f"{redact_url(settings.store_url)}: "
+                    f"{large_mb} MB argument and result by reference through {path}: "
                     f"round trip {seconds:.2f} s, verified"
                 )
     finally:
