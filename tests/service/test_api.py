@@ -306,6 +306,7 @@ NEVER_SEEN = {
     "blocks_pending": 0,
     "blocks_running": 0,
     "blocks_idle": 0,
+    "node_key": "",
 }
 
 
@@ -422,6 +423,7 @@ def test_endpoint_status_goes_never_seen_online_lost(
         "blocks_pending": 0,
         "blocks_running": 0,
         "blocks_idle": 0,
+        "node_key": "",
     }
     listed = client.get("/v1/endpoints", headers=alice.auth).json()
     assert [e["status"]["state"] for e in listed if e["endpoint_id"] == endpoint_id] == ["online"]
