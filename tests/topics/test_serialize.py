@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import math
+import os
 import pickle
 import platform
 import re
@@ -743,3 +744,26 @@ def test_substitute_writes_a_replacement_wherever_the_object_is(data: str) -> No
     # The same object is written once: identity survives as it would for the value itself.
     assert loaded["nested"][0] is loaded["alone"]
     assert loaded["nested"][1][0] is loaded["alone"]
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+def test_a_large_dill_body_is_read_in_place_whatever_its_pickle_protocol(protocol: int) -> None:
+    """Bodies above 1 MiB are read through a view of the payload, not copied whole first
+    (``dill.loads`` copies its input); every pickle opcode must still read as before,
+    protocol 0's line-based ones too."""
+    value = {"big": os.urandom(3_000_000), "text": "x" * 2_000_000, "n": [1, 2.5, None]}
+    payload = b"fxdl\n" + pickle.dumps(value, protocol=protocol)
+    assert Serializer().deserialize(payload) == value
+
+
+def test_a_large_value_is_one_buffer_with_its_header() -> None:
+    """serialize_value writes the header and the body into one buffer: the same bytes as
+    header + pickle, for the C pickler's values and for dill's (a lambda inside)."""
+    data = os.urandom(2_000_000)
+    payload = Serializer().serialize_value(data)
+    assert payload[:5] == b"fxdl\n" and pickle.loads(payload[5:]) == data
+    double = lambda x: 2 * x  # noqa: E731 (dill writes it by value)
+    loaded = Serializer().deserialize(Serializer().serialize_value({"f": double, "d": data}))
+    assert loaded["f"](21) == 42 and loaded["d"] == data
+    as_pickle = Serializer(data="pk").serialize_value(data)
+    assert as_pickle[:5] == b"fxpk\n" and Serializer().deserialize(as_pickle) == data

@@ -256,10 +256,7 @@ class Strategy(abc.ABC):
         as they are written, e.g. a proxy by the value it stands for.
         """
         try:
-            if substitute is None:
-                body = self.encode_body(obj)
-            else:
-                body = self.encode_body_substituting(obj, substitute)
+            payload = self.encode_payload(obj, substitute)
         except SerializationError:
             raise
         except RecursionError as exc:
@@ -271,7 +268,14 @@ class Strategy(abc.ABC):
             raise self._refusal(
                 f"{self.name} cannot serialize {_type_name(obj)} ({_quote_exception(exc)})"
             ) from exc
-        return self.header + body
+        return payload
+
+    def encode_payload(self, obj: Any, substitute: Substitute | None) -> bytes:
+        """The header and the body of ``obj``; the pickle-based strategies write the body
+        after the header in one buffer (no second copy of a large value)."""
+        if substitute is None:
+            return self.header + self.encode_body(obj)
+        return self.header + self.encode_body_substituting(obj, substitute)
 
     def loads(self, payload: bytes) -> Any:
         """Load a payload written by this strategy; raises :class:`DeserializationError`."""
@@ -389,10 +393,61 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-def _c_pickle(obj: Any, *, substitute: Substitute | None, dill_needed: bool) -> bytes:
+def _c_pickle(
+    obj: Any, *, substitute: Substitute | None, dill_needed: bool, prefix: bytes = b""
+) -> bytes:
+    # The prefix (a payload's header) is written first, so the payload is one buffer:
+    # BytesIO hands its buffer over without a copy, where header + body would copy it.
     buffer = io.BytesIO()
+    buffer.write(prefix)
     _Pickler(buffer, substitute=substitute, dill_needed=dill_needed).dump(obj)
     return buffer.getvalue()
+
+
+_SHARED_READ_BYTES: Final = 1 << 20
+"""Bodies above this are read in place by dill (``dill.loads`` copies its input first)."""
+
+
+class _ViewReader:
+    """A file over a memoryview for the unpickler: reads copy only what they return, and a
+    large bytes value is read straight into its own buffer (``readinto``)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        self._position = 0
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._position
+        end = len(self._view) if size is None or size < 0 else min(start + size, len(self._view))
+        self._position = end
+        return bytes(self._view[start:end])
+
+    def readinto(self, target: Any) -> int:
+        out = memoryview(target).cast("B")
+        start = self._position
+        count = min(len(out), len(self._view) - start)
+        out[:count] = self._view[start : start + count]
+        self._position = start + count
+        return count
+
+    def readline(self, size: int = -1) -> bytes:
+        start = self._position
+        limit = len(self._view) - start if size is None or size < 0 else size
+        stop = min(start + limit, len(self._view))
+        end = stop
+        for chunk in range(start, stop, 4096):  # text opcodes' lines are short
+            found = bytes(self._view[chunk : min(chunk + 4096, stop)]).find(b"\n")
+            if found >= 0:
+                end = chunk + found + 1
+                break
+        self._position = end
+        return bytes(self._view[start:end])
+
+
+def _dill_load(body: memoryview) -> Any:
+    if body.nbytes <= _SHARED_READ_BYTES:
+        return dill.loads(body)
+    return dill.load(_ViewReader(body))
 
 
 class _DillPickler(dill.Pickler):  # type: ignore[misc]
@@ -436,6 +491,10 @@ class PickleData(Strategy):
         """Pickle ``obj`` with ``substitute`` applied."""
         return _c_pickle(obj, substitute=substitute, dill_needed=False)
 
+    def encode_payload(self, obj: Any, substitute: Substitute | None) -> bytes:
+        """Header and pickle in one buffer."""
+        return _c_pickle(obj, substitute=substitute, dill_needed=False, prefix=self.header)
+
     def decode_body(self, body: memoryview) -> Any:
         """Unpickle the body."""
         return pickle.loads(body)
@@ -468,24 +527,29 @@ class DillData(Strategy):
         """Serialize ``obj`` with ``substitute`` applied."""
         return self._encode(obj, substitute)
 
-    def _encode(self, obj: Any, substitute: Substitute | None) -> bytes:
+    def encode_payload(self, obj: Any, substitute: Substitute | None) -> bytes:
+        """Header and body in one buffer."""
+        return self._encode(obj, substitute, prefix=self.header)
+
+    def _encode(self, obj: Any, substitute: Substitute | None, prefix: bytes = b"") -> bytes:
         try:
-            return _c_pickle(obj, substitute=substitute, dill_needed=True)
+            return _c_pickle(obj, substitute=substitute, dill_needed=True, prefix=prefix)
         except SerializationError:
             raise
         except Exception:  # _NeedsDill, or something pickle refuses that dill may write
-            return self._dill(obj, substitute)
+            return self._dill(obj, substitute, prefix)
 
     @staticmethod
-    def _dill(obj: Any, substitute: Substitute | None) -> bytes:
+    def _dill(obj: Any, substitute: Substitute | None, prefix: bytes = b"") -> bytes:
         buffer = io.BytesIO()
+        buffer.write(prefix)
         # dill finds a function's globals by disassembling, briefly redirecting sys.stdout.
         _DillPickler(buffer, substitute=substitute).dump(obj)
         return buffer.getvalue()
 
     def decode_body(self, body: memoryview) -> Any:
-        """Load the body with dill."""
-        return dill.loads(body)
+        """Load the body with dill (a large one read in place, never copied whole)."""
+        return _dill_load(body)
 
 
 class JsonData(Strategy):
