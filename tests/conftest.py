@@ -30,8 +30,10 @@ pytest_plugins = ["tests.cpu_report", "tests.log_report"]
 # The node-local tier (fxstream.connectors.node_local) is on by default wherever a client and
 # an endpoint's workers share a node, as every platform of this suite does: it would take
 # the by-reference path of every test written for the store (Redis, files). It is off for
-# the whole session (every platform, agent and client inherits this), and on only in the
-# tests of the tier itself (tests/e2e/test_node_tier.py, tests/connectors/test_node_local.py).
+# the session (every platform, agent and client inherits this), and on in the tests of the
+# tier itself (tests/e2e/test_node_tier.py, tests/connectors/test_node_local.py) and in the
+# commands a few tests run as a user would, without the suite's FXSTREAM_* settings
+# (`fxstream up` in tests/ops/test_cli.py, the Globus Compute examples, the beamline demo).
 os.environ[NODE_STORE_ENV] = "off"
 
 # What the fast lane (`./fx test --fast`) leaves out: anything that starts a platform or kills.
