@@ -57,12 +57,13 @@ def test_a_symlink_or_another_users_directory_is_refused(tmp_path: Path) -> None
     link = tmp_path / "link"
     link.symlink_to(target)
     assert find_node_local(_env(link)) is None
-    if os.geteuid() != 0:
-        pytest.skip("making a directory of another user needs root")
+    # A directory of this user, judged for another uid: what another user's directory is
+    # to this one (no root needed to make it).
     theirs = tmp_path / "theirs"
     theirs.mkdir(mode=0o700)
-    os.chown(theirs, 1, 1)
-    assert find_node_local(_env(theirs)) is None
+    other_uid = os.geteuid() + 1
+    problem = check_node_directory(theirs, other_uid)
+    assert problem is not None and f"not this user ({other_uid})" in problem
 
 
 def test_a_relative_directory_is_refused(tmp_path: Path) -> None:

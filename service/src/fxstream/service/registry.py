@@ -459,8 +459,13 @@ class RegistryView:
             if not beat.node_key:
                 return
             agents = self._agent_nodes[beat.endpoint_id] = {}
-        agents.pop(beat.agent_id, None)  # re-inserted last: the newest stay
-        agents[beat.agent_id] = (beat.node_key, beat.sent_at + LIVENESS_PERIODS * beat.period_s)
+        until = beat.sent_at + LIVENESS_PERIODS * beat.period_s
+        previous = agents.pop(beat.agent_id, None)  # re-inserted last: the newest stay
+        if previous is not None and previous[1] > until:
+            until, key = previous[1], previous[0]  # an older beat read late changes nothing
+        else:
+            key = beat.node_key
+        agents[beat.agent_id] = (key, until)
         while len(agents) > _MAX_AGENT_NODES:
             del agents[next(iter(agents))]
 

@@ -453,6 +453,17 @@ class Client(RegistryCalls, TaskStatus, Replay):
         Raises :class:`~fxstream.sdk.errors.PayloadTooLarge` when what stays
         inline exceeds ``max_inline_bytes``.
         """
+        node = None if endpoint_id is None else self.local_node(endpoint_id)
+        return self._pack(function_id, args, kwargs, node)
+
+    def _pack(
+        self,
+        function_id: str,
+        args: Iterable[Any],
+        kwargs: Mapping[str, Any] | None,
+        node: NodeLocal | None,
+    ) -> Packed:
+        """:meth:`pack`, large arguments to ``node``'s tier when given (else the store)."""
         args, kwargs = _placeholders_for_futures(tuple(args), dict(kwargs or {}))
         parents = parents_in(args, kwargs)
         if len(parents) > MAX_PARENTS:
@@ -466,9 +477,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
             args,
             kwargs,
             max_inline_bytes=self.max_inline_bytes,
-            by_reference=self._by_reference_to(
-                None if endpoint_id is None else self.local_node(endpoint_id)
-            ),
+            by_reference=self._by_reference_to(node),
         )
         if parents:
             packed = dataclasses.replace(packed, parents=tuple(parents))
@@ -564,9 +573,7 @@ class Client(RegistryCalls, TaskStatus, Replay):
         # One endpoint on this node (a group may run it elsewhere): shared memory.
         node = None if set(endpoint_group or ()) - {endpoint_id} else self.local_node(endpoint_id)
         if payload is None:
-            payload = self.pack(
-                function_id, args, kwargs, endpoint_id=None if node is None else endpoint_id
-            )
+            payload = self._pack(function_id, args, kwargs, node)
         return build_task(
             client_node="" if node is None else node.key,
             catalogue=self.catalogue,
