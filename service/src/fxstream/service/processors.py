@@ -106,6 +106,12 @@ from fxstream.service.routing_keys import (
     RoutingKeysUnavailable,
     routing_keys_for,
 )
+from fxstream.service.subscription import (
+    TopicFeed,
+    endpoint_topics,
+    rule_source_topics,
+    user_topics,
+)
 from fxstream.service.task_expiry import (
     DEFAULT_RETENTION_S,
     RETENTION_ENV,
@@ -114,7 +120,12 @@ from fxstream.service.task_expiry import (
     retention_s,
 )
 from fxstream.service.task_state import COMPONENT as TASK_STATE
-from fxstream.service.task_state import ResultsFollower, TaskStatePlanner, recall_from
+from fxstream.service.task_state import (
+    ResultsFollower,
+    TaskStatePlanner,
+    recall_from,
+    results_pattern,
+)
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner, trigger_view
 from fxstream.topics import (
@@ -351,6 +362,12 @@ def _add_router(
         kafka,
         catalogue,
         router,
+        # Every user's from.user topic: the users the router's view holds.
+        topics=TopicFeed(
+            TopicDirectory(kafka),
+            [user_topics(view, catalogue.from_user)],
+            pattern=catalogue.from_user_pattern,
+        ),
         group_id=f"{app_id}-router",
         instance=str(instance),
         batch_size=batch_size,
@@ -376,14 +393,23 @@ def _add_ingress(
     # Each result and task event carries the router's routing stamp of its task: checked
     # against the keys, with no view of task-state (see fxstream.service.ingress).
     ingress = Ingress(catalogue, TopicDirectory(kafka), keys=keys)
+    # Every live endpoint's from.ep topic, from a view of the endpoint registry alone.
+    endpoints = RegistryView(
+        kafka, catalogue, follow=("endpoints",), component="ingress's view of the endpoints"
+    )
     loop = RouterLoop(
         kafka,
         catalogue,
         ingress,
+        topics=TopicFeed(
+            TopicDirectory(kafka),
+            [endpoint_topics(endpoints, catalogue)],
+            pattern=catalogue.from_endpoint_pattern,
+            owns=endpoints,
+        ),
         group_id=f"{app_id}-ingress",
         instance=str(instance),
         batch_size=batch_size,
-        pattern=catalogue.from_endpoint_pattern,
         component=INGRESS,
     )
 
@@ -413,6 +439,12 @@ def _add_trigger(
         kafka,
         catalogue,
         planner,
+        # The events topics of the sources the rules name.
+        topics=TopicFeed(
+            TopicDirectory(kafka),
+            [rule_source_topics(view, catalogue)],
+            pattern=catalogue.events_pattern,
+        ),
         group_id=f"{app_id}-trigger",
         instance=str(instance),
         batch_size=batch_size,
@@ -489,7 +521,8 @@ def _add_task_state(
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
     # every platform on the machine that uses the default app id).
-    states = RegistryView(kafka, catalogue, follow=("task-state",))
+    # The users too: whose results topics the follower reads.
+    states = RegistryView(kafka, catalogue, follow=("task-state", "users"))
     report.add_table("view", states.memory_figures)
     planner = TaskStatePlanner(
         catalogue, memory=TaskMemory(recall=recall_from(states)), lookup=states.task
@@ -502,6 +535,12 @@ def _add_task_state(
         kafka,
         planner,
         write,
+        topics=TopicFeed(
+            TopicDirectory(kafka),
+            [user_topics(states, catalogue.results)],
+            fixed=[catalogue.task_events],
+            pattern=results_pattern(catalogue),
+        ),
         group_id=f"{app_id}-task-state",
         batch_size=batch_size,
         states=states,

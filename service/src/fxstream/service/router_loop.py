@@ -1,8 +1,9 @@
 """The router's Kafka loop: each batch's writes and its input offsets in one transaction.
 
-It reads every user's ``from.user.<user>`` topic (by pattern: a user
-registered after start is picked up within ``metadata_max_age_ms``, without a
-restart; ``read_committed``) in batches of whatever has
+It reads every user's ``from.user.<user>`` topic (the users its registry view holds, by
+an explicit subscription kept current, :class:`~fxstream.service.subscription.TopicFeed`:
+a user registered after start is picked up within a second, without a restart;
+``read_committed``) in batches of whatever has
 arrived (``getmany``: a lone task is not held back to fill a batch, and under
 load the batch grows while the previous transaction commits), asks the
 :class:`~fxstream.service.router.Router` what to write, and then, in one Kafka
@@ -89,6 +90,7 @@ from fxstream.service.quarantine import (
 )
 from fxstream.service.rebalance import PartitionGuard, StallWatch, group_generation
 from fxstream.service.router import COMPONENT, RoutePlan
+from fxstream.service.subscription import FEED_METADATA_MAX_AGE_MS, TopicFeed, follow
 from fxstream.topics import (
     Catalogue,
     KafkaConnection,
@@ -149,18 +151,22 @@ class RouterLoop(StoppableLoop):
         catalogue: Catalogue,
         router: Planner,
         *,
+        topics: TopicFeed,
         group_id: str,
         instance: str = "0",
         batch_size: int = 500,
-        metadata_max_age_ms: int = 2_000,
+        metadata_max_age_ms: int = FEED_METADATA_MAX_AGE_MS,
         fetch_max_wait_ms: int = 500,
-        pattern: str | None = None,
         component: str = COMPONENT,
     ) -> None:
+        """``topics`` says which topics to read (the users' ``from.user`` for the router);
+        the subscription follows it between batches."""
         super().__init__()
-        # The ingress reuses this loop (another planner, pattern and name).
+        # The ingress and the trigger processor reuse this loop (another planner, feed
+        # and name).
         self.name = component
-        self._pattern = pattern or catalogue.from_user_pattern
+        self._feed = topics
+        self._subscribed: frozenset[str] = frozenset()
         self._catalogue = catalogue
         self._router = router
         self._group_id = group_id
@@ -177,8 +183,7 @@ class RouterLoop(StoppableLoop):
             # Never route a submission whose producer aborted it.
             "isolation_level": "read_committed",
             "max_partition_fetch_bytes": largest + 65_536,
-            # How soon a new user's from.user topic is noticed and subscribed: its first
-            # submission waits at most this long (metadata requests are cheap).
+            # Only to follow leaders: the feed, not this timer, brings new topics in.
             "metadata_max_age_ms": metadata_max_age_ms,
             # How long the broker may hold a fetch with nothing (committed) to return.
             "fetch_max_wait_ms": fetch_max_wait_ms,
@@ -227,8 +232,16 @@ class RouterLoop(StoppableLoop):
             await self._router.start()
             await self._producer.start()
             await self._consumer.start()
-            self._consumer.subscribe(pattern=self._pattern, listener=self.guard)
+            await self._feed.start()
+            await self.follow_feed()
             while not self._stopping.is_set():
+                if self._feed.due():
+                    await self.follow_feed()
+                if not self._subscribed:
+                    # Nothing to read yet: aiokafka's getmany would wait for an assignment
+                    # past any timeout (and a stop with it).
+                    await asyncio.sleep(0.2)
+                    continue
                 self._batch_taken_at = time.monotonic()
                 fetched = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 if not fetched:
@@ -249,7 +262,14 @@ class RouterLoop(StoppableLoop):
                 await self._consumer.stop()
             if self._producer is not None:
                 await self._producer.stop()
+            await asyncio.to_thread(self._feed.close)
             self._done.set()
+
+    async def follow_feed(self) -> None:
+        """Subscribe to what the feed names now, if that changed (between batches only)."""
+        self._subscribed = await follow(
+            self._consumer, self._feed, self._subscribed, self.guard, self.name
+        )
 
     async def _commit(
         self,

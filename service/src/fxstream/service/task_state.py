@@ -1,12 +1,12 @@
 """The task-state processor: fold results and task events into the compacted ``task-state``.
 
-It follows every ``results.<user>`` topic by *pattern*, so a user registered
-after start is picked up (within ``metadata_max_age_ms``) without a restart,
-and ``task-events`` (steps announced by agents and the liveness processor).
-faust cannot do this: ``app.topic(pattern=...)`` subscribes to no topic at all
-and crashes the worker (faust-streaming 0.15.3: its conductor only subscribes
-to named topics), so this loop uses an aiokafka consumer of its own inside the
-faust app, and writes through the app's producer.
+It follows every user's ``results.<user>`` topic (the users its view holds, by an
+explicit subscription kept current, :class:`~fxstream.service.subscription.TopicFeed`:
+a user registered after start is picked up within a second, without a restart) and
+``task-events`` (steps announced by agents and the liveness processor). faust cannot
+follow a changing set of topics (``app.topic(pattern=...)`` subscribes to no topic at
+all and crashes the worker, faust-streaming 0.15.3), so this loop uses an aiokafka
+consumer of its own inside the faust app, and writes through the app's producer.
 
 Each record is a proposed step of a task's lifecycle
 (:mod:`fxstream.service.lifecycle`): a result ends the task (succeeded,
@@ -46,6 +46,7 @@ from fxstream.service.liveness import COMPONENT as LIVENESS
 from fxstream.service.outgoing import Outgoing
 from fxstream.service.rebalance import CoPartitionedAssignor, PartitionGuard
 from fxstream.service.registry import RegistryView
+from fxstream.service.subscription import FEED_METADATA_MAX_AGE_MS, TopicFeed, follow
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.topics import (
     Attempt,
@@ -104,11 +105,6 @@ def recall_from(view: RegistryView) -> Recall:
 def results_pattern(catalogue: Catalogue) -> str:
     """The regular expression matching every user's results topic of this deployment."""
     return "^" + re.escape(catalogue.prefix + "results.") + r"[A-Za-z0-9][A-Za-z0-9-]*$"
-
-
-def _inputs_pattern(catalogue: Catalogue) -> str:
-    results = results_pattern(catalogue)[1:-1]
-    return f"^(?:{results}|{re.escape(catalogue.task_events)})$"
 
 
 def _attempt_of(result: TaskResult) -> Attempt:
@@ -399,13 +395,16 @@ class ResultsFollower(StoppableLoop):
         planner: TaskStatePlanner,
         send: Send,
         *,
+        topics: TopicFeed,
         group_id: str,
         batch_size: int = 500,
-        metadata_max_age_ms: int = 5_000,
+        metadata_max_age_ms: int = FEED_METADATA_MAX_AGE_MS,
         states: RegistryView | None = None,
         directory: TopicDirectory | None = None,
     ) -> None:
         super().__init__()
+        self._feed = topics
+        self._subscribed: frozenset[str] = frozenset()
         self._states = states
         self.states_started = threading.Event()
         """Set once ``states`` has been started and waited for (see :meth:`run`)."""
@@ -423,7 +422,7 @@ class ResultsFollower(StoppableLoop):
             "auto_offset_reset": "earliest",
             # Agents publish results in transactions: never fold an aborted one.
             "isolation_level": "read_committed",
-            # How soon a new user's results topic is noticed and subscribed.
+            # Only to follow leaders: the feed brings a new user's results topic in.
             "metadata_max_age_ms": metadata_max_age_ms,
             # task-state is a status view, off the task's critical path: under load, fewer
             # and fuller fetches (the broker's cost is per request) for <= 100 ms of lag.
@@ -441,10 +440,14 @@ class ResultsFollower(StoppableLoop):
             await self._start_states()
             self.states_started.set()
             await self._consumer.start()
-            self._consumer.subscribe(
-                pattern=_inputs_pattern(self._planner.catalogue), listener=self.guard
-            )
+            await self._feed.start()
+            await self._follow_feed()
             while not self._stopping.is_set():
+                if self._feed.due():
+                    await self._follow_feed()
+                if not self._subscribed:
+                    await asyncio.sleep(0.2)
+                    continue
                 fetched = await self._consumer.getmany(timeout_ms=200, max_records=self._batch_size)
                 if not fetched:
                     continue
@@ -457,9 +460,15 @@ class ResultsFollower(StoppableLoop):
                         await self._commit(batch)
         finally:
             await self._consumer.stop()
+            await asyncio.to_thread(self._feed.close)
             if self._states is not None:
                 await asyncio.to_thread(self._states.close)
             self._done.set()
+
+    async def _follow_feed(self) -> None:
+        self._subscribed = await follow(
+            self._consumer, self._feed, self._subscribed, self.guard, self.name
+        )
 
     async def _start_states(self) -> None:
         if self._states is None:

@@ -41,6 +41,10 @@ class TopicDirectory:
             await self.refresh()
         return wanted & self._partitions.keys()
 
+    def known(self) -> frozenset[str]:
+        """The topics seen by the last :meth:`refresh` (and any before it)."""
+        return frozenset(self._partitions)
+
     async def refresh(self) -> None:
         """Re-read the list of topics from the cluster."""
         async with self._lock:

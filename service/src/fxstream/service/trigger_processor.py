@@ -1,28 +1,30 @@
 """The trigger processor: matches events to trigger rules and submits a task per match.
 
-It reads every source's ``events.<source>`` topic (by pattern, ``read_committed``) and
-follows the compacted ``triggers`` topic (the rules) and ``task-state`` (for the tasks
-in flight) in a :class:`~fxstream.service.registry.RegistryView` (:func:`trigger_view`)
-that keeps only the states of rules' tasks: those whose task group is a rule it holds
-and whose user is that rule's owner, told from each record's bytes by a glance
-(:func:`~fxstream.topics.task_state_group`) before anything else is decoded, so any
-other task costs this process a glance, not a decode and a table write. At start the
-view reads ``triggers`` to its end before it reads ``task-state``, so no state of a
-rule's task is judged before its rule is known; after that a rule is in the view before
-the processor fires its first task (it fires only rules the view holds), so before any
-of its tasks' states is written. States of a deleted rule's tasks are dropped from then
-on: the processor forgets a deleted rule's tasks in flight. For each event, in
+It reads every source's ``events.<source>`` topic (``read_committed``; an explicit
+subscription, :class:`~fxstream.service.subscription.TopicFeed`: the source of a rule
+within a second or two of the rule, any other within 30 s, when the cluster's topics are
+listed) and follows the compacted ``triggers`` topic (the rules) and ``task-state`` (for
+the tasks in flight) in a :class:`~fxstream.service.registry.RegistryView`
+(:func:`trigger_view`) that keeps only the states of rules' tasks: those whose task
+group is a rule it holds and whose user is that rule's owner, told from each record's
+bytes by a glance (:func:`~fxstream.topics.task_state_group`) before anything else is
+decoded, so any other task costs this process a glance, not a decode and a table write.
+At start the view reads ``triggers`` to its end before it reads ``task-state``, so no
+state of a rule's task is judged before its rule is known; after that a rule is in the
+view before the processor fires its first task (it fires only rules the view holds), so
+before any of its tasks' states is written. States of a deleted rule's tasks are dropped
+from then on: the processor forgets a deleted rule's tasks in flight. For each event, in
 order per partition, the rules that fire are those of its source that are not paused,
 were registered at or before the event's Kafka timestamp and whose filter matches
 (:meth:`~fxstream.topics.TriggerRule.matches`). For each, the processor writes a
-:class:`~fxstream.topics.TaskSubmission` to the rule owner's ``from.user.<owner>``:
-the same topic that user's SDK writes, read by the router, which authorises it as that
-user's submission (the user, the function and its pinned code digest, every endpoint
-of the group, the size of the dispatch) exactly as any other: the processor decides
-nothing about who may run what. The submission's ``task_group_id`` is the rule id and
-its ``trigger`` field names the rule and the event (source, key, topic, partition,
-offset); its task id is derived from the rule id and the event's coordinates
-(``uuid5``), so a repeat would be recognisable.
+:class:`~fxstream.topics.TaskSubmission` to the rule owner's ``from.user.<owner>``: the
+same topic that user's SDK writes, read by the router, which authorises it as that
+user's submission (the user, the function and its pinned code digest, every endpoint of
+the group, the size of the dispatch) exactly as any other: the processor decides nothing
+about who may run what. The submission's ``task_group_id`` is the rule id and its
+``trigger`` field names the rule and the event (source, key, topic, partition, offset);
+its task id is derived from the rule id and the event's coordinates (``uuid5``), so a
+repeat would be recognisable.
 
 Exactly one task per (rule, event): the submissions of a batch and the batch's event
 offsets are committed in one Kafka transaction (the router's loop,
@@ -77,6 +79,7 @@ from fxstream.service.rebalance import group_generation
 from fxstream.service.registry import RegistryView
 from fxstream.service.router import RoutePlan
 from fxstream.service.router_loop import RouterLoop
+from fxstream.service.subscription import TopicFeed
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
@@ -474,18 +477,21 @@ class TriggerLoop(RouterLoop):
         catalogue: Catalogue,
         planner: TriggerPlanner,
         *,
+        topics: TopicFeed,
         group_id: str,
         instance: str = "0",
         batch_size: int = 500,
     ) -> None:
+        """``topics``: the sources' events topics to read
+        (:func:`~fxstream.service.subscription.rule_source_topics`)."""
         super().__init__(
             kafka,
             catalogue,
             planner,
+            topics=topics,
             group_id=group_id,
             instance=instance,
             batch_size=batch_size,
-            pattern=catalogue.events_pattern,
             component=COMPONENT,
         )
         self._planner = planner
@@ -502,8 +508,11 @@ class TriggerLoop(RouterLoop):
             await self._router.start()
             await self._producer.start()
             await self._consumer.start()
-            self._consumer.subscribe(pattern=self._pattern, listener=self.guard)
+            await self._feed.start()
+            await self.follow_feed()
             while not self._stopping.is_set():
+                if self._feed.due():
+                    await self.follow_feed()
                 if not self._consumer.subscription():
                     # No source yet: aiokafka's getmany would wait for an assignment past
                     # any timeout, and a stop with it. Once a source exists the loop must
@@ -532,6 +541,7 @@ class TriggerLoop(RouterLoop):
                 await self._consumer.stop()
             if self._producer is not None:
                 await self._producer.stop()
+            await asyncio.to_thread(self._feed.close)
             self._done.set()
 
     async def _fire(self, batch: dict[Any, list[Any]], records: list[Any]) -> None:

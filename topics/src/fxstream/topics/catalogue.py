@@ -123,7 +123,7 @@ FROM_USER = TopicSpec(
     "topic name, never from the record.",
     written_by="that user's SDK (the API, as admin, on its behalf); the trigger processor, "
     "for the firings of that user's rules",
-    read_by="router (all of them, by pattern)",
+    read_by="router (every user's: those its view of the user registry holds)",
     cleanup_policy=CleanupPolicy.DELETE,
     partitions=4,
     retention_ms=7 * DAY_MS,
@@ -223,7 +223,7 @@ EVENTS = TopicSpec(
     key="event key",
     summary="Events from one source (a file watcher, an instrument) that may trigger tasks.",
     written_by="event sources",
-    read_by="trigger processor (all of them, by pattern), Parquet sink",
+    read_by="trigger processor (the sources its rules name), Parquet sink",
     cleanup_policy=CleanupPolicy.DELETE,
     partitions=4,
     retention_ms=7 * DAY_MS,
@@ -293,9 +293,13 @@ FROM_ENDPOINT = TopicSpec(
     "E, a heartbeat only for E) and forwards it to results.<user>, task-events, heartbeats, "
     "warm, data-locations or dead-letter.",
     written_by="that endpoint's agent only",
-    read_by="ingress processor (all of them, by pattern)",
+    read_by="ingress processor (every live endpoint's: those its view of the endpoint "
+    "registry holds)",
     cleanup_policy=CleanupPolicy.DELETE,
-    partitions=4,
+    # One partition: one endpoint's agents write it and nothing needs its records spread,
+    # while every partition costs the ingress on every fetch (KIP-227 sessions are not in
+    # aiokafka) and the broker a log: 10,000 endpoints are 10,000 partitions, not 40,000.
+    partitions=1,
     retention_ms=7 * DAY_MS,
     # It carries the agent's dead letters too, which are larger than any other record.
     max_message_bytes=5 * 1_048_576,
