@@ -103,9 +103,12 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
 
 def test_client_costs_count_the_partitions_each_round_carries() -> None:
     small, large = client_costs(50, repeats=1), client_costs(500, repeats=1)
-    assert small["cluster_partitions"] == 50 * 2 * 4 and small["ingress_partitions"] == 50 * 4
-    assert large["ingress_partitions"] == 500 * 4
+    # tasks.ep has 4 partitions, from.ep (all the ingress reads) 1.
+    assert small["cluster_partitions"] == 50 * 5 and small["ingress_partitions"] == 50
+    assert large["ingress_partitions"] == 500
     # Ten times the endpoints: about ten times the bytes of each message.
     assert 9 < large["metadata_bytes"] / small["metadata_bytes"] < 11
     assert 9 < large["fetch_request_bytes"] / small["fetch_request_bytes"] < 11
     assert small["metadata_s"] > 0 and small["fetch_round_s"] > 0
+    # The pattern's metadata (every topic, 4 partitions each) is 8 times the partitions.
+    assert large["pattern_metadata_s"] > large["metadata_s"]

@@ -53,12 +53,13 @@ Measured throughout, from the start of the heartbeats to the end of the window:
   (an agent, not the service) are reported beside it, not counted. Each process's CPU
   seconds over the same time (``cpu_s``) say which one falls behind.
 - **Client costs.** After the run, :func:`~fxstream.ops.bench.client_costs.client_costs`
-  times aiokafka's metadata refresh and fetch round (the router's and the ingress's
-  consumer) at this many endpoints and at 10,000 (``client_costs``).
+  times aiokafka's metadata refresh and fetch round (the ingress's consumer) at this
+  many endpoints and at 10,000 (``client_costs``), and what a pattern subscription's
+  refresh of every topic cost before.
 
-Every endpoint adds 8 partitions to the broker, which keeps a file open for each: the
-bench raises its own open-file limit, which the platform inherits, when it may
-(``open_files_limit``).
+Every endpoint adds 5 partitions to the broker (``tasks.ep`` 4, ``from.ep`` 1), which
+keeps a file open and two index files mapped for each: the bench raises its own
+open-file limit, which the platform inherits, when it may (``open_files_limit``).
 
 The printed table lists the figures and the per-process peaks; the last line is one
 JSON object.
@@ -358,14 +359,15 @@ class _Rss:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def _tree(pid: int | None) -> tuple[float, float]:
-    """RSS (MB) and CPU seconds of a process and its descendants (0 if it is gone)."""
+def _tree(pid: int | None, *, children: bool = True) -> tuple[float, float]:
+    """RSS (MB) and CPU seconds of a process and (unless ``children`` is false) its
+    descendants (0 if it is gone)."""
     if pid is None:
         return 0.0, 0.0
     rss, cpu = 0, 0.0
     try:
         root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        processes = [root, *(root.children(recursive=True) if children else ())]
     except psutil.NoSuchProcess:
         return 0.0, 0.0
     for process in processes:
@@ -384,7 +386,9 @@ def _sample(
 ) -> tuple[dict[str, tuple[float, float]], dict[str, tuple[float, float]]]:
     """``(service processes, the others)``: label -> (MB, CPU seconds)."""
     services = platform.services()
-    service = {"supervisor": _tree(services.supervisor.pid())}
+    # The supervisor alone: the API, the processors and the local endpoint are its
+    # children, each counted (or not) on its own line below.
+    service = {"supervisor": _tree(services.supervisor.pid(), children=False)}
     for process in [services.api, *services.processors()]:
         service[process.name] = _tree(process.pid())
     endpoint = f"endpoint {services.endpoint.name} (not service)"
@@ -694,13 +698,20 @@ def _print(console: Console, report: dict[str, Any], rss: _Rss) -> None:
         )
     wide.print(peaks)
     costs = Table(title="aiokafka's Python protocol code per round (no broker; a lower bound)")
-    for column in ("endpoints", "cluster partitions", "metadata refresh s", "ingress fetch s"):
+    for column in (
+        "endpoints",
+        "cluster partitions",
+        "ingress metadata s",
+        "(by pattern) s",
+        "ingress fetch s",
+    ):
         costs.add_column(column, justify="right")
     for c in report["client_costs"]:
         costs.add_row(
             f"{c['endpoints']:,}",
             f"{c['cluster_partitions']:,}",
             f"{c['metadata_s']:.3f}",
+            f"{c['pattern_metadata_s']:.3f}",
             f"{c['fetch_round_s']:.3f}",
         )
     wide.print(costs)
