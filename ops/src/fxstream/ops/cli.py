@@ -673,6 +673,12 @@ def bench_service_scale(
     ] = 20,
     interval: Annotated[float, typer.Option(min=0.5, help="Seconds between RSS samples.")] = 5.0,
     batch: Annotated[int, typer.Option(min=1, help="Tasks per Client.batch_run call.")] = 2_000,
+    kafka_heap_mb: Annotated[
+        int | None,
+        typer.Option(
+            min=256, help="The broker's heap, MB (default: 1,024, or 0.3 MB per endpoint)."
+        ),
+    ] = None,
 ) -> None:
     """Many endpoints heartbeating and a large queued backlog: service RSS and status lag."""
     from fxstream.ops.bench.service_scale import ServiceScaleSettings, run_service_scale_bench
@@ -686,6 +692,7 @@ def bench_service_scale(
         sample_endpoints=sample_endpoints,
         interval_s=interval,
         batch=batch,
+        kafka_heap_mb=kafka_heap_mb,
     )
     _run_task_bench("service-scale", settings, run_service_scale_bench)
 

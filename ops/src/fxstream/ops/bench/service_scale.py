@@ -67,6 +67,7 @@ JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -80,6 +81,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.synchronize import Event as MpEvent
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -139,6 +141,15 @@ class ServiceScaleSettings:
     interval_s: float = 5.0
     batch: int = 2_000
     register_batch: int = 250
+    kafka_heap_mb: int | None = None
+
+    @property
+    def broker_heap_mb(self) -> int:
+        """The broker's heap: as asked, else 1 GB or 0.3 MB per endpoint (each endpoint's
+        five partitions hold a log, two indexes and their bookkeeping on the heap)."""
+        if self.kafka_heap_mb is not None:
+            return self.kafka_heap_mb
+        return max(1_024, round(self.endpoints * 0.3))
 
     def validate(self) -> None:
         """Raise ValueError naming the option that is out of range."""
@@ -446,6 +457,31 @@ def _raise_open_files(wanted: int = _OPEN_FILES) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0] or soft
 
 
+def _raise_map_count(wanted: int) -> tuple[int, int | None]:
+    """Raise the kernel's ``vm.max_map_count`` to ``wanted`` when it is lower and this
+    process may (root): the broker maps two index files per partition, and 65,530 (the
+    default) ends at about 30,000 partitions with "Map failed". Returns the count now in
+    force and the one to restore afterwards (None: unchanged)."""
+    path = Path("/proc/sys/vm/max_map_count")
+    try:
+        current = int(path.read_text())
+    except (OSError, ValueError):
+        return 0, None
+    if current >= wanted:
+        return current, None
+    try:
+        path.write_text(str(wanted))
+    except OSError:
+        return current, None
+    return wanted, current
+
+
+def _restore_map_count(previous: int | None) -> None:
+    if previous is not None:
+        with contextlib.suppress(OSError):
+            Path("/proc/sys/vm/max_map_count").write_text(str(previous))
+
+
 def _register(
     console: Console, private: PrivatePlatform, owner_id: str, settings: ServiceScaleSettings
 ) -> tuple[list[str], float]:
@@ -726,7 +762,24 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
     settings.validate()
     wall = time.monotonic()
     open_files = _raise_open_files()
-    with private_platform(console, services=True) as private:
+    # Five partitions per endpoint, two mapped indexes each, and the JVM's own.
+    map_count, previous_map_count = _raise_map_count(65_530 + settings.endpoints * 5 * 2 * 2)
+    try:
+        return _run(console, settings, wall, open_files, map_count)
+    finally:
+        _restore_map_count(previous_map_count)
+
+
+def _run(
+    console: Console,
+    settings: ServiceScaleSettings,
+    wall: float,
+    open_files: int,
+    map_count: int,
+) -> dict[str, Any]:
+    with private_platform(
+        console, services=True, settings={"kafka_heap_mb": settings.broker_heap_mb}
+    ) as private:
         platform = Platform(private.config)
         credentials = str(private.credentials)
         with private.client() as owner:
@@ -825,6 +878,8 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
         "client_costs": costs,
         "cpu_count": os.cpu_count() or 0,
         "open_files_limit": open_files,
+        "max_map_count": map_count,
+        "kafka_heap_mb": settings.broker_heap_mb,
         "wall_s": round(time.monotonic() - wall, 1),
     }
     _print(console, report, rss)
