@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 
 from fxstream.ops.bench.client_costs import client_costs
-from fxstream.ops.bench.service_scale import ServiceScaleSettings
+from fxstream.ops.bench.service_scale import (
+    ServiceScaleSettings,
+    broker_open_files,
+    check_open_files,
+)
+from fxstream.ops.bench.stack import BenchError
 
 FXSTREAM = Path(sys.executable).parent / "fxstream"
 
@@ -112,3 +117,17 @@ def test_client_costs_count_the_partitions_each_round_carries() -> None:
     assert small["metadata_s"] > 0 and small["fetch_round_s"] > 0
     # The pattern's metadata (every topic, 4 partitions each) is 8 times the partitions.
     assert large["pattern_metadata_s"] > large["metadata_s"]
+
+
+def test_the_bench_refuses_more_endpoints_than_the_brokers_open_files_allow() -> None:
+    """A broker past its open-file limit dies with "Too many open files" mid-registration
+    (seen at 20,000 here): the bench says so first, with a remedy that fits the limit."""
+    check_open_files(1_000, broker_open_files(1_000))  # enough: nothing raised
+    with pytest.raises(BenchError) as refused:
+        check_open_files(10_000, 20_000)
+    message = str(refused.value)
+    assert "ulimit -Hn" in message and "20,000" in message
+    most = int(message.rsplit("--endpoints ", 1)[1].split()[0])
+    check_open_files(most, 20_000)  # the remedy it names fits
+    with pytest.raises(BenchError):
+        check_open_files(most + 1, 20_000)

@@ -112,7 +112,13 @@ from fxstream.topics import (
     encode,
 )
 
-__all__ = ["ServiceScaleSettings", "run_service_scale_bench", "simulate_heartbeats"]
+__all__ = [
+    "ServiceScaleSettings",
+    "broker_open_files",
+    "check_open_files",
+    "run_service_scale_bench",
+    "simulate_heartbeats",
+]
 
 MB = 1_000_000
 # A client keeps the future of every task it sent that has no result; these never get one.
@@ -457,6 +463,38 @@ def _raise_open_files(wanted: int = _OPEN_FILES) -> int:
     return resource.getrlimit(resource.RLIMIT_NOFILE)[0] or soft
 
 
+# Each endpoint's partitions (tasks.ep and from.ep): the broker keeps each one's active
+# log segment open.
+_ENDPOINT_PARTITIONS = (
+    Catalogue().spec("tasks.ep.{endpoint_id}").partitions
+    + Catalogue().spec("from.ep.{endpoint_id}").partitions
+)
+# The broker's other files and sockets: the static topics, its clients, the JVM.
+_BROKER_FILES_BESIDE = 1_500
+
+
+def broker_open_files(endpoints: int) -> int:
+    """About how many files the broker holds open with ``endpoints`` endpoints."""
+    return endpoints * _ENDPOINT_PARTITIONS + _BROKER_FILES_BESIDE
+
+
+def check_open_files(endpoints: int, limit: int) -> None:
+    """Raise :class:`BenchError` saying what to do if a broker allowed ``limit`` open files
+    cannot hold ``endpoints`` endpoints' partitions (it would fail with "Too many open
+    files" while they are registered)."""
+    needed = broker_open_files(endpoints)
+    if limit >= needed:
+        return
+    most = max(0, (limit - _BROKER_FILES_BESIDE) // _ENDPOINT_PARTITIONS)
+    raise BenchError(
+        f"the broker needs about {needed:,} open files for {endpoints:,} endpoints (a log "
+        f"file per partition, {_ENDPOINT_PARTITIONS} partitions per endpoint) but may open "
+        f"only {limit:,} here (the hard limit, `ulimit -Hn`, which only a process with "
+        f"CAP_SYS_RESOURCE can raise); raise the hard limit (`ulimit -Hn {needed}` as root, "
+        f"or LimitNOFILE= for a systemd service) or run with --endpoints {most} or fewer"
+    )
+
+
 def _raise_map_count(wanted: int) -> tuple[int, int | None]:
     """Raise the kernel's ``vm.max_map_count`` to ``wanted`` when it is lower and this
     process may (root): the broker maps two index files per partition, and 65,530 (the
@@ -762,6 +800,7 @@ def run_service_scale_bench(*, console: Console, settings: ServiceScaleSettings)
     settings.validate()
     wall = time.monotonic()
     open_files = _raise_open_files()
+    check_open_files(settings.endpoints, open_files)
     # Five partitions per endpoint, two mapped indexes each, and the JVM's own.
     map_count, previous_map_count = _raise_map_count(65_530 + settings.endpoints * 5 * 2 * 2)
     try:
