@@ -394,9 +394,8 @@ def _add_ingress(
     # against the keys, with no view of task-state (see fxstream.service.ingress).
     ingress = Ingress(catalogue, TopicDirectory(kafka), keys=keys)
     # Every live endpoint's from.ep topic, from a view of the endpoint registry alone.
-    endpoints = RegistryView(
-        kafka, catalogue, follow=("endpoints",), component="ingress's view of the endpoints"
-    )
+    # It writes no dead letters: the router's view already reports a bad registry record.
+    endpoints = RegistryView(kafka, catalogue, follow=("endpoints",), component=None)
     loop = RouterLoop(
         kafka,
         catalogue,
