@@ -2,8 +2,9 @@
 
 An endpoint's agent writes one topic only, ``from.ep.<endpoint>`` (the broker lets
 no other principal write it, and lets the endpoint write nothing else that anyone
-trusts). The ingress reads all of them by pattern (a new endpoint's topic is picked
-up within ``metadata_max_age_ms``) and, for each record, checks it against the
+trusts). The ingress reads every live endpoint's (subscribed by name from its view of the
+endpoint registry, :mod:`fxstream.service.subscription`: a new endpoint's topic is
+read within about a second of its registration) and, for each record, checks it against the
 endpoint ``E`` of the topic it is on:
 
 - a :class:`~fxstream.topics.TaskResult` or :class:`~fxstream.topics.TaskEvent`

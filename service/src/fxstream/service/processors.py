@@ -1,11 +1,12 @@
 """The service's stream processors: router, ingress, task-state and liveness, as faust apps.
 
-- The *router* reads every ``from.user.<user>`` topic (by pattern) in batches,
+- The *router* reads every ``from.user.<user>`` topic (by name,
+  :mod:`fxstream.service.subscription`) in batches,
   takes the submitter from the topic, authorises each task and
   writes its dispatch, state, result or dead letter (decisions in
   :mod:`fxstream.service.router`), each batch in one Kafka transaction with its
   input offsets (:mod:`fxstream.service.router_loop`).
-- The *ingress* reads every ``from.ep.<endpoint>`` topic (by pattern), checks
+- The *ingress* reads every ``from.ep.<endpoint>`` topic (by name), checks
   each record against the endpoint that wrote it (a result or task event only with
   the router's routing stamp of its task for that endpoint) and forwards it to
   ``results.<user>``, ``task-events``, ``heartbeats``, ``warm``, ``data-locations`` or
@@ -18,7 +19,7 @@
   ``heartbeats``: it logs agents coming online and being lost, and turns task
   leases into ``running`` and ``waiting-for-endpoint`` task events
   (:mod:`fxstream.service.liveness`).
-- The *trigger* processor reads every ``events.<source>`` topic (by pattern), matches
+- The *trigger* processor reads every ``events.<source>`` topic (by name), matches
   each event to the trigger rules and writes a submission per firing to the rule
   owner's ``from.user.<owner>`` (which the router authorises like any other), each
   batch in one transaction with its input offsets; per-rule limits hold events on

@@ -366,7 +366,7 @@ class TaskStatePlanner:
 
 
 class ResultsFollower(StoppableLoop):
-    """Consumes every results topic (by pattern) and task-events in batches, plans, writes,
+    """Consumes every results topic (by name) and task-events in batches, plans, writes,
     then commits.
 
     Offsets are committed only after the batch's writes are acknowledged, so a
