@@ -115,8 +115,12 @@ def test_client_costs_count_the_partitions_each_round_carries() -> None:
     assert 9 < large["metadata_bytes"] / small["metadata_bytes"] < 11
     assert 9 < large["fetch_request_bytes"] / small["fetch_request_bytes"] < 11
     assert small["metadata_s"] > 0 and small["fetch_round_s"] > 0
-    # The pattern's metadata (every topic, 4 partitions each) is 8 times the partitions.
-    assert large["pattern_metadata_s"] > large["metadata_s"]
+    # The pattern's metadata covers every topic at 4 partitions each: 8 times the
+    # partitions and twice the topic names of the ingress's subscribed from.ep topics,
+    # about 4 times the bytes (the names are most of them). Bytes, not seconds: a timing
+    # comparison fails whenever the machine is busy.
+    assert 3 < large["pattern_metadata_bytes"] / large["metadata_bytes"] < 6
+    assert large["pattern_metadata_s"] > 0
 
 
 def test_the_bench_refuses_more_endpoints_than_the_brokers_open_files_allow() -> None:

@@ -96,7 +96,7 @@ def _one_round(endpoints: int, prefix: str) -> dict[str, Any]:
     from_ep = [_topic("from.ep", n, prefix) for n in range(endpoints)]
     every = [*from_ep, *(_topic("tasks.ep", n, prefix) for n in range(endpoints))]
     metadata_bytes, metadata_s = _metadata(from_ep, FROM_EP_PARTITIONS)
-    _, pattern_metadata_s = _metadata(every, _PATTERN_PARTITIONS)
+    pattern_metadata_bytes, pattern_metadata_s = _metadata(every, _PATTERN_PARTITIONS)
 
     partitions = range(FROM_EP_PARTITIONS)
     wanted = [(name, [(p, 100, 1_048_576) for p in partitions]) for name in from_ep]
@@ -117,6 +117,7 @@ def _one_round(endpoints: int, prefix: str) -> dict[str, Any]:
         "ingress_partitions": len(from_ep) * FROM_EP_PARTITIONS,
         "metadata_bytes": metadata_bytes,
         "metadata_s": round(metadata_s, 6),
+        "pattern_metadata_bytes": pattern_metadata_bytes,
         "pattern_metadata_s": round(pattern_metadata_s, 6),
         "fetch_request_bytes": len(request),
         "fetch_round_s": round(fetch_s, 6),
