@@ -20,6 +20,7 @@ import pytest
 from fxstream.service.registry import RegistryView
 from fxstream.service.subscription import TopicFeed, endpoint_topics, user_topics
 from fxstream.service.topic_directory import TopicDirectory
+from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import encode, ensure_topics
 from tests.conftest import RunningPlatform
 from tests.service.test_ingress import USER, result, stamp_of
@@ -42,6 +43,18 @@ def create(platform: RunningPlatform, dep: Deployment, topic: str, spec_name: st
     report = ensure_topics(platform.admin(), dep.catalogue, {topic: dep.catalogue.spec(spec_name)})
     assert report.ok, report
     dep.topics.append(topic)
+
+
+def owned(view: RegistryView, dep: Deployment) -> ViewFollower:
+    """``view`` as a feed owns it (the ingress's way)."""
+    return ViewFollower(
+        view,
+        TopicDirectory(dep.kafka),
+        [dep.catalogue.endpoints, dep.catalogue.users],
+        name="test",
+        catch_up_s=5.0,
+        start_timeout_s=30.0,
+    )
 
 
 def until(feed: TopicFeed, predicate: object, timeout_s: float = WAIT_S) -> frozenset[str]:
@@ -69,7 +82,7 @@ def test_a_registered_endpoint_is_read_once_its_topic_exists_and_left_once_delet
         TopicDirectory(dep.kafka),
         [endpoint_topics(view, catalogue)],
         recheck_missing_s=0.2,
-        owns=view,
+        owns=owned(view, dep),
     )
     asyncio.run(feed.start())
     try:
@@ -104,7 +117,7 @@ def test_a_topic_the_registry_does_not_name_is_found_by_the_listing(
         [user_topics(view, catalogue.from_user)],
         pattern=catalogue.from_user_pattern,
         list_every_s=2.0,
-        owns=view,
+        owns=owned(view, dep),
     )
     asyncio.run(feed.start())
     try:

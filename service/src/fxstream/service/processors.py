@@ -129,6 +129,7 @@ from fxstream.service.task_state import (
 )
 from fxstream.service.topic_directory import TopicDirectory
 from fxstream.service.trigger_processor import TriggerLoop, TriggerPlanner, trigger_view
+from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import (
     ROUTING_KEYS_ENV,
     Catalogue,
@@ -354,9 +355,9 @@ def _add_router(
         follow=("users", "functions", "endpoints", "heartbeats", "warm"),
         component="router's registry view",
     )
-    router = Router(
-        catalogue, view, TopicDirectory(kafka), keys=keys, placement=Placement(view, policy)
-    )
+    # One directory (and Admin client) for the router's lookups and its feed's listing.
+    directory = TopicDirectory(kafka)
+    router = Router(catalogue, view, directory, keys=keys, placement=Placement(view, policy))
     # Not the app id: faust's own consumer (the liveness agent) is in that group,
     # with faust's assignor.
     router_loop = RouterLoop(
@@ -365,7 +366,7 @@ def _add_router(
         router,
         # Every user's from.user topic: the users the router's view holds.
         topics=TopicFeed(
-            TopicDirectory(kafka),
+            directory,
             [user_topics(view, catalogue.from_user)],
             pattern=catalogue.from_user_pattern,
         ),
@@ -393,17 +394,25 @@ def _add_ingress(
 ) -> None:
     # Each result and task event carries the router's routing stamp of its task: checked
     # against the keys, with no view of task-state (see fxstream.service.ingress).
-    ingress = Ingress(catalogue, TopicDirectory(kafka), keys=keys)
+    directory = TopicDirectory(kafka)
+    ingress = Ingress(catalogue, directory, keys=keys)
     # Every live endpoint's from.ep topic, from a view of the endpoint registry alone.
     # It writes no dead letters: the router's view already reports a bad registry record.
-    endpoints = RegistryView(kafka, catalogue, follow=("endpoints",), component=None)
+    endpoints = ViewFollower(
+        RegistryView(kafka, catalogue, follow=("endpoints",), component=None),
+        directory,
+        [catalogue.endpoints],
+        name="ingress",
+        catch_up_s=5.0,
+        start_timeout_s=30.0,
+    )
     loop = RouterLoop(
         kafka,
         catalogue,
         ingress,
         topics=TopicFeed(
-            TopicDirectory(kafka),
-            [endpoint_topics(endpoints, catalogue)],
+            directory,
+            [endpoint_topics(endpoints.view, catalogue)],
             pattern=catalogue.from_endpoint_pattern,
             owns=endpoints,
         ),
@@ -434,14 +443,15 @@ def _add_trigger(
     # keeps no other task's state (trigger_view).
     view = trigger_view(kafka, catalogue)
     report.add_table("view", view.memory_figures)
-    planner = TriggerPlanner(catalogue, view, TopicDirectory(kafka))
+    directory = TopicDirectory(kafka)
+    planner = TriggerPlanner(catalogue, view, directory)
     loop = TriggerLoop(
         kafka,
         catalogue,
         planner,
         # The events topics of the sources the rules name.
         topics=TopicFeed(
-            TopicDirectory(kafka),
+            directory,
             [rule_source_topics(view, catalogue)],
             pattern=catalogue.events_pattern,
         ),
@@ -531,12 +541,13 @@ def _add_task_state(
     async def write(records: Sequence[Outgoing], inputs: Sequence[RawRecord]) -> None:
         await _write_or_exit(app, catalogue, TASK_STATE, records, inputs)
 
+    directory = TopicDirectory(kafka)
     follower = ResultsFollower(
         kafka,
         planner,
         write,
         topics=TopicFeed(
-            TopicDirectory(kafka),
+            directory,
             [user_topics(states, catalogue.results)],
             fixed=[catalogue.task_events],
             pattern=results_pattern(catalogue),
@@ -544,7 +555,7 @@ def _add_task_state(
         group_id=f"{app_id}-task-state",
         batch_size=batch_size,
         states=states,
-        directory=TopicDirectory(kafka),
+        directory=directory,
     )
 
     # Finished tasks leave task-state after the retention period (tombstones, which every

@@ -233,10 +233,8 @@ class RouterLoop(StoppableLoop):
             await self._producer.start()
             await self._consumer.start()
             await self._feed.start()
-            await self.follow_feed()
             while not self._stopping.is_set():
-                if self._feed.due():
-                    await self.follow_feed()
+                await self.follow_feed()
                 if not self._subscribed:
                     # Nothing to read yet: aiokafka's getmany would wait for an assignment
                     # past any timeout (and a stop with it).
@@ -266,7 +264,8 @@ class RouterLoop(StoppableLoop):
             self._done.set()
 
     async def follow_feed(self) -> None:
-        """Subscribe to what the feed names now, if that changed (between batches only)."""
+        """Subscribe to what the feed names now, if it is due and that changed (between
+        batches only)."""
         self._subscribed = await follow(
             self._consumer, self._feed, self._subscribed, self.guard, self.name
         )

@@ -28,7 +28,6 @@ topics on every pass would cost what the pattern did.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 from fxstream.service.registry import RegistryView
 from fxstream.service.topic_directory import TopicDirectory
+from fxstream.service.view_follower import ViewFollower
 from fxstream.topics import Catalogue
 
 __all__ = [
@@ -82,8 +82,8 @@ class TopicFeed:
     ``directory`` answers which exist (it remembers a topic once seen and lists the
     cluster's topics only when asked about an unseen one). ``owns``: a view only the
     feed uses (the ingress's view of the endpoints), which :meth:`start` starts and
-    waits for and :meth:`close` closes; a view shared with the processor is started
-    by the processor, before its loop subscribes.
+    waits for (:meth:`ViewFollower.start`) and :meth:`close` closes; a view shared with
+    the processor is started by the processor, before its loop subscribes.
     """
 
     def __init__(
@@ -96,7 +96,7 @@ class TopicFeed:
         every_s: float = 1.0,
         list_every_s: float = 30.0,
         recheck_missing_s: float = 2.0,
-        owns: RegistryView | None = None,
+        owns: ViewFollower | None = None,
     ) -> None:
         self._owned = owns
         self._pattern = None if pattern is None else re.compile(pattern)
@@ -113,17 +113,10 @@ class TopicFeed:
         self._asked_at = float("-inf")
         self._current: frozenset[str] = frozenset()
 
-    async def start(self, *, timeout_s: float = 30.0) -> None:
-        """Start the owned view and wait until it holds what its topics held (a view
-        that reads slowly is waited for, with a warning every ``timeout_s``)."""
-        if self._owned is None:
-            return
-        view = self._owned
-        await asyncio.to_thread(view.start)
-        while not await asyncio.to_thread(view.wait_until_current, timeout_s):
-            if not view.following:
-                raise RuntimeError("the view a topic feed reads stopped reading")
-            log.warning("a topic feed's view is still reading its registry")
+    async def start(self) -> None:
+        """Start the owned view and wait until it holds what its topics held."""
+        if self._owned is not None:
+            await self._owned.start()
 
     def close(self) -> None:
         """Close the owned view."""
@@ -177,10 +170,13 @@ class TopicFeed:
 async def follow(
     consumer: Any, feed: TopicFeed, subscribed: frozenset[str], listener: Any, name: str
 ) -> frozenset[str]:
-    """Subscribe aiokafka's ``consumer`` to what ``feed`` names now if that differs from
-    ``subscribed``; returns what it is subscribed to. Call it between batches only: the
-    rebalance a change starts hands partitions over through ``listener`` (a
+    """Subscribe aiokafka's ``consumer`` to what ``feed`` names now, if the feed is due
+    (:meth:`TopicFeed.due`) and that differs from ``subscribed``; returns what it is
+    subscribed to. Call it between batches only: the rebalance a change starts hands
+    partitions over through ``listener`` (a
     :class:`~fxstream.service.rebalance.PartitionGuard`)."""
+    if not feed.due():
+        return subscribed
     wanted = await feed.wanted()
     if wanted == subscribed:
         return subscribed

@@ -441,10 +441,8 @@ class ResultsFollower(StoppableLoop):
             self.states_started.set()
             await self._consumer.start()
             await self._feed.start()
-            await self._follow_feed()
             while not self._stopping.is_set():
-                if self._feed.due():
-                    await self._follow_feed()
+                await self._follow_feed()
                 if not self._subscribed:
                     await asyncio.sleep(0.2)
                     continue

@@ -509,10 +509,8 @@ class TriggerLoop(RouterLoop):
             await self._producer.start()
             await self._consumer.start()
             await self._feed.start()
-            await self.follow_feed()
             while not self._stopping.is_set():
-                if self._feed.due():
-                    await self.follow_feed()
+                await self.follow_feed()
                 if not self._consumer.subscription():
                     # No source yet: aiokafka's getmany would wait for an assignment past
                     # any timeout, and a stop with it. Once a source exists the loop must

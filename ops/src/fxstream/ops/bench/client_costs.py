@@ -38,11 +38,13 @@ from aiokafka.protocol.metadata import MetadataResponse_v5  # type: ignore[impor
 
 from fxstream.topics import Catalogue
 
-__all__ = ["client_costs"]
+__all__ = ["FROM_EP_PARTITIONS", "QUEUE_PARTITIONS", "client_costs"]
 
 _CATALOGUE = Catalogue()
 FROM_EP_PARTITIONS = _CATALOGUE.spec("from.ep.{endpoint_id}").partitions
+"""Partitions of an endpoint's ``from.ep`` (the catalogue's)."""
 QUEUE_PARTITIONS = _CATALOGUE.spec("tasks.ep.{endpoint_id}").partitions
+"""Partitions of an endpoint's ``tasks.ep`` (the catalogue's)."""
 # What every endpoint's two topics had when the router and the ingress read by pattern.
 _PATTERN_PARTITIONS = 4
 

@@ -89,7 +89,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, To
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.ops.bench.client_costs import client_costs
+from fxstream.ops.bench.client_costs import FROM_EP_PARTITIONS, QUEUE_PARTITIONS, client_costs
 from fxstream.ops.bench.stack import (
     IDLE_TIMEOUT_S,
     BenchError,
@@ -465,10 +465,7 @@ def _raise_open_files(wanted: int = _OPEN_FILES) -> int:
 
 # Each endpoint's partitions (tasks.ep and from.ep): the broker keeps each one's active
 # log segment open.
-_ENDPOINT_PARTITIONS = (
-    Catalogue().spec("tasks.ep.{endpoint_id}").partitions
-    + Catalogue().spec("from.ep.{endpoint_id}").partitions
-)
+_ENDPOINT_PARTITIONS = QUEUE_PARTITIONS + FROM_EP_PARTITIONS
 # The broker's other files and sockets: the static topics, its clients, the JVM.
 _BROKER_FILES_BESIDE = 1_500
 
