@@ -9,7 +9,10 @@ Two tiers (docs/data-plane.md, "Tiers"):
   another node gets an error that says so instead of a missing file.
 
 Objects are written once, read many: ``put`` writes a temporary file and
-renames it into place, so a reader never sees half an object. The key carries
+renames it into place, so a reader never sees half an object. :meth:`FileConnector.put_from`
+does the same for a payload written as it is serialized (a large value never held twice in
+the writer's memory), and :meth:`FileConnector.load_from` loads a large object from its
+file after checking it, so the reader holds the value only, not its bytes as well. The key carries
 the SHA-256 of the bytes written; :meth:`FileConnector.get` checks it before
 returning anything, so a file replaced in the directory is refused with
 :class:`~fxstream.connectors.integrity.StoreIntegrityError` (docs/security.md,
@@ -20,22 +23,32 @@ than ``lease_s`` (the agent calls it periodically).
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, Final, NamedTuple, TypeVar
 
 from proxystore.serialize import BytesLike
 
-from fxstream.connectors.integrity import sha256_of, verify_digest
-from fxstream.topics import StorageTier
+from fxstream.connectors.integrity import Digest, sha256_of, verify_digest
+from fxstream.topics import PayloadSink, PayloadSource, StorageTier
 
-__all__ = ["FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
+__all__ = ["STREAMED_LOAD_BYTES", "FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
 
 _SUFFIX = ".fxobj"
+
+STREAMED_LOAD_BYTES: Final = 32 * 1024 * 1024
+"""Objects at least this large are loaded from their file by :meth:`FileConnector.load_from`
+(read twice: checked, then loaded) rather than read into memory and loaded from there (one
+read, but the bytes and the value held at once)."""
+
+_CHECK_CHUNK_BYTES: Final = 4 * 1024 * 1024
+
+_T = TypeVar("_T")
 
 
 class ObjectOnOtherNode(FileNotFoundError):
@@ -124,18 +137,22 @@ class FileConnector:
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            if self.tier is StorageTier.EPHEMERAL and key.node and key.node != self.node:
-                raise ObjectOnOtherNode(
-                    f"object {key.filename} is in the ephemeral store {self.store_dir} on node "
-                    f"{key.node}, and this is {self.node}: ephemeral objects are node-local and "
-                    "not replicated. Run the consumer on that node, or use a durable store "
-                    "(shared files or Redis); for fxstream's node-local tier (a client and "
-                    "an endpoint sharing a node), FXSTREAM_NODE_STORE=off in the client "
-                    "keeps its data in the store."
-                ) from None
+            self._missing(key)
             return None
         verify_digest(sha256_of(data), key.sha256, key=str(path), store=repr(self))
         return data
+
+    def _missing(self, key: FileObjectKey) -> None:
+        """Raise :class:`ObjectOnOtherNode` when a missing object was written on another node."""
+        if self.tier is StorageTier.EPHEMERAL and key.node and key.node != self.node:
+            raise ObjectOnOtherNode(
+                f"object {key.filename} is in the ephemeral store {self.store_dir} on node "
+                f"{key.node}, and this is {self.node}: ephemeral objects are node-local and "
+                "not replicated. Run the consumer on that node, or use a durable store "
+                "(shared files or Redis); for fxstream's node-local tier (a client and "
+                "an endpoint sharing a node), FXSTREAM_NODE_STORE=off in the client "
+                "keeps its data in the store."
+            ) from None
 
     def get_batch(self, keys: Sequence[FileObjectKey]) -> list[BytesLike | None]:
         """:meth:`get` for each key, in order."""
@@ -152,6 +169,60 @@ class FileConnector:
             out.write(obj)
         partial.replace(final)
         return key
+
+    def put_from(self, write: Callable[[PayloadSink], None]) -> FileObjectKey:
+        """A new object of what ``write`` writes to the sink it is given (a serializer's
+        :meth:`~fxstream.topics.Serializer.serialize_value_into`), hashed as it is written
+        and renamed into place once complete; nothing is left behind when ``write`` raises."""
+        name = f"{uuid.uuid4().hex}{_SUFFIX}"
+        final = self._path(FileObjectKey(name))
+        partial = final.with_name(f".{final.name}.partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                sink = _HashingSink(out)
+                write(sink)
+            partial.replace(final)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
+        return FileObjectKey(name, self.node, sink.size, sink.hexdigest())
+
+    def load_from(self, key: FileObjectKey, load: Callable[[PayloadSource], _T]) -> _T | None:
+        """What ``load`` (a serializer's :meth:`~fxstream.topics.Serializer.deserialize_from`)
+        reads from the object's file, or None when it is gone; the errors of :meth:`get`.
+
+        The file is read twice through one open descriptor: first hashed in small chunks
+        and checked against the key's digest, nothing loaded before it matches; then loaded,
+        hashed again as ``load`` reads it, and the value is dropped with
+        :class:`~fxstream.connectors.integrity.StoreIntegrityError` if the file changed
+        between the two reads. A large value is so held once, never beside its bytes.
+        """
+        path = self._path(key)
+        try:
+            source = open(path, "rb")  # noqa: SIM115 - closed below, on every path
+        except FileNotFoundError:
+            self._missing(key)
+            return None
+        with source:
+            checked = Digest()
+            chunk = bytearray(_CHECK_CHUNK_BYTES)
+            view = memoryview(chunk)
+            while count := source.readinto(chunk):
+                checked.update(view[:count])
+            verify_digest(checked.hexdigest(), key.sha256, key=str(path), store=repr(self))
+            source.seek(0)
+            reader = _HashingSource(source)
+            try:
+                value = load(reader)
+            except Exception:
+                # Changed under the loader? That, not what the loader made of it, is the error.
+                reader.drain()
+                verify_digest(reader.hexdigest(), key.sha256, key=str(path), store=repr(self))
+                raise
+            reader.drain()
+            verify_digest(reader.hexdigest(), key.sha256, key=str(path), store=repr(self))
+        return value
 
     def put_batch(self, objs: Sequence[bytes | bytearray | memoryview]) -> list[FileObjectKey]:
         """:meth:`put` for each object, in order."""
@@ -224,3 +295,61 @@ class FileConnector:
         if name != key.filename or not name.endswith(_SUFFIX):
             raise ValueError(f"not a key of this connector: {key.filename!r}")
         return self.store_dir / name
+
+
+class _HashingSink:
+    """A :class:`~fxstream.topics.PayloadSink` over an open file: hashes what it writes."""
+
+    def __init__(self, out: io.BufferedWriter) -> None:
+        self._out = out
+        self._digest = Digest()
+        self.size = 0
+
+    def write(self, data: Any, /) -> int:
+        view = memoryview(data).cast("B")
+        self._digest.update(view)
+        self._out.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def restart(self) -> None:
+        self._out.seek(0)
+        self._out.truncate()
+        self._digest = Digest()
+        self.size = 0
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()
+
+
+class _HashingSource:
+    """A :class:`~fxstream.topics.PayloadSource` over an open file: hashes what is read,
+    so the bytes loaded can be checked against the digest once more."""
+
+    def __init__(self, source: io.BufferedReader) -> None:
+        self._source = source
+        self._digest = Digest()
+
+    def read(self, size: int = -1, /) -> bytes:
+        data = self._source.read(size)
+        self._digest.update(data)
+        return data
+
+    def readinto(self, target: Any, /) -> int:
+        view = memoryview(target).cast("B")
+        count = self._source.readinto(view)
+        self._digest.update(view[:count])
+        return count
+
+    def readline(self, size: int = -1, /) -> bytes:
+        data = self._source.readline(size)
+        self._digest.update(data)
+        return data
+
+    def drain(self) -> None:
+        """Hash whatever the loader left unread (nothing, for a well-formed payload)."""
+        while data := self._source.read(_CHECK_CHUNK_BYTES):
+            self._digest.update(data)
+
+    def hexdigest(self) -> str:
+        return self._digest.hexdigest()

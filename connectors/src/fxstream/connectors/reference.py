@@ -24,6 +24,15 @@ proxy's value in its place (:func:`proxies_by_value`): the caller gets what the
 function returned, mutated or not, never a proxy of an argument object the SDK
 evicts once the result is consumed.
 
+Large values are never held twice by the side that moves them, on a store whose
+connector can stream (the file connector of the node-local tier and of shared file
+systems, :meth:`~fxstream.connectors.file.FileConnector.put_from` and
+:meth:`~fxstream.connectors.file.FileConnector.load_from`): a buffer above the threshold
+(``bytes``, ``bytearray``, an array's memory) is pickled straight into its file, and an
+object of :data:`~fxstream.connectors.file.STREAMED_LOAD_BYTES` or more is loaded from
+its file after it has been checked, not read into memory first. Other stores (Redis)
+take and return whole payloads.
+
 Integrity: the connector's key (pickled inside the payload, so inside a Kafka
 record only an authenticated principal could write) carries the SHA-256 of the
 stored bytes, and the connector checks it when it reads them, before
@@ -48,8 +57,10 @@ from typing import Any, Final, Protocol, runtime_checkable
 from proxystore.proxy import Proxy, extract, get_factory
 from proxystore.store import get_store
 from proxystore.store.base import Store
+from proxystore.store.exceptions import ProxyResolveMissingKeyError
 from proxystore.store.factory import StoreFactory
 
+from fxstream.connectors.file import STREAMED_LOAD_BYTES
 from fxstream.connectors.integrity import SHA256_PATTERN
 from fxstream.topics import ObjectReference, Serializer, StorageTier, wrap_references
 
@@ -74,6 +85,27 @@ _BYTES_LIKE: Final = (bytes, bytearray, memoryview)
 def load_payload(data: Any) -> Any:
     """Deserializer of stored objects: they are fxstream payloads (any strategy)."""
     return _SERIALIZER.deserialize(bytes(data) if not isinstance(data, bytes) else data)
+
+
+class _ReferenceFactory(StoreFactory[Any, Any]):
+    """The factory of a value passed by reference: loads a large object from a streaming
+    connector's file (:meth:`~fxstream.connectors.file.FileConnector.load_from`) instead
+    of reading its bytes into memory first; anything else as ProxyStore's factory does."""
+
+    def resolve(self) -> Any:
+        """The value, fetched and checked; ``ProxyResolveMissingKeyError`` when it is gone."""
+        store = self.get_store()
+        connector = store.connector
+        load_from = getattr(connector, "load_from", None)
+        size_of = getattr(connector, "size_of", None)
+        if load_from is None or size_of is None or size_of(self.key) < STREAMED_LOAD_BYTES:
+            return super().resolve()
+        value = load_from(self.key, _SERIALIZER.deserialize_from)
+        if value is None:
+            raise ProxyResolveMissingKeyError(self.key, type(store), store.name)
+        if self.evict:
+            store.evict(self.key)
+        return value
 
 
 _loaded: contextvars.ContextVar[tuple[list[StoreFactory[Any, Any]], bool] | None] = (
@@ -274,10 +306,18 @@ class ByReference:
 
         Argument proxies inside it are written as their values (:func:`proxies_by_value`).
         """
-        payload = self.serializer.serialize_value(value, substitute=proxies_by_value)
-        if len(payload) <= self.threshold_bytes or self.store is None:
-            return Packed(payload)
-        stored_object, factory = self._put(payload)
+        streamed = None
+        if self.store is not None and not issubclass(type(value), Proxy):
+            size = _buffer_bytes(value)
+            if size is not None and size > self.threshold_bytes:
+                streamed = self._put_streamed(value, size, substitute=proxies_by_value)
+        if streamed is not None:
+            stored_object, factory = streamed
+        else:
+            payload = self.serializer.serialize_value(value, substitute=proxies_by_value)
+            if len(payload) <= self.threshold_bytes or self.store is None:
+                return Packed(payload)
+            stored_object, factory = self._put(payload)
         # The reference itself is pickled whatever the data strategy (JSON cannot hold it).
         reference = _SERIALIZER.serialize_value(_FetchOnLoad(factory))
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
@@ -294,26 +334,52 @@ class ByReference:
             return value
         if isinstance(value, _BYTES_LIKE) and memoryview(value).nbytes <= self.threshold_bytes:
             return value
-        payload = self.serializer.serialize_value(value)
-        if len(payload) <= self.threshold_bytes:
-            return value
-        stored_object, factory = self._put(payload)
+        size = _buffer_bytes(value)
+        streamed = None
+        if size is not None and size > self.threshold_bytes:
+            streamed = self._put_streamed(value, size)
+        if streamed is not None:
+            stored_object, factory = streamed
+        else:
+            payload = self.serializer.serialize_value(value)
+            if len(payload) <= self.threshold_bytes:
+                return value
+            stored_object, factory = self._put(payload)
         stored.append(stored_object)
         if isinstance(value, _BYTES_LIKE):
             return _FetchOnLoad(factory)
         return Proxy(factory)
 
-    def _put(self, payload: bytes) -> tuple[StoredObject, StoreFactory[Any, Any]]:
+    def _store_for(self, size: int) -> Store[Any]:
         assert self.store is not None
-        store = self.store
-        if (
-            self._has_room is not None
-            and self.fallback is not None
-            and not self._has_room(len(payload))
-        ):
-            store = self.fallback
+        if self._has_room is not None and self.fallback is not None and not self._has_room(size):
+            return self.fallback
+        return self.store
+
+    def _put_streamed(
+        self, value: Any, size: int, *, substitute: Any = None
+    ) -> tuple[StoredObject, StoreFactory[Any, Any]] | None:
+        """``value`` (a buffer of ``size`` bytes) pickled straight into the store, when its
+        connector can stream (:meth:`~fxstream.connectors.file.FileConnector.put_from`);
+        None when it cannot (the caller serializes it whole)."""
+        store = self._store_for(size)
+        put_from = getattr(store.connector, "put_from", None)
+        if put_from is None:
+            return None
+        key = put_from(
+            lambda sink: self.serializer.serialize_value_into(value, sink, substitute=substitute)
+        )
+        return self._stored(store, key, getattr(key, "size_bytes", size))
+
+    def _put(self, payload: bytes) -> tuple[StoredObject, StoreFactory[Any, Any]]:
+        store = self._store_for(len(payload))
+        key = store.connector.put(payload)
+        return self._stored(store, key, len(payload))
+
+    def _stored(
+        self, store: Store[Any], key: Any, size: int
+    ) -> tuple[StoredObject, StoreFactory[Any, Any]]:
         connector = store.connector
-        key = connector.put(payload)
         digest = getattr(key, "sha256", "")
         if not isinstance(digest, str) or not SHA256_PATTERN.match(digest):
             connector.evict(key)
@@ -328,13 +394,23 @@ class ByReference:
         reference = ObjectReference(
             object_key=object_key,
             store=store.name,
-            size_bytes=len(payload),
+            size_bytes=size,
             tier=StorageTier(tier),
             site=self.site,
             node=self._node,
             sha256=digest,
         )
-        factory: StoreFactory[Any, Any] = StoreFactory(
+        factory: StoreFactory[Any, Any] = _ReferenceFactory(
             key, store_config=store.config(), deserializer=load_payload
         )
         return StoredObject(store, key, reference), factory
+
+
+def _buffer_bytes(value: Any) -> int | None:
+    """The size of ``value``'s memory when it is a buffer (``bytes``, ``bytearray``,
+    ``memoryview``, a NumPy array), else None. Never called on a proxy (``memoryview``
+    would resolve it)."""
+    try:
+        return memoryview(value).nbytes
+    except (TypeError, ValueError, BufferError):  # an object array, say: no buffer
+        return None

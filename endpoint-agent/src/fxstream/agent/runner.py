@@ -271,6 +271,9 @@ def load_function(
                 raise waited from None
             _attach_serialized(exc, _serializer_for(strategy_id))
             raise
+        # The arguments are not needed to answer: a large one not returned is freed before
+        # the result is written (the worker holds the result, not both).
+        del args, kwargs
         if node_store_dir is not None and node_key and submission.client_node == node_key:
             by_reference = _results_node_local(
                 node_store_dir, node_key, store_url, proxy_threshold, site, strategy_id

@@ -63,7 +63,7 @@ import re
 import traceback
 import types
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Literal, cast
+from typing import Any, Final, Literal, Protocol, cast
 
 import dill  # type: ignore[import-untyped]
 import msgspec
@@ -80,6 +80,8 @@ __all__ = [
     "IntegrityError",
     "JsonData",
     "PayloadError",
+    "PayloadSink",
+    "PayloadSource",
     "PickleData",
     "SerializationError",
     "Serializer",
@@ -133,6 +135,36 @@ _QUOTE_MAX: Final = 1_000
 # JSON values nested deeper than this are refused up front; it also stops a
 # value that contains itself.
 _JSON_MAX_DEPTH: Final = 256
+
+
+class PayloadSink(Protocol):
+    """Where :meth:`Strategy.dump` writes a payload: a binary file that can start over.
+
+    The pickle-based strategies hand a large buffer (a ``bytes`` value, an array's
+    memory) to :meth:`write` as it is, never copied into the payload first.
+    """
+
+    def write(self, data: Any, /) -> int:
+        """Append ``data`` (any buffer); returns how many bytes were written."""
+        ...
+
+    def restart(self) -> None:
+        """Discard everything written so far (a strategy that retries with another
+        pickler writes the payload again from its first byte)."""
+        ...
+
+
+class PayloadSource(Protocol):
+    """What :meth:`Strategy.load` reads a payload from: a binary file (``read``,
+    ``readline``; ``readinto`` lets the unpickler fill a large value in place)."""
+
+    def read(self, size: int = -1, /) -> bytes:
+        """Up to ``size`` bytes (all that is left when ``size`` is negative)."""
+        ...
+
+    def readline(self, size: int = -1, /) -> bytes:
+        """The next line, up to ``size`` bytes."""
+        ...
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -257,18 +289,58 @@ class Strategy(abc.ABC):
         """
         try:
             payload = self.encode_payload(obj, substitute)
-        except SerializationError:
+        except Exception as exc:
+            raise self._dump_refusal(obj, exc) from exc
+        return payload
+
+    def dump(self, obj: Any, sink: PayloadSink, *, substitute: Substitute | None = None) -> None:
+        """Write the payload :meth:`dumps` returns to ``sink``; raises
+        :class:`SerializationError` (what was written is then incomplete).
+
+        The pickle-based strategies write as they pickle, so a large value is never
+        copied into the payload; the others write what :meth:`dumps` returns.
+        """
+        try:
+            self.encode_into(obj, sink, substitute)
+        except Exception as exc:
+            raise self._dump_refusal(obj, exc) from exc
+
+    def encode_into(self, obj: Any, sink: PayloadSink, substitute: Substitute | None) -> None:
+        """Write the header and the body of ``obj`` to ``sink`` (by default, what
+        :meth:`encode_payload` returns)."""
+        sink.write(self.encode_payload(obj, substitute))
+
+    def load(self, source: PayloadSource) -> Any:
+        """Load the body of a payload of this strategy from ``source``, read past the
+        header; raises :class:`DeserializationError`.
+
+        The pickle-based strategies read a large value straight into its own buffer;
+        the others read the whole body first.
+        """
+        try:
+            return self.decode_from(source)
+        except (DeserializationError, IntegrityError):
             raise
-        except RecursionError as exc:
-            raise self._refusal(
+        except Exception as exc:
+            raise DeserializationError(
+                f"cannot load the {self.name} payload ({_quote_exception(exc)})", strategy=self.id
+            ) from exc
+
+    def decode_from(self, source: PayloadSource) -> Any:
+        """Load the body from ``source`` (by default, all of it read, then decoded)."""
+        return self.decode_body(memoryview(source.read()))
+
+    def _dump_refusal(self, obj: Any, exc: Exception) -> SerializationError:
+        if isinstance(exc, SerializationError):
+            return exc
+        if isinstance(exc, RecursionError):
+            return self._refusal(
                 f"{self.name} cannot serialize {_type_name(obj)}: it is nested too deeply "
                 "or contains itself",
-            ) from exc
-        except Exception as exc:
-            raise self._refusal(
-                f"{self.name} cannot serialize {_type_name(obj)} ({_quote_exception(exc)})"
-            ) from exc
-        return payload
+            )
+        return self._refusal(
+            f"{self.name} cannot serialize {_type_name(obj)} ({_quote_exception(exc)})"
+        )
 
     def encode_payload(self, obj: Any, substitute: Substitute | None) -> bytes:
         """The header and the body of ``obj``; the pickle-based strategies write the body
@@ -366,9 +438,7 @@ class _Pickler(pickle.Pickler):
     """The C pickler with fxstream's checks: futures are refused with the remedy, objects
     may be substituted, and (for the dill strategy) what needs dill is detected."""
 
-    def __init__(
-        self, file: io.BytesIO, *, substitute: Substitute | None, dill_needed: bool
-    ) -> None:
+    def __init__(self, file: Any, *, substitute: Substitute | None, dill_needed: bool) -> None:
         super().__init__(file, protocol=_PICKLE_PROTOCOL)
         self._substitute = substitute
         self._dill_needed = dill_needed
@@ -453,7 +523,7 @@ def _dill_load(body: memoryview) -> Any:
 class _DillPickler(dill.Pickler):  # type: ignore[misc]
     """dill's pickler with the same future check and substitution as :class:`_Pickler`."""
 
-    def __init__(self, file: io.BytesIO, *, substitute: Substitute | None) -> None:
+    def __init__(self, file: Any, *, substitute: Substitute | None) -> None:
         # byref/recurse given explicitly so a change to dill.settings elsewhere cannot
         # change our bytes. recurse=True so a lambda from __main__ inside a value takes
         # the globals it uses, not a reference to a __main__ the endpoint does not have.
@@ -495,9 +565,18 @@ class PickleData(Strategy):
         """Header and pickle in one buffer."""
         return _c_pickle(obj, substitute=substitute, dill_needed=False, prefix=self.header)
 
+    def encode_into(self, obj: Any, sink: PayloadSink, substitute: Substitute | None) -> None:
+        """Header, then the pickle as the pickler writes it."""
+        sink.write(self.header)
+        _Pickler(sink, substitute=substitute, dill_needed=False).dump(obj)
+
     def decode_body(self, body: memoryview) -> Any:
         """Unpickle the body."""
         return pickle.loads(body)
+
+    def decode_from(self, source: PayloadSource) -> Any:
+        """Unpickle from ``source``."""
+        return pickle.load(source)
 
 
 class DillData(Strategy):
@@ -547,9 +626,27 @@ class DillData(Strategy):
         _DillPickler(buffer, substitute=substitute).dump(obj)
         return buffer.getvalue()
 
+    def encode_into(self, obj: Any, sink: PayloadSink, substitute: Substitute | None) -> None:
+        """Header and body as the pickler writes them; dill's from the start when the C
+        pickler cannot write the value."""
+        sink.write(self.header)
+        try:
+            _Pickler(sink, substitute=substitute, dill_needed=True).dump(obj)
+            return
+        except SerializationError:
+            raise
+        except Exception:  # _NeedsDill, or something pickle refuses that dill may write
+            sink.restart()
+        sink.write(self.header)
+        _DillPickler(sink, substitute=substitute).dump(obj)
+
     def decode_body(self, body: memoryview) -> Any:
         """Load the body with dill (a large one read in place, never copied whole)."""
         return _dill_load(body)
+
+    def decode_from(self, source: PayloadSource) -> Any:
+        """Load the body from ``source`` with dill."""
+        return dill.load(source)
 
 
 class JsonData(Strategy):
@@ -1058,6 +1155,13 @@ class Serializer:
         """
         return self.data.dumps(obj, substitute=substitute)
 
+    def serialize_value_into(
+        self, obj: Any, sink: PayloadSink, *, substitute: Substitute | None = None
+    ) -> None:
+        """Write the payload :meth:`serialize_value` returns to ``sink``, as it is made
+        (a large buffer inside ``obj`` is handed to ``sink`` as it is, not copied)."""
+        self.data.dump(obj, sink, substitute=substitute)
+
     def with_data(self, data: str | Strategy) -> Serializer:
         """This serializer with another data strategy (what a worker answers a client with)."""
         strategy = _resolve(data, "data", "data")
@@ -1095,6 +1199,28 @@ class Serializer:
         error compares the two sides' versions (see :func:`explain_load_failure`).
         """
         return self._load(payload, submitted_by)[1]
+
+    def deserialize_from(self, source: PayloadSource) -> Any:
+        """Load a payload from ``source`` (a value's, never a by-reference envelope),
+        whichever strategy wrote it; :class:`DeserializationError` if it does not load.
+
+        With a pickle-based strategy a large value is read from ``source`` straight into
+        its own buffer, never held twice; give it only bytes already verified.
+        """
+        strategy_id, _ = _split(source.read(PAYLOAD_HEADER_LENGTH))
+        if strategy_id == REFERENCES_ID:
+            raise DeserializationError(
+                "a stored value is a payload of its own, not a by-reference envelope",
+                strategy=strategy_id,
+            )
+        if strategy_id == self.data.id:
+            strategy = self.data
+        else:
+            found = _REGISTRY.get(strategy_id)
+            if found is None:
+                raise _unknown_strategy(strategy_id)
+            strategy = found
+        return strategy.load(source)
 
     def deserialize_function(
         self, payload: bytes, *, submitted_by: ClientInfo | None = None

@@ -1,0 +1,177 @@
+"""Large by-reference values written as they are pickled and loaded from their checked file.
+
+Real files in a private directory (the node-local tier's kind of store), no broker: the
+file connector's ``put_from`` must store exactly the payload ``serialize_value`` makes,
+leave nothing behind when writing fails, and ``load_from`` must refuse a replaced object
+before anything is loaded and a file changed between its check and its load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from fxstream.connectors import ByReference, FileConnector, StoreIntegrityError, open_store
+from fxstream.connectors.file import STREAMED_LOAD_BYTES
+from fxstream.connectors.reference import collect_references
+from fxstream.topics import PayloadSource, Serializer, StorageTier
+
+_SERIALIZER = Serializer()
+_LARGE = STREAMED_LOAD_BYTES + 1_000_000
+
+
+class _WritesMarker:
+    """Loading this object writes ``path``: what an attacker's pickle would do."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        return Path.write_text, (self.path, "code from the store ran here")
+
+
+def _connector(tmp_path: Path) -> FileConnector:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    return FileConnector(directory, tier=StorageTier.EPHEMERAL)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        os.urandom(300_000),
+        bytearray(os.urandom(300_000)),
+        np.arange(100_000, dtype=np.float64).reshape(100, 1_000),
+        {"frames": [os.urandom(70_000), os.urandom(70_000)], "run": 7},
+    ],
+    ids=["bytes", "bytearray", "ndarray", "dict"],
+)
+def test_a_streamed_put_stores_the_payload_serialize_value_makes(
+    tmp_path: Path, value: Any
+) -> None:
+    connector = _connector(tmp_path)
+    key = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(value, sink))
+    stored = connector._path(key).read_bytes()
+    assert stored == _SERIALIZER.serialize_value(value)
+    assert key.size_bytes == len(stored)
+    assert key.sha256 == hashlib.sha256(stored).hexdigest()
+    assert (connector._path(key).stat().st_mode & 0o777) == 0o600
+
+
+def test_a_value_only_dill_writes_is_written_again_from_its_first_byte(tmp_path: Path) -> None:
+    # The C pickler writes the list's first item, then meets the lambda: the sink starts
+    # over and dill writes the whole payload.
+    offset = 3
+    value = [os.urandom(200_000), lambda x: x + offset]
+    connector = _connector(tmp_path)
+    key = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(value, sink))
+    stored = connector._path(key).read_bytes()
+    assert stored == _SERIALIZER.serialize_value(value)
+    assert key.sha256 == hashlib.sha256(stored).hexdigest()
+    loaded = _SERIALIZER.deserialize(stored)
+    assert loaded[0] == value[0] and loaded[1](1) == 4
+
+
+def test_a_failed_streamed_put_leaves_no_file(tmp_path: Path) -> None:
+    connector = _connector(tmp_path)
+
+    def write(sink: Any) -> None:
+        sink.write(os.urandom(100_000))
+        raise RuntimeError("the disk filled up")
+
+    with pytest.raises(RuntimeError, match="the disk filled up"):
+        connector.put_from(write)
+    assert list(connector.store_dir.iterdir()) == []
+
+
+def test_large_values_go_by_reference_through_the_file_and_come_back_equal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    store = open_store(f"file://{directory}?tier=ephemeral")
+    packer = ByReference(store)
+    loads: list[int] = []
+    real_load_from = FileConnector.load_from
+
+    def counted(self: FileConnector, key: Any, load: Any) -> Any:
+        loads.append(key.size_bytes)
+        return real_load_from(self, key, load)
+
+    monkeypatch.setattr(FileConnector, "load_from", counted)
+    data = os.urandom(_LARGE)
+    array = np.random.default_rng(1).random(_LARGE // 8)
+
+    packed = packer.pack_arguments((data,), {"array": array})
+    assert len(packed.stored) == 2 and len(packed.payload) < 10_000
+    args, kwargs = _SERIALIZER.unpack_arguments(packed.payload)
+    assert args[0] == data  # a bytes argument is fetched while the payload loads
+    assert np.array_equal(kwargs["array"], array)  # an array arrives as a proxy
+    assert sorted(loads) == sorted(s.reference.size_bytes for s in packed.stored)
+
+    result = packer.pack_value(array)
+    with collect_references() as found:
+        value = _SERIALIZER.deserialize(result.payload)
+    assert len(found) == 1 and isinstance(value, np.ndarray)
+    assert value.dtype == array.dtype and np.array_equal(value, array)
+    assert len(loads) == 3
+
+
+def test_a_replaced_large_object_is_refused_before_it_loads(tmp_path: Path) -> None:
+    connector = _connector(tmp_path)
+    data = os.urandom(_LARGE)
+    key = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(data, sink))
+    marker = tmp_path / "marker"
+    crafted = _SERIALIZER.serialize_value(_WritesMarker(marker))
+    # Padding after the pickle's STOP, so the replacement is as large as the object.
+    connector._path(key).write_bytes(crafted + bytes(key.size_bytes - len(crafted)))
+    with pytest.raises(StoreIntegrityError, match=key.filename):
+        connector.load_from(key, _SERIALIZER.deserialize_from)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["data", "end"])
+def test_a_file_changed_between_its_check_and_its_load_is_refused(
+    tmp_path: Path, where: str
+) -> None:
+    connector = _connector(tmp_path)
+    data = os.urandom(_LARGE)
+    key = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(data, sink))
+    path = connector._path(key)
+
+    def change_then_load(source: PayloadSource) -> Any:
+        # After the check, before the load: the same file rewritten in the middle of the
+        # value (it still loads) or at its end (the pickle no longer loads).
+        with open(path, "r+b") as file:
+            file.seek(key.size_bytes // 2 if where == "data" else key.size_bytes - 1_000)
+            file.write(os.urandom(1_000))
+        return _SERIALIZER.deserialize_from(source)
+
+    with pytest.raises(StoreIntegrityError, match=key.filename):
+        connector.load_from(key, change_then_load)
+    unchanged = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(data, sink))
+    assert connector.load_from(unchanged, _SERIALIZER.deserialize_from) == data
+
+
+def test_a_gone_object_loads_as_none(tmp_path: Path) -> None:
+    connector = _connector(tmp_path)
+    key = connector.put_from(lambda sink: _SERIALIZER.serialize_value_into(b"x" * 100, sink))
+    connector.evict(key)
+    assert connector.load_from(key, _SERIALIZER.deserialize_from) is None
+
+
+def test_a_stored_envelope_is_not_loaded_as_a_value(tmp_path: Path) -> None:
+    connector = _connector(tmp_path)
+    packer = ByReference(open_store(f"file://{connector.store_dir}?tier=ephemeral"))
+    envelope = packer.pack_arguments((os.urandom(100_000),)).payload
+    key = connector.put(envelope)
+    with pytest.raises(Exception, match="not a by-reference envelope"):
+        connector.load_from(key, _SERIALIZER.deserialize_from)
+    assert pickle.HIGHEST_PROTOCOL >= 5
