@@ -549,7 +549,9 @@ def _fxstream(console: Console, settings: PayloadSettings) -> Figures:
             "worker_peak_rss_mb_by_size": sampler.phase_peaks_mb("workers"),
             "redis_peak_rss_mb": sampler.peak_mb("redis"),
             "client_peak_rss_mb": sampler.peak_mb("client"),
+            "client_peak_rss_mb_by_size": sampler.phase_peaks_mb("client"),
         }
+        figures["peak_rss_x_payload"] = _rss_per_payload(settings.sizes, figures)
         failures = {f"fxstream {label}": why for label, why in run.failures.items()}
         if settings.sweep_sizes:
             sampler.phase("sweep")
@@ -568,6 +570,33 @@ def _fxstream(console: Console, settings: PayloadSettings) -> Figures:
                 "agent_peak_rss_mb_sweep": sampler.phase_peaks_mb("agent").get("sweep"),
             }
     return figures | {"failures": failures}
+
+
+_RSS_RATIO_FROM_BYTES: Final = 100_000_000
+
+
+def _rss_per_payload(sizes: Sequence[str], figures: Figures) -> dict[str, dict[str, float]]:
+    """Each fxstream process's peak over the payload, at the sizes of 100 MB and more
+    (issue 18's target: at most 2). ``client_holding`` counts what this bench's process
+    holds by design, its argument and the result it checks (twice the payload), beside
+    the client's peak at the smallest size (the interpreter, the SDK): the client's
+    floor."""
+    ratios: dict[str, dict[str, float]] = {}
+    clients = figures["client_peak_rss_mb_by_size"]
+    baseline = clients.get(sizes[0]) if sizes else None
+    for label in sizes:
+        size_mb = parse_size(label) / 1e6
+        if size_mb * 1e6 < _RSS_RATIO_FROM_BYTES:
+            continue
+        found: dict[str, float] = {}
+        for name, key in (("worker", "worker_peak_rss_mb_by_size"), ("client", None)):
+            peak = (clients if key is None else figures[key]).get(label)
+            if peak is not None:
+                found[name] = round(peak / size_mb, 2)
+        if baseline is not None:
+            found["client_holding"] = round((2 * size_mb + baseline) / size_mb, 2)
+        ratios[label] = found
+    return ratios
 
 
 def _faster(inline: float | None, reference: float | None) -> str | None:
@@ -705,6 +734,12 @@ def _print_tables(console: Console, figures: Figures) -> None:
         f"of HTEX {figures.get('htex_process_peak_rss_mb')} MB, "
         f"of Ray {figures.get('ray_process_peak_rss_mb')} MB"
     )
+    for label, ratios in (figures.get("peak_rss_x_payload") or {}).items():
+        console.print(
+            f"{label}: peak RSS / payload: worker {ratios.get('worker')}, client "
+            f"{ratios.get('client')} (it holds its argument and the result: floor "
+            f"{ratios.get('client_holding')})"
+        )
     if figures.get("sweep_inline_ms"):
         sweep = Table(title="fxstream around the proxy threshold: median ms")
         for column in ("size", "inline", "by reference", "faster"):
