@@ -1,6 +1,6 @@
 """Raw Kafka limits on this machine, measured with plain confluent-kafka and 200-byte records.
 
-Four phases, each on fresh topics that are created here and deleted afterwards:
+Six phases, each on fresh topics that are created here and deleted afterwards:
 
 1. produce: one idempotent ``acks=all`` producer writes ``records`` records to a topic of
    4 partitions, timed until ``flush()`` returns;
@@ -16,6 +16,15 @@ Four phases, each on fresh topics that are created here and deleted afterwards:
    ``read_committed`` and writing each batch with its input offsets in one Kafka
    transaction, as the router, the agent and the ingress do. Its one-in-flight latency
    against phase 4's is what the exactly-once commit protocol costs per hop.
+6. relay3 acknowledged and deduplicated (``relay3_dedup_*``), the protocol that could
+   replace transactions on a lone task's path: each relay forwards a batch at once
+   (idempotent producer, ``acks=all``), waits for the broker's acknowledgement of the
+   batch, then commits its input offsets (so a relay killed in between reads the batch
+   again: at least once), and drops any record whose id it has already forwarded (the
+   record's send stamp here; a task id on the task path), so the repeats of a restart are
+   not passed on. Its one-in-flight latency against phases 4 and 5 is what that protocol
+   costs per hop. The relays' table of ids forwarded is a bounded dict in memory: a
+   durable one (a local table written before the offsets are committed) is not measured.
 
 Without a bootstrap address a private single-node platform is started in a temporary
 directory on free ports and stopped at the end.
@@ -329,12 +338,15 @@ def _relay(
     ready: _Flag,
     stop: _Flag,
     failed: _Flag,
-    transactional: bool = False,
+    mode: str = "plain",
 ) -> None:
-    """One task-path hop, run in a thread or process: forward ``source`` to ``target``."""
+    """One task-path hop, run in a thread or process: forward ``source`` to ``target``
+    (``mode``: ``plain``, ``txn`` or ``dedup``, see the module)."""
     try:
-        if transactional:
+        if mode == "txn":
             _forward_in_transactions(kafka, source, target, ready, stop)
+        elif mode == "dedup":
+            _forward_deduplicated(kafka, source, target, ready, stop)
         else:
             _forward(kafka, source, target, ready, stop)
     except BaseException:
@@ -399,6 +411,52 @@ def _forward_in_transactions(
         consumer.close()
 
 
+# How many record ids a deduplicating relay remembers (more than a batch can repeat).
+DEDUP_IDS = 200_000
+
+
+def _forward_deduplicated(
+    kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag
+) -> None:
+    """Copy ``source`` to ``target``: a batch forwarded, acknowledged, then its offsets
+    committed; a record whose id was forwarded before is dropped."""
+    producer = Producer(
+        {
+            **kafka.confluent(),
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": RELAY_LINGER_MS,
+            "retry.backoff.ms": 5,
+            "log_level": LOG_LEVEL,
+        }
+    )
+    producer.list_topics(target, timeout=STARTUP_TIMEOUT_S)
+    consumer = _consumer(kafka, source, committed=True)
+    forwarded: dict[bytes, None] = {}
+    try:
+        _await_assignment(consumer)
+        ready.set()
+        while not stop.is_set():
+            messages = _receive(consumer, RELAY_BATCH, 0.1)
+            if not messages:
+                continue
+            for message in messages:
+                value = message.value() or b""
+                record_id = value[: _STAMP.size]
+                if record_id in forwarded:
+                    continue
+                forwarded[record_id] = None
+                producer.produce(target, value)
+            if len(forwarded) > DEDUP_IDS:
+                for stale in list(itertools.islice(forwarded, len(forwarded) - DEDUP_IDS)):
+                    del forwarded[stale]
+            if producer.flush(IDLE_TIMEOUT_S):
+                raise BenchError(f"a batch was not acknowledged within {IDLE_TIMEOUT_S:.0f} s")
+            consumer.commit(asynchronous=True)
+    finally:
+        consumer.close()
+
+
 @dataclass(frozen=True)
 class _Runtime:
     """Where relays run: threads of this process, or processes of their own."""
@@ -431,7 +489,7 @@ RELAY_RUNTIME = PROCESSES
 
 @contextmanager
 def _relays(
-    runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str], transactional: bool
+    runtime: _Runtime, kafka: KafkaConnection, topics: Sequence[str], mode: str
 ) -> Iterator[_Flag]:
     """A relay between each pair of consecutive ``topics``, all assigned before the block.
 
@@ -444,9 +502,7 @@ def _relays(
         for source, target in itertools.pairwise(topics):
             readies.append(runtime.event())
             workers.append(
-                runtime.worker(
-                    _relay, (kafka, source, target, readies[-1], stop, failed, transactional)
-                )
+                runtime.worker(_relay, (kafka, source, target, readies[-1], stop, failed, mode))
             )
             workers[-1].start()
         _await_ready(readies, failed)
@@ -641,13 +697,13 @@ def _bench_relay3(
     records: int,
     samples: int,
     padding: bytes,
-    transactional: bool = False,
+    mode: str = "plain",
 ) -> Figures:
     """End-to-end through two relays: latency one record in flight, then a flood."""
-    with _relays(runtime, kafka, topics, transactional) as failed:
+    with _relays(runtime, kafka, topics, mode) as failed:
         producer = _Producer(kafka, linger_ms=RELAY_LINGER_MS)
         producer.connect(topics[0])
-        sink = _consumer(kafka, topics[-1], committed=transactional)
+        sink = _consumer(kafka, topics[-1], committed=mode == "txn")
         try:
             _await_assignment(sink)
             watchdog = _Watchdog("relay3", failed)
@@ -658,7 +714,7 @@ def _bench_relay3(
             producer.flush()
         finally:
             sink.close()
-    name = "relay3_txn" if transactional else "relay3"
+    name = {"plain": "relay3", "txn": "relay3_txn", "dedup": "relay3_dedup"}[mode]
     return {
         f"{name}_msgs_per_s": round(rate),
         f"{name}_p50_ms": percentile(trips, 50),
@@ -688,6 +744,11 @@ _ROWS = (
     ("relay3_txn_p99_ms", "3-hop relay in transactions p99 (1 in flight)", "ms"),
     ("relay3_txn_loaded_p50_ms", "3-hop relay in transactions p50 under the flood", "ms"),
     ("relay3_txn_loaded_p99_ms", "3-hop relay in transactions p99 under the flood", "ms"),
+    ("relay3_dedup_msgs_per_s", "3-hop relay acknowledged + deduplicated: throughput", "records/s"),
+    ("relay3_dedup_p50_ms", "3-hop relay acknowledged + deduplicated p50 (1 in flight)", "ms"),
+    ("relay3_dedup_p99_ms", "3-hop relay acknowledged + deduplicated p99 (1 in flight)", "ms"),
+    ("relay3_dedup_loaded_p50_ms", "3-hop relay acknowledged + deduplicated p50, flood", "ms"),
+    ("relay3_dedup_loaded_p99_ms", "3-hop relay acknowledged + deduplicated p99, flood", "ms"),
     ("wall_s", "wall time of the whole benchmark", "s"),
 )
 
@@ -799,7 +860,20 @@ def _relay3_txn_phase(run: _Run, samples: int, records: int) -> Figures:
             run.console,
             f"3-hop relay in transactions: {samples:,} round trips, then {records:,} records",
             lambda: _bench_relay3(
-                RELAY_RUNTIME, run.kafka, topics, records, samples, run.padding, True
+                RELAY_RUNTIME, run.kafka, topics, records, samples, run.padding, "txn"
+            ),
+        )
+
+
+def _relay3_dedup_phase(run: _Run, samples: int, records: int) -> Figures:
+    """The 3-hop relay, each hop acknowledged and deduplicated instead of transactional."""
+    with run.topics("relay3dedup.t1", "relay3dedup.t2", "relay3dedup.t3") as topics:
+        return _phase(
+            run.console,
+            f"3-hop relay acknowledged + deduplicated: {samples:,} round trips, then "
+            f"{records:,} records",
+            lambda: _bench_relay3(
+                RELAY_RUNTIME, run.kafka, topics, records, samples, run.padding, "dedup"
             ),
         )
 
@@ -819,6 +893,7 @@ def _measure(console: Console, broker: _Broker, records: int, samples: int) -> F
     figures |= _rtt_phase(run, samples)
     figures |= _relay3_phase(run, samples, int(figures["relay3_records"]))
     figures |= _relay3_txn_phase(run, samples, int(figures["relay3_records"]))
+    figures |= _relay3_dedup_phase(run, samples, int(figures["relay3_records"]))
     return figures
 
 
