@@ -3,7 +3,10 @@
 Real files in a private directory (the node-local tier's kind of store), no broker: the
 file connector's ``put_from`` must store exactly the payload ``serialize_value`` makes,
 leave nothing behind when writing fails, and ``load_from`` must refuse a replaced object
-before anything is loaded and a file changed between its check and its load.
+before anything is loaded and a file changed between its check and its load. A large
+value that is not one buffer (a dict of arrays) is kept in memory only up to the
+threshold and then written on to its file; one that outgrows the tier's room goes to the
+fallback store.
 """
 
 from __future__ import annotations
@@ -175,3 +178,70 @@ def test_a_stored_envelope_is_not_loaded_as_a_value(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="not a by-reference envelope"):
         connector.load_from(key, _SERIALIZER.deserialize_from)
     assert pickle.HIGHEST_PROTOCOL >= 5
+
+
+def test_a_large_value_of_any_type_is_written_on_to_its_file_as_it_is_made(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    packer = ByReference(open_store(f"file://{directory}?tier=ephemeral"))
+    arrays = [np.full(40_000, i, dtype=np.float64) for i in range(3)]
+    frames: dict[str, Any] = {"run": 7, "frames": arrays}
+    packed = packer.pack_value(frames)
+    assert len(packed.stored) == 1 and len(packed.payload) < 10_000
+    stored = Path(packed.stored[0].reference.object_key).read_bytes()
+    assert stored == _SERIALIZER.serialize_value(frames)
+    assert packed.stored[0].reference.sha256 == hashlib.sha256(stored).hexdigest()
+    with collect_references():
+        loaded = _SERIALIZER.deserialize(packed.payload)
+    assert loaded["run"] == 7 and all(
+        np.array_equal(a, b) for a, b in zip(loaded["frames"], arrays, strict=True)
+    )
+    # A small value stays inline, the same payload as without a store; nothing is written.
+    small = {"run": 8, "frames": [1, 2, 3]}
+    assert packer.pack_value(small).payload == _SERIALIZER.serialize_value(small)
+    assert len(list(directory.iterdir())) == 1
+
+
+def test_large_arguments_of_any_type_go_by_reference_and_small_ones_stay_inline(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    packer = ByReference(open_store(f"file://{directory}?tier=ephemeral"))
+    table: dict[str, Any] = {"x": np.arange(50_000, dtype=np.int64), "y": list(range(10_000))}
+    packed = packer.pack_arguments((table, 3), {"label": "run 9"})
+    assert len(packed.stored) == 1
+    args, kwargs = _SERIALIZER.unpack_arguments(packed.payload)
+    assert np.array_equal(args[0]["x"], table["x"]) and args[0]["y"] == table["y"]
+    assert args[1] == 3 and kwargs == {"label": "run 9"}
+    small = packer.pack_arguments(([1, 2], "a"), {"k": 1.5})
+    assert small.stored == [] and small.payload == _SERIALIZER.pack_arguments(
+        ([1, 2], "a"), {"k": 1.5}
+    )
+    with pytest.raises(Exception, match="keyword argument names are str"):
+        packer.pack_arguments((), {1: "x"})  # type: ignore[dict-item]
+
+
+def test_a_value_that_outgrows_the_tier_goes_to_the_fallback_store(tmp_path: Path) -> None:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    fallback = open_store(f"file://{tmp_path / 'fallback'}")
+    asked: list[int] = []
+
+    def has_room(size: int) -> bool:
+        asked.append(size)
+        return size != 0  # room at the start; none once the value is 64 MiB along
+
+    packer = ByReference(
+        open_store(f"file://{directory}?tier=ephemeral"), fallback=fallback, has_room=has_room
+    )
+    big = {"frames": [np.ones(5_000_000) for _ in range(2)]}  # 80 MB, not one buffer
+    packed = packer.pack_value(big)
+    assert 0 in asked
+    assert packed.stored[0].reference.store == fallback.name
+    assert list(directory.iterdir()) == []  # the partial file is gone
+    with collect_references():
+        loaded = _SERIALIZER.deserialize(packed.payload)
+    assert all(np.array_equal(a, b) for a, b in zip(loaded["frames"], big["frames"], strict=True))

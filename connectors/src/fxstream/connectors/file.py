@@ -23,6 +23,7 @@ than ``lease_s`` (the agent calls it periodically).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
@@ -37,7 +38,13 @@ from proxystore.serialize import BytesLike
 from fxstream.connectors.integrity import Digest, sha256_of, verify_digest
 from fxstream.topics import PayloadSink, PayloadSource, StorageTier
 
-__all__ = ["STREAMED_LOAD_BYTES", "FileConnector", "FileObjectKey", "ObjectOnOtherNode"]
+__all__ = [
+    "STREAMED_LOAD_BYTES",
+    "FileConnector",
+    "FileObjectKey",
+    "FileObjectWriter",
+    "ObjectOnOtherNode",
+]
 
 _SUFFIX = ".fxobj"
 
@@ -174,19 +181,20 @@ class FileConnector:
         """A new object of what ``write`` writes to the sink it is given (a serializer's
         :meth:`~fxstream.topics.Serializer.serialize_value_into`), hashed as it is written
         and renamed into place once complete; nothing is left behind when ``write`` raises."""
+        writer = self.writer()
+        try:
+            write(writer)
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.close()
+
+    def writer(self) -> FileObjectWriter:
+        """A new object written piece by piece: :meth:`FileObjectWriter.close` puts it in
+        place and returns its key, :meth:`FileObjectWriter.abort` leaves nothing."""
         name = f"{uuid.uuid4().hex}{_SUFFIX}"
         final = self._path(FileObjectKey(name))
-        partial = final.with_name(f".{final.name}.partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as out:
-                sink = _HashingSink(out)
-                write(sink)
-            partial.replace(final)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
-        return FileObjectKey(name, self.node, sink.size, sink.hexdigest())
+        return FileObjectWriter(final, FileObjectKey(name, self.node))
 
     def load_from(self, key: FileObjectKey, load: Callable[[PayloadSource], _T]) -> _T | None:
         """What ``load`` (a serializer's :meth:`~fxstream.topics.Serializer.deserialize_from`)
@@ -297,15 +305,22 @@ class FileConnector:
         return self.store_dir / name
 
 
-class _HashingSink:
-    """A :class:`~fxstream.topics.PayloadSink` over an open file: hashes what it writes."""
+class FileObjectWriter:
+    """An object of a :class:`FileConnector` being written (a
+    :class:`~fxstream.topics.PayloadSink`): a ``0600`` temporary file beside its final
+    name, hashed as it is written."""
 
-    def __init__(self, out: io.BufferedWriter) -> None:
-        self._out = out
+    def __init__(self, final: Path, key: FileObjectKey) -> None:
+        self._final = final
+        self._key = key
+        self._partial = final.with_name(f".{final.name}.partial")
+        fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        self._out = os.fdopen(fd, "wb")
         self._digest = Digest()
         self.size = 0
 
     def write(self, data: Any, /) -> int:
+        """Append ``data`` (any buffer, written as it is)."""
         view = memoryview(data).cast("B")
         self._digest.update(view)
         self._out.write(view)
@@ -313,13 +328,27 @@ class _HashingSink:
         return view.nbytes
 
     def restart(self) -> None:
+        """Discard what was written."""
         self._out.seek(0)
         self._out.truncate()
         self._digest = Digest()
         self.size = 0
 
-    def hexdigest(self) -> str:
-        return self._digest.hexdigest()
+    def close(self) -> FileObjectKey:
+        """Put the object in place; its key (with its size and digest)."""
+        try:
+            self._out.close()
+            self._partial.replace(self._final)
+        except BaseException:
+            self.abort()
+            raise
+        return self._key._replace(size_bytes=self.size, sha256=self._digest.hexdigest())
+
+    def abort(self) -> None:
+        """Delete what was written; the object never appears."""
+        with contextlib.suppress(OSError):
+            self._out.close()
+        self._partial.unlink(missing_ok=True)
 
 
 class _HashingSource:

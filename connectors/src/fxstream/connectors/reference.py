@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
+import io
 import socket
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -62,7 +64,13 @@ from proxystore.store.factory import StoreFactory
 
 from fxstream.connectors.file import STREAMED_LOAD_BYTES
 from fxstream.connectors.integrity import SHA256_PATTERN
-from fxstream.topics import ObjectReference, Serializer, StorageTier, wrap_references
+from fxstream.topics import (
+    ObjectReference,
+    SerializationError,
+    Serializer,
+    StorageTier,
+    wrap_references,
+)
 
 __all__ = [
     "DEFAULT_PROXY_THRESHOLD_BYTES",
@@ -290,8 +298,8 @@ class ByReference:
         if self.store is None or not any(
             self._large_buffer(value) for value in (*args, *kwargs.values())
         ):
-            whole = self.serializer.pack_arguments(tuple(args), kwargs)
-            if len(whole) <= self.threshold_bytes or self.store is None:
+            whole = self._whole_arguments(tuple(args), kwargs)
+            if whole is not None and (len(whole) <= self.threshold_bytes or self.store is None):
                 return Packed(whole)
         stored: list[StoredObject] = []
         new_args = [self._maybe_stored(value, stored) for value in args]
@@ -311,13 +319,12 @@ class ByReference:
             size = _buffer_bytes(value)
             if size is not None and size > self.threshold_bytes:
                 streamed = self._put_streamed(value, size, substitute=proxies_by_value)
-        if streamed is not None:
-            stored_object, factory = streamed
-        else:
-            payload = self.serializer.serialize_value(value, substitute=proxies_by_value)
-            if len(payload) <= self.threshold_bytes or self.store is None:
-                return Packed(payload)
-            stored_object, factory = self._put(payload)
+        if streamed is None:
+            inline, streamed = self._spilled(value, proxies_by_value)
+            if streamed is None:
+                assert inline is not None
+                return Packed(inline)
+        stored_object, factory = streamed
         # The reference itself is pickled whatever the data strategy (JSON cannot hold it).
         reference = _SERIALIZER.serialize_value(_FetchOnLoad(factory))
         return Packed(wrap_references(reference, [stored_object.reference]), [stored_object])
@@ -338,13 +345,11 @@ class ByReference:
         streamed = None
         if size is not None and size > self.threshold_bytes:
             streamed = self._put_streamed(value, size)
-        if streamed is not None:
-            stored_object, factory = streamed
-        else:
-            payload = self.serializer.serialize_value(value)
-            if len(payload) <= self.threshold_bytes:
+        if streamed is None:
+            _, streamed = self._spilled(value, None)
+            if streamed is None:
                 return value
-            stored_object, factory = self._put(payload)
+        stored_object, factory = streamed
         stored.append(stored_object)
         if isinstance(value, _BYTES_LIKE):
             return _FetchOnLoad(factory)
@@ -371,8 +376,69 @@ class ByReference:
         )
         return self._stored(store, key, getattr(key, "size_bytes", size))
 
-    def _put(self, payload: bytes) -> tuple[StoredObject, StoreFactory[Any, Any]]:
-        store = self._store_for(len(payload))
+    def _whole_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes | None:
+        """The arguments' payload when it is at most the threshold; None when it is larger
+        and the store streams (found without holding a large payload: the probe stops
+        the pickler once past the threshold). With a store that does not stream, the
+        payload whatever its size, as before."""
+        if self._writer_of(self._store_for(self.threshold_bytes + 1)) is None or not all(
+            isinstance(name, str) for name in kwargs
+        ):
+            # (pack_arguments refuses a name that is not a str, with the remedy.)
+            return self.serializer.pack_arguments(args, kwargs)
+        probe = _SpillSink(self.threshold_bytes, None)
+        try:
+            self.serializer.serialize_value_into((args, kwargs), probe)
+        except _PastThreshold:
+            return None
+        except SerializationError:
+            # pack_arguments says which argument does not serialize.
+            return self.serializer.pack_arguments(args, kwargs)
+        return probe.value()
+
+    def _spilled(
+        self, value: Any, substitute: Any
+    ) -> tuple[bytes, None] | tuple[None, tuple[StoredObject, StoreFactory[Any, Any]]]:
+        """``value`` serialized: its payload when it is at most the threshold, else the
+        object it was put in the store as. On a store that streams, the payload is kept in
+        memory only up to the threshold and then written on to its file as it is made."""
+        if self.store is None:
+            return self.serializer.serialize_value(value, substitute=substitute), None
+        store = self._store_for(self.threshold_bytes + 1)
+        writer_of = self._writer_of(store)
+        if writer_of is not None:
+            room = self._has_room if store is self.store else None
+            sink = _SpillSink(self.threshold_bytes, writer_of, room)
+            try:
+                self.serializer.serialize_value_into(value, sink, substitute=substitute)
+            except _NoRoom:
+                sink.abort()
+                if self.fallback is None:
+                    raise
+                # The tier filled up under this value: the store it falls back to takes it.
+                store = self.fallback
+            except BaseException:
+                sink.abort()
+                raise
+            else:
+                if sink.writer is None:
+                    return sink.value(), None
+                key = sink.writer.close()
+                return None, self._stored(store, key, getattr(key, "size_bytes", 0))
+        payload = self.serializer.serialize_value(value, substitute=substitute)
+        if len(payload) <= self.threshold_bytes:
+            return payload, None
+        return None, self._put(payload, store)
+
+    @staticmethod
+    def _writer_of(store: Store[Any]) -> Callable[[], Any] | None:
+        writer = getattr(store.connector, "writer", None)
+        return writer if callable(writer) else None
+
+    def _put(
+        self, payload: bytes, store: Store[Any] | None = None
+    ) -> tuple[StoredObject, StoreFactory[Any, Any]]:
+        store = store or self._store_for(len(payload))
         key = store.connector.put(payload)
         return self._stored(store, key, len(payload))
 
@@ -404,6 +470,92 @@ class ByReference:
             key, store_config=store.config(), deserializer=load_payload
         )
         return StoredObject(store, key, reference), factory
+
+
+# How often (bytes written) a value of unknown size asks again whether its store has room.
+_ROOM_CHECK_BYTES: Final = 64 * 1024 * 1024
+
+
+class _PastThreshold(SerializationError):
+    """Raised by a probing :class:`_SpillSink` to stop the pickler: the payload is larger
+    than the threshold (a :class:`SerializationError`, so no strategy retries another way)."""
+
+
+class _NoRoom(SerializationError):
+    """Raised by a :class:`_SpillSink` whose store has no room left for the value (the
+    value then goes to the fallback store, serialized whole)."""
+
+
+class _SpillSink:
+    """A payload sink that keeps up to ``limit`` bytes in memory, then (``open_writer``
+    given) opens a store writer, hands it what it kept and writes every later piece on
+    to it as it comes; with no ``open_writer`` it stops the pickler past ``limit``."""
+
+    def __init__(
+        self,
+        limit: int,
+        open_writer: Callable[[], Any] | None,
+        has_room: Callable[[int], bool] | None = None,
+    ) -> None:
+        self._limit = limit
+        self._open_writer = open_writer
+        self._has_room = has_room
+        self._buffer = io.BytesIO()
+        self._room_checked_at = 0
+        self.writer: Any = None
+        self.spilled = False
+
+    def write(self, data: Any, /) -> int:
+        if self.writer is not None:
+            return self._write_on(data)
+        size = memoryview(data).nbytes
+        if self._buffer.tell() + size <= self._limit:
+            return self._buffer.write(data)
+        self.spilled = True
+        if self._open_writer is None:
+            raise _PastThreshold("past the threshold")
+        self.writer = self._open_writer()
+        kept = self._buffer.getbuffer()
+        try:
+            self.writer.write(kept)
+        finally:
+            kept.release()
+        self._buffer = io.BytesIO()
+        return self._write_on(data)
+
+    def _write_on(self, data: Any) -> int:
+        try:
+            written = int(self.writer.write(data))
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise _NoRoom(
+                    "the store's file system is full: free space there (for the node-local "
+                    "tier, FXSTREAM_NODE_STORE=off sends large values to the proxy store)"
+                ) from exc
+            raise
+        if self._has_room is not None and self.writer.size >= (
+            self._room_checked_at + _ROOM_CHECK_BYTES
+        ):
+            # A value of unknown size: the store's room is asked again as it grows.
+            self._room_checked_at = self.writer.size
+            if not self._has_room(0):
+                raise _NoRoom("the node-local tier would keep too little free")
+        return written
+
+    def restart(self) -> None:
+        if self.writer is not None:
+            self.writer.restart()
+        else:
+            self._buffer = io.BytesIO()
+
+    def value(self) -> bytes:
+        """What was kept in memory (the whole payload when nothing spilled)."""
+        return self._buffer.getvalue()
+
+    def abort(self) -> None:
+        """Delete what was written to the store, if anything."""
+        if self.writer is not None:
+            self.writer.abort()
 
 
 def _buffer_bytes(value: Any) -> int | None:

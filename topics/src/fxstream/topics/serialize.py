@@ -289,6 +289,8 @@ class Strategy(abc.ABC):
         """
         try:
             payload = self.encode_payload(obj, substitute)
+        except SerializationError:
+            raise
         except Exception as exc:
             raise self._dump_refusal(obj, exc) from exc
         return payload
@@ -302,6 +304,8 @@ class Strategy(abc.ABC):
         """
         try:
             self.encode_into(obj, sink, substitute)
+        except SerializationError:
+            raise
         except Exception as exc:
             raise self._dump_refusal(obj, exc) from exc
 
@@ -331,8 +335,6 @@ class Strategy(abc.ABC):
         return self.decode_body(memoryview(source.read()))
 
     def _dump_refusal(self, obj: Any, exc: Exception) -> SerializationError:
-        if isinstance(exc, SerializationError):
-            return exc
         if isinstance(exc, RecursionError):
             return self._refusal(
                 f"{self.name} cannot serialize {_type_name(obj)}: it is nested too deeply "
