@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,25 +24,24 @@ from fxstream.connectors import ByReference, FileConnector, StoreIntegrityError,
 from fxstream.connectors.file import STREAMED_LOAD_BYTES
 from fxstream.connectors.reference import collect_references
 from fxstream.topics import PayloadSource, Serializer, StorageTier
+from tests.security.test_store_integrity import _WritesMarker
 
 _SERIALIZER = Serializer()
 _LARGE = STREAMED_LOAD_BYTES + 1_000_000
 
 
-class _WritesMarker:
-    """Loading this object writes ``path``: what an attacker's pickle would do."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return Path.write_text, (self.path, "code from the store ran here")
+def _node_directory(tmp_path: Path) -> Path:
+    directory = tmp_path / "node"
+    directory.mkdir(mode=0o700)
+    return directory
 
 
 def _connector(tmp_path: Path) -> FileConnector:
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
-    return FileConnector(directory, tier=StorageTier.EPHEMERAL)
+    return FileConnector(_node_directory(tmp_path), tier=StorageTier.EPHEMERAL)
+
+
+def _node_store(directory: Path) -> Any:
+    return open_store(f"file://{directory}?tier=ephemeral")
 
 
 @pytest.mark.parametrize(
@@ -97,9 +95,7 @@ def test_a_failed_streamed_put_leaves_no_file(tmp_path: Path) -> None:
 def test_large_values_go_by_reference_through_the_file_and_come_back_equal(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
-    store = open_store(f"file://{directory}?tier=ephemeral")
+    store = _node_store(_node_directory(tmp_path))
     packer = ByReference(store)
     loads: list[int] = []
     real_load_from = FileConnector.load_from
@@ -183,9 +179,8 @@ def test_a_stored_envelope_is_not_loaded_as_a_value(tmp_path: Path) -> None:
 def test_a_large_value_of_any_type_is_written_on_to_its_file_as_it_is_made(
     tmp_path: Path,
 ) -> None:
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
-    packer = ByReference(open_store(f"file://{directory}?tier=ephemeral"))
+    directory = _node_directory(tmp_path)
+    packer = ByReference(_node_store(directory))
     arrays = [np.full(40_000, i, dtype=np.float64) for i in range(3)]
     frames: dict[str, Any] = {"run": 7, "frames": arrays}
     packed = packer.pack_value(frames)
@@ -207,9 +202,8 @@ def test_a_large_value_of_any_type_is_written_on_to_its_file_as_it_is_made(
 def test_large_arguments_of_any_type_go_by_reference_and_small_ones_stay_inline(
     tmp_path: Path,
 ) -> None:
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
-    packer = ByReference(open_store(f"file://{directory}?tier=ephemeral"))
+    directory = _node_directory(tmp_path)
+    packer = ByReference(_node_store(directory))
     table: dict[str, Any] = {"x": np.arange(50_000, dtype=np.int64), "y": list(range(10_000))}
     packed = packer.pack_arguments((table, 3), {"label": "run 9"})
     assert len(packed.stored) == 1
@@ -225,8 +219,7 @@ def test_large_arguments_of_any_type_go_by_reference_and_small_ones_stay_inline(
 
 
 def test_a_value_that_outgrows_the_tier_goes_to_the_fallback_store(tmp_path: Path) -> None:
-    directory = tmp_path / "node"
-    directory.mkdir(mode=0o700)
+    directory = _node_directory(tmp_path)
     fallback = open_store(f"file://{tmp_path / 'fallback'}")
     asked: list[int] = []
 
@@ -234,9 +227,7 @@ def test_a_value_that_outgrows_the_tier_goes_to_the_fallback_store(tmp_path: Pat
         asked.append(size)
         return size != 0  # room at the start; none once the value is 64 MiB along
 
-    packer = ByReference(
-        open_store(f"file://{directory}?tier=ephemeral"), fallback=fallback, has_room=has_room
-    )
+    packer = ByReference(_node_store(directory), fallback=fallback, has_room=has_room)
     big = {"frames": [np.ones(5_000_000) for _ in range(2)]}  # 80 MB, not one buffer
     packed = packer.pack_value(big)
     assert 0 in asked

@@ -321,14 +321,7 @@ class Strategy(abc.ABC):
         The pickle-based strategies read a large value straight into its own buffer;
         the others read the whole body first.
         """
-        try:
-            return self.decode_from(source)
-        except (DeserializationError, IntegrityError):
-            raise
-        except Exception as exc:
-            raise DeserializationError(
-                f"cannot load the {self.name} payload ({_quote_exception(exc)})", strategy=self.id
-            ) from exc
+        return self._decoding(self.decode_from, source)
 
     def decode_from(self, source: PayloadSource) -> Any:
         """Load the body from ``source`` (by default, all of it read, then decoded)."""
@@ -359,8 +352,12 @@ class Strategy(abc.ABC):
                 f"the payload was written by the {strategy_id!r} strategy, not {self.id!r}",
                 strategy=strategy_id,
             )
+        return self._decoding(self.decode_body, body)
+
+    def _decoding(self, decode: Callable[[Any], Any], data: Any) -> Any:
+        """``decode(data)``, any failure but an integrity error as :class:`DeserializationError`."""
         try:
-            return self.decode_body(body)
+            return decode(data)
         except (DeserializationError, IntegrityError):
             raise
         except Exception as exc:

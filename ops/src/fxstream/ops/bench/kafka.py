@@ -371,23 +371,26 @@ def _forward(kafka: KafkaConnection, source: str, target: str, ready: _Flag, sto
         consumer.close()
 
 
+def _relay_producer_settings(kafka: KafkaConnection, extra: dict[str, Any]) -> dict[str, Any]:
+    """A committing relay's producer, as the agent's publisher: idempotent, ``acks=all``,
+    no linger, and a 5 ms retry backoff (librdkafka's 100 ms would hold a lone record
+    behind each CONCURRENT_TRANSACTIONS retry)."""
+    return {
+        **kafka.confluent(),
+        **extra,
+        "acks": "all",
+        "enable.idempotence": True,
+        "linger.ms": RELAY_LINGER_MS,
+        "retry.backoff.ms": 5,
+        "log_level": LOG_LEVEL,
+    }
+
+
 def _forward_in_transactions(
     kafka: KafkaConnection, source: str, target: str, ready: _Flag, stop: _Flag
 ) -> None:
     """Copy ``source`` to ``target``, each batch and its input offsets in one transaction."""
-    producer = Producer(
-        {
-            **kafka.confluent(),
-            "transactional.id": f"{source}.relay",
-            "acks": "all",
-            "enable.idempotence": True,
-            "linger.ms": RELAY_LINGER_MS,
-            # As the agent's publisher: librdkafka's 100 ms backoff would hold a lone
-            # record behind each CONCURRENT_TRANSACTIONS retry.
-            "retry.backoff.ms": 5,
-            "log_level": LOG_LEVEL,
-        }
-    )
+    producer = Producer(_relay_producer_settings(kafka, {"transactional.id": f"{source}.relay"}))
     producer.init_transactions(STARTUP_TIMEOUT_S)
     producer.list_topics(target, timeout=STARTUP_TIMEOUT_S)
     consumer = _consumer(kafka, source, committed=True)
@@ -420,16 +423,7 @@ def _forward_deduplicated(
 ) -> None:
     """Copy ``source`` to ``target``: a batch forwarded, acknowledged, then its offsets
     committed; a record whose id was forwarded before is dropped."""
-    producer = Producer(
-        {
-            **kafka.confluent(),
-            "acks": "all",
-            "enable.idempotence": True,
-            "linger.ms": RELAY_LINGER_MS,
-            "retry.backoff.ms": 5,
-            "log_level": LOG_LEVEL,
-        }
-    )
+    producer = Producer(_relay_producer_settings(kafka, {}))
     producer.list_topics(target, timeout=STARTUP_TIMEOUT_S)
     consumer = _consumer(kafka, source, committed=True)
     forwarded: dict[bytes, None] = {}
