@@ -2,7 +2,8 @@
 
 The smoke run starts its own private platform, a file watcher process, a rule and a
 subscription, as the full bench does, with a handful of steady files and a small burst;
-it checks the JSON's keys and that no file was lost (each file's result came once).
+it checks the JSON's keys, that no file was lost (each file's result came once), and the
+burst's CPU accounting per process.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def test_settings_refuse_what_cannot_run() -> None:
         (TriggerSettings(file_bytes=0), "--file-bytes"),
         (TriggerSettings(warmup_files=0), "--warmup-files"),
         (TriggerSettings(idle_timeout_s=0), "--idle-timeout"),
+        (TriggerSettings(warmup_tasks=-1), "--warmup-tasks"),
     ):
         with pytest.raises(ValueError, match=option):
             settings.validate()
@@ -73,6 +75,8 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
             "2",
             "--idle-timeout",
             "30",
+            "--warmup-tasks",
+            "50",
         ],
         capture_output=True,
         text=True,
@@ -89,3 +93,12 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     assert 0 < figures["p50_ms"] <= figures["p99_ms"]
     assert figures["burst_drain_s"] is not None and figures["burst_drain_s"] >= 0
     assert set(figures["hops_p50_ms"]) == {"steady", "burst"}
+    assert figures["warmup_tasks"] == 50
+    # The burst's CPU per file, by process: the watcher (its own process, named as an
+    # extra root), the broker and this bench's own process each spent some.
+    per_file = figures["burst_cpu_us_per_file"]
+    assert "file watcher" in per_file and "kafka node 1" in per_file, per_file
+    assert "sdk (this bench)" in per_file, per_file
+    assert figures["burst_cpu_us_per_file_total"] == sum(per_file.values())
+    assert figures["burst_cap_files_per_s"] > 0
+    assert "the burst's CPU per file" in done.stdout

@@ -867,6 +867,12 @@ def bench_trigger(
     idle_timeout: Annotated[
         float, typer.Option(help="Seconds without a result before the missing count as lost.")
     ] = 60.0,
+    warmup_tasks: Annotated[
+        int,
+        typer.Option(
+            help="No-op tasks first, to warm the broker's JIT (not counted); 0: a cold platform."
+        ),
+    ] = 20_000,
 ) -> None:
     """File close -> analysis result at a subscriber, through a file watcher and a rule."""
     from fxstream.ops.bench.trigger import TriggerSettings, run_trigger_bench
@@ -879,6 +885,7 @@ def bench_trigger(
         file_bytes=file_bytes,
         warmup_files=warmup_files,
         idle_timeout_s=idle_timeout,
+        warmup_tasks=warmup_tasks,
     )
     _run_task_bench("trigger", settings, run_trigger_bench)
 

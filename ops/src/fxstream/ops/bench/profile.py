@@ -48,16 +48,13 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from fxstream.ops.bench.processes import platform_processes
+from fxstream.ops.bench.processes import cpu_per_item, cpu_seconds, platform_processes
 from fxstream.ops.bench.stack import (
     BenchError,
-    Meter,
     PrivatePlatform,
-    noop,
     private_platform,
-    progress,
     rate,
-    wait_all,
+    run_noop_tasks,
 )
 
 __all__ = ["ProfileSettings", "run_profile_bench"]
@@ -124,43 +121,6 @@ def _py_spy() -> str | None:
 
 
 # --- CPU accounting ------------------------------------------------------------------------
-
-
-def _cpu_seconds(platform: PrivatePlatform) -> dict[str, tuple[int, float]]:
-    """``label -> (pid, CPU seconds so far)`` of every process of the platform and this one."""
-    found: dict[str, tuple[int, float]] = {}
-    for label, process in platform_processes(platform.platform):
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        found[label] = (process.pid, times.user + times.system)
-    return found
-
-
-def _per_task(
-    before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], tasks: int
-) -> dict[str, float]:
-    """Microseconds of CPU per task per process (a process that restarted meanwhile counts
-    from zero), largest first."""
-    spent: dict[str, float] = {}
-    for label, (pid, seconds) in after.items():
-        earlier = before.get(label)
-        start = earlier[1] if earlier is not None and earlier[0] == pid else 0.0
-        spent[label] = max(seconds - start, 0.0) * 1e6 / tasks
-    return dict(sorted(spent.items(), key=lambda item: -item[1]))
-
-
-def _run_tasks(platform: PrivatePlatform, console: Console, what: str, tasks: int) -> float:
-    """``tasks`` no-ops through ``Executor.submit`` on the local endpoint; seconds taken."""
-    with platform.executor() as executor, progress(console) as display:
-        meter = Meter(display, f"{what}: {tasks:,} tasks", tasks)
-        start = time.perf_counter()
-        futures = [executor.submit(noop, i) for i in range(tasks)]
-        wait_all(futures, meter)
-        wall = time.perf_counter() - start
-        meter.finish(tasks, f"{what}: {tasks:,} tasks, [bold]{rate(tasks, wall):,}/s")
-    return wall
 
 
 def _thread_seconds(pid: int) -> dict[str, float]:
@@ -331,13 +291,13 @@ def summarise_raw(text: str) -> Figures:
 
 def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSettings) -> Figures:
     if settings.warmup_tasks:
-        _run_tasks(platform, console, "warm-up", settings.warmup_tasks)
+        run_noop_tasks(platform, console, "warm-up", settings.warmup_tasks)
     threads_before = _all_thread_seconds(platform)
-    before = _cpu_seconds(platform)
-    wall = _run_tasks(platform, console, "accounting", settings.tasks)
-    after = _cpu_seconds(platform)
+    before = cpu_seconds(platform.platform)
+    wall = run_noop_tasks(platform, console, "accounting", settings.tasks)
+    after = cpu_seconds(platform.platform)
     threads_after = _all_thread_seconds(platform)
-    per_task = _per_task(before, after, settings.tasks)
+    per_task = cpu_per_item(before, after, settings.tasks)
     threads = _threads_per_task(threads_before, threads_after, settings.tasks)
     total_us = sum(per_task.values())
     figures: Figures = {
@@ -358,7 +318,7 @@ def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSetti
             directory = keep or Path(scratch)
             directory.mkdir(parents=True, exist_ok=True)
             with _sampled(_python_processes(platform), directory, settings.rate_hz) as outputs:
-                sampled_wall = _run_tasks(platform, console, "sampling", settings.tasks)
+                sampled_wall = run_noop_tasks(platform, console, "sampling", settings.tasks)
             figures["sampled_tasks_per_s"] = rate(settings.tasks, sampled_wall)
             for label, output in outputs.items():
                 text = output.read_text() if output.exists() else ""

@@ -75,6 +75,7 @@ __all__ = [
     "ray_local",
     "ray_wait_all",
     "result_of",
+    "run_noop_tasks",
     "secure_and_plain",
     "secure_vs_plain",
     "sigterm_as_exit",
@@ -407,6 +408,21 @@ def ray_wait_all(refs: Sequence[ObjectRef[Any]], meter: Meter) -> None:
             )
     ray.get(list(refs))
     meter.finish(len(refs))
+
+
+def run_noop_tasks(platform: PrivatePlatform, console: Console, what: str, tasks: int) -> float:
+    """``tasks`` no-ops through ``Executor.submit`` on the platform's local endpoint, with a
+    progress bar named ``what``; the seconds they took. (The benches' warm-up: a broker
+    just started runs its TLS and request code interpreted or C1-compiled until the JIT
+    has seen enough of it, docs/benchmarks.md.)"""
+    with platform.executor() as executor, progress(console) as display:
+        meter = Meter(display, f"{what}: {tasks:,} tasks", tasks)
+        start = time.perf_counter()
+        futures = [executor.submit(noop, i) for i in range(tasks)]
+        wait_all(futures, meter)
+        wall = time.perf_counter() - start
+        meter.finish(tasks, f"{what}: {tasks:,} tasks, [bold]{rate(tasks, wall):,}/s")
+    return wall
 
 
 def wait_all(futures: Sequence[Future[Any]], meter: Meter) -> None:

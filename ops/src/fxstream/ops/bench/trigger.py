@@ -11,6 +11,9 @@ the local endpoint with its 2 workers):
   through Kafka) and returns its size, checksum and mean byte;
 - a **subscriber** (``Client.subscribe(rule_id=...)``, started before the first file)
   takes each result and notes when it had it;
+- first ``warmup_tasks`` no-op tasks through ``Executor.submit`` (not measured: a broker
+  just started runs its TLS and request code interpreted or C1-compiled, and its JIT
+  compilers take a third of its CPU while they catch up; ``0`` measures a cold platform);
 - this process **writes the files**: ``warmup_files`` first (awaited, not measured: the
   trigger processor's first sight of the new source topic and the workers' first load of
   the function), then ``steady_files`` at ``rate`` files per second, waits for their
@@ -25,7 +28,13 @@ subscription dropped); ``burst_write_s`` (first to last close of the burst),
 ``burst_drain_s`` (last close of the burst to its last result) and ``burst_total_s`` (first
 close to last result); and the median of each hop (close -> event written by the watcher
 -> task submitted by the trigger processor -> routed -> dequeued -> started -> finished ->
-result published -> at the subscriber). The table is printed, then one JSON line.
+result published -> at the subscriber). For the burst, the CPU every process spent from
+its first write to its last result (``/proc``: the platform's processes and their
+children, the watcher, this process), per file (``burst_cpu_us_per_file``, its
+``..._total``) and what that allows on this machine's cores
+(``burst_cap_files_per_s`` = cores / CPU per file): a burst faster than that queues at
+every hop, whatever the latencies of an idle path. The tables are printed, then one
+JSON line.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -44,7 +53,14 @@ from rich.console import Console
 from rich.table import Table
 
 from fxstream.connectors.event_writer import ensure_event_topic
-from fxstream.ops.bench.stack import BenchError, PrivatePlatform, percentile, private_platform
+from fxstream.ops.bench.processes import cpu_per_item, cpu_seconds
+from fxstream.ops.bench.stack import (
+    BenchError,
+    PrivatePlatform,
+    percentile,
+    private_platform,
+    run_noop_tasks,
+)
 from fxstream.ops.process import ManagedProcess
 from fxstream.ops.source_process import start_source_process
 from fxstream.sdk import ResultSubscription
@@ -95,6 +111,7 @@ class TriggerSettings:
     file_bytes: int = 65_536
     warmup_files: int = 5
     idle_timeout_s: float = 60.0
+    warmup_tasks: int = 20_000
 
     def validate(self) -> None:
         """``ValueError`` naming the first option out of range."""
@@ -112,6 +129,8 @@ class TriggerSettings:
             raise ValueError("--warmup-files must be at least 1 (the source topic's first use)")
         if self.idle_timeout_s <= 0:
             raise ValueError(f"--idle-timeout must be more than 0 s, not {self.idle_timeout_s}")
+        if self.warmup_tasks < 0:
+            raise ValueError(f"--warmup-tasks must not be negative, not {self.warmup_tasks}")
 
 
 @dataclass
@@ -246,7 +265,14 @@ def _measure(console: Console, platform: PrivatePlatform, settings: TriggerSetti
     directory = directory.resolve()  # as the watcher names the files (symlinks resolved)
     block = os.urandom(max(0, settings.file_bytes - 64))
     ledger = _Ledger()
+    if settings.warmup_tasks:
+        run_noop_tasks(platform, console, "warm-up", settings.warmup_tasks)
     watcher = _start_watcher(platform, directory, source)
+
+    def cpu() -> dict[str, tuple[int, float]]:
+        pid = watcher.pid()
+        return cpu_seconds(platform.platform, {"file watcher": pid} if pid else None)
+
     client = platform.client()
     try:
         function_id = client.register_function(analyse, name="bench-trigger-analyse")
@@ -261,7 +287,7 @@ def _measure(console: Console, platform: PrivatePlatform, settings: TriggerSetti
             collector = _Collector(subscription, ledger)
             collector.start()
             try:
-                figures = _phases(console, directory, block, ledger, settings)
+                figures = _phases(console, directory, block, ledger, settings, cpu)
             finally:
                 collector.stop()
             if collector.error is not None:
@@ -276,7 +302,12 @@ def _measure(console: Console, platform: PrivatePlatform, settings: TriggerSetti
 
 
 def _phases(
-    console: Console, directory: Path, block: bytes, ledger: _Ledger, settings: TriggerSettings
+    console: Console,
+    directory: Path,
+    block: bytes,
+    ledger: _Ledger,
+    settings: TriggerSettings,
+    cpu: Callable[[], dict[str, tuple[int, float]]],
 ) -> Figures:
     with console.status("[bold]warm-up: the first files (source topic, workers)"):
         for i in range(settings.warmup_files):
@@ -302,6 +333,7 @@ def _phases(
         f"[bold]burst: {settings.burst_files} files over {settings.burst_s:g} s, then drain"
     ):
         gap = settings.burst_s / settings.burst_files if settings.burst_files else 0.0
+        before = cpu()
         began = time.monotonic()
         for i in range(settings.burst_files):
             delay = began + i * gap - time.monotonic()
@@ -309,7 +341,32 @@ def _phases(
                 time.sleep(delay)
             _write_file(directory, f"burst-{i:05d}.dat", block, ledger, "burst")
         _wait_for(ledger, "burst", settings.burst_files, settings.idle_timeout_s)
-    return _figures(ledger, settings, steady_write_s)
+        after = cpu()
+    figures = _figures(ledger, settings, steady_write_s)
+    figures.update(_burst_cpu(before, after, settings.burst_files))
+    return figures
+
+
+def _burst_cpu(
+    before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], files: int
+) -> Figures:
+    """The burst's CPU per file per process (those of at least 1 µs), its total, and the
+    files per second this machine's cores allow at that cost."""
+    if not files:
+        return {
+            "burst_cpu_us_per_file": {},
+            "burst_cpu_us_per_file_total": None,
+            "burst_cap_files_per_s": None,
+        }
+    per_file = {
+        label: round(us) for label, us in cpu_per_item(before, after, files).items() if us >= 1
+    }
+    total = sum(per_file.values())
+    return {
+        "burst_cpu_us_per_file": per_file,
+        "burst_cpu_us_per_file_total": total,
+        "burst_cap_files_per_s": round((os.cpu_count() or 1) * 1e6 / total) if total else None,
+    }
 
 
 def _figures(ledger: _Ledger, settings: TriggerSettings, steady_write_s: float) -> Figures:
@@ -361,6 +418,7 @@ def _figures(ledger: _Ledger, settings: TriggerSettings, steady_write_s: float) 
             "burst_p99_ms": _ms(latency["burst"], 99),
             "file_bytes": settings.file_bytes,
             "warmup_files": settings.warmup_files,
+            "warmup_tasks": settings.warmup_tasks,
             "hops_p50_ms": {
                 phase: _hop_medians(ledger, paths) for phase, paths in by_phase.items()
             },
@@ -411,6 +469,20 @@ def _print(console: Console, figures: Figures) -> None:
         name = f"{start}->{end}"
         hops.add_row(name, *(str(figures["hops_p50_ms"][p][name]) for p in figures["hops_p50_ms"]))
     console.print(hops)
+    total = figures.get("burst_cpu_us_per_file_total")
+    if not total:
+        return
+    spent = Table(
+        title=(
+            f"the burst's CPU per file: {total:,} µs, so at most "
+            f"{figures['burst_cap_files_per_s']:,} files/s on {os.cpu_count()} cores"
+        )
+    )
+    for column in ("process", "µs / file", "share"):
+        spent.add_column(column, justify="left" if column == "process" else "right")
+    for label, us in list(figures["burst_cpu_us_per_file"].items())[:15]:
+        spent.add_row(label, f"{us:,}", f"{100 * us / total:.0f} %")
+    console.print(spent)
 
 
 def run_trigger_bench(console: Console, settings: TriggerSettings) -> Figures:
