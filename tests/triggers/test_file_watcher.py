@@ -289,3 +289,41 @@ def test_an_event_writer_whose_producer_hangs_refuses_to_write_on_and_a_restart_
     finally:
         release.set()
     assert [e.event_key for e in read_events(kafka, topic)] == ["second"]
+
+
+def test_files_created_and_closed_at_once_are_announced_by_their_close_without_a_proc_scan(
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    event_topic: Callable[[str], str],
+    source_name: str,
+    tmp_path: Path,
+) -> None:
+    """A file written and closed at once (a detector's frame) has its creation and its
+    close read together: its close announces it, and no scan of every process's open
+    files (``/proc``, 1-2 ms with a few dozen processes) is made for it: a file that
+    appeared waits 20 ms for its close first. A scan is made only for a file whose close
+    had not come 20 ms after its creation (this writer would have to stall between open
+    and close for that), so the scans stay a small fraction of the files; before this
+    there was at least one per batch, made as soon as its first file's creation was read
+    (and that file was announced as ``created``)."""
+    topic = event_topic(source_name)
+    watched = tmp_path / "watched"
+    watched.mkdir()
+    watcher = FileWatcher(
+        EventWriter(kafka, source_name, role="watcher", catalogue=catalogue), watched, mode="close"
+    )
+    files = 60
+    with running(watcher):
+        assert watcher.ready.wait(30)
+        scans_at_start = watcher.writer_scans
+        for i in range(files):
+            (watched / f"frame-{i:04d}.dat").write_bytes(CHUNK)
+            if i % 10 == 9:
+                time.sleep(0.3)  # several batches, each read after its files closed
+        events = wait_for_events(kafka, topic, lambda found: len(found) >= files)
+        time.sleep(1.0)
+        events = read_events(kafka, topic)
+        scans = watcher.writer_scans - scans_at_start
+    assert len(events) == files and len(_paths(events)) == files
+    assert all(e.attributes["detected_by"] == "close-write" for e in events)
+    assert scans < files // 20, f"{scans} /proc scans for {files} files closed at once"

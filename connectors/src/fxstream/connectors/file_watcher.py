@@ -5,8 +5,9 @@ A file is *complete* when (``mode=``):
 - ``"close"`` (Linux inotify, the default where available): a process that had it open for
   writing closed it (``IN_CLOSE_WRITE``), or it was renamed within the directory (the
   write-then-rename idiom: the rename is atomic), or it appeared (moved in from elsewhere,
-  linked) and no process on this host has it open for writing (``/proc``, checked once per
-  ``poll_s`` for the files that appeared). A file written through one open in slow
+  linked) and no process on this host has it open for writing (``/proc``, checked for the
+  files that appeared and were not closed or renamed within 20 ms: a close or rename
+  announces a file without the scan). A file written through one open in slow
   chunks fires once, at its close. A writer that opens and closes the file once per chunk
   fires once per close: use ``"stable"`` for such writers, and for files written from
   another host (NFS, Lustre: inotify sees only this kernel's writes).
@@ -93,6 +94,10 @@ WATCH_MODES: Final[tuple[WatchMode, ...]] = ("close", "stable")
 FILE_EVENT_TYPE: Final = "file-complete"
 _MAX_KEY_CHARS: Final = 1024
 _MAX_EVENTS_PER_TRANSACTION: Final = 500
+_APPEARED_GRACE_S: Final = 0.02
+"""How long a file that appeared waits for its close before ``/proc`` is scanned for its
+writers: a writer's close comes microseconds after its create, and the scan costs 1-2 ms
+with a few dozen processes; a file moved in from elsewhere is announced this much later."""
 
 
 def close_mode_available() -> bool:
@@ -246,11 +251,15 @@ class FileWatcher:
         self.host = socket.gethostname()
         self.emitted = 0
         """Events this watcher wrote."""
+        self.writer_scans = 0
+        """``/proc`` scans for writers (:func:`open_for_writing`) this watcher made: at the
+        start scan, and for files that appeared with no close read with them."""
         self.ready = threading.Event()
         """Set once the watch is in place and the start scan is done."""
         self._changes: queue.SimpleQueue[_Change] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}
-        self._appeared: set[str] = set()
+        self._appeared: dict[str, float] = {}
+        """Files that appeared with no close read yet, and when (monotonic) they did."""
         self._complete: list[tuple[str, str]] = []
 
     # --- filters -------------------------------------------------------------------------
@@ -292,7 +301,7 @@ class FileWatcher:
                 "watching %s (%s mode) for source %s", self.root, self.mode, self.writer.source
             )
             while not stop.is_set():
-                self._take_changes(self.poll_s)
+                self._take_changes(_APPEARED_GRACE_S if self._appeared else self.poll_s)
                 self._check_appeared()
                 self._check_pending()
                 self._flush()
@@ -334,6 +343,7 @@ class FileWatcher:
         announces it). Where another user's processes cannot be inspected, a file not
         seen open waits ``stable_s`` without a change instead (or for its close)."""
         scan = open_for_writing(paths)
+        self.writer_scans += 1 if paths else 0
         for path in paths:
             if path in scan.busy:
                 continue
@@ -354,10 +364,14 @@ class FileWatcher:
                     self._track(change.path)
                 elif change.how == "closed":
                     self._complete.append((change.path, "close-write"))
+                    # Its close announces it: no scan of /proc for its writers (1-2 ms
+                    # with a few dozen processes) for a file created and closed at once.
+                    self._appeared.pop(change.path, None)
                 elif change.how == "moved":
                     self._complete.append((change.path, "moved"))
+                    self._appeared.pop(change.path, None)
                 elif change.how == "created":
-                    self._appeared.add(change.path)
+                    self._appeared.setdefault(change.path, time.monotonic())
             try:
                 change = self._changes.get_nowait()
             except queue.Empty:
@@ -369,8 +383,14 @@ class FileWatcher:
         announced at their close."""
         if not self._appeared:
             return
-        appeared, self._appeared = self._appeared, set()
-        self._settle(appeared, "created")
+        # A writer's close follows its create within microseconds: a file waits
+        # _APPEARED_GRACE_S for it before its writers are looked for.
+        settled = time.monotonic() - _APPEARED_GRACE_S
+        due = [path for path, seen in self._appeared.items() if seen <= settled]
+        for path in due:
+            del self._appeared[path]
+        if due:
+            self._settle(due, "created")
 
     def _track(self, path: str) -> None:
         try:
