@@ -94,11 +94,13 @@ def test_smoke_run_prints_the_figures_as_its_last_line() -> None:
     assert figures["burst_drain_s"] is not None and figures["burst_drain_s"] >= 0
     assert set(figures["hops_p50_ms"]) == {"steady", "burst"}
     assert figures["warmup_tasks"] == 50
-    # The burst's CPU per file, by process: the watcher (its own process, named as an
+    # Each phase's CPU per file, by process: the watcher (its own process, named as an
     # extra root), the broker and this bench's own process each spent some.
-    per_file = figures["burst_cpu_us_per_file"]
-    assert "file watcher" in per_file and "kafka node 1" in per_file, per_file
-    assert "sdk (this bench)" in per_file, per_file
-    assert figures["burst_cpu_us_per_file_total"] == sum(per_file.values())
-    assert figures["burst_cap_files_per_s"] > 0
-    assert "the burst's CPU per file" in done.stdout
+    for phase in ("steady", "burst"):
+        per_file = figures[f"{phase}_cpu_us_per_file"]
+        assert "file watcher" in per_file and "kafka node 1" in per_file, per_file
+        assert "sdk (this bench)" in per_file, per_file
+        assert figures[f"{phase}_cpu_us_per_file_total"] == sum(per_file.values())
+        assert figures[f"{phase}_cap_files_per_s"] > 0
+    assert 0 < figures["steady_cpu_busy"] <= 1.0
+    assert "CPU per file on" in done.stdout and "burst µs / file" in done.stdout

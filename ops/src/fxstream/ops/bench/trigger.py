@@ -28,13 +28,15 @@ subscription dropped); ``burst_write_s`` (first to last close of the burst),
 ``burst_drain_s`` (last close of the burst to its last result) and ``burst_total_s`` (first
 close to last result); and the median of each hop (close -> event written by the watcher
 -> task submitted by the trigger processor -> routed -> dequeued -> started -> finished ->
-result published -> at the subscriber). For the burst, the CPU every process spent from
+result published -> at the subscriber). For each phase, the CPU every process spent from
 its first write to its last result (``/proc``: the platform's processes and their
-children, the watcher, this process), per file (``burst_cpu_us_per_file``, its
-``..._total``) and what that allows on this machine's cores
-(``burst_cap_files_per_s`` = cores / CPU per file): a burst faster than that queues at
-every hop, whatever the latencies of an idle path. The tables are printed, then one
-JSON line.
+children, the watcher, this process), per file (``steady_cpu_us_per_file``,
+``burst_cpu_us_per_file``, each with its ``..._total``) and what that allows on this
+machine's cores (``..._cap_files_per_s`` = cores / CPU per file): a burst faster than
+that queues at every hop, whatever the latencies of an idle path; ``steady_cpu_busy`` is
+the share of the cores the steady phase kept busy (its CPU over its wall time). A file
+of the steady phase costs more than one of the burst: it arrives alone, so every hop's
+transaction and fetch carries it alone. The tables are printed, then one JSON line.
 """
 
 from __future__ import annotations
@@ -321,6 +323,7 @@ def _phases(
         )
     period = 1.0 / settings.rate
     with console.status(f"[bold]steady: {settings.steady_files} files at {settings.rate:g}/s"):
+        steady_before = cpu()
         began = time.monotonic()
         for i in range(settings.steady_files):
             delay = began + i * period - time.monotonic()
@@ -329,6 +332,8 @@ def _phases(
             _write_file(directory, f"steady-{i:05d}.dat", block, ledger, "steady")
         steady_write_s = time.monotonic() - began
         _wait_for(ledger, "steady", settings.steady_files, settings.idle_timeout_s)
+        steady_after = cpu()
+        steady_wall_s = time.monotonic() - began
     with console.status(
         f"[bold]burst: {settings.burst_files} files over {settings.burst_s:g} s, then drain"
     ):
@@ -343,29 +348,39 @@ def _phases(
         _wait_for(ledger, "burst", settings.burst_files, settings.idle_timeout_s)
         after = cpu()
     figures = _figures(ledger, settings, steady_write_s)
-    figures.update(_burst_cpu(before, after, settings.burst_files))
+    figures.update(_phase_cpu("steady", steady_before, steady_after, settings.steady_files))
+    steady_total = figures["steady_cpu_us_per_file_total"]
+    figures["steady_cpu_busy"] = (
+        round(steady_total * settings.steady_files / 1e6 / steady_wall_s / (os.cpu_count() or 1), 3)
+        if steady_total
+        else None
+    )
+    figures.update(_phase_cpu("burst", before, after, settings.burst_files))
     return figures
 
 
-def _burst_cpu(
-    before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]], files: int
+def _phase_cpu(
+    phase: str,
+    before: dict[str, tuple[int, float]],
+    after: dict[str, tuple[int, float]],
+    files: int,
 ) -> Figures:
-    """The burst's CPU per file per process (those of at least 1 µs), its total, and the
+    """A phase's CPU per file per process (those of at least 1 µs), its total, and the
     files per second this machine's cores allow at that cost."""
     if not files:
         return {
-            "burst_cpu_us_per_file": {},
-            "burst_cpu_us_per_file_total": None,
-            "burst_cap_files_per_s": None,
+            f"{phase}_cpu_us_per_file": {},
+            f"{phase}_cpu_us_per_file_total": None,
+            f"{phase}_cap_files_per_s": None,
         }
     per_file = {
         label: round(us) for label, us in cpu_per_item(before, after, files).items() if us >= 1
     }
     total = sum(per_file.values())
     return {
-        "burst_cpu_us_per_file": per_file,
-        "burst_cpu_us_per_file_total": total,
-        "burst_cap_files_per_s": round((os.cpu_count() or 1) * 1e6 / total) if total else None,
+        f"{phase}_cpu_us_per_file": per_file,
+        f"{phase}_cpu_us_per_file_total": total,
+        f"{phase}_cap_files_per_s": round((os.cpu_count() or 1) * 1e6 / total) if total else None,
     }
 
 
@@ -469,19 +484,33 @@ def _print(console: Console, figures: Figures) -> None:
         name = f"{start}->{end}"
         hops.add_row(name, *(str(figures["hops_p50_ms"][p][name]) for p in figures["hops_p50_ms"]))
     console.print(hops)
-    total = figures.get("burst_cpu_us_per_file_total")
-    if not total:
+    steady = figures.get("steady_cpu_us_per_file_total")
+    burst = figures.get("burst_cpu_us_per_file_total")
+    if not steady and not burst:
         return
-    spent = Table(
-        title=(
-            f"the burst's CPU per file: {total:,} µs, so at most "
-            f"{figures['burst_cap_files_per_s']:,} files/s on {os.cpu_count()} cores"
-        )
-    )
-    for column in ("process", "µs / file", "share"):
-        spent.add_column(column, justify="left" if column == "process" else "right")
-    for label, us in list(figures["burst_cpu_us_per_file"].items())[:15]:
-        spent.add_row(label, f"{us:,}", f"{100 * us / total:.0f} %")
+    titles = []
+    for phase, total in (("steady", steady), ("burst", burst)):
+        if total:
+            titles.append(
+                f"{phase} {total:,} µs (at most {figures[f'{phase}_cap_files_per_s']:,} files/s)"
+            )
+    busy = figures.get("steady_cpu_busy")
+    if busy is not None:
+        titles.append(f"the steady phase kept {100 * busy:.0f} % of the cores busy")
+    spent = Table(title=f"CPU per file on {os.cpu_count()} cores: " + "; ".join(titles))
+    spent.add_column("process")
+    for phase, total in (("steady", steady), ("burst", burst)):
+        if total:
+            spent.add_column(f"{phase} µs / file", justify="right")
+            spent.add_column("share", justify="right")
+    labels = list(figures.get("burst_cpu_us_per_file") or figures["steady_cpu_us_per_file"])
+    for label in labels[:15]:
+        row = [label]
+        for phase, total in (("steady", steady), ("burst", burst)):
+            if total:
+                us = figures[f"{phase}_cpu_us_per_file"].get(label, 0)
+                row += [f"{us:,}", f"{100 * us / total:.0f} %"]
+        spent.add_row(*row)
     console.print(spent)
 
 
