@@ -10,6 +10,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from confluent_kafka import KafkaError, KafkaException, Producer
@@ -41,6 +42,18 @@ def _write_slowly(path: Path, chunks: int, pause_s: float, check: Callable[[], N
             check()
 
 
+def _watcher(
+    kafka: KafkaConnection,
+    catalogue: Catalogue,
+    source_name: str,
+    directory: Path,
+    **options: Any,
+) -> FileWatcher:
+    """A watcher of ``directory`` writing ``source_name``'s events as the watcher role."""
+    writer = EventWriter(kafka, source_name, role="watcher", catalogue=catalogue)
+    return FileWatcher(writer, directory, **options)
+
+
 def test_a_file_written_slowly_in_chunks_fires_one_event_after_it_is_closed(
     kafka: KafkaConnection,
     catalogue: Catalogue,
@@ -51,9 +64,7 @@ def test_a_file_written_slowly_in_chunks_fires_one_event_after_it_is_closed(
     topic = event_topic(source_name)
     watched = tmp_path / "watched"
     watched.mkdir()
-    watcher = FileWatcher(
-        EventWriter(kafka, source_name, role="watcher", catalogue=catalogue), watched, mode="close"
-    )
+    watcher = _watcher(kafka, catalogue, source_name, watched, mode="close")
     frame = watched / "frame-0001.h5"
 
     def nothing_yet() -> None:
@@ -86,12 +97,7 @@ def test_stable_mode_fires_once_for_a_writer_that_reopens_the_file_per_chunk(
     tmp_path: Path,
 ) -> None:
     topic = event_topic(source_name)
-    watcher = FileWatcher(
-        EventWriter(kafka, source_name, role="watcher", catalogue=catalogue),
-        tmp_path,
-        mode="stable",
-        stable_s=2.0,
-    )
+    watcher = _watcher(kafka, catalogue, source_name, tmp_path, mode="stable", stable_s=2.0)
     frame = tmp_path / "frame.bin"
     with running(watcher):
         assert watcher.ready.wait(30)
@@ -121,12 +127,8 @@ def test_include_and_exclude_patterns_choose_the_files(
     watched, staging = tmp_path / "watched", tmp_path / "staging"
     watched.mkdir()
     staging.mkdir()
-    watcher = FileWatcher(
-        EventWriter(kafka, source_name, role="watcher", catalogue=catalogue),
-        watched,
-        mode="close",
-        include=["*.h5"],
-        exclude=["skip-*"],
+    watcher = _watcher(
+        kafka, catalogue, source_name, watched, mode="close", include=["*.h5"], exclude=["skip-*"]
     )
     with running(watcher):
         assert watcher.ready.wait(30)
@@ -309,9 +311,7 @@ def test_files_created_and_closed_at_once_are_announced_by_their_close_without_a
     topic = event_topic(source_name)
     watched = tmp_path / "watched"
     watched.mkdir()
-    watcher = FileWatcher(
-        EventWriter(kafka, source_name, role="watcher", catalogue=catalogue), watched, mode="close"
-    )
+    watcher = _watcher(kafka, catalogue, source_name, watched, mode="close")
     files = 60
     with running(watcher):
         assert watcher.ready.wait(30)
