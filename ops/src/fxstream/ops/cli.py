@@ -903,10 +903,21 @@ def bench_profile(
     rate_hz: Annotated[int, typer.Option(help="py-spy samples per second.")] = 250,
     profile_dir: Annotated[
         Path | None,
-        typer.Option(help="Keep py-spy's raw stacks (flame graph input) in this directory."),
+        typer.Option(
+            help="Keep py-spy's raw stacks (flame graph input) and the broker's JFR "
+            "recording in this directory."
+        ),
     ] = None,
+    broker_jfr: Annotated[
+        bool,
+        typer.Option(
+            "--broker-jfr/--no-broker-jfr",
+            help="Record the broker's JVM with Java Flight Recorder while sampling.",
+        ),
+    ] = False,
 ) -> None:
-    """Where a task's CPU goes: microseconds per task in every process, then py-spy."""
+    """Where a task's CPU goes: microseconds per task in every process and the broker's
+    requests, then py-spy (and with --broker-jfr, the broker's JVM)."""
     from fxstream.ops.bench.profile import ProfileSettings, run_profile_bench
 
     settings = ProfileSettings(
@@ -915,6 +926,7 @@ def bench_profile(
         py_spy=py_spy,
         rate_hz=rate_hz,
         profile_dir=profile_dir,
+        broker_jfr=broker_jfr,
     )
     _run_task_bench("profile", settings, run_profile_bench)
 

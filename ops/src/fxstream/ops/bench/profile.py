@@ -12,7 +12,10 @@ endpoint with 2 warm workers):
    thread name (the broker's network threads and JIT compiler, librdkafka's ``rdk:``
    threads, RocksDB's ``rocksdb:`` compaction threads, Python's own). Nothing else is
    attached to the processes while this is measured. ``cap_tasks_per_s`` is the rate the
-   machine's cores would allow if every core did only this work (cores / CPU per task);
+   machine's cores would allow if every core did only this work (cores / CPU per task).
+   Over the same window, the broker's own counters (read over the JDK's attach API by
+   :mod:`fxstream.ops.bench.broker_counters`): requests served per task by API
+   (``Produce``, ``Fetch``, ``EndTxn``, ...) and records written per task by topic;
 3. *sampling* (unless ``py_spy`` is False): the same number of tasks again while
    ``py-spy record`` samples every Python process of the platform (and this one) at
    ``rate_hz``. Per process, the functions with the most samples on top of the stack
@@ -48,6 +51,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
+from fxstream.ops.bench.broker_counters import BrokerCounters, CounterReading, per_item
+from fxstream.ops.bench.broker_jfr import BrokerRecording
 from fxstream.ops.bench.processes import cpu_per_item, cpu_seconds, platform_processes
 from fxstream.ops.bench.stack import (
     BenchError,
@@ -98,6 +103,7 @@ class ProfileSettings:
     py_spy: bool = True
     rate_hz: int = 250
     profile_dir: Path | None = None
+    broker_jfr: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first setting that cannot work."""
@@ -289,14 +295,73 @@ def summarise_raw(text: str) -> Figures:
 # --- the run -------------------------------------------------------------------------------
 
 
+def _broker_pids(platform: PrivatePlatform) -> list[int]:
+    return [
+        process.pid
+        for label, process in platform_processes(platform.platform)
+        if label.startswith("kafka node ") and " / " not in label
+    ]
+
+
+def _broker_counters(
+    console: Console, platform: PrivatePlatform
+) -> tuple[BrokerCounters | None, str]:
+    """The broker's request counters (the bench's platform has one broker), or None and
+    why not: the figures are then left out, the rest of the bench runs."""
+    pids = _broker_pids(platform)
+    if len(pids) != 1:
+        return None, f"{len(pids)} brokers (the counters read one)"
+    try:
+        return BrokerCounters(pids[0]), ""
+    except (RuntimeError, OSError) as exc:
+        console.print(f"[yellow]the broker's request counters are left out: {exc}")
+        return None, str(exc)
+
+
+def _broker_recording(
+    console: Console, platform: PrivatePlatform, directory: Path, settings: ProfileSettings
+) -> BrokerRecording | None:
+    """A started JFR recording of the broker for the sampling phase, if asked for."""
+    if not settings.broker_jfr:
+        return None
+    pids = _broker_pids(platform)
+    recording = BrokerRecording(pids[0], directory / "broker.jfr")
+    recording.start()
+    console.print("broker: JFR recording the sampling phase")
+    return recording
+
+
+def _broker_figures(
+    why_not: str, before: CounterReading | None, after: CounterReading | None, tasks: int
+) -> Figures:
+    """Broker requests and records written per task, by API and by topic."""
+    if before is None or after is None:
+        return {"broker_counters": why_not or "not read"}
+    figures: Figures = {}
+    for family in ("requests", "records_in", "bytes_in", "bytes_out"):
+        counted = per_item(getattr(before, family), getattr(after, family), tasks, least=0.005)
+        if family.startswith("bytes"):
+            counted = {topic: round(n) for topic, n in counted.items() if n >= 1}
+        figures[f"broker_{family}_per_task"] = counted
+        figures[f"broker_{family}_per_task_total"] = round(sum(counted.values()), 2)
+    return figures
+
+
 def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSettings) -> Figures:
     if settings.warmup_tasks:
         run_noop_tasks(platform, console, "warm-up", settings.warmup_tasks)
-    threads_before = _all_thread_seconds(platform)
-    before = cpu_seconds(platform.platform)
-    wall = run_noop_tasks(platform, console, "accounting", settings.tasks)
-    after = cpu_seconds(platform.platform)
-    threads_after = _all_thread_seconds(platform)
+    counters, counted = _broker_counters(console, platform)
+    try:
+        counts_before = counters.read() if counters is not None else None
+        threads_before = _all_thread_seconds(platform)
+        before = cpu_seconds(platform.platform)
+        wall = run_noop_tasks(platform, console, "accounting", settings.tasks)
+        after = cpu_seconds(platform.platform)
+        threads_after = _all_thread_seconds(platform)
+        counts_after = counters.read() if counters is not None else None
+    finally:
+        if counters is not None:
+            counters.close()
     per_task = cpu_per_item(before, after, settings.tasks)
     threads = _threads_per_task(threads_before, threads_after, settings.tasks)
     total_us = sum(per_task.values())
@@ -312,17 +377,24 @@ def _measure(console: Console, platform: PrivatePlatform, settings: ProfileSetti
         "threads_us_per_task": threads,
         "profiles": {},
     }
-    if settings.py_spy:
+    figures.update(_broker_figures(counted, counts_before, counts_after, settings.tasks))
+    if settings.py_spy or settings.broker_jfr:
         keep = settings.profile_dir
         with tempfile.TemporaryDirectory(prefix="fxstream-profile-") as scratch:
             directory = keep or Path(scratch)
             directory.mkdir(parents=True, exist_ok=True)
-            with _sampled(_python_processes(platform), directory, settings.rate_hz) as outputs:
+            recording = _broker_recording(console, platform, directory, settings)
+            pids = _python_processes(platform) if settings.py_spy else {}
+            with _sampled(pids, directory, settings.rate_hz) as outputs:
                 sampled_wall = run_noop_tasks(platform, console, "sampling", settings.tasks)
             figures["sampled_tasks_per_s"] = rate(settings.tasks, sampled_wall)
             for label, output in outputs.items():
                 text = output.read_text() if output.exists() else ""
                 figures["profiles"][label] = summarise_raw(text)
+            if recording is not None:
+                figures["broker_jfr"] = recording.stop()
+                if keep is not None:
+                    figures["broker_jfr"]["recording"] = str(recording.path)
     return figures
 
 
@@ -352,6 +424,38 @@ def _print(console: Console, figures: Figures) -> None:
         if top:
             threads.add_row(label, ", ".join(f"{name} {us:,.0f}" for name, us in top))
     console.print(threads)
+    for kind, unit in (
+        ("requests", "requests"),
+        ("records_in", "records written"),
+        ("bytes_in", "bytes written"),
+        ("bytes_out", "bytes read"),
+    ):
+        counted = figures.get(f"broker_{kind}_per_task")
+        if counted:
+            table = Table(
+                title=f"Broker {unit} per task: "
+                f"{figures[f'broker_{kind}_per_task_total']:,.2f} in all"
+            )
+            table.add_column("API" if kind == "requests" else "topic")
+            table.add_column("per task", justify="right")
+            for name, count in counted.items():
+                table.add_row(name, f"{count:,.3f}" if kind == "requests" else f"{count:,}")
+            console.print(table)
+    jfr = figures.get("broker_jfr")
+    if jfr:
+        table = Table(title=f"broker (JFR): {jfr['samples']:,} samples of running Java threads")
+        table.add_column("what")
+        table.add_column("% of samples")
+        for part, title in (
+            ("threads", "by thread"),
+            ("apis", "by request handler on the stack"),
+            ("areas", "anywhere on the stack"),
+            ("top_self", "on top (self)"),
+        ):
+            table.add_row(
+                title, ", ".join(f"{name} {share:g}" for name, share in jfr[part].items())
+            )
+        console.print(table)
     for label, profile in figures["profiles"].items():
         if not profile["samples"]:
             continue
