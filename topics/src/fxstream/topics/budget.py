@@ -360,13 +360,23 @@ def _fit_errors(
     key: bytes | None,
     headers: Headers | None,
     attempts_field: str,
+    size: int | None = None,
 ) -> _R:
-    """Shrink the error texts and attempt history of ``record`` until it fits ``limit``."""
+    """Shrink the error texts and attempt history of ``record`` until it fits ``limit``
+    (``size``: the record's size with ``key`` and ``headers``, if the caller has it)."""
     attempts: list[Attempt] = list(getattr(record, attempts_field))
     bounded = [_bounded_attempt(a, ERROR_MESSAGE_MAX_BYTES, TRACEBACK_MAX_BYTES) for a in attempts]
     error = None if record.error is None else bounded_error(record.error)
-    current: _R = msgspec.structs.replace(record, error=error, **{attempts_field: bounded})
-    if _size(current, key, headers) <= limit:
+    current: _R
+    if error is record.error and all(b is a for b, a in zip(bounded, attempts, strict=True)):
+        # Nothing was cut (most records): no copy, and the size is known or measured once.
+        current = record
+        if size is None:
+            size = _size(current, key, headers)
+    else:
+        current = msgspec.structs.replace(record, error=error, **{attempts_field: bounded})
+        size = _size(current, key, headers)
+    if size <= limit:
         return current
     # 1. Earlier attempts keep a short message and no traceback.
     bounded = [_bounded_attempt(a, ATTEMPT_MESSAGE_MAX_BYTES, 0) for a in bounded]
@@ -455,8 +465,12 @@ def fit_state(
     errors or attempts is a few hundred bytes)."""
     limit = limit_of(topic)
     key = key if key is not None else state.task_id.encode()
-    if state.value is not None and _size(state, key, headers) > limit:
-        state = msgspec.structs.replace(state, value=None)
-    fitted = _fit_errors(state, limit, key, headers, "attempts")
+    size = None
+    if state.value is not None:
+        size = _size(state, key, headers)
+        if size > limit:
+            state = msgspec.structs.replace(state, value=None)
+            size = None
+    fitted = _fit_errors(state, limit, key, headers, "attempts", size)
     assert isinstance(fitted, TaskState)
     return fitted

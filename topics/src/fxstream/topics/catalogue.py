@@ -7,9 +7,11 @@ and per-user topics from its templates, and docs/topics.md is rendered from it.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Final
 
 __all__ = [
     "DAY_MS",
@@ -343,6 +345,33 @@ _ALL_SPECS: tuple[TopicSpec, ...] = (
 )
 
 
+# Each record a processor reads or writes names its topic: the names and ids of the topics
+# in use, remembered (a few hundred bytes each, at most this many of each).
+_NAMES_CACHED: Final = 4_096
+
+
+def _full_name(prefix: str, name: str) -> str:
+    full = prefix + name
+    if len(full) > _KAFKA_TOPIC_MAX_LEN:
+        raise InvalidTopicName(f"topic name {full!r} is longer than Kafka's 249 characters")
+    return full
+
+
+@functools.lru_cache(maxsize=_NAMES_CACHED)
+def _templated(prefix: str, template: str, template_field: str, value: str) -> str:
+    """``template`` filled with ``value`` (checked), prefixed; a refusal is not cached."""
+    return _full_name(prefix, template.format(**{template_field: _check_id(template_field, value)}))
+
+
+@functools.lru_cache(maxsize=_NAMES_CACHED)
+def _template_value(prefix: str, template: str, topic: str) -> str | None:
+    head = prefix + template.split("{", 1)[0]
+    if not topic.startswith(head):
+        return None
+    value = topic[len(head) :]
+    return value if _ID_PATTERN.match(value) else None
+
+
 def _check_id(kind: str, value: str) -> str:
     if not _ID_PATTERN.match(value):
         raise InvalidTopicName(
@@ -403,11 +432,8 @@ class Catalogue:
             value = template_values.get(spec.template_field)
             if value is None or len(template_values) != 1:
                 raise TypeError(f"topic {spec.name!r} needs exactly {spec.template_field}=...")
-            name = spec.name.format(**{spec.template_field: _check_id(spec.template_field, value)})
-        full = self.prefix + name
-        if len(full) > _KAFKA_TOPIC_MAX_LEN:
-            raise InvalidTopicName(f"topic name {full!r} is longer than Kafka's 249 characters")
-        return full
+            return _templated(self.prefix, spec.name, spec.template_field, value)
+        return _full_name(self.prefix, name)
 
     def spec_for_topic(self, topic: str) -> TopicSpec | None:
         """The spec a full topic name belongs to (templates matched by their fixed part)."""
@@ -518,11 +544,9 @@ class Catalogue:
     def template_value(self, spec: TopicSpec, topic: str) -> str | None:
         """The id a templated topic name carries (``from.user.U`` -> ``U``), or None when
         ``topic`` is not of ``spec``'s family."""
-        head = self.prefix + spec.name.split("{", 1)[0]
-        if spec.template_field is None or not topic.startswith(head):
+        if spec.template_field is None:
             return None
-        value = topic[len(head) :]
-        return value if _ID_PATTERN.match(value) else None
+        return _template_value(self.prefix, spec.name, topic)
 
     def user_of(self, topic: str) -> str | None:
         """The user whose ``from.user.<U>`` topic ``topic`` is (None for any other topic)."""

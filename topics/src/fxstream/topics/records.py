@@ -441,6 +441,8 @@ class TaskSubmission(Record, tag="submission", kw_only=True, frozen=True):
     ] = ""
 
     def __post_init__(self) -> None:
+        if not (self.stage_in or self.stage_out or self.depends_on or self.parent_results):
+            return  # most tasks: nothing to cross-check (every record decoded passes here)
         stage_paths = [item.path for item in self.stage_in]
         if len(set(stage_paths)) != len(stage_paths):
             raise ValueError("stage_in names a local path more than once")
