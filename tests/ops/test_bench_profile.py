@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxstream.ops.bench.profile import ProfileSettings, summarise_raw
+from fxstream.ops.bench.broker_counters import CounterReading
+from fxstream.ops.bench.profile import ProfileSettings, _broker_figures, summarise_raw
 
 SITE = "/v/lib/python3.11/site-packages"
 SRC = "/w/service/src/fxstream/service"
@@ -49,3 +50,35 @@ def test_settings_that_cannot_work_are_refused_by_name(
 ) -> None:
     with pytest.raises(ValueError, match=says):
         settings.validate()
+
+
+def test_broker_figures_are_per_task_and_count_each_fetch_once() -> None:
+    before = CounterReading(
+        requests={"Fetch": 10, "FetchConsumer": 10, "Produce": 5},
+        records_in={"fx.task-state": 100},
+        bytes_in={"fx.task-state": 1_000},
+        bytes_out={"fx.task-state": 5_000},
+    )
+    after = CounterReading(
+        requests={"Fetch": 30, "FetchConsumer": 30, "Produce": 15, "EndTxn": 1},
+        records_in={"fx.task-state": 300},
+        bytes_in={"fx.task-state": 11_000},
+        bytes_out={"fx.task-state": 55_000},
+    )
+    figures = _broker_figures("", before, after, 100)
+    assert figures["broker_requests_per_task"] == {
+        "Fetch": 0.2,
+        "FetchConsumer": 0.2,
+        "Produce": 0.1,
+        "EndTxn": 0.01,
+    }
+    assert figures["broker_requests_per_task_total"] == 0.31
+    assert figures["broker_records_in_per_task"] == {"fx.task-state": 2.0}
+    assert figures["broker_bytes_in_per_task"] == {"fx.task-state": 100}
+    assert figures["broker_bytes_out_per_task_total"] == 500
+
+
+def test_broker_figures_left_out_say_why() -> None:
+    assert _broker_figures("2 brokers (the counters read one)", None, None, 100) == {
+        "broker_counters": "2 brokers (the counters read one)"
+    }

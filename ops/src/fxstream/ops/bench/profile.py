@@ -91,6 +91,8 @@ _AREAS: tuple[tuple[str, str], ...] = (
 # A raw line: "frame;frame;...;frame count"; a frame: "function (file:line)".
 _FRAME = re.compile(r"^(?P<function>.*) \((?P<file>[^():]*)(?::\d+)?\)$")
 _TOP_FUNCTIONS = 8
+# Kafka's request counters by API: these two count fetches already counted as Fetch.
+_FETCH_SUBCOUNTS = frozenset({"FetchConsumer", "FetchFollower"})
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -343,7 +345,9 @@ def _broker_figures(
         if family.startswith("bytes"):
             counted = {topic: round(n) for topic, n in counted.items() if n >= 1}
         figures[f"broker_{family}_per_task"] = counted
-        figures[f"broker_{family}_per_task_total"] = round(sum(counted.values()), 2)
+        # Kafka counts a fetch once as Fetch and again as FetchConsumer or FetchFollower.
+        summed = {n: v for n, v in counted.items() if n not in _FETCH_SUBCOUNTS}
+        figures[f"broker_{family}_per_task_total"] = round(sum(summed.values()), 2)
     return figures
 
 
