@@ -15,7 +15,8 @@ endpoint with 2 warm workers):
    machine's cores would allow if every core did only this work (cores / CPU per task).
    Over the same window, the broker's own counters (read over the JDK's attach API by
    :mod:`fxstream.ops.bench.broker_counters`): requests served per task by API
-   (``Produce``, ``Fetch``, ``EndTxn``, ...) and records written per task by topic;
+   (``Produce``, ``Fetch``, ``EndTxn``, ...), and records written and bytes written and read
+   per task by topic;
 3. *sampling* (unless ``py_spy`` is False): the same number of tasks again while
    ``py-spy record`` samples every Python process of the platform (and this one) at
    ``rate_hz``. Per process, the functions with the most samples on top of the stack
@@ -327,6 +328,8 @@ def _broker_recording(
     if not settings.broker_jfr:
         return None
     pids = _broker_pids(platform)
+    if len(pids) != 1:
+        raise BenchError(f"--broker-jfr records one broker; this platform has {len(pids)}")
     recording = BrokerRecording(pids[0], directory / "broker.jfr")
     recording.start()
     console.print("broker: JFR recording the sampling phase")
@@ -336,7 +339,8 @@ def _broker_recording(
 def _broker_figures(
     why_not: str, before: CounterReading | None, after: CounterReading | None, tasks: int
 ) -> Figures:
-    """Broker requests and records written per task, by API and by topic."""
+    """Broker requests per task by API; records written, bytes written and bytes read per
+    task by topic."""
     if before is None or after is None:
         return {"broker_counters": why_not or "not read"}
     figures: Figures = {}
