@@ -338,3 +338,76 @@ def test_an_endpoints_node_key_is_shown_only_while_every_live_agent_advertises_i
     assert view.endpoint_status(endpoint_id, now=now).node_key == key_a
     # A lost endpoint shows none.
     assert view.endpoint_status(endpoint_id, now=now + 10 * LIVENESS_PERIODS * 10.0).node_key == ""
+
+
+def _state(task_id: str, state: TaskStateName, user_id: str = "user-1") -> TaskState:
+    return TaskState(
+        task_id=task_id,
+        user_id=user_id,
+        function_id="function-1",
+        endpoint_id="endpoint-1",
+        task_group_id="group-1",
+        state=state,
+        updated_at=time.time(),
+        value=b"42" if state == TaskStateName.SUCCEEDED else None,
+    )
+
+
+def test_a_view_of_task_states_by_id_stores_them_undecoded_and_tells_their_names(
+    start_view: ViewFactory, catalogue: Catalogue, produce: Produce
+) -> None:
+    told: list[tuple[str, TaskStateName]] = []
+    bad: BadRecords = []
+
+    def on_bad_record(message: Message, reason: str) -> None:
+        bad.append((message.key().decode() if message.key() else "", message.offset() or 0, reason))
+
+    view = start_view(
+        follow=("task-state",),
+        task_states_by_id=True,
+        on_task_state_name=lambda task_id, name: told.append((task_id, name)),
+        on_bad_record=on_bad_record,
+    )
+    topic = catalogue.task_state
+    task, impostor = new_id(), new_id()
+    produce(topic, task, _state(task, TaskStateName.ROUTED))
+    _, garbage_at = produce(topic, task, b"\x00\xffnot msgpack")
+    _, mismatch_at = produce(topic, task, _state(impostor, TaskStateName.FAILED))
+    partition, last_at = produce(topic, task, _state(task, TaskStateName.SUCCEEDED))
+    # Its id and state glance well, the rest does not decode: stored, then never handed out.
+    partial = new_id()
+    partial_at = produce(
+        topic,
+        partial,
+        msgspec.msgpack.encode({"kind": "task-state", "task_id": partial, "state": "routed"}),
+    )
+    assert view.wait_for_offset(topic, partition, last_at, timeout_s=10)
+    assert view.wait_for_offset(topic, *partial_at, timeout_s=10)
+    assert view.task(partial) is None
+
+    found = view.task(task)
+    assert found is not None and found.state == TaskStateName.SUCCEEDED and found.value == b"42"
+    assert view.task(impostor) is None  # a state under another task's key defines neither
+    assert [t for t in told if t[0] == task] == [
+        (task, TaskStateName.ROUTED),
+        (task, TaskStateName.SUCCEEDED),
+    ]
+    # Stored by id only: no group membership was written for it.
+    assert view.task_group("group-1", "user-1") == []
+    # Skipped and reported (task states are dead-lettered by their own processor, not here).
+    reported = [(offset, reason) for key, offset, reason in bad if key == task]
+    assert [offset for offset, _ in reported] == [garbage_at, mismatch_at]
+    assert "not a task state" in reported[0][1] and impostor in reported[1][1]
+
+
+def test_a_view_of_task_states_by_id_refuses_what_it_cannot_give(
+    module_kafka: KafkaConnection, catalogue: Catalogue
+) -> None:
+    with pytest.raises(ValueError, match="on_task_state_name"):
+        RegistryView(
+            module_kafka,
+            catalogue,
+            follow=("task-state",),
+            task_states_by_id=True,
+            on_task_state=lambda task_id, state: None,
+        )

@@ -94,6 +94,27 @@ def test_a_state_evicted_from_the_cache_is_read_back_from_disk(table: TaskStateT
     assert table.get("never-seen") is None
 
 
+def test_a_state_stored_by_id_only_is_read_back_and_joins_no_group(table: TaskStateTable) -> None:
+    table.put_state_only("t-1", encode(state("t-1", S.ROUTED)))
+    assert table.get("t-1") is not None  # now cached
+    table.put_state_only("t-1", encode(state("t-1", S.SUCCEEDED)))
+    got = table.get("t-1")
+    assert got is not None and got.state == S.SUCCEEDED, "a cached state must not outlive a write"
+    assert table.group("g-1", "u-1") == []
+    assert table.count_tasks() == 1
+    table.delete("t-1", if_held=True)
+    assert table.get("t-1") is None
+
+
+def test_an_indexed_table_refuses_states_without_their_summary(tmp_path: Path) -> None:
+    made = TaskStateTable(tmp_path / "t", indexed=True)
+    try:
+        with pytest.raises(ValueError, match="put"):
+            made.put_state_only("t-1", encode(state("t-1")))
+    finally:
+        made.close()
+
+
 def test_groups_keep_first_seen_order_and_follow_a_task_that_moves(
     table: TaskStateTable,
 ) -> None:

@@ -50,6 +50,7 @@ from fxstream.topics import (
     record_kind,
     task_state_glance,
     task_state_group,
+    task_state_name,
 )
 
 NOW = time.time()
@@ -532,13 +533,14 @@ def test_the_glances_agree_with_the_full_decode(state: TaskState) -> None:
     decoded = decode(encoded, TaskState)
     assert task_state_group(encoded) == (decoded.user_id, decoded.task_group_id)
     assert task_state_glance(encoded) == (decoded.state, decoded.updated_at)
+    assert task_state_name(encoded) == (decoded.task_id, decoded.state)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     task_states,
     st.dictionaries(
-        st.sampled_from(["kind", "user_id", "task_group_id", "state", "x"]),
+        st.sampled_from(["kind", "user_id", "task_group_id", "task_id", "state", "x"]),
         msgpack_values | ids,
         max_size=2,
     ),
@@ -557,17 +559,22 @@ def test_a_task_state_the_full_decode_accepts_glances_the_same(
     except RecordDecodeError:
         return
     assert task_state_group(encoded) == (decoded.user_id, decoded.task_group_id)
+    assert task_state_name(encoded) == (decoded.task_id, decoded.state)
 
 
 @pytest.mark.parametrize("record", SAMPLES, ids=lambda r: type(r).__name__)
 def test_the_group_glance_reads_no_other_kind(record: Record) -> None:
     glance = task_state_group(encode(record))
+    name = task_state_name(encode(record))
     if isinstance(record, TaskState):
         assert glance == (record.user_id, record.task_group_id)
+        assert name == (record.task_id, record.state)
     else:
         assert glance is None
+        assert name is None
 
 
 @pytest.mark.parametrize("data", [None, b"", b"\x93\x01\x02", msgspec.msgpack.encode({"v": 1})])
 def test_the_group_glance_of_bytes_holding_no_task_state_is_none(data: bytes | None) -> None:
     assert task_state_group(data) is None
+    assert task_state_name(data) is None

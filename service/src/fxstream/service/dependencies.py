@@ -369,8 +369,9 @@ class DependencyLoop(StoppableLoop):
         view: RegistryView | None = None,
         directory: TopicDirectory | None = None,
     ) -> None:
-        """``view`` (default: a new one) must follow ``task-state`` and tell
-        :meth:`parent_state` of each state (``on_task_state``); it is started here."""
+        """``view`` (default: a new one, of task states by id) must follow
+        ``task-state`` and tell :meth:`parent_state` of each state's name
+        (``on_task_state_name``); it is started here."""
         super().__init__()
         self._kafka = kafka
         self._catalogue = catalogue
@@ -381,7 +382,9 @@ class DependencyLoop(StoppableLoop):
             catalogue,
             follow=("task-state",),
             component="dependencies processor's view",
-            on_task_state=self.parent_state,
+            # Only parents are looked up, by id: a state is decoded when one is.
+            task_states_by_id=True,
+            on_task_state_name=self.parent_state,
         )
         self._directory = directory or TopicDirectory(kafka)
         self.planner = DependencyPlanner(catalogue, self._view.task, grace_s=grace_s)
@@ -422,11 +425,11 @@ class DependencyLoop(StoppableLoop):
 
     # --- the view's thread --------------------------------------------------------------
 
-    def parent_state(self, task_id: str, state: TaskState) -> None:
+    def parent_state(self, task_id: str, state: TaskStateName) -> None:
         """Called from the view's thread with each task state it reads (after its table
         holds it): an ended task some held task waits for wakes the loop."""
         loop = self._loop
-        if loop is None or state.state not in _ENDED or not self.table.waits_for(task_id):
+        if loop is None or state not in _ENDED or not self.table.waits_for(task_id):
             return
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
             loop.call_soon_threadsafe(self._ended.add, task_id)

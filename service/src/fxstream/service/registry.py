@@ -66,6 +66,7 @@ from fxstream.topics import (
     Record,
     RecordDecodeError,
     TaskState,
+    TaskStateName,
     TriggerRule,
     UserRecord,
     WarmAdvert,
@@ -74,6 +75,7 @@ from fxstream.topics import (
     encode,
     normalise_headers,
     producer_message_max_bytes,
+    task_state_name,
 )
 
 __all__ = ["LIVENESS_PERIODS", "PREFETCH_KBYTES", "EndpointStatus", "RegistryView"]
@@ -166,6 +168,8 @@ class RegistryView:
         on_task_state: Callable[[str, TaskState], None] | None = None,
         keep_task_state: Callable[[bytes], bool] | None = None,
         read_first: Iterable[Followed] = (),
+        task_states_by_id: bool = False,
+        on_task_state_name: Callable[[str, TaskStateName], None] | None = None,
     ) -> None:
         """``on_bad_record`` is told of every record skipped; ``component`` names the
         dead letters the view writes for them (None: write none). ``fetch_wait_max_ms``
@@ -181,7 +185,18 @@ class RegistryView:
         neither decoded nor stored, and a tombstone costs a write only for a task the
         table holds. ``read_first``: followed topics read to their ends (as at
         :meth:`start`) before the others are assigned, e.g. the rules a filter of task
-        states asks about."""
+        states asks about.
+
+        ``task_states_by_id``: the view is only asked :meth:`task` (no groups, queries or
+        routing marks), so it stores each state's bytes as read, having glanced at its
+        task id and state name (:func:`~fxstream.topics.task_state_name`), and decodes a
+        state only when :meth:`task` is asked for it. ``on_task_state_name`` is then told
+        each state's task id and name (``on_task_state`` is refused)."""
+        if task_states_by_id and (on_task_state is not None or index_tasks):
+            raise ValueError(
+                "a view of task states by id only decodes no state as it reads it: "
+                "give on_task_state_name, not on_task_state, and no index"
+            )
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
         kind_types: dict[Followed, tuple[str, type[Record]]] = {
@@ -214,6 +229,8 @@ class RegistryView:
         self._stop = threading.Event()
         self._on_bad_record = on_bad_record
         self._on_task_state = on_task_state
+        self._by_id = task_states_by_id
+        self._on_task_state_name = on_task_state_name
         self._keep_task_state = keep_task_state
         self._read_first = frozenset(read_first)
         # Assigned once the read-first topics reach their ends as at start.
@@ -382,8 +399,17 @@ class RegistryView:
         return [r for r in self._tables["triggers"].copy().values() if isinstance(r, TriggerRule)]
 
     def task(self, task_id: str) -> TaskState | None:
-        """The latest state of a task (None unless this view follows task-state)."""
-        return None if self._task_table is None else self._task_table.get(task_id)
+        """The latest state of a task (None unless this view follows task-state; None
+        too, logged, for a state a view by id stored that does not decode)."""
+        if self._task_table is None:
+            return None
+        if not self._by_id:
+            return self._task_table.get(task_id)
+        try:
+            return self._task_table.get(task_id)
+        except RecordDecodeError as exc:
+            log.warning("registry view: the state of task %s does not decode: %s", task_id, exc)
+            return None
 
     def count_tasks(self) -> int:
         """How many tasks its task-state table holds, exactly (0 unless this view follows
@@ -533,6 +559,9 @@ class RegistryView:
         keep = self._keep_task_state
         if followed == "task-state" and keep is not None and value is not None and not keep(value):
             return
+        if followed == "task-state" and self._by_id:
+            self._fold_by_id(message, key, value)
+            return
         try:
             record = decode(value, record_type)
         except RecordDecodeError as exc:
@@ -584,6 +613,30 @@ class RegistryView:
                 self._identity_index[record.external_identity] = record
         elif isinstance(record, EndpointRecord) and record.token_sha256 is not None:
             self._endpoint_token_index[record.token_sha256] = record
+
+    def _fold_by_id(self, message: Message, key: str, value: bytes | None) -> None:
+        """Store a task state's bytes as read, checked only for its task id and state."""
+        glance = task_state_name(value)
+        if glance is None or value is None:
+            self._bad(message, "not a task state", DeadLetterReason.DECODE_ERROR)
+            return
+        task_id, state = glance
+        if task_id != key:
+            self._bad(
+                message,
+                f"the record's key {key!r} is not its task_id {task_id!r}: a registry "
+                "record is keyed by its id",
+                DeadLetterReason.KEY_MISMATCH,
+            )
+            return
+        if self._task_table is None:
+            return
+        self._task_table.put_state_only(key, value)
+        if self._on_task_state_name is not None:
+            try:
+                self._on_task_state_name(key, state)
+            except Exception:  # the follower thread must outlive a listener's bug
+                log.exception("registry view: a task-state listener failed")
 
     def _bad(self, message: Message, reason: str, kind: DeadLetterReason) -> None:
         """Skip a bad record: log it, tell ``on_bad_record``, and dead-letter it."""

@@ -346,6 +346,20 @@ class TaskStateTable:
         if len(self._recent) > self._recent_entries:
             self._recent.popitem(last=False)
 
+    def put_state_only(self, key: str, encoded: bytes) -> None:
+        """Store the encoded state ``encoded`` as the latest under ``key`` and nothing else:
+        no group entry, no routing mark, no summary (:meth:`get` reads it back; group and
+        query reads do not see it). For a table only ever looked up by task id, whose
+        writer need not decode a state to store it. Not for an indexed table."""
+        if self._closed:
+            return
+        if self.indexed:
+            raise ValueError("an indexed table keeps a summary of every state: use put()")
+        with self._lock:
+            if not self._closed:
+                self._db.put(_STATE + key.encode(), encoded)
+            self._cache.pop(key, None)
+
     def delete(self, task_id: str, *, if_held: bool = False) -> None:
         """Forget a task (its tombstone). ``if_held``: write nothing unless the table holds
         a state of it (a filtered view's tombstones are mostly of tasks it never kept):

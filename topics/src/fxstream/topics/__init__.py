@@ -100,6 +100,7 @@ from fxstream.topics.records import (
     record_kind,
     task_state_glance,
     task_state_group,
+    task_state_name,
 )
 from fxstream.topics.routing_stamp import (
     ROUTING_KEYS_ENV,
@@ -275,6 +276,7 @@ __all__ = [
     "strategy_of",
     "task_state_glance",
     "task_state_group",
+    "task_state_name",
     "truncate_utf8",
     "truncate_utf8_tail",
     "utf8_len",

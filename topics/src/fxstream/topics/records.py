@@ -88,6 +88,7 @@ __all__ = [
     "record_kind",
     "task_state_glance",
     "task_state_group",
+    "task_state_name",
 ]
 
 _ID_RE = r"^[A-Za-z0-9][A-Za-z0-9-]{0,127}$"
@@ -1465,8 +1466,27 @@ def record_kind(data: bytes | None) -> str | None:
         return None
 
 
-class _TaskStateGlance(msgspec.Struct):
+class _Glance(msgspec.Struct):
+    """What every glance at a record reads: its kind."""
+
     kind: str
+
+
+_G = TypeVar("_G", bound=_Glance)
+
+
+def _glanced(decoder: msgspec.msgpack.Decoder[_G], data: bytes | None) -> _G | None:
+    """The fields ``decoder`` reads of a ``task-state`` record; None for anything else."""
+    if not data:
+        return None
+    try:
+        glance = decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return glance if glance.kind == _kind_of[TaskState] else None
+
+
+class _TaskStateGlance(_Glance):
     state: TaskStateName
     updated_at: float
 
@@ -1479,19 +1499,11 @@ def task_state_glance(data: bytes | None) -> tuple[TaskStateName, float] | None:
     (its attempts, error and value are skipped, not decoded); None for bytes that hold
     no task state. For a reader that looks at every record of ``task-state`` and needs
     only these two (the expiry of finished tasks); :func:`decode` anything it keeps."""
-    if not data:
-        return None
-    try:
-        glance = _task_state_glance.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if glance.kind != _kind_of[TaskState]:
-        return None
-    return glance.state, glance.updated_at
+    glance = _glanced(_task_state_glance, data)
+    return None if glance is None else (glance.state, glance.updated_at)
 
 
-class _TaskStateGroup(msgspec.Struct):
-    kind: str
+class _TaskStateGroup(_Glance):
     user_id: str
     task_group_id: str | None = None
 
@@ -1505,15 +1517,25 @@ def task_state_group(data: bytes | None) -> tuple[str, str | None] | None:
     For a view that keeps only some groups' tasks (the trigger processor's: a rule's
     tasks are its task group) and would otherwise decode every state to drop most of
     them; :func:`decode` anything it keeps."""
-    if not data:
-        return None
-    try:
-        glance = _task_state_group.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
-    if glance.kind != _kind_of[TaskState]:
-        return None
-    return glance.user_id, glance.task_group_id
+    glance = _glanced(_task_state_group, data)
+    return None if glance is None else (glance.user_id, glance.task_group_id)
+
+
+class _TaskStateName(_Glance):
+    task_id: str
+    state: TaskStateName
+
+
+_task_state_name = msgspec.msgpack.Decoder(_TaskStateName)
+
+
+def task_state_name(data: bytes | None) -> tuple[str, TaskStateName] | None:
+    """A ``task-state`` record's ``task_id`` and ``state``, read without the rest of it
+    (nothing else is decoded or checked); None for bytes that hold no task state. For a
+    view that looks states up by task id only and would otherwise decode every state as
+    it reads it (the dependencies processor's); :func:`decode` a state when it is used."""
+    glance = _glanced(_task_state_name, data)
+    return None if glance is None else (glance.task_id, glance.state)
 
 
 def decode_any(data: bytes | None) -> AnyRecord:
