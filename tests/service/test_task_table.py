@@ -337,9 +337,25 @@ def result_of(task_id: str, attempt: int = 1) -> TaskResult:
     )
 
 
+@pytest.fixture(params=[False, True], ids=["full view", "view by id"])
+def processor_view(
+    request: pytest.FixtureRequest, module_kafka: KafkaConnection, catalogue: Catalogue
+) -> Iterator[RegistryView]:
+    """A view of task-state alone, started: a full one, and one of states by id as the
+    task-state processor runs it."""
+    made = RegistryView(
+        module_kafka, catalogue, follow=("task-state",), task_states_by_id=request.param
+    )
+    made.start()
+    assert made.wait_until_current(timeout_s=30)
+    yield made
+    made.close()
+
+
 def test_lifecycle_is_enforced_for_a_task_evicted_from_memory(
-    view: RegistryView, catalogue: Catalogue, produce: Produce
+    processor_view: RegistryView, catalogue: Catalogue, produce: Produce
 ) -> None:
+    view = processor_view
     memory = TaskMemory(capacity=1, recall=recall_from(view))
     planner = TaskStatePlanner(catalogue, memory=memory)
     results = catalogue.results("u-1")

@@ -531,8 +531,9 @@ def _add_task_state(
     # an on-disk table of task-state (bounded memory, lifecycle enforced for every task).
     # Its directory is a fresh temporary one per process (faust's data_dir is shared by
     # every platform on the machine that uses the default app id).
-    # The users too: whose results topics the follower reads.
-    states = RegistryView(kafka, catalogue, follow=("task-state", "users"))
+    # The users too: whose results topics the follower reads. Task states are only looked
+    # up by id here, so the view stores them undecoded and decodes one when it is asked.
+    states = RegistryView(kafka, catalogue, follow=("task-state", "users"), task_states_by_id=True)
     report.add_table("view", states.memory_figures)
     planner = TaskStatePlanner(
         catalogue, memory=TaskMemory(recall=recall_from(states)), lookup=states.task
