@@ -194,8 +194,8 @@ class RegistryView:
         each state's task id and name (``on_task_state`` is refused)."""
         if task_states_by_id and (on_task_state is not None or index_tasks):
             raise ValueError(
-                "a view of task states by id only decodes no state as it reads it: "
-                "give on_task_state_name, not on_task_state, and no index"
+                "a view of task states by id decodes no state as it reads it, so it can "
+                "neither call on_task_state nor index tasks: give on_task_state_name instead"
             )
         self._catalogue = catalogue
         self._kinds: dict[str, tuple[Followed, type[Record]]] = {}
@@ -403,8 +403,6 @@ class RegistryView:
         too, logged, for a state a view by id stored that does not decode)."""
         if self._task_table is None:
             return None
-        if not self._by_id:
-            return self._task_table.get(task_id)
         try:
             return self._task_table.get(task_id)
         except RecordDecodeError as exc:
