@@ -66,15 +66,13 @@ class BrokerCounters:
         """The counts so far; RuntimeError if the probe has gone or does not answer."""
         process = self._process
         assert process.stdin is not None and process.stdout is not None
-        line = ""
-        try:
+        line = ""  # stays empty if the probe has exited (a broken pipe) or is silent
+        with contextlib.suppress(OSError):  # BrokenPipeError included
             process.stdin.write("\n")
             process.stdin.flush()
             # One line answers each request, so nothing is ever left in the buffer.
             if select.select([process.stdout], [], [], timeout_s)[0]:
                 line = process.stdout.readline()
-        except (BrokenPipeError, OSError):
-            pass
         if not line:
             process.kill()
             error = process.stderr.read().strip() if process.stderr is not None else ""
